@@ -1,0 +1,170 @@
+"""The backend seam: one small interface for a model backend.
+
+A backend takes an OpenAI chat-completions request body (a dict, exactly what a client would POST
+to ``/v1/chat/completions``) and streams OpenAI ``chat.completion.chunk`` dicts back. The last
+chunk carries ``usage`` (prompt and completion token counts). Keeping the seam in the OpenAI wire
+format means the vLLM server backend forwards bodies untouched, the gateway passes responses
+through unchanged, and the simulator is checked against the same shapes a real server produces.
+
+Cancelling the consumer of `stream_chat` (leaving the ``async for`` early or being cancelled)
+aborts the call at the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ChatBody = Mapping[str, Any]
+Chunk = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSignals:
+    """What an engine says about its own load; None where the backend cannot tell."""
+
+    running: int | None = None
+    waiting: int | None = None
+    kv_cache_usage: float | None = None
+    preemptions_total: float | None = None
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
+
+
+class Backend(ABC):
+    """A model backend. Subclasses implement `stream_chat`; the rest has defaults."""
+
+    #: Short name used in statistics, metrics and logs.
+    name: str = "backend"
+
+    @abstractmethod
+    def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        """Stream the chunks of one chat completion for `body`.
+
+        Yields ``chat.completion.chunk`` dicts; the final one has ``usage`` set. Raises
+        `fleetsched.errors.BackendError` subclasses for failures of the backend itself.
+        """
+
+    async def signals(self) -> EngineSignals:
+        """The engine's current load signals (used to size the in-flight window)."""
+        return EngineSignals()
+
+    async def aclose(self) -> None:
+        """Release connections and engines. Idempotent."""
+
+    async def __aenter__(self) -> Backend:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+_ids = itertools.count(1)
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-fs{next(_ids)}"
+
+
+def make_chunk(
+    completion_id: str,
+    model: str,
+    created: int,
+    *,
+    content: str | None = None,
+    role: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    finish_reason: str | None = None,
+    usage: Mapping[str, int] | None = None,
+) -> Chunk:
+    """Build one ``chat.completion.chunk`` dict in the OpenAI wire format."""
+    delta: dict[str, Any] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
+    chunk: Chunk = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}] if delta or finish_reason else [],
+    }
+    if usage is not None:
+        chunk["usage"] = dict(usage)
+    return chunk
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
+    """Fold streamed chunks into one non-streamed ``chat.completion`` response dict."""
+    completion_id, model, created = "", "", 0
+    content: list[str] = []
+    tool_calls: dict[int, dict[str, Any]] = {}
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    for chunk in chunks:
+        completion_id = chunk.get("id", completion_id)
+        model = chunk.get("model", model)
+        created = chunk.get("created", created)
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                content.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                slot = tool_calls.setdefault(
+                    call.get("index", 0),
+                    {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+                )
+                slot["id"] = call.get("id") or slot["id"]
+                function = call.get("function") or {}
+                slot["function"]["name"] += function.get("name") or ""
+                slot["function"]["arguments"] += function.get("arguments") or ""
+            finish_reason = choice.get("finish_reason") or finish_reason
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
+    if tool_calls:
+        message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason or "stop"}],
+        "usage": usage or usage_dict(0, 0),
+    }
+
+
+def estimate_prompt_tokens(body: ChatBody) -> int:
+    """A cheap estimate of a request's prompt tokens (about 4 characters a token).
+
+    Used for ordering and fair-share accounting before the engine has counted; the engine's
+    own ``usage`` replaces it once the call completes.
+    """
+    chars = 0
+    for message in body.get("messages") or ():
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(part.get("text", "")) for part in content if isinstance(part, Mapping))
+        chars += 16  # role and chat-template framing
+    return max(1, chars // 4)
+
+
+def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    return int(value) if value else default

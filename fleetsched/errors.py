@@ -1,0 +1,113 @@
+"""The one error tree of fleetsched.
+
+Every error the library raises on purpose derives from `FleetschedError`::
+
+    FleetschedError
+    ├── ConfigError(ValueError)            a setting is missing or out of range
+    ├── UnknownTenant(KeyError)            submit() named a tenant the config does not declare
+    ├── SchedulerClosed(RuntimeError)      submit() after the scheduler stopped accepting work
+    ├── WouldBlock                         a *_nowait() call could not proceed at once
+    │   └── QuotaWouldBlock                ... because the tenant's memory quota is full
+    ├── SessionRejected                    a session can never be admitted
+    │   └── RequestTooLarge(ValueError)    asks for more memory than any device holds
+    ├── QuotaExceeded(ValueError)          asks for more than the tenant's whole quota
+    ├── SessionFailed                      awaiting a handle whose agent raised
+    └── BackendError                       a model call failed
+        ├── BackendUnavailable             connection refused, circuit open, server gone
+        ├── Overloaded                     shed or rate-limited; carries retry_after_s
+        └── DeadlineExceeded(TimeoutError) a call started after the session's deadline
+
+Foreign exceptions (httpx, openai, vllm) are translated where they cross into the library with
+``raise OurError(...) from exc`` so that callers catch one tree.
+"""
+
+from __future__ import annotations
+
+
+class FleetschedError(Exception):
+    """Root of every error fleetsched raises on purpose."""
+
+
+class ConfigError(FleetschedError, ValueError):
+    """A setting is missing, malformed or out of range. `key` names it (dotted path)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class UnknownTenant(FleetschedError, KeyError):
+    """`submit()` named a tenant that the settings do not declare."""
+
+    def __init__(self, tenant: str, known: list[str]) -> None:
+        super().__init__(tenant)
+        self.tenant = tenant
+        self.known = known
+
+    def __str__(self) -> str:
+        return f"unknown tenant {self.tenant!r}; declared tenants: {', '.join(self.known) or '(none)'}"
+
+
+class SchedulerClosed(FleetschedError, RuntimeError):
+    """The scheduler is not running (not entered yet, or shutting down)."""
+
+
+class WouldBlock(FleetschedError):
+    """A ``*_nowait()`` call could not proceed without waiting."""
+
+
+class QuotaWouldBlock(WouldBlock):
+    """The tenant's memory quota is in use by its other sessions; others may still proceed."""
+
+
+class SessionRejected(FleetschedError):
+    """A session that can never be admitted, rejected at once rather than left waiting."""
+
+
+class RequestTooLarge(SessionRejected, ValueError):
+    """A reservation larger than the largest device could ever hold."""
+
+    def __init__(self, requested: int, largest: int) -> None:
+        super().__init__(
+            f"asked for {requested:,} bytes but the largest device holds {largest:,} bytes; "
+            "lower the session's memory (context budget) or add a larger device"
+        )
+        self.requested = requested
+        self.largest = largest
+
+
+class QuotaExceeded(SessionRejected, ValueError):
+    """A reservation larger than the tenant's whole memory quota."""
+
+    def __init__(self, tenant: str, requested: int, quota: int) -> None:
+        super().__init__(
+            f"tenant {tenant!r} asked for {requested:,} bytes but its memory quota is {quota:,} bytes"
+        )
+        self.tenant = tenant
+        self.requested = requested
+        self.quota = quota
+
+
+class SessionFailed(FleetschedError):
+    """Raised when awaiting a handle whose agent raised; the agent's exception is the cause."""
+
+
+class BackendError(FleetschedError):
+    """A model call failed."""
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot be reached (refused, reset, circuit open)."""
+
+
+class Overloaded(BackendError):
+    """The call was shed or rate-limited. Retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(f"{message} (retry after {retry_after_s:.1f} s)")
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(BackendError, TimeoutError):
+    """A model call was made after the session's deadline had passed."""

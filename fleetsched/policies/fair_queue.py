@@ -1,0 +1,203 @@
+"""The ordering policy shared by session admission and model-call dispatch.
+
+Order, from the outside in:
+
+1. **Tier bands.** critical before standard before batch, strictly, except that a waiting entry is
+   promoted one band for every `aging_s` seconds its queue's head has waited, so that a lower band
+   cannot starve forever.
+2. **Weighted fair share between tenants of a band**, by virtual counters in the manner of VTC
+   (Sheng et al., "Fairness in Serving Large Language Models"): serving a tenant adds
+   ``cost / weight`` to its counter, the backlogged tenant with the smallest counter goes next, and a
+   tenant that returns from idle is lifted to the band's current minimum so idle time is not banked.
+3. **Within a tenant**, by key: ``(deadline, arrival)``. Admission uses no deadline (plain FIFO);
+   calls use the deadline derived from the tenant's TTFT SLA (earliest deadline first).
+
+The queue is pure: no clock, no event loop. Callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One waiting item. `item` is the caller's payload; the queue never looks inside it."""
+
+    tenant: str
+    tier: int
+    arrival: float
+    item: Any = None
+    cost: float = 1.0
+    deadline: float = 0.0
+    seq: int = 0
+    removed: bool = False
+
+    def key(self) -> tuple[float, int]:
+        return (self.deadline, self.seq)
+
+
+@dataclass(slots=True)
+class _SubQueue:
+    heap: list[tuple[float, int, Entry]] = field(default_factory=list)
+    live: int = 0
+
+    def head(self) -> Entry | None:
+        heap = self.heap
+        while heap and heap[0][2].removed:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+
+class FairQueue:
+    """Tier bands, weighted fair share between tenants (VTC), EDF/FIFO within a tenant, aging.
+
+    `weights` maps tenant to weight (default 1.0 for tenants not listed). `aging_s` of None or 0
+    turns aging off.
+    """
+
+    def __init__(self, weights: Mapping[str, float] | None = None, *, aging_s: float | None = None) -> None:
+        self._weights = dict(weights or {})
+        self._aging_s = aging_s or None
+        self._queues: dict[tuple[str, int], _SubQueue] = {}
+        self._counters: dict[str, float] = {}
+        self._last_served: dict[int, float] = {}
+        self._seq = itertools.count()
+        self._len = 0
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._len
+
+    def counter(self, tenant: str) -> float:
+        """The tenant's virtual counter (weighted service received)."""
+        return self._counters.get(tenant, 0.0)
+
+    def queued_by(self) -> dict[tuple[str, int], int]:
+        """Number of live entries per (tenant, tier)."""
+        return {key: q.live for key, q in self._queues.items() if q.live}
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        if not weight > 0:
+            raise ValueError(f"weight of tenant {tenant!r} must be > 0, got {weight}")
+        self._weights[tenant] = weight
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def push(self, entry: Entry) -> Entry:
+        """Queue `entry`. A tenant returning from idle is lifted to its band's minimum counter."""
+        key = (entry.tenant, entry.tier)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = _SubQueue()
+        if not self._tenant_backlogged(entry.tenant):
+            self._lift(entry.tenant, entry.tier)
+        entry.seq = next(self._seq)
+        entry.removed = False
+        heapq.heappush(queue.heap, (entry.deadline, entry.seq, entry))
+        queue.live += 1
+        self._len += 1
+        return entry
+
+    def remove(self, entry: Entry) -> bool:
+        """Withdraw a queued entry (a cancelled waiter). Returns False if it was not queued."""
+        if entry.removed:
+            return False
+        queue = self._queues.get((entry.tenant, entry.tier))
+        if queue is None or not queue.live:
+            return False
+        entry.removed = True
+        queue.live -= 1
+        self._len -= 1
+        return True
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """Add `cost` (weighted by the tenant's weight) to the tenant's counter.
+
+        Dispatch charges the prompt estimate at pick time and the output tokens when they are
+        known; a negative cost corrects an over-estimate.
+        """
+        self._counters[tenant] = self.counter(tenant) + cost / self.weight(tenant)
+
+    def pick(self, now: float, eligible: Callable[[str], bool] | None = None) -> Entry | None:
+        """Remove and return the next entry, charging its cost; None if nothing eligible waits.
+
+        `eligible(tenant)` lets the caller skip tenants that cannot proceed now (at their
+        concurrency cap, say) without disturbing their place.
+        """
+        best: tuple[int, float, float, int] | None = None
+        best_entry: Entry | None = None
+        for (tenant, tier), queue in self._queues.items():
+            if not queue.live:
+                continue
+            if eligible is not None and not eligible(tenant):
+                continue
+            head = queue.head()
+            assert head is not None
+            band = self._band(head, now)
+            rank = (band, self.counter(tenant), head.deadline, head.seq)
+            if best is None or rank < best:
+                best, best_entry = rank, head
+        if best_entry is None:
+            return None
+        self._pop(best_entry)
+        self.charge(best_entry.tenant, best_entry.cost)
+        self._last_served[best_entry.tier] = self.counter(best_entry.tenant)
+        return best_entry
+
+    def peek(self, now: float, eligible: Callable[[str], bool] | None = None) -> Entry | None:
+        """The entry `pick` would return, left in place and uncharged."""
+        entry = self.pick(now, eligible)
+        if entry is None:
+            return None
+        self.charge(entry.tenant, -entry.cost)
+        queue = self._queues[(entry.tenant, entry.tier)]
+        entry.removed = False
+        heapq.heappush(queue.heap, (entry.deadline, entry.seq, entry))
+        queue.live += 1
+        self._len += 1
+        return entry
+
+    def __iter__(self) -> Iterator[Entry]:
+        """Live entries in no particular order."""
+        for queue in self._queues.values():
+            for _, _, entry in queue.heap:
+                if not entry.removed:
+                    yield entry
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _band(self, head: Entry, now: float) -> int:
+        if self._aging_s is None or head.tier == 0:
+            return head.tier
+        promoted = math.floor(max(0.0, now - head.arrival) / self._aging_s)
+        return max(0, head.tier - promoted)
+
+    def _pop(self, entry: Entry) -> None:
+        queue = self._queues[(entry.tenant, entry.tier)]
+        top = heapq.heappop(queue.heap)[2]
+        assert top is entry
+        entry.removed = True
+        queue.live -= 1
+        self._len -= 1
+
+    def _tenant_backlogged(self, tenant: str) -> bool:
+        return any(q.live for (t, _), q in self._queues.items() if t == tenant)
+
+    def _lift(self, tenant: str, tier: int) -> None:
+        backlogged = [
+            self.counter(t) for (t, band), q in self._queues.items() if q.live and band == tier and t != tenant
+        ]
+        floor = min(backlogged) if backlogged else self._last_served.get(tier, 0.0)
+        if self.counter(tenant) < floor:
+            self._counters[tenant] = floor
+

@@ -1,0 +1,326 @@
+"""Memory pools: the admission gate that says whether memory for a session exists.
+
+`MemoryPool` holds the discipline every pool shares, after anyio's `CapacityLimiter`:
+
+- ``reserve_nowait()`` places a reservation at once or raises `WouldBlock` (`QuotaWouldBlock`
+  when only the tenant's own quota is full). It never barges past a waiter of the same or a
+  better priority.
+- ``acquire()`` / ``reserve()`` wait, FIFO within a priority (lower value first, like vLLM), and
+  freed memory is handed straight to the waiters in that order. A cancelled waiter removes
+  itself, and if it had already been handed a reservation it releases it to the next.
+- A request no device could ever hold fails at once with `RequestTooLarge`; one larger than the
+  tenant's whole quota with `QuotaExceeded`.
+- ``Reservation.release()`` is idempotent.
+
+Subclasses decide placement only: `_place` finds room for a size on some device, `_unplace`
+gives it back, `_device_statistics` reports per device. `CountingPool` is the simple one (no
+address space, no fragmentation); the fragmentation-aware allocators live beside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+
+from ..errors import QuotaExceeded, QuotaWouldBlock, RequestTooLarge, WouldBlock
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """A device's memory for sessions: a GPU, or one vLLM replica's KV cache."""
+
+    name: str
+    capacity: int
+
+    def __post_init__(self) -> None:
+        if self.capacity <= 0:
+            raise ValueError(f"device {self.name!r}: capacity must be > 0 bytes, got {self.capacity}")
+
+
+class Reservation:
+    """Memory held by one owner on one device. Release it once; further releases do nothing."""
+
+    __slots__ = ("pool", "owner", "tenant", "nbytes", "size", "device", "offset", "priority", "movable", "_released")
+
+    def __init__(
+        self, pool: MemoryPool, owner: object, tenant: str | None, nbytes: int, size: int, device: str, offset: int, priority: int
+    ) -> None:
+        self.pool = pool
+        self.owner = owner
+        self.tenant = tenant
+        self.nbytes = nbytes  #: bytes asked for
+        self.size = size  #: bytes held (nbytes rounded up by the placement strategy)
+        self.device = device
+        self.offset = offset
+        self.priority = priority
+        #: True while the owner is idle (in a tool call, say), so a compaction may move it.
+        self.movable = False
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"<Reservation {self.size:,} B on {self.device}@{self.offset} for {self.owner!r} {state}>"
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStatistics:
+    name: str
+    total: int
+    allocated: int
+    free: int
+    largest_free: int
+    #: The seeds' fragmentation rate, (free - largest free) / free; 0 when nothing is free.
+    fragmentation: float
+    #: 1 - sqrt(sum free_i^2) / sum free_i over all free extents; 0 for one extent.
+    external_fragmentation: float
+    #: Bytes held beyond what was asked, from rounding.
+    internal_fragmentation: int
+    reservations: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStatistics:
+    total: int
+    allocated: int
+    free: int
+    largest_free: int
+    waiting: int
+    #: Requests refused although some device had that much free in total.
+    fragmentation_failures: int
+    devices: tuple[DeviceStatistics, ...]
+    by_tenant: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def fragmentation(self) -> float:
+        return (self.free - self.largest_free) / self.free if self.free else 0.0
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    nbytes: int
+    owner: object
+    tenant: str | None
+    priority: int
+    seq: int
+    device: str | None
+    event: anyio.Event
+    result: Reservation | None = None
+
+
+class MemoryPool(ABC):
+    """Base of every pool: quotas, waiters and accounting. Subclasses decide placement."""
+
+    def __init__(self, devices: Sequence[DeviceSpec], *, quotas: Mapping[str, int] | None = None) -> None:
+        if not devices:
+            raise ValueError("a memory pool needs at least one device")
+        names = [d.name for d in devices]
+        if len(set(names)) != len(names):
+            raise ValueError(f"device names must be unique, got {names}")
+        self.devices = tuple(devices)
+        self._quotas: dict[str, int] = {}
+        for tenant, quota in (quotas or {}).items():
+            self.set_quota(tenant, quota)
+        self._by_tenant: dict[str, int] = {}
+        self._allocated: dict[str, int] = {d.name: 0 for d in devices}
+        self._live: set[Reservation] = set()
+        self._waiters: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._listeners: list[Callable[[], None]] = []
+        self.fragmentation_failures = 0
+
+    # -- placement, for subclasses ------------------------------------------------------------
+
+    @abstractmethod
+    def _place(self, nbytes: int, device: str | None) -> tuple[str, int, int] | None:
+        """Find room for `nbytes`: return (device, offset, size held) or None if none fits now.
+
+        `device` is a preferred device (affinity); a strategy may still place elsewhere.
+        """
+
+    @abstractmethod
+    def _unplace(self, reservation: Reservation) -> None:
+        """Give the reservation's extent back (coalescing is the subclass's business)."""
+
+    def _device_statistics(self) -> tuple[DeviceStatistics, ...]:
+        stats = []
+        for d in self.devices:
+            allocated = self._allocated[d.name]
+            free = d.capacity - allocated
+            stats.append(DeviceStatistics(d.name, d.capacity, allocated, free, free, 0.0, 0.0, 0, 0))
+        return tuple(stats)
+
+    # -- public API ------------------------------------------------------------------------------
+
+    @property
+    def largest_device(self) -> int:
+        return max(d.capacity for d in self.devices)
+
+    def set_quota(self, tenant: str, nbytes: int | None) -> None:
+        """Cap the bytes `tenant` may hold at once (None removes the cap)."""
+        if nbytes is None:
+            self._quotas.pop(tenant, None)
+            return
+        if nbytes <= 0:
+            raise ValueError(f"memory quota of tenant {tenant!r} must be > 0 bytes, got {nbytes}")
+        self._quotas[tenant] = nbytes
+
+    def check(self, nbytes: int, tenant: str | None = None) -> None:
+        """Raise at once if `nbytes` could never be granted: too large, or over the whole quota."""
+        if nbytes <= 0:
+            raise ValueError(f"a reservation must ask for > 0 bytes, got {nbytes}")
+        if nbytes > self.largest_device:
+            raise RequestTooLarge(nbytes, self.largest_device)
+        quota = self._quotas.get(tenant) if tenant is not None else None
+        if quota is not None and nbytes > quota:
+            raise QuotaExceeded(tenant or "", nbytes, quota)
+
+    def reserve_nowait(
+        self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
+    ) -> Reservation:
+        """Place a reservation now, or raise `WouldBlock` / `QuotaWouldBlock`."""
+        self.check(nbytes, tenant)
+        if any(w.priority <= priority and not self._quota_blocks(w.tenant, w.nbytes) for w in self._waiters):
+            raise WouldBlock(f"{len(self._waiters)} reservation(s) already waiting ahead")
+        if self._quota_blocks(tenant, nbytes):
+            raise QuotaWouldBlock(
+                f"tenant {tenant!r} holds {self._by_tenant.get(tenant or '', 0):,} of its "
+                f"{self._quotas[tenant or '']:,} byte quota; {nbytes:,} more do not fit"
+            )
+        reservation = self._try_place(nbytes, owner, tenant, priority, device)
+        if reservation is None:
+            raise WouldBlock(f"no device has {nbytes:,} contiguous bytes free")
+        return reservation
+
+    async def acquire(
+        self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
+    ) -> Reservation:
+        """Wait for a reservation, FIFO within `priority`. Cancel-safe."""
+        try:
+            return self.reserve_nowait(nbytes, owner=owner, tenant=tenant, priority=priority, device=device)
+        except WouldBlock:
+            pass
+        waiter = _Waiter(nbytes, owner, tenant, priority, next(self._seq), device, anyio.Event())
+        self._waiters.append(waiter)
+        self._waiters.sort(key=lambda w: (w.priority, w.seq))
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.result is not None:
+                waiter.result.release()
+            else:
+                self._waiters.remove(waiter)
+                self._wake()
+            raise
+        assert waiter.result is not None
+        return waiter.result
+
+    @asynccontextmanager
+    async def reserve(
+        self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
+    ) -> AsyncIterator[Reservation]:
+        """``async with pool.reserve(n, owner=...) as r:`` holds `r` for the block."""
+        reservation = await self.acquire(nbytes, owner=owner, tenant=tenant, priority=priority, device=device)
+        try:
+            yield reservation
+        finally:
+            reservation.release()
+
+    def release(self, reservation: Reservation) -> None:
+        """Give a reservation back and hand the memory to waiters. Idempotent."""
+        if reservation._released or reservation.pool is not self:
+            return
+        reservation._released = True
+        self._live.discard(reservation)
+        self._unplace(reservation)
+        self._allocated[reservation.device] -= reservation.size
+        if reservation.tenant is not None:
+            self._by_tenant[reservation.tenant] -= reservation.nbytes
+        self._wake()
+        for listener in list(self._listeners):
+            listener()
+
+    def add_release_listener(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (synchronously) after every release, so admission can retry."""
+        self._listeners.append(callback)
+
+    def remove_release_listener(self, callback: Callable[[], None]) -> None:
+        self._listeners.remove(callback)
+
+    def reservations(self) -> list[Reservation]:
+        """Live reservations, in no particular order."""
+        return list(self._live)
+
+    def statistics(self) -> MemoryStatistics:
+        devices = self._device_statistics()
+        return MemoryStatistics(
+            total=sum(d.total for d in devices),
+            allocated=sum(d.allocated for d in devices),
+            free=sum(d.free for d in devices),
+            largest_free=max(d.largest_free for d in devices),
+            waiting=len(self._waiters),
+            fragmentation_failures=self.fragmentation_failures,
+            devices=devices,
+            by_tenant={t: n for t, n in self._by_tenant.items() if n},
+        )
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _quota_blocks(self, tenant: str | None, nbytes: int) -> bool:
+        quota = self._quotas.get(tenant) if tenant is not None else None
+        return quota is not None and self._by_tenant.get(tenant or "", 0) + nbytes > quota
+
+    def _try_place(self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None) -> Reservation | None:
+        placed = self._place(nbytes, device)
+        if placed is None:
+            if any(d.capacity - self._allocated[d.name] >= nbytes for d in self.devices):
+                self.fragmentation_failures += 1
+            return None
+        name, offset, size = placed
+        reservation = Reservation(self, owner, tenant, nbytes, size, name, offset, priority)
+        self._allocated[name] += size
+        if tenant is not None:
+            self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + nbytes
+        self._live.add(reservation)
+        return reservation
+
+    def _wake(self) -> None:
+        """Hand freed memory to waiters in order; stop at the first that does not fit."""
+        for waiter in list(self._waiters):
+            if self._quota_blocks(waiter.tenant, waiter.nbytes):
+                continue
+            reservation = self._try_place(waiter.nbytes, waiter.owner, waiter.tenant, waiter.priority, waiter.device)
+            if reservation is None:
+                return
+            self._waiters.remove(waiter)
+            waiter.result = reservation
+            waiter.event.set()
+
+
+class CountingPool(MemoryPool):
+    """The simple pool: per-device byte counters, no address space and so no fragmentation.
+
+    Places on the preferred device when it fits, else on the device with the most free bytes.
+    """
+
+    def _place(self, nbytes: int, device: str | None) -> tuple[str, int, int] | None:
+        free = {d.name: d.capacity - self._allocated[d.name] for d in self.devices}
+        if device is not None and free.get(device, 0) >= nbytes:
+            return device, 0, nbytes
+        name = max(free, key=free.__getitem__)
+        return (name, 0, nbytes) if free[name] >= nbytes else None
+
+    def _unplace(self, reservation: Reservation) -> None:
+        pass

@@ -1,0 +1,214 @@
+"""Settings: one root object, read from a TOML file and ``FLEETSCHED_...`` environment variables.
+
+Precedence, highest first: keyword arguments, environment (``FLEETSCHED_SCHEDULER__MAX_SESSIONS=8``,
+``__`` for nesting), the TOML file (``fleetsched.toml`` in the working directory, or the path given
+to `load_settings`). Constructors take the section they need (``settings.scheduler``); nothing else
+in the library reads the environment.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from .errors import ConfigError
+from .policies.tiers import Tier
+
+_config_path: ContextVar[Path | None] = ContextVar("fleetsched_config_path", default=None)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantSettings(_Section):
+    """One tenant: who pays, whose SLA applies."""
+
+    tier: Tier = Tier.STANDARD
+    """QoS band: critical, standard or batch."""
+    weight: float = Field(1.0, gt=0)
+    """Share against other tenants of the same tier."""
+    max_sessions: int | None = Field(None, ge=1)
+    """Sessions of this tenant running at once (None: only the global limit)."""
+    memory_quota: ByteSize | None = None
+    """Bytes this tenant's sessions may hold at once (None: no quota)."""
+    session_memory: ByteSize | None = None
+    """Memory a session of this tenant reserves, unless submit() says (None: the scheduler's)."""
+
+    @field_validator("tier", mode="before")
+    @classmethod
+    def _parse_tier(cls, value: object) -> Tier:
+        return Tier.parse(value)  # type: ignore[arg-type]
+
+    @field_validator("memory_quota", "session_memory")
+    @classmethod
+    def _positive_bytes(cls, value: ByteSize | None) -> ByteSize | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be > 0 bytes")
+        return value
+
+
+class SchedulerSettings(_Section):
+    max_sessions: int = Field(256, ge=1)
+    """Sessions running at once, all tenants together."""
+    aging_s: float = Field(60.0, gt=0)
+    """A queued session is promoted one tier band for every this many seconds it waits."""
+    drain_grace_s: float = Field(30.0, ge=0)
+    """On leaving the scheduler, running sessions get this long to finish before cancellation."""
+    session_memory: ByteSize = ByteSize(1 << 30)
+    """Memory a session reserves when neither submit() nor its tenant says."""
+
+    @field_validator("session_memory")
+    @classmethod
+    def _positive_bytes(cls, value: ByteSize) -> ByteSize:
+        if value <= 0:
+            raise ValueError("must be > 0 bytes")
+        return value
+
+
+class DeviceSettings(_Section):
+    name: str
+    memory: ByteSize
+    """Memory this device offers to sessions (a GPU's, or a vLLM replica's KV cache)."""
+
+    @field_validator("memory")
+    @classmethod
+    def _positive_bytes(cls, value: ByteSize) -> ByteSize:
+        if value <= 0:
+            raise ValueError("must be > 0 bytes")
+        return value
+
+
+class ResourceSettings(_Section):
+    strategy: str = "counting"
+    """Placement strategy of the memory pool."""
+    devices: list[DeviceSettings] = Field(default_factory=lambda: [DeviceSettings(name="gpu0", memory=ByteSize(80 * 10**9))])
+
+    @field_validator("devices")
+    @classmethod
+    def _unique(cls, devices: list[DeviceSettings]) -> list[DeviceSettings]:
+        if not devices:
+            raise ValueError("at least one device is needed")
+        names = [d.name for d in devices]
+        if len(set(names)) != len(names):
+            raise ValueError(f"device names must be unique, got {names}")
+        return devices
+
+
+class SimSettings(_Section):
+    """The embedded continuous-batching engine model (backend kind "sim")."""
+
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences in the running batch at most (vLLM's max_num_seqs)."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Tokens scheduled in one engine step at most (prefill chunks plus one per decode)."""
+    kv_cache_tokens: int = Field(65536, ge=16)
+    """KV cache capacity in tokens."""
+    block_size: int = Field(16, ge=1)
+    step_base_s: float = Field(0.008, ge=0)
+    """Fixed cost of one engine step (a in t = a + b*tokens + c*context)."""
+    step_per_token_s: float = Field(0.00002, ge=0)
+    """Cost per token computed in the step (b)."""
+    step_per_context_token_s: float = Field(0.0, ge=0)
+    """Cost per token of context attended in the step (c)."""
+    policy: Literal["fcfs", "priority"] = "priority"
+
+
+class BackendSettings(_Section):
+    kind: Literal["sim", "instant", "vllm-server", "vllm-engine"] = "sim"
+    max_in_flight: int = Field(64, ge=1)
+    """Calls at the engine at once (the dispatcher's window)."""
+    model: str = "fleetsched-tiny"
+    sim: SimSettings = Field(default_factory=SimSettings)
+
+
+class AgentMix(_Section):
+    """One kind of agent in a workload: how many, for which tenant, how it paces itself."""
+
+    tenant: str
+    count: int = Field(ge=1)
+    """Sessions of this kind submitted over the run."""
+    turns: int = Field(3, ge=1)
+    """Model calls per session."""
+    prompt_tokens: int = Field(256, ge=1)
+    max_tokens: int = Field(64, ge=1)
+    tool_s: float = Field(0.0, ge=0)
+    """Seconds spent in a tool between turns."""
+    think_s: float = Field(0.0, ge=0)
+    """Seconds of agent-side work between turns."""
+    session_memory: ByteSize | None = None
+
+
+class WorkloadSettings(_Section):
+    arrival_rate: float | None = Field(None, gt=0)
+    """Sessions submitted per second (Poisson); None submits all at once."""
+    seed: int = 0
+    agents: list[AgentMix] = Field(default_factory=list)
+
+
+class Settings(BaseSettings):
+    """The root of all settings."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLEETSCHED_", env_nested_delimiter="__", extra="forbid", frozen=True, toml_file="fleetsched.toml"
+    )
+
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    resources: ResourceSettings = Field(default_factory=ResourceSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+    tenants: dict[str, TenantSettings] = Field(default_factory=lambda: {"default": TenantSettings()})
+    workload: WorkloadSettings = Field(default_factory=WorkloadSettings)
+
+    @model_validator(mode="after")
+    def _workload_tenants_declared(self) -> Settings:
+        if not self.tenants:
+            raise ValueError("tenants: at least one tenant must be declared")
+        for i, mix in enumerate(self.workload.agents):
+            if mix.tenant not in self.tenants:
+                raise ValueError(
+                    f"workload.agents.{i}.tenant: {mix.tenant!r} is not a declared tenant "
+                    f"(declared: {', '.join(self.tenants)})"
+                )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = _config_path.get()
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=path) if path else TomlConfigSettingsSource(settings_cls)
+        return (init_settings, env_settings, toml)
+
+
+def load_settings(path: str | Path | None = None, **overrides: object) -> Settings:
+    """Read settings from `path` (or ./fleetsched.toml), the environment and `overrides`.
+
+    Raises `ConfigError` naming the first bad key (dotted) and the reason.
+    """
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", f"no such file: {path}")
+    token = _config_path.set(path)
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(part) for part in error["loc"]) or "(root)"
+        message = error["msg"].removeprefix("Value error, ")
+        if key == "(root)" and ": " in message:
+            key, _, message = message.partition(": ")
+        raise ConfigError(key, f"{message} (got {error.get('input')!r})" if key != "(root)" and "input" in error else message) from None
+    except ValueError as exc:  # a TOML syntax error
+        raise ConfigError(str(path or "fleetsched.toml"), str(exc)) from None
+    finally:
+        _config_path.reset(token)
