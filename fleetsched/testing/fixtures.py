@@ -1,0 +1,1 @@
+"""Pytest fixtures shared by the test suite (registered in tests/conftest.py)."""
