@@ -1,3 +1,60 @@
-"""fleetsched: run fleets of tool-using LLM agents from many tenants on shared inference."""
+"""fleetsched: run fleets of tool-using LLM agents from many tenants on shared inference.
+
+The public names live here; the code lives in the subpackages::
+
+    async with fleetsched.Scheduler(fleetsched.load_settings("fleetsched.toml")) as scheduler:
+        handle = await scheduler.submit(my_agent, tenant="acme")
+        result = await handle
+"""
+
+from .errors import (
+    BackendError,
+    BackendUnavailable,
+    ConfigError,
+    DeadlineExceeded,
+    FleetschedError,
+    Overloaded,
+    QuotaExceeded,
+    QuotaWouldBlock,
+    RequestTooLarge,
+    SchedulerClosed,
+    SessionCancelled,
+    SessionFailed,
+    SessionRejected,
+    UnknownTenant,
+    WouldBlock,
+)
+from .policies.tiers import Tier
+from .scheduler import Activity, Scheduler, SchedulerStatistics, SessionHandle, SessionState  # isort: skip
+from .agents.context import SessionContext  # after .scheduler, which it imports
+from .settings import Settings, load_settings
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Activity",
+    "BackendError",
+    "BackendUnavailable",
+    "ConfigError",
+    "DeadlineExceeded",
+    "FleetschedError",
+    "Overloaded",
+    "QuotaExceeded",
+    "QuotaWouldBlock",
+    "RequestTooLarge",
+    "Scheduler",
+    "SchedulerClosed",
+    "SchedulerStatistics",
+    "SessionCancelled",
+    "SessionContext",
+    "SessionFailed",
+    "SessionHandle",
+    "SessionRejected",
+    "SessionState",
+    "Settings",
+    "Tier",
+    "UnknownTenant",
+    "WouldBlock",
+    "__version__",
+    "load_settings",
+]

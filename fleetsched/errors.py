@@ -12,6 +12,7 @@ Every error the library raises on purpose derives from `FleetschedError`::
     │   └── RequestTooLarge(ValueError)    asks for more memory than any device holds
     ├── QuotaExceeded(ValueError)          asks for more than the tenant's whole quota
     ├── SessionFailed                      awaiting a handle whose agent raised
+    ├── SessionCancelled                   awaiting a handle that was cancelled
     └── BackendError                       a model call failed
         ├── BackendUnavailable             connection refused, circuit open, server gone
         ├── Overloaded                     shed or rate-limited; carries retry_after_s
@@ -91,6 +92,10 @@ class QuotaExceeded(SessionRejected, ValueError):
 
 class SessionFailed(FleetschedError):
     """Raised when awaiting a handle whose agent raised; the agent's exception is the cause."""
+
+
+class SessionCancelled(FleetschedError):
+    """Raised when awaiting a handle whose session was cancelled."""
 
 
 class BackendError(FleetschedError):

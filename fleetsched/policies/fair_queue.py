@@ -128,44 +128,43 @@ class FairQueue:
         """
         self._counters[tenant] = self.counter(tenant) + cost / self.weight(tenant)
 
+    def serve_direct(self, tenant: str, tier: int, cost: float) -> None:
+        """Account for an item served without ever being queued (nothing was waiting).
+
+        Keeps the counters and the band's last-served mark as if it had been pushed and picked,
+        so a later backlog starts from fair counters.
+        """
+        if not self._tenant_backlogged(tenant):
+            self._lift(tenant, tier)
+        self.charge(tenant, cost)
+        self._last_served[tier] = self.counter(tenant)
+
     def pick(self, now: float, eligible: Callable[[str], bool] | None = None) -> Entry | None:
         """Remove and return the next entry, charging its cost; None if nothing eligible waits.
 
         `eligible(tenant)` lets the caller skip tenants that cannot proceed now (at their
         concurrency cap, say) without disturbing their place.
         """
-        best: tuple[int, float, float, int] | None = None
-        best_entry: Entry | None = None
-        for (tenant, tier), queue in self._queues.items():
-            if not queue.live:
-                continue
-            if eligible is not None and not eligible(tenant):
-                continue
-            head = queue.head()
-            assert head is not None
-            band = self._band(head, now)
-            rank = (band, self.counter(tenant), head.deadline, head.seq)
-            if best is None or rank < best:
-                best, best_entry = rank, head
-        if best_entry is None:
-            return None
-        self._pop(best_entry)
-        self.charge(best_entry.tenant, best_entry.cost)
-        self._last_served[best_entry.tier] = self.counter(best_entry.tenant)
-        return best_entry
+        entry = self.peek(now, eligible)
+        if entry is not None:
+            self._pop(entry)
+            self.charge(entry.tenant, entry.cost)
+            self._last_served[entry.tier] = self.counter(entry.tenant)
+        return entry
 
     def peek(self, now: float, eligible: Callable[[str], bool] | None = None) -> Entry | None:
         """The entry `pick` would return, left in place and uncharged."""
-        entry = self.pick(now, eligible)
-        if entry is None:
-            return None
-        self.charge(entry.tenant, -entry.cost)
-        queue = self._queues[(entry.tenant, entry.tier)]
-        entry.removed = False
-        heapq.heappush(queue.heap, (entry.deadline, entry.seq, entry))
-        queue.live += 1
-        self._len += 1
-        return entry
+        best: tuple[int, float, float, int] | None = None
+        best_entry: Entry | None = None
+        for (tenant, _), queue in self._queues.items():
+            if not queue.live or (eligible is not None and not eligible(tenant)):
+                continue
+            head = queue.head()
+            assert head is not None
+            rank = (self._band(head, now), self.counter(tenant), head.deadline, head.seq)
+            if best is None or rank < best:
+                best, best_entry = rank, head
+        return best_entry
 
     def __iter__(self) -> Iterator[Entry]:
         """Live entries in no particular order."""

@@ -1,0 +1,134 @@
+"""`SessionContext`: what an agent sees of the scheduler.
+
+An agent is an async callable taking one `SessionContext`. Through it the agent makes model
+calls (routed through the dispatcher with the session's tenant, tier and deadline) and marks
+its tool time, so the scheduler knows the session's pace.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..backends.base import Chunk
+from ..scheduler.session import Activity
+
+if TYPE_CHECKING:
+    from ..resources.memory import Reservation
+    from ..scheduler.dispatcher import Dispatcher
+    from ..scheduler.session import SessionHandle
+
+
+class SessionContext:
+    """The running session's view: identity, deadline, reservation, model calls, tool marks."""
+
+    def __init__(self, handle: SessionHandle, dispatcher: Dispatcher, *, model: str, ttft_slo_s: float = math.inf) -> None:
+        self._handle = handle
+        self._dispatcher = dispatcher
+        self.model = model
+        self._ttft_slo_s = ttft_slo_s
+
+    @property
+    def session_id(self) -> int:
+        return self._handle.id
+
+    @property
+    def tenant(self) -> str:
+        return self._handle.tenant
+
+    @property
+    def tier(self) -> int:
+        return self._handle.tier
+
+    @property
+    def deadline(self) -> float:
+        """Absolute deadline on `anyio.current_time()`'s clock (inf: none)."""
+        return self._handle.deadline
+
+    @property
+    def reservation(self) -> Reservation | None:
+        return self._handle.reservation
+
+    def _body(self, messages: Sequence[Mapping[str, Any]] | None, body: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        out = dict(body or {})
+        if messages is not None:
+            out["messages"] = list(messages)
+        out.update(kwargs)
+        out.setdefault("model", self.model)
+        if "messages" not in out:
+            raise ValueError("a chat call needs `messages`")
+        return out
+
+    async def chat(
+        self, messages: Sequence[Mapping[str, Any]] | None = None, *, body: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """One chat completion (OpenAI request fields as keywords); returns the response dict."""
+        request = self._body(messages, body, kwargs)
+        handle = self._handle
+        handle.activity = Activity.MODEL_CALL
+        try:
+            response = await self._dispatcher.chat(
+                request,
+                tenant=handle.tenant,
+                tier=handle.tier,
+                session=handle.id,
+                due=anyio.current_time() + self._ttft_slo_s,
+                deadline=handle.deadline,
+            )
+        finally:
+            handle.activity = Activity.THINKING
+        self._count(response.get("usage") or {})
+        return response
+
+    @asynccontextmanager
+    async def stream(
+        self, messages: Sequence[Mapping[str, Any]] | None = None, *, body: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> AsyncIterator[AsyncIterator[Chunk]]:
+        """``async with ctx.stream(messages) as chunks: async for chunk in chunks: ...``"""
+        request = self._body(messages, body, kwargs)
+        handle = self._handle
+        handle.activity = Activity.MODEL_CALL
+        usage: dict[str, int] = {}
+
+        async def counted(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+            async for chunk in chunks:
+                if chunk.get("usage"):
+                    usage.update(chunk["usage"])
+                yield chunk
+
+        try:
+            async with self._dispatcher.stream(
+                request,
+                tenant=handle.tenant,
+                tier=handle.tier,
+                session=handle.id,
+                due=anyio.current_time() + self._ttft_slo_s,
+                deadline=handle.deadline,
+            ) as chunks:
+                yield counted(chunks)
+        finally:
+            handle.activity = Activity.THINKING
+            self._count(usage)
+
+    @asynccontextmanager
+    async def tool(self, name: str) -> AsyncIterator[None]:
+        """Mark the block as time spent in tool `name` (the session holds no engine slot)."""
+        handle = self._handle
+        handle.activity = Activity.TOOL
+        start = anyio.current_time()
+        try:
+            yield
+        finally:
+            handle.activity = Activity.THINKING
+            handle.counters.tool_calls += 1
+            handle.counters.tool_s += anyio.current_time() - start
+
+    def _count(self, usage: Mapping[str, int]) -> None:
+        counters = self._handle.counters
+        counters.calls += 1
+        counters.prompt_tokens += usage.get("prompt_tokens", 0)
+        counters.completion_tokens += usage.get("completion_tokens", 0)

@@ -1,0 +1,123 @@
+"""What happened: one record per model call and per finished session, and per-tenant summaries."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One model call. Times are on the scheduler's clock; nan where not reached."""
+
+    tenant: str
+    tier: int
+    session: int
+    submitted: float
+    started: float = math.nan
+    first_token: float = math.nan
+    finished: float = math.nan
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    backend_s: float = math.nan
+    error: str | None = None
+
+    @property
+    def queue_s(self) -> float:
+        return self.started - self.submitted
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token - self.submitted
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished - self.submitted
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    tenant: str
+    tier: int
+    kind: str
+    state: str
+    submitted: float
+    admitted: float
+    finished: float
+    calls: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class Recorder:
+    """Collects records. Pass `keep_calls=False` to keep only counts (long simulations)."""
+
+    keep_calls: bool = True
+    calls: list[CallRecord] = field(default_factory=list)
+    sessions: list[SessionRecord] = field(default_factory=list)
+    call_count: int = 0
+
+    def add_call(self, record: CallRecord) -> None:
+        self.call_count += 1
+        if self.keep_calls:
+            self.calls.append(record)
+
+    def add_session(self, record: SessionRecord) -> None:
+        self.sessions.append(record)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; nan for no values."""
+    data = sorted(v for v in values if not math.isnan(v))
+    if not data:
+        return math.nan
+    pos = (len(data) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSummary:
+    tenant: str
+    sessions_done: int
+    sessions_failed: int
+    sessions_cancelled: int
+    calls: int
+    call_errors: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+    latency_p50_s: float
+    latency_p99_s: float
+    queue_p50_s: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def summarise(recorder: Recorder, tenants: Iterable[str]) -> list[TenantSummary]:
+    """Per-tenant figures over everything recorded."""
+    rows = []
+    for tenant in tenants:
+        calls = [c for c in recorder.calls if c.tenant == tenant]
+        ok = [c for c in calls if c.error is None]
+        sessions = [s for s in recorder.sessions if s.tenant == tenant]
+        rows.append(
+            TenantSummary(
+                tenant=tenant,
+                sessions_done=sum(s.state == "done" for s in sessions),
+                sessions_failed=sum(s.state in ("failed", "rejected") for s in sessions),
+                sessions_cancelled=sum(s.state == "cancelled" for s in sessions),
+                calls=len(calls),
+                call_errors=len(calls) - len(ok),
+                ttft_p50_s=percentile([c.ttft_s for c in ok], 50),
+                ttft_p99_s=percentile([c.ttft_s for c in ok], 99),
+                latency_p50_s=percentile([c.latency_s for c in ok], 50),
+                latency_p99_s=percentile([c.latency_s for c in ok], 99),
+                queue_p50_s=percentile([c.queue_s for c in ok], 50),
+                prompt_tokens=sum(c.prompt_tokens for c in calls),
+                completion_tokens=sum(c.completion_tokens for c in calls),
+            )
+        )
+    return rows

@@ -1,0 +1,331 @@
+"""The `Scheduler`: admits agent sessions and runs them in its own task group.
+
+A submitted session waits in the admission queue (ordered by `FairQueue`: tier bands with aging,
+weighted fair share between tenants, FIFO within a tenant) until it holds both a session slot
+(global and per tenant) and a memory reservation from the pool. Admission is one synchronous
+step, `_admit_ready`, run whenever something changes (a submission, a release), so a slot and
+its memory are granted together or not at all. When the head of the queue does not fit in
+memory, admission waits for a release rather than letting smaller sessions pass it for ever.
+
+Every session runs in its own cancel scope: an exception fails that session only, and every
+exit path (done, failed, cancelled, deadline, scheduler shutdown) gives back its slot and its
+reservation in `_finish`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ..agents.context import SessionContext
+from ..backends import Backend, create_backend
+from ..errors import DeadlineExceeded, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
+from ..policies.fair_queue import Entry, FairQueue
+from ..policies.tiers import Tier
+from ..resources import MemoryPool, MemoryStatistics, create_pool
+from ..resources.limiter import SessionSlots
+from ..settings import Settings
+from .dispatcher import Dispatcher, DispatcherStatistics
+from .records import Recorder, SessionRecord
+from .session import Activity, Agent, SessionHandle, SessionState
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    """A snapshot of the scheduler, taken by `Scheduler.statistics()`."""
+
+    queued: Mapping[tuple[str, str], int]
+    """Queued sessions per (tenant, tier)."""
+    running: Mapping[tuple[str, str], int]
+    """Admitted or running sessions per (tenant, tier)."""
+    finished: Mapping[str, int]
+    """Finished sessions per final state."""
+    slots_in_use: int
+    slots_total: int
+    memory: MemoryStatistics
+    dispatcher: DispatcherStatistics
+
+    @property
+    def queued_total(self) -> int:
+        return sum(self.queued.values())
+
+    @property
+    def running_total(self) -> int:
+        return sum(self.running.values())
+
+
+class Scheduler:
+    """Runs agent sessions under admission control. Use as ``async with Scheduler(...) as s:``.
+
+    Leaving the block drains: submitted sessions get `scheduler.drain_grace_s` seconds to finish,
+    then whatever remains is cancelled. If the block raises, everything is cancelled at once.
+    `backend` and `pool` default to what `settings` describe; a backend passed in is the caller's
+    to enter and close.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        backend: Backend | None = None,
+        pool: MemoryPool | None = None,
+        recorder: Recorder | None = None,
+    ) -> None:
+        self.settings = settings or Settings()
+        tenants = self.settings.tenants
+        self._own_backend = backend is None
+        self.backend = backend if backend is not None else create_backend(self.settings.backend)
+        quotas = {name: int(t.memory_quota) for name, t in tenants.items() if t.memory_quota is not None}
+        if pool is None:
+            pool = create_pool(self.settings.resources, quotas)
+        else:
+            for name, quota in quotas.items():
+                pool.set_quota(name, quota)
+        self.pool = pool
+        self.recorder = recorder if recorder is not None else Recorder()
+        self.slots = SessionSlots(self.settings.scheduler.max_sessions, {n: t.max_sessions for n, t in tenants.items()})
+        weights = {name: t.weight for name, t in tenants.items()}
+        self._queue = FairQueue(weights, aging_s=self.settings.scheduler.aging_s)
+        self.dispatcher = Dispatcher(
+            self.backend,
+            window=self.settings.backend.max_in_flight,
+            weights=weights,
+            aging_s=self.settings.scheduler.aging_s,
+            recorder=self.recorder,
+        )
+        self._task_group: TaskGroup | None = None
+        self._exit_stack: AsyncExitStack | None = None
+        self._accepting = False
+        self._admitting = False
+        self._running: dict[int, SessionHandle] = {}
+        self._live = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._finished: dict[str, int] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Scheduler:
+        if self._exit_stack is not None:
+            raise RuntimeError("a Scheduler can be entered only once")
+        async with AsyncExitStack() as stack:
+            if self._own_backend:
+                await stack.enter_async_context(self.backend)
+            self._task_group = await stack.enter_async_context(anyio.create_task_group())
+            self.pool.add_release_listener(self._admit_ready)
+            stack.callback(self.pool.remove_release_listener, self._admit_ready)
+            self._exit_stack = stack.pop_all()
+        self._accepting = True
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self._accepting = False
+        assert self._exit_stack is not None and self._task_group is not None
+        try:
+            if exc_type is None:
+                with anyio.move_on_after(self.settings.scheduler.drain_grace_s):
+                    await self._idle.wait()
+            for entry in list(self._queue):
+                self._cancel_queued(entry.item)
+            self._task_group.cancel_scope.cancel()
+        finally:
+            # The block's own exception propagates as it is, not wrapped in the task group's.
+            await self._exit_stack.__aexit__(None, None, None)
+
+    # -- submitting ------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        agent: Agent,
+        *,
+        tenant: str,
+        tier: Tier | str | None = None,
+        memory: int | None = None,
+        deadline_s: float | None = None,
+        name: str | None = None,
+        kind: str = "agent",
+    ) -> SessionHandle:
+        """Queue a session of `agent` for `tenant` and return its handle at once.
+
+        `tier` defaults to the tenant's, `memory` (bytes to reserve) to the tenant's
+        `session_memory` or the scheduler's. `deadline_s` counts from now; past it the session
+        is cancelled and fails with `DeadlineExceeded`.
+
+        Raises `UnknownTenant`, `RequestTooLarge` or `QuotaExceeded` (the session could never
+        run: rejected at once), `SchedulerClosed` outside the ``async with`` block.
+        """
+        if not self._accepting:
+            raise SchedulerClosed("the scheduler is not accepting sessions (enter it with `async with` first)")
+        tenant_settings = self.settings.tenants.get(tenant)
+        if tenant_settings is None:
+            raise UnknownTenant(tenant, list(self.settings.tenants))
+        tier = Tier.parse(tier) if tier is not None else tenant_settings.tier
+        if memory is None:
+            memory = int(tenant_settings.session_memory or self.settings.scheduler.session_memory)
+        if deadline_s is not None and not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s}")
+        now = anyio.current_time()
+        handle = SessionHandle(
+            agent,
+            tenant=tenant,
+            tier=tier,
+            memory=memory,
+            deadline=now + deadline_s if deadline_s else math.inf,
+            name=name,
+            kind=kind,
+        )
+        handle._set_state(SessionState.QUEUED, now)
+        try:
+            self.pool.check(memory, tenant)
+        except SessionRejected as exc:
+            handle.error = exc
+            handle._set_state(SessionState.REJECTED, now)
+            self._record(handle)
+            raise
+        handle._on_cancel_queued = self._cancel_queued
+        handle._entry = self._queue.push(Entry(tenant, int(tier), now, handle))
+        self._live += 1
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+        self._admit_ready()
+        return handle
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _admit_ready(self) -> None:
+        """Admit queued sessions, in policy order, while a slot and memory are both free."""
+        if self._admitting or self._task_group is None:
+            return
+        self._admitting = True
+        try:
+            now = anyio.current_time()
+            over_quota: set[str] = set()
+
+            def eligible(tenant: str) -> bool:
+                return tenant not in over_quota and self.slots.can_take(tenant)
+
+            while self._queue and not self.slots.full():
+                entry = self._queue.peek(now, eligible)
+                if entry is None:
+                    return
+                handle: SessionHandle = entry.item
+                try:
+                    reservation = self.pool.reserve_nowait(
+                        handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier)
+                    )
+                except QuotaWouldBlock:
+                    over_quota.add(handle.tenant)
+                    continue
+                except WouldBlock:
+                    return  # the head waits for memory; a release calls us again
+                picked = self._queue.pick(now, eligible)
+                assert picked is entry
+                self._start(handle, reservation, now)
+        finally:
+            self._admitting = False
+
+    def _start(self, handle: SessionHandle, reservation: Any, now: float) -> None:
+        self.slots.take(handle.tenant)
+        handle.reservation = reservation
+        handle._entry = None
+        handle._scope = anyio.CancelScope(deadline=handle.deadline)
+        handle._set_state(SessionState.ADMITTED, now)
+        self._running[handle.id] = handle
+        assert self._task_group is not None
+        self._task_group.start_soon(self._run, handle, name=handle.name)
+
+    async def _run(self, handle: SessionHandle) -> None:
+        ctx = SessionContext(handle, self.dispatcher, model=self.settings.backend.model)
+        scope = handle._scope
+        assert scope is not None
+        outcome: SessionState | None = None
+        try:
+            with scope:
+                handle._set_state(SessionState.RUNNING, anyio.current_time())
+                handle.activity = Activity.THINKING
+                try:
+                    handle.result = await handle.agent(ctx)
+                    outcome = SessionState.DONE
+                except Exception as exc:
+                    handle.error = exc
+                    outcome = SessionState.FAILED
+            if outcome is None and scope.cancelled_caught and not handle._cancel_requested:
+                handle.error = DeadlineExceeded(f"{handle.name} passed its deadline")
+                outcome = SessionState.FAILED
+        finally:
+            self._finish(handle, outcome or SessionState.CANCELLED)
+
+    def _finish(self, handle: SessionHandle, state: SessionState) -> None:
+        """Give back everything the session holds; then admit whoever can run now."""
+        self._running.pop(handle.id, None)
+        self.slots.give(handle.tenant)
+        handle._set_state(state, anyio.current_time())
+        self._record(handle)
+        self._session_ended()
+        reservation, handle.reservation = handle.reservation, None
+        if reservation is not None:
+            reservation.release()  # the pool's release listener admits the next sessions
+        self._admit_ready()
+
+    def _cancel_queued(self, handle: SessionHandle) -> None:
+        if handle.state is not SessionState.QUEUED or handle._entry is None:
+            return
+        self._queue.remove(handle._entry)
+        handle._entry = None
+        handle._set_state(SessionState.CANCELLED, anyio.current_time())
+        self._record(handle)
+        self._session_ended()
+        self._admit_ready()  # the head may have been the one blocking
+
+    def _session_ended(self) -> None:
+        self._live -= 1
+        if self._live == 0:
+            self._idle.set()
+
+    def _record(self, handle: SessionHandle) -> None:
+        state = str(handle.state)
+        self._finished[state] = self._finished.get(state, 0) + 1
+        ts = handle.timestamps
+        c = handle.counters
+        self.recorder.add_session(
+            SessionRecord(
+                handle.tenant,
+                int(handle.tier),
+                handle.kind,
+                state,
+                ts[SessionState.QUEUED],
+                ts.get(SessionState.ADMITTED, math.nan),
+                ts[handle.state],
+                c.calls,
+                c.prompt_tokens,
+                c.completion_tokens,
+            )
+        )
+
+    # -- inspection ------------------------------------------------------------------------------
+
+    def statistics(self) -> SchedulerStatistics:
+        queued = {(t, str(Tier(tier))): n for (t, tier), n in self._queue.queued_by().items()}
+        running: dict[tuple[str, str], int] = {}
+        for handle in self._running.values():
+            key = (handle.tenant, str(handle.tier))
+            running[key] = running.get(key, 0) + 1
+        return SchedulerStatistics(
+            queued=queued,
+            running=running,
+            finished=dict(self._finished),
+            slots_in_use=self.slots.in_use,
+            slots_total=self.slots.total,
+            memory=self.pool.statistics(),
+            dispatcher=self.dispatcher.statistics(),
+        )
+
+    def running_sessions(self) -> list[SessionHandle]:
+        return list(self._running.values())
+

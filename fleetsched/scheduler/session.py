@@ -1,0 +1,142 @@
+"""A session's handle: its lifecycle, timestamps and figures, awaitable for the agent's result."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..errors import SessionCancelled, SessionFailed
+from ..policies.tiers import Tier
+
+if TYPE_CHECKING:
+    from ..agents.context import SessionContext
+    from ..policies.fair_queue import Entry
+    from ..resources.memory import Reservation
+
+Agent = Callable[["SessionContext"], Awaitable[Any]]
+
+
+class SessionState(StrEnum):
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({SessionState.DONE, SessionState.FAILED, SessionState.CANCELLED, SessionState.REJECTED})
+
+
+class Activity(StrEnum):
+    """What a running session is doing right now."""
+
+    THINKING = "thinking"
+    MODEL_CALL = "model_call"
+    TOOL = "tool"
+
+
+@dataclass(slots=True)
+class SessionCounters:
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tool_calls: int = 0
+    tool_s: float = 0.0
+
+
+_ids = itertools.count(1)
+
+
+class SessionHandle:
+    """One submitted session. ``await handle`` returns the agent's result.
+
+    Awaiting raises `SessionFailed` (the agent's exception as ``__cause__``) if the agent raised,
+    `SessionCancelled` if it was cancelled. `cancel()` works in every state and is idempotent.
+    """
+
+    def __init__(
+        self, agent: Agent, *, tenant: str, tier: Tier, memory: int, deadline: float, name: str | None = None, kind: str = "agent"
+    ) -> None:
+        self.id = next(_ids)
+        self.name = name or f"session-{self.id}"
+        self.kind = kind
+        self.agent = agent
+        self.tenant = tenant
+        self.tier = tier
+        self.memory = memory
+        #: Absolute deadline on the scheduler's clock (inf: none).
+        self.deadline = deadline
+        self.state = SessionState.QUEUED
+        self.activity: Activity | None = None
+        self.timestamps: dict[SessionState, float] = {}
+        self.counters = SessionCounters()
+        self.reservation: Reservation | None = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._entry: Entry | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._on_cancel_queued: Callable[[SessionHandle], None] | None = None
+        self._cancel_requested = False
+        self._done = anyio.Event()
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.state.terminal
+
+    def waited_s(self) -> float:
+        """Seconds from submission to admission (so far, if still queued)."""
+        start = self.timestamps[SessionState.QUEUED]
+        end = self.timestamps.get(SessionState.ADMITTED, anyio.current_time() if not self.done else math.nan)
+        return end - start
+
+    def duration_s(self) -> float:
+        """Seconds from submission to the end (nan while unfinished)."""
+        ends = [self.timestamps[s] for s in _TERMINAL if s in self.timestamps]
+        return ends[0] - self.timestamps[SessionState.QUEUED] if ends else math.nan
+
+    def __repr__(self) -> str:
+        return f"<SessionHandle {self.name} tenant={self.tenant} tier={self.tier} {self.state}>"
+
+    # -- control -----------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Cancel the session: a queued one leaves the queue, a running one is cancelled."""
+        self._cancel_requested = True
+        if self.state is SessionState.QUEUED and self._on_cancel_queued is not None:
+            self._on_cancel_queued(self)
+        elif self._scope is not None:
+            self._scope.cancel()
+
+    async def wait(self) -> Any:
+        await self._done.wait()
+        if self.state is SessionState.DONE:
+            return self.result
+        if self.state is SessionState.CANCELLED:
+            raise SessionCancelled(f"{self.name} was cancelled")
+        raise SessionFailed(f"{self.name} {self.state}: {self.error!r}") from self.error
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.wait().__await__()
+
+    # -- used by the scheduler -------------------------------------------------------------------
+
+    def _set_state(self, state: SessionState, now: float) -> None:
+        self.state = state
+        self.timestamps[state] = now
+        if state.terminal:
+            self.activity = None
+            self._done.set()

@@ -1,0 +1,241 @@
+"""The scheduler on virtual time (trio MockClock): ordering, fairness, aging, exact timings."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from fleetsched import (
+    DeadlineExceeded,
+    RequestTooLarge,
+    Scheduler,
+    SchedulerClosed,
+    SessionCancelled,
+    SessionFailed,
+    SessionState,
+    UnknownTenant,
+)
+from fleetsched.errors import ConfigError, QuotaExceeded
+from fleetsched.settings import load_settings
+
+from .helpers import check_released, settings
+
+pytestmark = pytest.mark.anyio
+
+GB = 10**9
+
+
+def sleeper(seconds: float, log: list | None = None, label: object = None):
+    async def agent(ctx):
+        if log is not None:
+            log.append((label, anyio.current_time()))
+        await anyio.sleep(seconds)
+        return label
+
+    return agent
+
+
+async def chatter(ctx):
+    response = await ctx.chat([{"role": "user", "content": "hello " * 40}], max_tokens=8)
+    return response["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_basic_path_on_both_backends(anyio_backend):
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(chatter, tenant="acme")
+        assert await handle == "ok"
+    assert handle.state is SessionState.DONE
+    assert handle.counters.calls == 1 and handle.counters.completion_tokens == 8
+    ts = handle.timestamps
+    assert ts[SessionState.QUEUED] <= ts[SessionState.ADMITTED] <= ts[SessionState.RUNNING] <= ts[SessionState.DONE]
+    check_released(scheduler)
+
+
+async def test_one_slot_serves_sessions_back_to_back_exactly():
+    log: list = []
+    async with Scheduler(settings(scheduler={"max_sessions": 1})) as scheduler:
+        handles = [await scheduler.submit(sleeper(10, log, i), tenant="acme") for i in range(3)]
+        assert [await h for h in handles] == [0, 1, 2]
+    assert log == [(0, 0.0), (1, 10.0), (2, 20.0)]
+    assert [h.waited_s() for h in handles] == [0.0, 10.0, 20.0]
+    check_released(scheduler)
+
+
+async def test_tiers_are_admitted_in_band_order():
+    tenants = {"bulk": {"tier": "batch"}, "web": {"tier": "standard"}, "pager": {"tier": "critical"}}
+    log: list = []
+    async with Scheduler(settings(tenants, scheduler={"max_sessions": 1})) as scheduler:
+        await scheduler.submit(sleeper(1, log, "first"), tenant="bulk")  # takes the only slot
+        for tenant in ("bulk", "web", "pager"):
+            await scheduler.submit(sleeper(1, log, tenant), tenant=tenant)
+    assert [label for label, _ in log] == ["first", "pager", "web", "bulk"]
+
+
+async def test_weighted_fair_share_of_admissions():
+    tenants = {"gold": {"weight": 3}, "tin": {"weight": 1}}
+    log: list = []
+    async with Scheduler(settings(tenants, scheduler={"max_sessions": 1})) as scheduler:
+        for i in range(20):
+            await scheduler.submit(sleeper(1, log, "gold"), tenant="gold")
+            await scheduler.submit(sleeper(1, log, "tin"), tenant="tin")
+    first_twelve = [label for label, _ in log[:12]]
+    assert first_twelve.count("gold") == 9 and first_twelve.count("tin") == 3
+
+
+async def test_aging_bounds_the_wait_of_a_lower_band():
+    tenants = {"bulk": {"tier": "batch"}, "pager": {"tier": "critical"}}
+    log: list = []
+    async with Scheduler(settings(tenants, scheduler={"max_sessions": 1, "aging_s": 30, "drain_grace_s": 1000})) as scheduler:
+        await scheduler.submit(sleeper(5, log, "pager"), tenant="pager")
+        await scheduler.submit(sleeper(5, log, "bulk"), tenant="bulk")
+        # A steady stream of critical work that alone would keep the slot busy for ever.
+        for _ in range(40):
+            await scheduler.submit(sleeper(5, log, "pager"), tenant="pager")
+    (started,) = [t for label, t in log if label == "bulk"]
+    # Promoted to band 0 after 2 x 30 s of waiting, then the oldest there: admitted at the
+    # first slot that frees at or after t=60.
+    assert started == 60.0
+
+
+async def test_global_and_per_tenant_slots():
+    tenants = {"a": {"max_sessions": 2}, "b": {}}
+    async with Scheduler(settings(tenants, scheduler={"max_sessions": 3})) as scheduler:
+        for _ in range(5):
+            await scheduler.submit(sleeper(10), tenant="a")
+            await scheduler.submit(sleeper(10), tenant="b")
+        await anyio.sleep(1)
+        stats = scheduler.statistics()
+        assert stats.running == {("a", "standard"): 2, ("b", "standard"): 1}
+        assert stats.slots_in_use == 3
+        assert stats.queued == {("a", "standard"): 3, ("b", "standard"): 4}
+    check_released(scheduler)
+
+
+async def test_memory_gates_admission():
+    s = settings(resources={"strategy": "counting", "devices": [{"name": "gpu0", "memory": "10GB"}]})
+    log: list = []
+    async with Scheduler(s) as scheduler:
+        for i in range(4):
+            await scheduler.submit(sleeper(10, log, i), tenant="acme", memory=4 * GB)
+        await anyio.sleep(1)
+        assert scheduler.statistics().memory.allocated == 8 * GB
+    assert [t for _, t in log] == [0.0, 0.0, 10.0, 10.0]
+    check_released(scheduler)
+
+
+async def test_tenant_memory_quota_holds_back_only_that_tenant():
+    tenants = {"capped": {"memory_quota": "4GB"}, "free": {}}
+    log: list = []
+    async with Scheduler(settings(tenants)) as scheduler:
+        for i in range(2):
+            await scheduler.submit(sleeper(10, log, ("capped", i)), tenant="capped", memory=4 * GB)
+        await scheduler.submit(sleeper(10, log, ("free", 0)), tenant="free", memory=4 * GB)
+    assert sorted(log) == [(("capped", 0), 0.0), (("capped", 1), 10.0), (("free", 0), 0.0)]
+    check_released(scheduler)
+
+
+async def test_an_exception_fails_only_its_session():
+    async def broken(ctx):
+        await anyio.sleep(1)
+        raise RuntimeError("tool exploded")
+
+    async with Scheduler(settings()) as scheduler:
+        bad = await scheduler.submit(broken, tenant="acme")
+        good = [await scheduler.submit(chatter, tenant="acme") for _ in range(3)]
+        with pytest.raises(SessionFailed) as info:
+            await bad
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert [await h for h in good] == ["ok"] * 3
+    assert bad.state is SessionState.FAILED
+    assert scheduler.statistics().finished == {"failed": 1, "done": 3}
+    check_released(scheduler)
+
+
+async def test_cancel_queued_and_running_sessions_releases_everything():
+    async with Scheduler(settings(scheduler={"max_sessions": 1})) as scheduler:
+        running = await scheduler.submit(sleeper(100), tenant="acme")
+        queued = await scheduler.submit(sleeper(100), tenant="acme")
+        later = await scheduler.submit(sleeper(1, None, "later"), tenant="acme")
+        await anyio.sleep(5)
+        queued.cancel()
+        running.cancel()
+        with pytest.raises(SessionCancelled):
+            await running
+        with pytest.raises(SessionCancelled):
+            await queued
+        assert await later == "later"
+        assert later.timestamps[SessionState.ADMITTED] == 5.0
+    assert running.state is queued.state is SessionState.CANCELLED
+    check_released(scheduler)
+
+
+async def test_shutdown_drains_then_cancels():
+    s = settings(scheduler={"max_sessions": 2, "drain_grace_s": 30})
+    async with Scheduler(s) as scheduler:
+        quick = await scheduler.submit(sleeper(10), tenant="acme")
+        slow = await scheduler.submit(sleeper(1000), tenant="acme")
+        queued = await scheduler.submit(sleeper(1), tenant="acme")
+        queued_forever = [await scheduler.submit(sleeper(1000), tenant="acme") for _ in range(2)]
+    assert anyio.current_time() == 30.0
+    assert quick.state is SessionState.DONE and queued.state is SessionState.DONE
+    assert slow.state is SessionState.CANCELLED
+    # queued gets the slot quick frees (t=10); the two long ones take slots at t=11 and 30 s run out.
+    assert {h.state for h in queued_forever} == {SessionState.CANCELLED}
+    check_released(scheduler)
+    with pytest.raises(SchedulerClosed):
+        await scheduler.submit(sleeper(1), tenant="acme")
+
+
+async def test_error_in_the_block_cancels_at_once():
+    with pytest.raises(KeyError):
+        async with Scheduler(settings()) as scheduler:
+            handle = await scheduler.submit(sleeper(1000), tenant="acme")
+            await anyio.sleep(1)
+            raise KeyError("boom")
+    assert anyio.current_time() == 1.0
+    assert handle.state is SessionState.CANCELLED
+    check_released(scheduler)
+
+
+async def test_session_deadline():
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(sleeper(100), tenant="acme", deadline_s=5)
+        with pytest.raises(SessionFailed) as info:
+            await handle
+    assert isinstance(info.value.__cause__, DeadlineExceeded)
+    assert handle.timestamps[SessionState.FAILED] == 5.0
+    check_released(scheduler)
+
+
+async def test_bad_input_is_refused_at_once():
+    s = settings({"acme": {"memory_quota": "8GB"}}, resources={"strategy": "counting", "devices": [{"name": "g", "memory": "10GB"}]})
+    async with Scheduler(s) as scheduler:
+        with pytest.raises(UnknownTenant, match="unknown tenant 'nobody'; declared tenants: acme"):
+            await scheduler.submit(chatter, tenant="nobody")
+        with pytest.raises(RequestTooLarge, match="asked for 20,000,000,000 bytes but the largest device holds 10,000,000,000"):
+            await scheduler.submit(chatter, tenant="acme", memory=20 * GB)
+        with pytest.raises(QuotaExceeded, match="quota is 8,000,000,000"):
+            await scheduler.submit(chatter, tenant="acme", memory=9 * GB)
+        with pytest.raises(ValueError, match="deadline_s"):
+            await scheduler.submit(chatter, tenant="acme", deadline_s=-1)
+        assert await (await scheduler.submit(chatter, tenant="acme", memory=GB)) == "ok"
+    assert scheduler.statistics().finished == {"rejected": 2, "done": 1}
+    check_released(scheduler)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"scheduler": {"max_sessions": 0}}, "scheduler.max_sessions"),
+        ({"tenants": {"a": {"weight": -1}}}, "tenants.a.weight"),
+        ({"tenants": {"a": {"max_sessions": 0}}}, "tenants.a.max_sessions"),
+        ({"tenants": {"a": {"tier": "gold"}}}, "tenants.a.tier"),
+        ({"resources": {"devices": []}}, "resources.devices"),
+        ({"scheduler": {"max_sesions": 3}}, "scheduler.max_sesions"),
+    ],
+)
+def test_invalid_settings_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        load_settings(**overrides)
+    assert info.value.key == key
