@@ -76,7 +76,7 @@ class SessionContext:
                 tenant=handle.tenant,
                 tier=handle.tier,
                 session=handle.id,
-                due=anyio.current_time() + self._ttft_slo_s,
+                due=self._due(),
                 deadline=handle.deadline,
             )
         finally:
@@ -106,7 +106,7 @@ class SessionContext:
                 tenant=handle.tenant,
                 tier=handle.tier,
                 session=handle.id,
-                due=anyio.current_time() + self._ttft_slo_s,
+                due=self._due(),
                 deadline=handle.deadline,
             ) as chunks:
                 yield counted(chunks)
@@ -126,6 +126,10 @@ class SessionContext:
             handle.activity = Activity.THINKING
             handle.counters.tool_calls += 1
             handle.counters.tool_s += anyio.current_time() - start
+
+    def _due(self) -> float:
+        """When this call's first token is due under the tenant's TTFT objective (inf: none)."""
+        return anyio.current_time() + self._ttft_slo_s if self._ttft_slo_s != math.inf else math.inf
 
     def _count(self, usage: Mapping[str, int]) -> None:
         counters = self._handle.counters

@@ -71,9 +71,25 @@ class Dispatcher:
     async def chat(
         self, body: ChatBody, *, tenant: str, tier: int, session: int = 0, due: float = math.inf, deadline: float = math.inf
     ) -> dict[str, Any]:
-        """Make one call and return the whole ``chat.completion`` response dict."""
-        async with self.stream(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline) as chunks:
-            return collect_chat([chunk async for chunk in chunks])
+        """Make one call and return the whole ``chat.completion`` response dict.
+
+        The hot path of every non-streaming call: it does what `stream` does without the
+        context manager and generator layers.
+        """
+        record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
+        chunks: list[Chunk] = []
+        upstream = self.backend.stream_chat({**body, "priority": tier})
+        try:
+            async for chunk in upstream:
+                _note(chunk, record)
+                chunks.append(chunk)
+        except BaseException as exc:
+            record.error = type(exc).__name__
+            await _abort(upstream)
+            raise
+        finally:
+            self._end(record, estimate)
+        return collect_chat(chunks)
 
     @asynccontextmanager
     async def stream(
@@ -85,53 +101,57 @@ class Dispatcher:
         made after it raises `DeadlineExceeded` without reaching the backend. Leaving the block
         early aborts the call at the engine.
         """
+        record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
+        upstream = self.backend.stream_chat({**body, "priority": tier})
+
+        async def observed() -> AsyncIterator[Chunk]:
+            async for chunk in upstream:
+                _note(chunk, record)
+                yield chunk
+
+        try:
+            yield observed()
+        except BaseException as exc:
+            record.error = type(exc).__name__
+            raise
+        finally:
+            await _abort(upstream)
+            self._end(record, estimate)
+
+    async def _begin(
+        self, body: ChatBody, tenant: str, tier: int, session: int, due: float, deadline: float
+    ) -> tuple[CallRecord, int]:
         now = anyio.current_time()
         if now > deadline:
             raise DeadlineExceeded(f"session {session} made a model call {now - deadline:.3f} s after its deadline")
         estimate = estimate_prompt_tokens(body)
         record = CallRecord(tenant, tier, session, now)
-        await self._acquire(tenant, tier, estimate * INPUT_WEIGHT, due, now)
-        try:
+        if await self._acquire(tenant, tier, estimate * INPUT_WEIGHT, due, now):
             record.started = anyio.current_time()
-            upstream = self.backend.stream_chat({**body, "priority": tier})
-            try:
-                yield self._observe(upstream, record)
-            finally:
-                with anyio.move_on_after(5, shield=True):
-                    await upstream.aclose()
-        except BaseException as exc:
-            record.error = type(exc).__name__
-            raise
-        finally:
-            end = anyio.current_time()
-            record.finished = end
-            record.backend_s = end - record.started
-            self._release()
-            # Correct the prompt estimate and charge the output, now that both are known.
-            if record.prompt_tokens or record.completion_tokens:
-                self._queue.charge(
-                    tenant, (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT
-                )
-            self.recorder.add_call(record)
+        else:
+            record.started = now
+        return record, estimate
 
-    async def _observe(self, upstream: AsyncIterator[Chunk], record: CallRecord) -> AsyncIterator[Chunk]:
-        async for chunk in upstream:
-            if math.isnan(record.first_token) and chunk.get("choices"):
-                record.first_token = anyio.current_time()
-            usage = chunk.get("usage")
-            if usage:
-                record.prompt_tokens = usage.get("prompt_tokens", 0)
-                record.completion_tokens = usage.get("completion_tokens", 0)
-            yield chunk
+    def _end(self, record: CallRecord, estimate: int) -> None:
+        record.finished = anyio.current_time()
+        record.backend_s = record.finished - record.started
+        self._release()
+        # Correct the prompt estimate and charge the output, now that both are known.
+        if record.prompt_tokens or record.completion_tokens:
+            self._queue.charge(
+                record.tenant, (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT
+            )
+        self.recorder.add_call(record)
 
     # -- the window ------------------------------------------------------------------------------
 
-    async def _acquire(self, tenant: str, tier: int, cost: float, due: float, now: float) -> None:
+    async def _acquire(self, tenant: str, tier: int, cost: float, due: float, now: float) -> bool:
+        """Take a place in the window; returns whether the call had to wait for it."""
         if self._in_flight < self.window and not self._queue:
             self._in_flight += 1
             self._started += 1
             self._queue.serve_direct(tenant, tier, cost)
-            return
+            return False
         waiter = _Waiter()
         entry = self._queue.push(Entry(tenant, tier, now, waiter, cost, due))
         try:
@@ -142,8 +162,10 @@ class Dispatcher:
             else:
                 self._queue.remove(entry)
             raise
+        return True
 
     def _release(self) -> None:
+        """Give a place back and hand it to the next waiting call in policy order."""
         self._in_flight -= 1
         self._grant()
 
@@ -169,3 +191,21 @@ class Dispatcher:
         for (_, tier), n in self._queue.queued_by().items():
             by_tier[tier] = by_tier.get(tier, 0) + n
         return DispatcherStatistics(self.window, self._in_flight, len(self._queue), by_tier, self._started)
+
+
+def _note(chunk: Chunk, record: CallRecord) -> None:
+    """Observe one chunk: the first token's time, and the usage on the last chunk."""
+    if record.first_token != record.first_token and chunk.get("choices"):  # still nan
+        record.first_token = anyio.current_time()
+    usage = chunk.get("usage")
+    if usage:
+        record.prompt_tokens = usage.get("prompt_tokens", 0)
+        record.completion_tokens = usage.get("completion_tokens", 0)
+
+
+async def _abort(upstream: AsyncIterator[Chunk]) -> None:
+    """Close the backend's stream so the engine aborts the call; shielded, bounded cleanup."""
+    if getattr(upstream, "ag_running", None) is False and getattr(upstream, "ag_frame", True) is None:
+        return  # exhausted: nothing to abort
+    with anyio.move_on_after(5, shield=True):
+        await upstream.aclose()  # type: ignore[attr-defined]
