@@ -84,9 +84,19 @@ class DeviceSettings(_Section):
 
 
 class ResourceSettings(_Section):
-    strategy: str = "counting"
-    """Placement strategy of the memory pool."""
+    strategy: str = "frag-aware"
+    """Placement strategy of the memory pool: frag-aware (default), first-fit, best-fit, buddy,
+    size-class, or counting (byte counters only, no address space)."""
+    page_size: ByteSize = ByteSize(2 << 20)
+    """Granule of the allocators' address space; reservations round up to whole pages."""
     devices: list[DeviceSettings] = Field(default_factory=lambda: [DeviceSettings(name="gpu0", memory=ByteSize(80 * 10**9))])
+
+    @field_validator("page_size")
+    @classmethod
+    def _positive_page(cls, value: ByteSize) -> ByteSize:
+        if value <= 0:
+            raise ValueError("must be > 0 bytes")
+        return value
 
     @field_validator("devices")
     @classmethod
@@ -115,7 +125,14 @@ class SimSettings(_Section):
     """Cost per token computed in the step (b)."""
     step_per_context_token_s: float = Field(0.0, ge=0)
     """Cost per token of context attended in the step (c)."""
+    step_per_seq_s: float = Field(0.0, ge=0)
+    """Cost per sequence in the step, whatever its token count (d: sampling, bookkeeping)."""
     policy: Literal["fcfs", "priority"] = "priority"
+    """Waiting-queue order (vLLM's --scheduling-policy): "priority" honours the body's `priority`."""
+    max_model_len: int = Field(8192, ge=1)
+    """Prompt plus completion tokens of one request at most; longer requests are refused at once."""
+    stream_interval: int = Field(1, ge=1)
+    """Tokens per streamed chunk once the first is out (vLLM's stream_interval); higher is cheaper."""
 
 
 class BackendSettings(_Section):
@@ -124,6 +141,31 @@ class BackendSettings(_Section):
     """Calls at the engine at once (the dispatcher's window)."""
     model: str = "fleetsched-tiny"
     sim: SimSettings = Field(default_factory=SimSettings)
+    urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
+    """vLLM server replicas (kind "vllm-server"): root URLs, without the ``/v1`` suffix."""
+    api_key: str = "EMPTY"
+    """Bearer token sent to the vLLM servers (vLLM's ``--api-key``)."""
+    retry_attempts: int = Field(4, ge=1)
+    """Attempts per call before giving up, the first included; only connection errors, 429 and 5xx
+    are retried, and only before the first chunk arrived."""
+    retry_initial_s: float = Field(0.25, gt=0)
+    """First retry backoff; it doubles per attempt, with random jitter of the same size."""
+    retry_max_s: float = Field(8.0, gt=0)
+    """Longest single retry backoff."""
+    breaker_failures: int = Field(5, ge=1)
+    """Consecutive failed calls that open a replica's circuit breaker."""
+    breaker_reset_s: float = Field(30.0, gt=0)
+    """How long an open breaker rejects calls before letting one probe call through."""
+    engine_model_path: str | None = None
+    """Model directory or name for kind "vllm-engine" (None: `model`)."""
+    engine_max_num_seqs: int = Field(64, ge=1)
+    """vllm-engine: sequences in the running batch at most."""
+    engine_max_num_batched_tokens: int = Field(2048, ge=1)
+    """vllm-engine: tokens scheduled in one engine step at most."""
+    engine_max_model_len: int = Field(4096, ge=16)
+    """vllm-engine: prompt plus completion tokens of one request at most."""
+    engine_scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    """vllm-engine: the scheduler's queue policy (priority honours the request's ``priority``)."""
 
 
 class AgentMix(_Section):

