@@ -1,0 +1,32 @@
+# The quick start is two commands on a fresh machine:
+#   make run    sets up .venv and runs `fleetsched run examples/quickstart.toml` (embedded sim backend)
+#   make test   sets up .venv and the CPU vLLM (.venv-vllm + a generated tiny model), runs every test
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test setup setup-vllm bench clean
+
+$(BIN)/fleetsched: pyproject.toml
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/fleetsched
+
+run: setup
+	$(BIN)/fleetsched run examples/quickstart.toml
+
+setup-vllm:
+	scripts/setup-vllm.sh
+
+test: setup setup-vllm
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/fleetsched bench overhead
+	$(BIN)/fleetsched bench allocator
+
+clean:
+	rm -rf $(VENV) .venv-vllm .cache .pytest_cache .hypothesis

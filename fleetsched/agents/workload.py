@@ -1,0 +1,117 @@
+"""Workloads: the agent mix a config describes, turned into sessions submitted over time.
+
+Each `AgentMix` entry becomes `count` scripted chat sessions for its tenant: `turns` model calls
+with a prompt of about `prompt_tokens` tokens and `max_tokens` to generate, a tool call of
+`tool_s` seconds and `think_s` seconds of agent work between turns. The conversation grows turn
+by turn (the assistant's answers and tool results are fed back), as a real agent's does. Sessions
+arrive all at once, or as a Poisson process of `arrival_rate` per second.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ..errors import FleetschedError
+from ..scheduler import Scheduler, SessionHandle
+from ..scheduler.session import Agent
+from ..settings import AgentMix, WorkloadSettings
+
+_WORDS = "the fleet of agents shares one engine and every tenant gets its fair part of tokens".split()
+SYSTEM_PROMPT = "You are a careful assistant. Use the tools when they help, and answer briefly."
+
+
+def filler_text(tokens: int, rng: random.Random) -> str:
+    """About `tokens` tokens of text (4 characters a token, as the estimators count)."""
+    words: list[str] = []
+    chars = 0
+    while chars < tokens * 4:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        chars += len(word) + 1
+    return " ".join(words)
+
+
+def scripted_chat_agent(mix: AgentMix, rng: random.Random) -> Agent:
+    """A session of `mix`'s kind. It makes real model calls; its decisions follow the script."""
+    prompt = filler_text(mix.prompt_tokens, rng)
+
+    async def agent(ctx: Any) -> int:
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": prompt},
+        ]
+        for turn in range(mix.turns):
+            response = await ctx.chat(messages, max_tokens=mix.max_tokens)
+            messages.append({"role": "assistant", "content": response["choices"][0]["message"]["content"] or ""})
+            if turn == mix.turns - 1:
+                break
+            if mix.tool_s:
+                async with ctx.tool("tool"):
+                    await anyio.sleep(mix.tool_s)
+                messages.append({"role": "user", "content": f"tool result {turn}: " + filler_text(16, rng)})
+            if mix.think_s:
+                await anyio.sleep(mix.think_s)
+        return mix.turns
+
+    return agent
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedSession:
+    at: float
+    kind: str
+    mix: AgentMix
+    agent: Agent
+
+
+def plan(workload: WorkloadSettings) -> list[PlannedSession]:
+    """Every session of the workload with its arrival offset (seconds), in arrival order."""
+    rng = random.Random(workload.seed)
+    kinds = []
+    for index, mix in enumerate(workload.agents):
+        kind = mix.kind or f"{mix.tenant}-{index}"
+        kinds += [(kind, mix)] * mix.count
+    rng.shuffle(kinds)
+    sessions = []
+    at = 0.0
+    for kind, mix in kinds:
+        if workload.arrival_rate:
+            at += rng.expovariate(workload.arrival_rate)
+        sessions.append(PlannedSession(at, kind, mix, scripted_chat_agent(mix, rng)))
+    return sessions
+
+
+async def run_workload(
+    scheduler: Scheduler,
+    workload: WorkloadSettings,
+    on_submit: Callable[[SessionHandle], None] | None = None,
+) -> list[SessionHandle]:
+    """Submit the workload's sessions at their arrival times and wait for all of them.
+
+    Failed, rejected and cancelled sessions are recorded by the scheduler, not raised here.
+    """
+    start = anyio.current_time()
+    handles: list[SessionHandle] = []
+    for planned in plan(workload):
+        delay = start + planned.at - anyio.current_time()
+        if delay > 0:
+            await anyio.sleep(delay)
+        memory = int(planned.mix.session_memory) if planned.mix.session_memory else None
+        try:
+            handle = await scheduler.submit(planned.agent, tenant=planned.mix.tenant, memory=memory, kind=planned.kind)
+        except FleetschedError:
+            continue  # rejected at once; the scheduler recorded it
+        handles.append(handle)
+        if on_submit is not None:
+            on_submit(handle)
+    for handle in handles:
+        try:
+            await handle
+        except FleetschedError:
+            pass
+    return handles

@@ -1,0 +1,92 @@
+"""The ``fleetsched`` command line.
+
+    fleetsched run CONFIG [--backend sim] [--report FILE.json]
+    fleetsched bench NAME [--json] ...
+
+A bad config exits with code 2 and a message naming the key and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+from rich.console import Console
+
+from . import bench
+from .errors import ConfigError
+from .settings import Settings, load_settings
+
+
+def _load(path: str, backend: str | None) -> Settings:
+    settings = load_settings(path)
+    if backend is not None:
+        try:
+            section = settings.backend.model_validate({**settings.backend.model_dump(), "kind": backend})
+        except ValueError as exc:
+            raise ConfigError("--backend", str(exc).splitlines()[-1].strip()) from None
+        settings = settings.model_copy(update={"backend": section})
+    if not settings.workload.agents:
+        raise ConfigError("workload.agents", "the config describes no agents to run")
+    return settings
+
+
+async def _run(settings: Settings, report_path: str | None, live: bool, console: Console) -> dict:
+    from .agents.workload import plan, run_workload
+    from .display import live_view
+    from .report import build_report, tenant_table, write_report
+    from .scheduler import Scheduler
+
+    total = len(plan(settings.workload))
+    async with Scheduler(settings) as scheduler:
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            if live:
+                tg.start_soon(live_view, scheduler, total, console)
+            await run_workload(scheduler, settings.workload)
+            tg.cancel_scope.cancel()
+        duration = anyio.current_time() - start
+    report = build_report(scheduler, duration_s=duration, backend=settings.backend.kind)
+    console.print(tenant_table(report))
+    if report_path:
+        write_report(report, report_path)
+        console.print(f"report written to {report_path}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fleetsched", description="Run fleets of LLM agents on shared inference.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the workload a config describes")
+    run.add_argument("config", help="TOML settings file (tenants, backend, workload)")
+    run.add_argument("--backend", choices=["sim", "instant", "vllm-server", "vllm-engine"], help="override backend.kind")
+    run.add_argument("--report", metavar="FILE.json", help="write the run's figures as JSON")
+    run.add_argument("--no-live", action="store_true", help="no live view, only the final table")
+
+    bench_cmd = commands.add_parser("bench", help="run a benchmark", add_help=False)
+    bench_cmd.add_argument("name", nargs="?", help=", ".join(f"{k}: {v}" for k, v in bench.BENCHMARKS.items()))
+    bench_cmd.add_argument("rest", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # logs and CI: do not squeeze the tables to 80 columns
+    if args.command == "bench":
+        if not args.name:
+            for name, text in bench.BENCHMARKS.items():
+                console.print(f"{name:14} {text}")
+            return 0
+        return bench.run(args.name, args.rest)
+    try:
+        settings = _load(args.config, args.backend)
+    except ConfigError as exc:
+        print(f"fleetsched: config error: {exc}", file=sys.stderr)
+        return 2
+    anyio.run(_run, settings, args.report, not args.no_live, console)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
