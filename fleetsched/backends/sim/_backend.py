@@ -1,0 +1,289 @@
+"""`SimBackend`: the async front of the simulated engine, on anyio time.
+
+One engine-loop task, owned by the backend's task group, drives `SimEngine`: schedule a step,
+``await anyio.sleep(duration)``, apply it, wake the consumers that have new tokens. With nothing
+to do it waits on an event (no polling). Because time is read only through anyio, the same code
+runs on real time (asyncio or trio) and on virtual time (trio's MockClock).
+
+Consumers never block the engine: tokens are counters on the request, and a consumer that falls
+behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from fleetsched.errors import BackendError, BackendUnavailable
+from fleetsched.settings import SimSettings
+
+from ..base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, make_chunk, new_completion_id, usage_dict
+from ._engine import FINISHED, SimEngine, SimRequest
+from ._kv_cache import block_hashes, prompt_text
+
+#: Text of one simulated output token (4 characters: one token by `estimate_prompt_tokens`).
+TOKEN_TEXT = " tok"
+#: Completion length when the body names none (as `requested_max_tokens`).
+DEFAULT_MAX_TOKENS = 256
+
+
+class InvalidRequest(BackendError, ValueError):
+    """The engine refuses this request as it stands (vLLM answers HTTP 400). Not retryable."""
+
+
+class ContextTooLong(InvalidRequest):
+    """Prompt plus completion exceed ``max_model_len`` or what the whole KV cache can hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimStatistics:
+    """A snapshot of the engine's counters. Times are seconds on the anyio clock."""
+
+    steps: int
+    busy_s: float
+    """Sum of step durations (time the engine was computing)."""
+    elapsed_s: float
+    """Time since the backend was entered."""
+    running: int
+    waiting: int
+    generated_tokens: int
+    """Output tokens produced (one per decode, plus the first token of each prefill)."""
+    computed_tokens: int
+    """Tokens run through the model: prefill chunks (recomputation included) and decodes."""
+    prompt_tokens_computed: int
+    """`computed_tokens` that were prefill (prompt and recomputed output), not decodes."""
+    requests_finished: int
+    requests_aborted: int
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_cache_usage: float
+
+    @property
+    def busy_fraction(self) -> float:
+        """Share of elapsed time spent in steps (a benchmark's engine_busy_frac)."""
+        return self.busy_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens per second of elapsed time."""
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.busy_s / self.steps if self.steps else 0.0
+
+
+class SimBackend(Backend):
+    """A calibrated model of vLLM v1's continuous-batching engine (backend kind ``"sim"``).
+
+    Use as ``async with SimBackend(settings) as backend:``; entering starts the engine loop,
+    leaving stops it and fails streams still open with `BackendUnavailable`. `stream_chat`
+    checks the body at once (`InvalidRequest`, `ContextTooLong`) and streams exactly
+    ``max_tokens`` tokens (vLLM with ``ignore_eos``), then a chunk with ``finish_reason
+    "length"`` and ``usage``. Leaving the stream early aborts the request in the engine.
+    """
+
+    name = "sim"
+
+    def __init__(self, settings: SimSettings | None = None, model: str = "fleetsched-sim") -> None:
+        self.settings = settings or SimSettings()
+        self.model = model
+        self.engine = SimEngine(self.settings)
+        self._task_group: TaskGroup | None = None
+        self._wake: anyio.Event | None = None
+        self._closed = False
+        self._started_at = 0.0
+        self._stopped_at: float | None = None
+        self._step_started: float | None = None
+
+    async def __aenter__(self) -> SimBackend:
+        if self._task_group is not None or self._closed:
+            raise RuntimeError("a SimBackend can be entered once")
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._started_at = anyio.current_time()
+        self._task_group.start_soon(self._run, name="sim-engine-loop")
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        self._shut()
+        assert self._task_group is not None
+        self._task_group.cancel_scope.cancel()
+        return await self._task_group.__aexit__(*exc_info)
+
+    async def aclose(self) -> None:
+        """Stop the engine loop; open streams fail with `BackendUnavailable`. Idempotent."""
+        if self._task_group is not None:
+            self._shut()
+            self._task_group.cancel_scope.cancel()
+
+    def _shut(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stopped_at = anyio.current_time()
+        engine = self.engine
+        for request in [*engine.running]:
+            engine.abort(request)
+            if request.waiter is not None:
+                request.waiter.set()
+        while (request := engine.queue.peek()) is not None:
+            engine.abort(request)
+            if request.waiter is not None:
+                request.waiter.set()
+
+    # -- the engine loop -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        engine = self.engine
+        interval = self.settings.stream_interval
+        while True:
+            step = engine.schedule()
+            if step is None:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            requests, counts, duration = step
+            self._step_started = anyio.current_time()
+            await anyio.sleep(duration)
+            self._step_started = None
+            for request in engine.complete(requests, counts, duration):
+                waiter = request.waiter
+                if waiter is not None and (
+                    request.num_output - request.delivered >= interval
+                    or request.delivered == 0
+                    or request.status == FINISHED
+                ):
+                    request.waiter = None
+                    waiter.set()
+
+    def _kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = None
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _validate(self, body: ChatBody) -> SimRequest:
+        if not isinstance(body, Mapping):
+            raise InvalidRequest(f"body: expected a chat-completions request dict, got {type(body).__name__}")
+        messages = body.get("messages")
+        if not messages or not isinstance(messages, (list, tuple)):
+            raise InvalidRequest("messages: a chat request needs a non-empty list of messages")
+        n = body.get("n")
+        if n not in (None, 1):
+            raise InvalidRequest(f"n: the sim backend produces one choice per request (n=1), got n={n!r}")
+        priority = body.get("priority", 0)
+        if priority is None:
+            priority = 0
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequest(f"priority: expected an integer (lower is sooner), got {priority!r}")
+        if self.settings.policy == "fcfs":
+            priority = 0  # vLLM ignores it under fcfs
+        s = self.settings
+        prompt = estimate_prompt_tokens(body)
+        given = body.get("max_completion_tokens") or body.get("max_tokens")
+        if given is not None:
+            if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+                raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {given!r}")
+            max_tokens = given
+        else:
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, s.max_model_len - prompt))
+        total = prompt + max_tokens
+        if total > s.max_model_len:
+            raise ContextTooLong(
+                f"this model's maximum context length is {s.max_model_len} tokens, but the request "
+                f"needs {total} ({prompt} in the messages, {max_tokens} in the completion); "
+                "shorten the messages or lower max_tokens"
+            )
+        capacity = (s.kv_cache_tokens // s.block_size) * s.block_size
+        if total > capacity:
+            raise ContextTooLong(
+                f"the request needs {total} tokens of KV cache ({prompt} prompt + {max_tokens} "
+                f"completion) but the whole cache holds {capacity}; shorten it or enlarge kv_cache_tokens"
+            )
+        hashes = block_hashes(prompt_text(messages), s.block_size, prompt)
+        return SimRequest(0, prompt, max_tokens, hashes, priority)
+
+    def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        """Stream one chat completion. Checks `body` now; the engine sees it on first iteration.
+
+        Raises `InvalidRequest` / `ContextTooLong` (both ValueError) at once for a body the engine
+        would refuse, and `BackendUnavailable` if the backend is not running.
+        """
+        spec = self._validate(body)
+        if self._task_group is None or self._closed:
+            raise BackendUnavailable("the sim backend is not running; use it inside `async with SimBackend(...)`")
+        return self._stream(spec, str(body.get("model") or self.model))
+
+    async def _stream(self, spec: SimRequest, model: str) -> AsyncIterator[Chunk]:
+        if self._closed:
+            raise BackendUnavailable("the sim backend stopped before this request reached it")
+        engine = self.engine
+        request = engine.new_request(spec.prompt_tokens, spec.max_tokens, spec.hashes, spec.priority)
+        self._kick()
+        cid, created = new_completion_id(), int(time.time())
+        try:
+            while True:
+                if request.num_output == request.delivered:
+                    if request.status > FINISHED:  # aborted by shutdown
+                        raise BackendUnavailable("the sim backend stopped while this request was in flight")
+                    waiter = request.waiter = anyio.Event()
+                    await waiter.wait()
+                    continue
+                count = request.num_output - request.delivered
+                role = "assistant" if request.delivered == 0 else None
+                request.delivered = request.num_output
+                yield make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count)
+                if request.status == FINISHED and request.delivered == request.num_output:
+                    usage = usage_dict(request.prompt_tokens, request.num_output)
+                    yield make_chunk(cid, model, created, finish_reason="length", usage=usage)
+                    return
+        finally:
+            request.waiter = None
+            if not request.done:
+                engine.abort(request)
+                self._kick()
+
+    # -- what the engine says about itself -----------------------------------------------------
+
+    async def signals(self) -> EngineSignals:
+        engine = self.engine
+        return EngineSignals(
+            running=len(engine.running),
+            waiting=len(engine.queue),
+            kv_cache_usage=engine.pool.usage,
+            preemptions_total=float(engine.preemptions),
+            prefix_cache_queries_total=float(engine.prefix_queries),
+            prefix_cache_hits_total=float(engine.prefix_hits),
+        )
+
+    def statistics(self) -> SimStatistics:
+        """Counters so far; `busy_fraction` compares step time with time since entering."""
+        engine = self.engine
+        now = self._stopped_at if self._stopped_at is not None else anyio.current_time()
+        busy = engine.busy_s
+        if self._step_started is not None and self._stopped_at is None:
+            busy += now - self._step_started  # the step under way, so far
+        return SimStatistics(
+            steps=engine.steps,
+            busy_s=busy,
+            elapsed_s=max(0.0, now - self._started_at) if self._task_group is not None else 0.0,
+            running=len(engine.running),
+            waiting=len(engine.queue),
+            generated_tokens=engine.generated_tokens,
+            computed_tokens=engine.computed_tokens,
+            prompt_tokens_computed=engine.prompt_computed,
+            requests_finished=engine.finished,
+            requests_aborted=engine.aborted,
+            preemptions=engine.preemptions,
+            prefix_cache_queries=engine.prefix_queries,
+            prefix_cache_hits=engine.prefix_hits,
+            kv_cache_usage=engine.pool.usage,
+        )

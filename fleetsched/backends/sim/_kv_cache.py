@@ -1,0 +1,131 @@
+"""The simulated KV cache: a pool of fixed-size blocks with prefix caching (vLLM v1's BlockPool).
+
+Blocks are plain ints. A block is either held (reference count > 0) or free; free blocks sit in
+one LRU queue, oldest first, and allocation takes from its head. A free block may still carry the
+hash of the prompt block it holds: a later request with the same prefix reuses it (a prefix cache
+hit) until allocation evicts it. Requests free their blocks tail first, so the tail of a chain is
+evicted before its head, as vLLM does.
+
+Invariant (checked by `check()`): ``free + held == num_blocks`` and every cached hash maps to a
+block that carries it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+#: Characters per simulated token: matches `estimate_prompt_tokens` (about 4 a token).
+CHARS_PER_TOKEN = 4
+
+
+def prompt_text(messages: Sequence[Any]) -> str:
+    """The prompt as one string whose length is what `estimate_prompt_tokens` counts.
+
+    Each message is framed by 16 characters standing for role and chat-template tokens, so that
+    the same conversation always yields the same text and therefore the same block hashes.
+    """
+    parts: list[str] = []
+    for message in messages:
+        parts.append(f"<|{message.get('role', '')}|>".ljust(16)[:16])
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(part.get("text", "") for part in content if isinstance(part, Mapping))
+    return "".join(parts)
+
+
+def block_hashes(text: str, block_size: int, num_tokens: int) -> list[int]:
+    """Hash chain over the full blocks of a prompt: block i's hash covers blocks 0..i."""
+    span = block_size * CHARS_PER_TOKEN
+    hashes: list[int] = []
+    parent = 0
+    for i in range(num_tokens // block_size):
+        parent = hash((parent, text[i * span : (i + 1) * span]))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockPool:
+    """Fixed-size blocks, reference counted, with an LRU free queue and a prefix-hash map."""
+
+    __slots__ = ("num_blocks", "block_size", "_ref", "_hash", "_free", "_cached")
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        # OrderedDict as an O(1) intrusive list: popitem(last=False) is the LRU end, del is O(1).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that allocation may take (never-used and cached-but-unreferenced alike)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (vLLM's kv_cache_usage_perc)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def lookup(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
+        """Blocks caching the longest prefix of `hashes` (at most `max_blocks`). Touches nothing."""
+        hits: list[int] = []
+        cached = self._cached
+        for h in hashes[:max_blocks]:
+            block = cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_evictable(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` are free (so taking them shrinks the free queue)."""
+        ref = self._ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached `blocks` (prefix hits), pulling free ones off the queue."""
+        ref, free = self._ref, self._free
+        for b in blocks:
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+
+    def allocate(self, n: int, out: list[int]) -> None:
+        """Append `n` fresh blocks to `out`, evicting LRU cached blocks. Caller checked num_free."""
+        free, ref, hashes, cached = self._free, self._ref, self._hash, self._cached
+        for _ in range(n):
+            b = free.popitem(last=False)[0]
+            h = hashes[b]
+            if h is not None:
+                del cached[h]
+                hashes[b] = None
+            ref[b] = 1
+            out.append(b)
+
+    def cache(self, block: int, h: int) -> None:
+        """Record that `block` holds the prompt block hashed `h` (first holder wins)."""
+        if h not in self._cached and self._hash[block] is None:
+            self._cached[h] = block
+            self._hash[block] = h
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference on each of `blocks`, tail first; unreferenced ones join the queue."""
+        ref, free = self._ref, self._free
+        for b in reversed(blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
+                free[b] = None
+
+    def check(self) -> None:
+        """Assert the pool's invariants (for tests)."""
+        held = sum(1 for r in self._ref if r > 0)
+        assert held + len(self._free) == self.num_blocks, (held, len(self._free))
+        assert all(self._ref[b] == 0 for b in self._free)
+        for h, b in self._cached.items():
+            assert self._hash[b] == h

@@ -1,0 +1,265 @@
+"""The sim backend on virtual time: streaming, batching, scheduling policy, KV cache, cancellation.
+
+A step costs exactly `STEP` here (no per-token costs) unless a test says otherwise, so times are
+whole numbers of steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import anyio
+import pytest
+
+from fleetsched.backends.base import collect_chat
+from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend
+from fleetsched.errors import BackendError, BackendUnavailable
+from fleetsched.settings import SimSettings
+
+pytestmark = pytest.mark.anyio
+
+STEP = 0.01
+_tags = itertools.count()
+
+
+def flat(**overrides: object) -> SimSettings:
+    """A profile where every step costs STEP, with small blocks so that tests stay small."""
+    values: dict[str, object] = dict(
+        step_base_s=STEP, step_per_token_s=0.0, step_per_context_token_s=0.0, step_per_seq_s=0.0,
+        block_size=16, kv_cache_tokens=16384,
+    )  # fmt: skip
+    values.update(overrides)
+    return SimSettings(**values)  # type: ignore[arg-type]
+
+
+def body(prompt_tokens: int, max_tokens: int, *, priority: int | None = None, text: str | None = None) -> dict:
+    """A request of exactly `prompt_tokens` (by estimate_prompt_tokens); unique text unless given."""
+    if text is None:
+        text = f"{next(_tags):08d}"
+    content = (text * (4 * prompt_tokens))[: 4 * prompt_tokens - 16]
+    b: dict = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    if priority is not None:
+        b["priority"] = priority
+    return b
+
+
+async def run_one(backend: SimBackend, b: dict, log: dict | None = None, key: object = None) -> dict:
+    """Consume one stream; record (first token time, end time) under `key` in `log`."""
+    chunks, first = [], None
+    async for chunk in backend.stream_chat(b):
+        if first is None:
+            first = anyio.current_time()
+        chunks.append(chunk)
+    if log is not None:
+        log[key] = (first, anyio.current_time())
+    return collect_chat(chunks)
+
+
+async def test_stream_shape_and_exact_times():
+    async with SimBackend(flat(), model="sim-model") as backend:
+        t0 = anyio.current_time()
+        chunks = []
+        times = []
+        async for chunk in backend.stream_chat(body(32, 5)):
+            chunks.append(chunk)
+            times.append(anyio.current_time() - t0)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": " tok"}
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "m" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 32, "completion_tokens": 5, "total_tokens": 37}
+    assert collect_chat(chunks)["choices"][0]["message"]["content"] == " tok" * 5
+    # One prefill step yields the first token, then one token a step.
+    assert times[:5] == pytest.approx([STEP, 2 * STEP, 3 * STEP, 4 * STEP, 5 * STEP])
+
+
+async def test_throughput_grows_with_concurrency():
+    settings = flat(step_base_s=0.005, step_per_seq_s=0.0005)
+
+    async def throughput(concurrency: int) -> float:
+        async with SimBackend(settings) as backend:
+            t0 = anyio.current_time()
+            async with anyio.create_task_group() as tg:
+                for _ in range(concurrency):
+                    tg.start_soon(run_one, backend, body(32, 50))
+            return concurrency * 50 / (anyio.current_time() - t0)
+
+    one, sixteen = await throughput(1), await throughput(16)
+    assert sixteen > 5 * one
+
+
+async def test_max_num_seqs_caps_the_batch_and_the_rest_waits():
+    log: dict = {}
+    async with SimBackend(flat(max_num_seqs=2)) as backend:
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(run_one, backend, body(32, 10), log, i)
+                await anyio.sleep(STEP / 100)  # arrive in this order (trio starts tasks in any order)
+            await anyio.sleep(STEP)
+            signals = await backend.signals()
+            assert (signals.running, signals.waiting) == (2, 2)
+    # 0 starts a step alone, the rest arrive during it; 1 joins the next step. 2 takes 0's slot when
+    # 0 has its 10 tokens, 3 takes 1's.
+    assert [log[i][0] for i in range(4)] == pytest.approx([STEP, 2 * STEP, 11 * STEP, 12 * STEP])
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("priority", ["urgent", "b", "c"]), ("fcfs", ["b", "c", "urgent"])])
+async def test_priority_policy_serves_urgent_first_and_never_preempts(policy: str, expected: list[str]):
+    log: dict = {}
+    async with SimBackend(flat(max_num_seqs=1, policy=policy)) as backend:  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_one, backend, body(16, 5, priority=0), log, "a")
+            await anyio.sleep(STEP / 2)
+            for key, priority in [("b", 0), ("c", 0), ("urgent", -10)]:
+                tg.start_soon(run_one, backend, body(16, 5, priority=priority), log, key)
+                await anyio.sleep(STEP / 100)
+    assert log["a"][1] == pytest.approx(5 * STEP)  # the running request was not preempted
+    assert sorted(log, key=lambda k: log[k][0])[1:] == expected
+    assert (await backend.signals()).preemptions_total == 0
+
+
+async def test_chunked_prefill_splits_a_long_prompt_across_steps():
+    async with SimBackend(flat(max_num_batched_tokens=64)) as backend:
+        log: dict = {}
+        await run_one(backend, body(200, 1), log, "x")
+        stats = backend.statistics()
+    assert log["x"][0] == pytest.approx(4 * STEP)  # 64 + 64 + 64 + 8 tokens
+    assert stats.steps == 4 and stats.prompt_tokens_computed == 200 and stats.generated_tokens == 1
+
+
+async def test_prefix_cache_hit_shortens_ttft_and_counts_tokens():
+    log: dict = {}
+    async with SimBackend(flat(max_num_batched_tokens=64)) as backend:
+        prompt = body(160, 2, text="the same system prompt and history ")
+        await run_one(backend, prompt, log, "cold")
+        t = anyio.current_time()
+        await run_one(backend, prompt, log, "warm")
+        signals = await backend.signals()
+    assert log["cold"][0] == pytest.approx(3 * STEP)  # 64 + 64 + 32
+    assert log["warm"][0] - t == pytest.approx(STEP)  # 9 of 10 blocks hit: 16 tokens left
+    assert signals.prefix_cache_queries_total == 320
+    assert signals.prefix_cache_hits_total == 144  # the last full block is always recomputed
+
+
+async def test_preemption_when_the_cache_is_short_and_all_finish():
+    results: dict = {}
+    async with SimBackend(flat(kv_cache_tokens=160)) as backend:  # 10 blocks; 4 requests want 16
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+
+                async def one(i: int = i) -> None:
+                    results[i] = await run_one(backend, body(20, 40))
+
+                tg.start_soon(one)
+        signals = await backend.signals()
+        backend.engine.pool.check()
+    assert signals.preemptions_total and signals.preemptions_total > 0
+    assert all(r["usage"]["completion_tokens"] == 40 for r in results.values())
+    assert all(r["choices"][0]["message"]["content"] == " tok" * 40 for r in results.values())
+    assert signals.kv_cache_usage == 0.0 and signals.running == 0
+
+
+async def test_leaving_the_stream_aborts_and_frees_blocks():
+    async with SimBackend(flat()) as backend:
+        stream = backend.stream_chat(body(64, 1000))
+        async for _ in stream:
+            if (await backend.signals()).kv_cache_usage > 0:
+                break
+        await stream.aclose()  # type: ignore[attr-defined]
+        signals = await backend.signals()
+        assert signals.running == 0 and signals.kv_cache_usage == 0.0
+
+        with anyio.move_on_after(3.5 * STEP):  # cancelled while waiting for a token
+            await run_one(backend, body(64, 1000))
+        signals = await backend.signals()
+        assert signals.running == 0 and signals.kv_cache_usage == 0.0
+        await anyio.sleep(STEP)  # the step under way when it was cancelled completes
+        stats = backend.statistics()
+        await anyio.sleep(10)  # idle: the loop waits on an event, it does not spin
+        assert backend.statistics().steps == stats.steps
+    assert stats.requests_aborted == 2 and stats.requests_finished == 0
+
+
+async def test_bad_inputs_raise_at_once():
+    async with SimBackend(flat(max_model_len=256, kv_cache_tokens=160)) as backend:
+        with pytest.raises(ValueError, match="messages"):
+            backend.stream_chat({"model": "m", "messages": []})
+        with pytest.raises(BackendError, match="n=1"):
+            backend.stream_chat({**body(10, 5), "n": 2})
+        with pytest.raises(InvalidRequest, match="max_tokens"):
+            backend.stream_chat(body(10, 0) | {"max_tokens": -1})
+        with pytest.raises(InvalidRequest, match="priority"):
+            backend.stream_chat(body(10, 5) | {"priority": "high"})
+        with pytest.raises(ContextTooLong, match="maximum context length is 256"):
+            backend.stream_chat(body(250, 10))
+        with pytest.raises(ContextTooLong, match="whole cache holds 160"):
+            backend.stream_chat(body(150, 20))
+        assert backend.engine.queue.peek() is None
+    with pytest.raises(BackendUnavailable, match="not running"):
+        backend.stream_chat(body(10, 5))
+
+
+async def test_streams_open_at_shutdown_fail_cleanly():
+    errors: list[BaseException] = []
+
+    async def consume(backend: SimBackend) -> None:
+        try:
+            await run_one(backend, body(16, 1000))
+        except BackendUnavailable as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        async with SimBackend(flat()) as backend:
+            tg.start_soon(consume, backend)
+            await anyio.sleep(5 * STEP)
+    assert len(errors) == 1 and "stopped" in str(errors[0])
+
+
+async def test_statistics_busy_fraction():
+    async with SimBackend(flat()) as backend:
+        await run_one(backend, body(16, 5))
+        await anyio.sleep(5 * STEP)
+        stats = backend.statistics()
+    assert stats.steps == 5 and stats.busy_s == pytest.approx(5 * STEP)
+    assert stats.busy_fraction == pytest.approx(0.5)
+    assert stats.generated_tokens == 5 and stats.requests_finished == 1
+
+
+async def test_slow_consumer_does_not_stall_the_engine():
+    async with SimBackend(flat()) as backend:
+        fast_done: list[float] = []
+        slow_chunks: list[dict] = []
+
+        async def slow() -> None:
+            async for chunk in backend.stream_chat(body(16, 20)):
+                slow_chunks.append(chunk)
+                await anyio.sleep(1.0)
+
+        async def fast() -> None:
+            await run_one(backend, body(16, 20))
+            fast_done.append(anyio.current_time())
+
+        t0 = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(slow)
+            tg.start_soon(fast)
+    assert fast_done[0] - t0 == pytest.approx(20 * STEP)
+    # The slow consumer got the tokens it missed coalesced: its second chunk carries 19 of them.
+    assert [c["choices"][0]["delta"].get("content") for c in slow_chunks] == [" tok", " tok" * 19, None]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_works_on_asyncio_in_real_time():
+    settings = SimSettings(step_base_s=0.0005, step_per_seq_s=0.0, step_per_token_s=0.0, block_size=16)
+    results: list[dict] = []
+    with anyio.fail_after(10):
+        async with SimBackend(settings) as backend:
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+
+                    async def one() -> None:
+                        results.append(await run_one(backend, body(40, 8)))
+
+                    tg.start_soon(one)
+            stats = backend.statistics()
+    assert [r["usage"]["completion_tokens"] for r in results] == [8, 8, 8, 8]
+    assert stats.steps == 8 and stats.elapsed_s >= stats.busy_s > 0
