@@ -1,0 +1,432 @@
+"""The vLLM server backend: OpenAI chat completions over HTTP to one or more vLLM replicas.
+
+Each replica (a vLLM OpenAI-compatible server) gets its own `AsyncOpenAI` client and its own
+`CircuitBreaker`. A call goes to the replica named by the caller (``replica=`` or the body key
+``"fleetsched_replica"``, which is removed before the body is sent), else to the replica with the
+fewest calls in flight whose breaker is not open.
+
+What is retried: connection errors, 429 and 5xx, with jittered exponential backoff, bounded by
+attempts (never by elapsed time, so virtual-time tests stay exact), and only until the first chunk
+arrived; after that a failure is the caller's (a model call is not idempotent once it streamed).
+
+The body is forwarded as is: keys the SDK does not name (``priority``, vLLM sampling extras) travel
+in ``extra_body``. vLLM honours ``priority`` only under ``--scheduling-policy priority``; the
+backend checks the policy once per replica and logs a warning when it is not (see
+`VLLMServerBackend.scheduling_policy` for how it is found).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import httpx
+import openai
+from openai import AsyncOpenAI
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from ..errors import BackendError, BackendUnavailable, Overloaded
+from .base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, make_chunk, usage_dict
+from .metrics import merge_signals, parse_vllm_metrics
+
+try:  # openai >= 2 speaks httpx2; older releases speak httpx.
+    import httpx2
+
+    _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError, httpx2.TransportError)
+except ImportError:  # pragma: no cover - depends on the installed openai
+    _TRANSPORT_ERRORS = (httpx.TransportError,)
+
+logger = logging.getLogger(__name__)
+
+REPLICA_KEY = "fleetsched_replica"
+"""Body key naming the replica a call must go to (removed before the body is sent)."""
+
+ClientFactory = Callable[[str, str], AsyncOpenAI]
+"""Builds the client of one replica from (base_url, api_key); tests inject mock transports."""
+
+
+class CircuitBreaker:
+    """Consecutive-failure circuit breaker with a half-open probe. Synchronous; time is passed in.
+
+    Closed: calls pass. After `failures` consecutive failed calls it opens: calls are refused for
+    `reset_s` seconds. Then it is half-open: one probe call passes (others are refused); its
+    success closes the breaker, its failure opens it again for another `reset_s`.
+    """
+
+    def __init__(self, failures: int = 5, reset_s: float = 30.0) -> None:
+        if failures < 1 or reset_s <= 0:
+            raise ValueError("failures must be >= 1 and reset_s > 0")
+        self.failures = failures
+        self.reset_s = reset_s
+        self.consecutive_failures = 0
+        self.opened_at: float | None = None
+        self.probing = False
+
+    def state(self, now: float) -> Literal["closed", "open", "half-open"]:
+        if self.opened_at is None:
+            return "closed"
+        return "half-open" if now - self.opened_at >= self.reset_s else "open"
+
+    def acquire(self, now: float) -> bool:
+        """Ask to make a call now. True: go ahead (and report with `record_*` or `release`)."""
+        state = self.state(now)
+        if state == "closed":
+            return True
+        if state == "half-open" and not self.probing:
+            self.probing = True
+            return True
+        return False
+
+    def retry_in(self, now: float) -> float:
+        """Seconds until a refused caller may try again."""
+        if self.opened_at is None:
+            return 0.0
+        return max(0.0, self.opened_at + self.reset_s - now)
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.opened_at = None
+        self.probing = False
+
+    def record_failure(self, now: float) -> None:
+        self.consecutive_failures += 1
+        if self.probing or self.consecutive_failures >= self.failures:
+            self.opened_at = now
+        self.probing = False
+
+    def release(self) -> None:
+        """A granted call ended without a verdict (it was cancelled): free the probe slot."""
+        self.probing = False
+
+
+@dataclass(eq=False)
+class Replica:
+    """One vLLM server: its client, breaker and the calls this backend has in flight there."""
+
+    name: str
+    url: str
+    client: AsyncOpenAI
+    breaker: CircuitBreaker
+    in_flight: int = 0
+    scheduling_policy: str | None = None
+    policy_checked: bool = False
+    last_signals: EngineSignals = field(default_factory=EngineSignals)
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code == 429 or exc.status_code >= 500
+    return isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS))
+
+
+def _retry_after(exc: openai.APIStatusError, default: float = 1.0) -> float:
+    try:
+        return max(0.0, float(exc.response.headers.get("retry-after", default)))
+    except (TypeError, ValueError):
+        return default
+
+
+def translate_error(exc: BaseException, replica: str) -> BackendError:
+    """The fleetsched error for a foreign exception raised while calling `replica`."""
+    if isinstance(exc, openai.RateLimitError):
+        return Overloaded(f"vLLM replica {replica} rate-limited the call", _retry_after(exc))
+    if isinstance(exc, openai.APIStatusError):
+        if exc.status_code == 503:
+            return Overloaded(f"vLLM replica {replica} is overloaded: {exc.message}", _retry_after(exc))
+        if exc.status_code >= 500:
+            return BackendUnavailable(f"vLLM replica {replica} failed with {exc.status_code}: {exc.message}")
+        return BackendError(f"vLLM replica {replica} rejected the call ({exc.status_code}): {exc.message}")
+    if isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS)):
+        return BackendUnavailable(f"cannot reach vLLM replica {replica}: {exc}")
+    return BackendError(f"vLLM replica {replica}: {exc}")
+
+
+def _default_client(base_url: str, api_key: str) -> AsyncOpenAI:
+    # The SDK's own retries are off: ours know about the breaker and the first chunk.
+    return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+
+
+class VLLMServerBackend(Backend):
+    """Stream chat completions from vLLM OpenAI-compatible servers.
+
+    `urls` are server roots (``http://host:port``, no ``/v1``); a mapping names the replicas,
+    a sequence names them ``r0``, ``r1``, ... Use as an async context manager, or call `aclose`.
+    """
+
+    name = "vllm-server"
+
+    def __init__(
+        self,
+        urls: str | Sequence[str] | Mapping[str, str],
+        *,
+        model: str = "fleetsched-tiny",
+        api_key: str = "EMPTY",
+        retry_attempts: int = 4,
+        retry_initial_s: float = 0.25,
+        retry_max_s: float = 8.0,
+        breaker_failures: int = 5,
+        breaker_reset_s: float = 30.0,
+        client_factory: ClientFactory | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        if isinstance(urls, str):
+            urls = [urls]
+        named = dict(urls) if isinstance(urls, Mapping) else {f"r{i}": u for i, u in enumerate(urls)}
+        if not named:
+            raise ValueError("at least one vLLM server URL is needed")
+        factory = client_factory or _default_client
+        self.model = model
+        self.retry_attempts = retry_attempts
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self._replicas = {
+            name: Replica(
+                name=name,
+                url=url.rstrip("/").removesuffix("/v1"),
+                client=factory(url.rstrip("/").removesuffix("/v1") + "/v1", api_key),
+                breaker=CircuitBreaker(breaker_failures, breaker_reset_s),
+            )
+            for name, url in named.items()
+        }
+        self._http = http_client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._own_http = http_client is None
+
+    @classmethod
+    def from_settings(cls, settings: Any, **overrides: Any) -> VLLMServerBackend:
+        """Build from a `fleetsched.settings.BackendSettings` section."""
+        options: dict[str, Any] = dict(
+            model=settings.model,
+            api_key=settings.api_key,
+            retry_attempts=settings.retry_attempts,
+            retry_initial_s=settings.retry_initial_s,
+            retry_max_s=settings.retry_max_s,
+            breaker_failures=settings.breaker_failures,
+            breaker_reset_s=settings.breaker_reset_s,
+        )
+        options.update(overrides)
+        return cls(settings.urls, **options)
+
+    @property
+    def replicas(self) -> Mapping[str, Replica]:
+        """The replicas by name (read-only view; the dispatcher routes by these names)."""
+        return dict(self._replicas)
+
+    def pick_replica(self, name: str | None = None) -> Replica:
+        """The replica `name`, or the least-loaded one whose breaker is not open.
+
+        Raises `BackendError` for an unknown name. A named replica is returned even when its
+        breaker is open (the call will then raise `BackendUnavailable`): affinity is the caller's
+        choice, and failing over is too.
+        """
+        if name is not None:
+            try:
+                return self._replicas[name]
+            except KeyError:
+                raise BackendError(f"unknown vLLM replica {name!r}; replicas: {', '.join(self._replicas)}") from None
+        now = anyio.current_time()
+        candidates = [r for r in self._replicas.values() if r.breaker.state(now) != "open"]
+        return min(candidates or self._replicas.values(), key=lambda r: r.in_flight)
+
+    async def stream_chat(self, body: ChatBody, *, replica: str | None = None) -> AsyncIterator[Chunk]:
+        """Stream one chat completion; see the module docstring for routing and retries.
+
+        Raises `BackendUnavailable` (unreachable, 5xx, breaker open), `Overloaded` (429/503) or
+        `BackendError` (the server rejected the body). Leaving the iteration early or being
+        cancelled closes the HTTP stream, and vLLM aborts the request.
+        """
+        request = dict(body)
+        target = self.pick_replica(request.pop(REPLICA_KEY, None) or replica)
+        kwargs = self._create_kwargs(request)
+        if not target.policy_checked and request.get("priority"):
+            await self.scheduling_policy(target.name)
+
+        breaker = target.breaker
+        if not breaker.acquire(anyio.current_time()):
+            retry_in = breaker.retry_in(anyio.current_time())
+            raise BackendUnavailable(
+                f"circuit open for vLLM replica {target.name} ({target.url}) after "
+                f"{breaker.consecutive_failures} consecutive failures; next probe in {retry_in:.1f} s"
+            )
+        target.in_flight += 1
+        verdict = False
+        stream = None
+        try:
+            try:
+                stream, first = await self._open_with_retries(target, kwargs)
+            except BaseException as exc:
+                if isinstance(exc, openai.APIStatusError) and not _retryable(exc):
+                    breaker.record_success()  # it answered: the replica is up, the body was wrong
+                    verdict = True
+                elif _retryable(exc):
+                    breaker.record_failure(anyio.current_time())
+                    verdict = True
+                if isinstance(exc, Exception) and not isinstance(exc, BackendError):
+                    raise translate_error(exc, target.name) from exc
+                raise
+            breaker.record_success()
+            verdict = True
+            saw_usage = False
+            completion_chunks = 0
+            chunk: Chunk | None = first
+            try:
+                while chunk is not None:
+                    saw_usage = saw_usage or bool(chunk.get("usage"))
+                    completion_chunks += bool(chunk.get("choices"))
+                    yield chunk
+                    chunk = await self._next_chunk(stream)
+            except Exception as exc:
+                if isinstance(exc, BackendError):
+                    raise
+                if _retryable(exc):
+                    breaker.record_failure(anyio.current_time())
+                raise translate_error(exc, target.name) from exc
+            if not saw_usage:  # a server without include_usage support: estimate, keep the seam's promise
+                usage = usage_dict(estimate_prompt_tokens(body), max(0, completion_chunks - 1))
+                yield make_chunk("", kwargs["model"], 0, usage=usage)
+        finally:
+            target.in_flight -= 1
+            if not verdict:
+                breaker.release()
+            if stream is not None:
+                # Closing the response drops the connection; vLLM aborts the request on disconnect.
+                with anyio.CancelScope(shield=True):
+                    await stream.close()
+
+    def _create_kwargs(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            messages = request.pop("messages")
+        except KeyError:
+            raise BackendError("chat body has no 'messages'") from None
+        model = request.pop("model", None) or self.model
+        request.pop("stream", None)
+        stream_options = {**(request.pop("stream_options", None) or {}), "include_usage": True}
+        return dict(
+            model=model, messages=messages, stream=True, stream_options=stream_options, extra_body=request
+        )
+
+    async def _open_with_retries(self, target: Replica, kwargs: dict[str, Any]) -> tuple[Any, Chunk | None]:
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.retry_attempts),
+            wait=wait_exponential_jitter(
+                initial=self.retry_initial_s, max=self.retry_max_s, jitter=self.retry_initial_s
+            ),
+            retry=retry_if_exception(_retryable),
+            sleep=anyio.sleep,
+            before_sleep=lambda state: logger.debug(
+                "vLLM replica %s: attempt %d failed (%r), retrying",
+                target.name,
+                state.attempt_number,
+                state.outcome.exception() if state.outcome else None,
+            ),
+            reraise=True,
+        )
+        return await retrying(self._open, target, kwargs)
+
+    async def _open(self, target: Replica, kwargs: dict[str, Any]) -> tuple[Any, Chunk | None]:
+        """Send the request and wait for its first chunk (a failure up to there is retried)."""
+        stream = await target.client.chat.completions.create(**kwargs)
+        try:
+            return stream, await self._next_chunk(stream)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+            raise
+
+    @staticmethod
+    async def _next_chunk(stream: Any) -> Chunk | None:
+        try:
+            chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        # exclude_unset keeps what the server sent, explicit nulls included (the wire format).
+        return chunk.model_dump(exclude_unset=True)
+
+    async def scheduling_policy(self, replica: str | None = None) -> str | None:
+        """The scheduling policy of `replica` ("priority", "fcfs"), or None when it cannot tell.
+
+        vLLM 0.32 does not put the scheduler config on ``/metrics``; it shows it at
+        ``/server_info`` only when the server runs with ``VLLM_SERVER_DEV_MODE=1``. So: a
+        ``*_info`` metric with a policy label if a future vLLM exports one, else ``/server_info``,
+        else None. The first answer per replica is logged once: a warning when the policy is not
+        priority (then ``priority`` is silently ignored), at info level when it is unknown.
+        """
+        target = self.pick_replica(replica)
+        if target.policy_checked:
+            return target.scheduling_policy
+        policy: str | None = None
+        try:
+            response = await self._http.get(f"{target.url}/metrics")
+            if response.status_code == 200:
+                policy = parse_vllm_metrics(response.text).scheduling_policy
+            if policy is None:
+                response = await self._http.get(f"{target.url}/server_info", params={"config_format": "json"})
+                if response.status_code == 200:
+                    config = response.json().get("vllm_config") or {}
+                    if isinstance(config, Mapping):
+                        policy = (config.get("scheduler_config") or {}).get("policy")
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.debug("vLLM replica %s: could not read its scheduling policy: %r", target.name, exc)
+            return None  # not checked: try again next time
+        target.scheduling_policy = str(policy).lower() if policy is not None else None
+        target.policy_checked = True
+        if target.scheduling_policy is None:
+            logger.info(
+                "vLLM replica %s (%s): cannot see its scheduling policy; request priorities only take "
+                "effect if it runs with --scheduling-policy priority",
+                target.name,
+                target.url,
+            )
+        elif target.scheduling_policy != "priority":
+            logger.warning(
+                "vLLM replica %s (%s) runs the %r scheduling policy: request priorities are ignored. "
+                "Start it with --scheduling-policy priority",
+                target.name,
+                target.url,
+                target.scheduling_policy,
+            )
+        return target.scheduling_policy
+
+    async def replica_signals(self) -> dict[str, EngineSignals]:
+        """Fetch and parse ``/metrics`` of every replica (concurrently). Unreachable ones are left out."""
+        results: dict[str, EngineSignals] = {}
+
+        async def fetch(rep: Replica) -> None:
+            try:
+                response = await self._http.get(f"{rep.url}/metrics")
+                response.raise_for_status()
+                rep.last_signals = parse_vllm_metrics(response.text).signals
+            except (httpx.HTTPError, ValueError) as exc:
+                logger.debug("vLLM replica %s: /metrics failed: %r", rep.name, exc)
+                return
+            results[rep.name] = rep.last_signals
+
+        async with anyio.create_task_group() as tg:
+            for rep in self._replicas.values():
+                tg.start_soon(fetch, rep)
+        return results
+
+    async def signals(self) -> EngineSignals:
+        """Load signals summed over the replicas that answered.
+
+        Raises `BackendUnavailable` when none answered.
+        """
+        per_replica = await self.replica_signals()
+        for name in per_replica:
+            rep = self._replicas[name]
+            if not rep.policy_checked:
+                await self.scheduling_policy(name)
+        if not per_replica:
+            raise BackendUnavailable(
+                f"no vLLM replica answered /metrics ({', '.join(r.url for r in self._replicas.values())})"
+            )
+        return merge_signals(per_replica.values())
+
+    async def aclose(self) -> None:
+        for rep in self._replicas.values():
+            await rep.client.close()
+        if self._own_http:
+            await self._http.aclose()
+

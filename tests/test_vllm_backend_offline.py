@@ -1,0 +1,182 @@
+"""The vLLM server backend's parts that need no server: /metrics parsing, the circuit breaker, and
+retry classification for failures a live vLLM cannot be made to produce on demand (5xx, 429),
+served by a mock transport. Virtual time (trio MockClock, from conftest)."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import httpx
+import httpx2
+import pytest
+from openai import AsyncOpenAI
+
+from fleetsched.backends.base import collect_chat
+from fleetsched.backends.metrics import merge_signals, parse_vllm_metrics
+from fleetsched.backends.vllm_server import CircuitBreaker, VLLMServerBackend
+from fleetsched.errors import BackendError, BackendUnavailable, Overloaded
+
+PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 7.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 100.0
+vllm:prefix_cache_queries_created{engine="0",model_name="tiny"} 1.7e+09
+vllm:prefix_cache_queries_total{engine="1",model_name="tiny"} 20.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 64.0
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 2.0
+vllm:num_preemptions_created{engine="0",model_name="tiny"} 1.7e+09
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 4.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 9.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",engine="0",kv_cache_size_tokens="524288"} 1.0
+"""
+
+
+def test_parse_sums_label_sets_and_skips_created_samples():
+    page = parse_vllm_metrics(PAGE)
+    s = page.signals
+    assert (s.running, s.waiting) == (5, 7)
+    assert s.kv_cache_usage == 0.5  # the fullest engine, not a sum of fractions
+    assert (s.prefix_cache_queries_total, s.prefix_cache_hits_total, s.preemptions_total) == (120.0, 64.0, 2.0)
+    assert page.finished == {"abort": 4.0, "length": 9.0}
+    assert page.cache_config["kv_cache_size_tokens"] == "524288"
+    assert page.scheduling_policy is None  # vLLM 0.32 does not export it
+    assert page.model_names == {"tiny"}
+
+
+def test_policy_read_from_an_info_metric_when_exported():
+    page = parse_vllm_metrics('# TYPE vllm:scheduler_config_info gauge\nvllm:scheduler_config_info{policy="fcfs"} 1.0\n')
+    assert page.scheduling_policy == "fcfs"
+
+
+def test_absent_series_stay_none_and_merge_sums_replicas():
+    empty = parse_vllm_metrics("").signals
+    assert empty.running is None and empty.kv_cache_usage is None
+    merged = merge_signals([parse_vllm_metrics(PAGE).signals, empty, parse_vllm_metrics(PAGE).signals])
+    assert merged.running == 10 and merged.waiting == 14 and merged.kv_cache_usage == 0.5
+
+
+def test_breaker_opens_half_opens_and_closes():
+    breaker = CircuitBreaker(failures=2, reset_s=10.0)
+    assert breaker.acquire(0.0)
+    breaker.record_failure(0.0)
+    assert breaker.state(0.0) == "closed"
+    breaker.record_failure(1.0)
+    assert breaker.state(1.0) == "open" and not breaker.acquire(5.0)
+    assert breaker.retry_in(5.0) == 6.0
+    assert breaker.acquire(11.0)  # the one probe
+    assert not breaker.acquire(11.0)  # others wait for its verdict
+    breaker.record_failure(11.5)  # a failed probe re-opens at once
+    assert breaker.state(12.0) == "open"
+    assert breaker.acquire(21.5)
+    breaker.release()  # a cancelled probe frees the slot without a verdict
+    assert breaker.acquire(21.5)
+    breaker.record_success()
+    assert breaker.state(21.5) == "closed" and breaker.consecutive_failures == 0
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+OK_STREAM = _sse(
+    {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+     "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}]},
+    {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+     "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+     "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}},
+)  # fmt: skip
+
+
+def _backend(responses: list[httpx2.Response], seen: list[dict], **options) -> VLLMServerBackend:
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        seen.append(json.loads(request.content))
+        return responses.pop(0)
+
+    def factory(base_url: str, api_key: str) -> AsyncOpenAI:
+        client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+        return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=client)
+
+    # /metrics and /server_info answer 404: the scheduling policy stays unknown.
+    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    options = {"retry_attempts": 4, "retry_initial_s": 1.0, "retry_max_s": 8.0, **options}
+    return VLLMServerBackend("http://vllm.invalid:8000", client_factory=factory, http_client=http, **options)
+
+
+def _ok() -> httpx2.Response:
+    return httpx2.Response(200, content=OK_STREAM, headers={"content-type": "text/event-stream"})
+
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "priority": -3}
+
+
+@pytest.mark.anyio
+async def test_5xx_is_retried_with_backoff_then_streams():
+    seen: list[dict] = []
+    backend = _backend([httpx2.Response(500, json={"error": "boom"}), httpx2.Response(502), _ok()], seen)
+    began = anyio.current_time()
+    chunks = [c async for c in backend.stream_chat(BODY)]
+    waited = anyio.current_time() - began
+    assert len(seen) == 3
+    assert 1.0 + 2.0 <= waited <= (1.0 + 1.0) + (2.0 + 1.0)  # exponential, jitter up to `initial`
+    assert seen[0]["priority"] == -3 and seen[0]["stream"] is True
+    assert seen[0]["stream_options"] == {"include_usage": True}
+    assert chunks[-1]["usage"]["total_tokens"] == 6
+    assert collect_chat(chunks)["choices"][0]["message"]["content"] == "hi"
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_4xx_is_not_retried_and_does_not_trip_the_breaker():
+    seen: list[dict] = []
+    backend = _backend([httpx2.Response(400, json={"error": {"message": "max_tokens too large"}})], seen, breaker_failures=1)
+    with pytest.raises(BackendError) as info:
+        _ = [c async for c in backend.stream_chat(BODY)]
+    assert type(info.value) is BackendError and "400" in str(info.value)
+    assert len(seen) == 1
+    assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_429_exhausts_attempts_into_overloaded_and_opens_the_breaker():
+    seen: list[dict] = []
+    limited = [httpx2.Response(429, headers={"retry-after": "7"}, json={}) for _ in range(2)]
+    backend = _backend(limited, seen, retry_attempts=2, breaker_failures=1, breaker_reset_s=60.0)
+    with pytest.raises(Overloaded) as info:
+        _ = [c async for c in backend.stream_chat(BODY)]
+    assert info.value.retry_after_s == 7.0 and len(seen) == 2
+    with pytest.raises(BackendUnavailable, match="circuit open"):
+        _ = [c async for c in backend.stream_chat(BODY)]
+    assert len(seen) == 2  # refused without a request
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_named_replica_and_least_loaded_fallback():
+    backend = VLLMServerBackend({"a": "http://a.invalid:1", "b": "http://b.invalid:2/v1"})
+    assert set(backend.replicas) == {"a", "b"} and backend.replicas["b"].url == "http://b.invalid:2"
+    backend.replicas["a"].in_flight = 3
+    assert backend.pick_replica().name == "b"
+    assert backend.pick_replica("a").name == "a"
+    backend.replicas["b"].breaker.record_failure(anyio.current_time())
+    backend.replicas["b"].breaker.opened_at = anyio.current_time()
+    assert backend.pick_replica().name == "a"  # b's breaker is open
+    with pytest.raises(BackendError, match="unknown vLLM replica 'c'"):
+        backend.pick_replica("c")
+    await backend.aclose()
