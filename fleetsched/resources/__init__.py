@@ -1,26 +1,56 @@
-"""Resources: memory pools (the admission gate), concurrency limits, KV sizing."""
+"""Resources: memory pools (the admission gate), placement strategies, compaction, KV sizing."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from ..settings import ResourceSettings
+from .allocator import DEFAULT_PAGE_SIZE, ApplyResult, ExtentPool
+from .defrag import CompactionPlan, DeviceGain, DeviceLayout, ExtentView, Move, plan_compaction
+from .extents import AddressSpace
+from .kv_sizing import KVCacheCapacity, kv_bytes_per_token, parse_vllm_cache_config, session_bytes
 from .memory import CountingPool, DeviceSpec, DeviceStatistics, MemoryPool, MemoryStatistics, Reservation
+from .strategies import DEFAULT_STRATEGY, STRATEGIES, PlacementStrategy, make_strategy
 
 __all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_STRATEGY",
+    "STRATEGIES",
+    "AddressSpace",
+    "ApplyResult",
+    "CompactionPlan",
     "CountingPool",
+    "DeviceGain",
+    "DeviceLayout",
     "DeviceSpec",
     "DeviceStatistics",
+    "ExtentPool",
+    "ExtentView",
+    "KVCacheCapacity",
     "MemoryPool",
     "MemoryStatistics",
+    "Move",
+    "PlacementStrategy",
     "Reservation",
     "create_pool",
+    "kv_bytes_per_token",
+    "make_strategy",
+    "parse_vllm_cache_config",
+    "plan_compaction",
+    "session_bytes",
 ]
 
 
 def create_pool(settings: ResourceSettings, quotas: Mapping[str, int] | None = None) -> MemoryPool:
-    """Build the memory pool that `settings.strategy` names, over `settings.devices`."""
+    """Build the memory pool that `settings.strategy` names, over `settings.devices`.
+
+    "counting" gives a `CountingPool`; every name in `STRATEGIES` an `ExtentPool` with pages of
+    `settings.page_size`. Raises ValueError for an unknown name.
+    """
     devices = [DeviceSpec(d.name, int(d.memory)) for d in settings.devices]
     if settings.strategy == "counting":
         return CountingPool(devices, quotas=quotas)
-    raise ValueError(f"resources.strategy: unknown strategy {settings.strategy!r}; known: counting")
+    if settings.strategy in STRATEGIES:
+        return ExtentPool(devices, strategy=settings.strategy, page_size=int(settings.page_size), quotas=quotas)
+    known = ", ".join(["counting", *STRATEGIES])
+    raise ValueError(f"resources.strategy: unknown strategy {settings.strategy!r}; known: {known}")

@@ -11,15 +11,22 @@
 - A request no device could ever hold fails at once with `RequestTooLarge`; one larger than the
   tenant's whole quota with `QuotaExceeded`.
 - ``Reservation.release()`` is idempotent.
+- ``resize_nowait()`` grows or shrinks a reservation (in place when it can, else by moving it on
+  its device); it does not queue behind waiters, since the session growing is already running.
+- ``fragmentation_failures`` counts distinct requests refused while some device had enough free
+  bytes in total: a request retried (a waiter on every release, or a ``reserve_nowait`` retried
+  with the same `owner`) counts once until it is granted.
 
 Subclasses decide placement only: `_place` finds room for a size on some device, `_unplace`
-gives it back, `_device_statistics` reports per device. `CountingPool` is the simple one (no
+gives it back, `_resize` grows or shrinks in place or moves, `_device_statistics` reports per
+device. `CountingPool` is the simple one (no
 address space, no fragmentation); the fragmentation-aware allocators live beside it.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -69,6 +76,10 @@ class Reservation:
 
     def release(self) -> None:
         self.pool.release(self)
+
+    def resize_nowait(self, nbytes: int) -> bool:
+        """Grow or shrink to `nbytes`; see `MemoryPool.resize_nowait`. True if it moved."""
+        return self.pool.resize_nowait(self, nbytes)
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
@@ -140,6 +151,8 @@ class MemoryPool(ABC):
         self._seq = itertools.count()
         self._listeners: list[Callable[[], None]] = []
         self.fragmentation_failures = 0
+        # Requests refused for fragmentation and not granted since, so a retry counts once.
+        self._refused: OrderedDict[object, None] = OrderedDict()
 
     # -- placement, for subclasses ------------------------------------------------------------
 
@@ -153,6 +166,26 @@ class MemoryPool(ABC):
     @abstractmethod
     def _unplace(self, reservation: Reservation) -> None:
         """Give the reservation's extent back (coalescing is the subclass's business)."""
+
+    def _resize(self, reservation: Reservation, nbytes: int) -> tuple[int, int] | None:
+        """Make `reservation` hold room for `nbytes` on its device: (offset, size held) or None.
+
+        Growing stays in place when the room after it is free, else moves; shrinking frees the
+        tail. Called with the pool's counters still at the old size. The default suits pools
+        without an address space.
+        """
+        if nbytes <= reservation.size:
+            return reservation.offset, nbytes
+        if self._free_bytes(reservation.device) < nbytes - reservation.size:
+            return None
+        return reservation.offset, nbytes
+
+    def _free_bytes(self, device: str) -> int:
+        """Bytes free on `device`, contiguous or not."""
+        return self._device_capacity(device) - self._allocated[device]
+
+    def _device_capacity(self, device: str) -> int:
+        return next(d.capacity for d in self.devices if d.name == device)
 
     def _device_statistics(self) -> tuple[DeviceStatistics, ...]:
         stats = []
@@ -190,7 +223,15 @@ class MemoryPool(ABC):
     def reserve_nowait(
         self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
     ) -> Reservation:
-        """Place a reservation now, or raise `WouldBlock` / `QuotaWouldBlock`."""
+        """Place a reservation now, or raise `WouldBlock` / `QuotaWouldBlock`.
+
+        Retrying after a refusal with the same (hashable) `owner` counts one fragmentation failure.
+        """
+        return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=owner)
+
+    def _reserve_nowait(
+        self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object
+    ) -> Reservation:
         self.check(nbytes, tenant)
         if any(w.priority <= priority and not self._quota_blocks(w.tenant, w.nbytes) for w in self._waiters):
             raise WouldBlock(f"{len(self._waiters)} reservation(s) already waiting ahead")
@@ -199,20 +240,63 @@ class MemoryPool(ABC):
                 f"tenant {tenant!r} holds {self._by_tenant.get(tenant or '', 0):,} of its "
                 f"{self._quotas[tenant or '']:,} byte quota; {nbytes:,} more do not fit"
             )
-        reservation = self._try_place(nbytes, owner, tenant, priority, device)
+        reservation = self._try_place(nbytes, owner, tenant, priority, device, key=key)
         if reservation is None:
             raise WouldBlock(f"no device has {nbytes:,} contiguous bytes free")
         return reservation
+
+    def resize_nowait(self, reservation: Reservation, nbytes: int) -> bool:
+        """Make `reservation` hold `nbytes` on its device; return True if it moved (new offset).
+
+        Grows in place when the memory after it is free, else moves it to a new extent on the
+        same device (the caller copies the data, ``memmove``-style: the new extent may overlap
+        the old). Shrinking frees the tail and hands it to waiters. Raises `WouldBlock` when the
+        device has no room, `QuotaWouldBlock` when the tenant's quota is full, `RequestTooLarge`
+        / `QuotaExceeded` when `nbytes` could never fit, ValueError for a released reservation.
+        """
+        if reservation.pool is not self or reservation._released:
+            raise ValueError(f"cannot resize {reservation!r}: not a live reservation of this pool")
+        if nbytes <= 0:
+            raise ValueError(f"a reservation must hold > 0 bytes, got {nbytes}")
+        capacity = self._device_capacity(reservation.device)
+        if nbytes > capacity:
+            raise RequestTooLarge(nbytes, capacity)
+        tenant = reservation.tenant
+        quota = self._quotas.get(tenant) if tenant is not None else None
+        if quota is not None and nbytes > quota:
+            raise QuotaExceeded(tenant or "", nbytes, quota)
+        delta = nbytes - reservation.nbytes
+        if delta > 0 and self._quota_blocks(tenant, delta):
+            raise QuotaWouldBlock(
+                f"tenant {tenant!r} holds {self._by_tenant.get(tenant or '', 0):,} of its "
+                f"{quota or 0:,} byte quota; growing by {delta:,} does not fit"
+            )
+        old_size = reservation.size
+        placed = self._resize(reservation, nbytes)
+        if placed is None:
+            if self._free_bytes(reservation.device) + old_size >= nbytes:
+                self._count_refusal(reservation)
+            raise WouldBlock(f"device {reservation.device} has no room to grow {reservation!r} to {nbytes:,} bytes")
+        self._refused.pop(reservation, None)
+        offset, size = placed
+        moved = offset != reservation.offset
+        reservation.offset, reservation.size, reservation.nbytes = offset, size, nbytes
+        self._allocated[reservation.device] += size - old_size
+        if tenant is not None:
+            self._by_tenant[tenant] += delta
+        if size < old_size:
+            self._released_memory()
+        return moved
 
     async def acquire(
         self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
     ) -> Reservation:
         """Wait for a reservation, FIFO within `priority`. Cancel-safe."""
+        waiter = _Waiter(nbytes, owner, tenant, priority, next(self._seq), device, anyio.Event())
         try:
-            return self.reserve_nowait(nbytes, owner=owner, tenant=tenant, priority=priority, device=device)
+            return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=waiter)
         except WouldBlock:
             pass
-        waiter = _Waiter(nbytes, owner, tenant, priority, next(self._seq), device, anyio.Event())
         self._waiters.append(waiter)
         self._waiters.sort(key=lambda w: (w.priority, w.seq))
         try:
@@ -222,6 +306,7 @@ class MemoryPool(ABC):
                 waiter.result.release()
             else:
                 self._waiters.remove(waiter)
+                self._refused.pop(waiter, None)
                 self._wake()
             raise
         assert waiter.result is not None
@@ -244,10 +329,15 @@ class MemoryPool(ABC):
             return
         reservation._released = True
         self._live.discard(reservation)
+        self._refused.pop(reservation, None)
         self._unplace(reservation)
         self._allocated[reservation.device] -= reservation.size
         if reservation.tenant is not None:
             self._by_tenant[reservation.tenant] -= reservation.nbytes
+        self._released_memory()
+
+    def _released_memory(self) -> None:
+        """Memory came free (a release, a shrink, a compaction): serve waiters, tell listeners."""
         self._wake()
         for listener in list(self._listeners):
             listener()
@@ -282,12 +372,38 @@ class MemoryPool(ABC):
         quota = self._quotas.get(tenant) if tenant is not None else None
         return quota is not None and self._by_tenant.get(tenant or "", 0) + nbytes > quota
 
-    def _try_place(self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None) -> Reservation | None:
+    #: Refused requests remembered at most, so owners that give up do not leak memory.
+    _REFUSED_MEMORY = 65536
+
+    def _count_refusal(self, key: object) -> None:
+        """Count a fragmentation failure, once per distinct request (`key`; None: always)."""
+        if key is None:
+            self.fragmentation_failures += 1
+            return
+        try:
+            if key in self._refused:
+                return
+            self._refused[key] = None
+        except TypeError:  # an unhashable owner: cannot recognise its retries
+            self.fragmentation_failures += 1
+            return
+        self.fragmentation_failures += 1
+        if len(self._refused) > self._REFUSED_MEMORY:
+            self._refused.popitem(last=False)
+
+    def _try_place(
+        self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object = None
+    ) -> Reservation | None:
         placed = self._place(nbytes, device)
         if placed is None:
-            if any(d.capacity - self._allocated[d.name] >= nbytes for d in self.devices):
-                self.fragmentation_failures += 1
+            if any(self._free_bytes(d.name) >= nbytes for d in self.devices):
+                self._count_refusal(key)
             return None
+        if key is not None:
+            try:
+                self._refused.pop(key, None)
+            except TypeError:
+                pass
         name, offset, size = placed
         reservation = Reservation(self, owner, tenant, nbytes, size, name, offset, priority)
         self._allocated[name] += size
@@ -301,7 +417,9 @@ class MemoryPool(ABC):
         for waiter in list(self._waiters):
             if self._quota_blocks(waiter.tenant, waiter.nbytes):
                 continue
-            reservation = self._try_place(waiter.nbytes, waiter.owner, waiter.tenant, waiter.priority, waiter.device)
+            reservation = self._try_place(
+                waiter.nbytes, waiter.owner, waiter.tenant, waiter.priority, waiter.device, key=waiter
+            )
             if reservation is None:
                 return
             self._waiters.remove(waiter)

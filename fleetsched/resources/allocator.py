@@ -1,0 +1,235 @@
+"""`ExtentPool`: a memory pool with a paged address space per device and a placement strategy.
+
+Each device is an `AddressSpace` of fixed-size pages (``page_size`` bytes, 2 MiB by default); a
+reservation holds one contiguous extent, its bytes rounded up to whole pages (and further by
+strategies that round to classes). The rounding is reported as internal fragmentation.
+
+Placement over several devices: a `device=` preference wins when the request fits there;
+otherwise every device's strategy proposes an offset and the pool keeps the device whose
+placement leaves the lowest fragmentation rate, then the least free memory (pack, so whole
+devices stay free for large requests), then the device listed first.
+
+Compaction: `plan_compaction()` asks the pure planner in `defrag` for a plan over the live
+extents; `apply_plan()` carries it out move by move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from .defrag import CompactionPlan, DeviceLayout, ExtentView, Move, plan_compaction
+from .extents import AddressSpace
+from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation
+from .strategies import DEFAULT_STRATEGY, PlacementStrategy, make_strategy
+
+DEFAULT_PAGE_SIZE = 2 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """What `ExtentPool.apply_plan` did."""
+
+    applied: int
+    #: Moves left out because their reservation was released, became unmovable or was moved.
+    skipped: int
+    moved_bytes: int
+
+
+class ExtentPool(MemoryPool):
+    """A pool whose devices are paged address spaces; see the module docstring."""
+
+    def __init__(
+        self,
+        devices: Sequence[DeviceSpec],
+        *,
+        strategy: str | PlacementStrategy = DEFAULT_STRATEGY,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        quotas: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(devices, quotas=quotas)
+        if page_size <= 0:
+            raise ValueError(f"page size must be > 0 bytes, got {page_size}")
+        self.page_size = page_size
+        self.strategy = make_strategy(strategy) if isinstance(strategy, str) else strategy
+        self._spaces: dict[str, AddressSpace] = {}
+        for d in self.devices:
+            pages = d.capacity // page_size
+            if pages == 0:
+                raise ValueError(f"device {d.name!r} ({d.capacity:,} B) is smaller than one page ({page_size:,} B)")
+            self._spaces[d.name] = AddressSpace(pages, address_index=self.strategy.address_index)
+        self._internal: dict[str, int] = {d.name: 0 for d in self.devices}
+        self._count: dict[str, int] = {d.name: 0 for d in self.devices}
+
+    def space(self, device: str) -> AddressSpace:
+        """The address space of `device` (read it; change it only through the pool)."""
+        return self._spaces[device]
+
+    @property
+    def largest_device(self) -> int:
+        return max(s.pages for s in self._spaces.values()) * self.page_size
+
+    # -- placement -------------------------------------------------------------------------------
+
+    def _pages(self, nbytes: int, space: AddressSpace) -> int:
+        return self.strategy.round(-(-nbytes // self.page_size), space)
+
+    def _place(self, nbytes: int, device: str | None) -> tuple[str, int, int] | None:
+        if device is not None and device in self._spaces:
+            placed = self._place_on(device, nbytes)
+            if placed is not None:
+                return placed
+        best: tuple[tuple[float, int, int], str, int, int] | None = None
+        for index, (name, space) in enumerate(self._spaces.items()):
+            n = self._pages(nbytes, space)
+            if n > space.largest_free:
+                continue
+            offset = self.strategy.choose(space, n)
+            if offset is None:
+                continue
+            key = (self._fragmentation_after(space, offset, n), space.free_pages - n, index)
+            if best is None or key < best[0]:
+                best = (key, name, offset, n)
+        if best is None:
+            return None
+        _, name, offset, n = best
+        return self._commit(name, offset, n, nbytes)
+
+    def _place_on(self, name: str, nbytes: int) -> tuple[str, int, int] | None:
+        space = self._spaces[name]
+        n = self._pages(nbytes, space)
+        offset = self.strategy.choose(space, n) if n <= space.largest_free else None
+        return None if offset is None else self._commit(name, offset, n, nbytes)
+
+    def _commit(self, name: str, offset: int, n: int, nbytes: int) -> tuple[str, int, int]:
+        self._spaces[name].allocate(offset, n)
+        size = n * self.page_size
+        self._internal[name] += size - nbytes
+        self._count[name] += 1
+        return name, offset * self.page_size, size
+
+    @staticmethod
+    def _fragmentation_after(space: AddressSpace, offset: int, n: int) -> float:
+        """The device's fragmentation rate if `n` pages at `offset` were taken."""
+        hole = space.free_extent_containing(offset)
+        assert hole is not None
+        start, length = hole
+        free = space.free_pages - n
+        if free == 0:
+            return 0.0
+        largest = max(space.largest_other_than(start, length), offset - start, start + length - offset - n)
+        return (free - largest) / free
+
+    def _unplace(self, reservation: Reservation) -> None:
+        self._spaces[reservation.device].release(reservation.offset // self.page_size)
+        self._internal[reservation.device] -= reservation.size - reservation.nbytes
+        self._count[reservation.device] -= 1
+
+    def _resize(self, reservation: Reservation, nbytes: int) -> tuple[int, int] | None:
+        space = self._spaces[reservation.device]
+        old = reservation.size // self.page_size
+        start = reservation.offset // self.page_size
+        n = self._pages(nbytes, space)
+        offset = start
+        if n < old:
+            space.truncate(start, n)
+        elif n > old and not space.try_extend(start, n):
+            # Move: free the old extent first so the new one may reuse (overlap) it.
+            space.release(start)
+            found = self.strategy.choose(space, n) if n <= space.largest_free else None
+            if found is None:
+                space.allocate(start, old)  # the freed run is still free: restore exactly
+                return None
+            space.allocate(found, n)
+            offset = found
+        size = n * self.page_size
+        self._internal[reservation.device] += (size - nbytes) - (reservation.size - reservation.nbytes)
+        return offset * self.page_size, size
+
+    def _free_bytes(self, device: str) -> int:
+        return self._spaces[device].free_pages * self.page_size
+
+    def _device_capacity(self, device: str) -> int:
+        return self._spaces[device].pages * self.page_size
+
+    # -- statistics ------------------------------------------------------------------------------
+
+    def _device_statistics(self) -> tuple[DeviceStatistics, ...]:
+        page = self.page_size
+        stats = []
+        for name, space in self._spaces.items():
+            stats.append(
+                DeviceStatistics(
+                    name=name,
+                    total=space.pages * page,
+                    allocated=space.used_pages * page,
+                    free=space.free_pages * page,
+                    largest_free=space.largest_free * page,
+                    fragmentation=space.fragmentation,
+                    external_fragmentation=space.external_fragmentation,
+                    internal_fragmentation=self._internal[name],
+                    reservations=self._count[name],
+                )
+            )
+        return tuple(stats)
+
+    # -- compaction ------------------------------------------------------------------------------
+
+    def layouts(self) -> list[DeviceLayout]:
+        """Immutable views of every device's live extents, in pages, for the planner."""
+        by_device: dict[str, list[ExtentView]] = {name: [] for name in self._spaces}
+        for r in self._live:
+            by_device[r.device].append(ExtentView(r, r.offset // self.page_size, r.size // self.page_size, r.movable))
+        return [DeviceLayout(name, self._spaces[name].pages, tuple(views)) for name, views in by_device.items()]
+
+    def plan_compaction(self, threshold: float = 0.3, *, max_moved_pages: int | None = None) -> CompactionPlan:
+        """A compaction plan for every device whose fragmentation rate exceeds `threshold`."""
+        return plan_compaction(self.layouts(), threshold=threshold, max_moved_pages=max_moved_pages)
+
+    def apply_plan(self, plan: CompactionPlan, move_callback: Callable[[Reservation, Move], None] | None = None) -> ApplyResult:
+        """Carry out `plan`'s moves in order; call ``move_callback(reservation, move)`` before each.
+
+        The callback moves the data (offsets in `move` are pages; multiply by `page_size`). A
+        move is skipped when its reservation was released, is no longer movable, is no longer
+        where the plan found it, or its destination is no longer free. If the callback raises,
+        that move is not made and the exception propagates; earlier moves stay made. Waiters are
+        served and release listeners called afterwards, since larger holes may now exist.
+        """
+        applied = skipped = moved = 0
+        try:
+            for move in plan.moves:
+                r = move.key
+                if not isinstance(r, Reservation) or r.pool is not self or not self._movable_as_planned(r, move):
+                    skipped += 1
+                    continue
+                space = self._spaces[move.device]
+                space.release(move.src)
+                hole = space.free_extent_containing(move.dst)
+                if hole is None or move.dst + move.length > hole[0] + hole[1]:
+                    space.allocate(move.src, move.length)
+                    skipped += 1
+                    continue
+                space.allocate(move.dst, move.length)
+                try:
+                    if move_callback is not None:
+                        move_callback(r, move)
+                except BaseException:
+                    space.release(move.dst)
+                    space.allocate(move.src, move.length)
+                    raise
+                r.offset = move.dst * self.page_size
+                applied += 1
+                moved += move.length * self.page_size
+        finally:
+            if applied:
+                self._released_memory()
+        return ApplyResult(applied, skipped, moved)
+
+    def _movable_as_planned(self, r: Reservation, move: Move) -> bool:
+        return (
+            not r.released
+            and r.movable
+            and r.device == move.device
+            and r.offset == move.src * self.page_size
+            and r.size == move.length * self.page_size
+        )

@@ -1,0 +1,152 @@
+"""Compaction planning: a pure function from extent layouts to a list of moves and their gain.
+
+`plan_compaction(layouts, threshold)` looks at every device whose fragmentation rate,
+(free - largest free) / free, exceeds `threshold` and plans, over the movable extents only:
+
+1. a slide: movable extents, in address order, move down to the end of the extent before them,
+   so each run between unmovable extents packs at its low end;
+2. a fill: from the top down, a movable extent jumps into the best-fitting hole below it (the
+   holes a slide leaves in front of unmovable extents);
+3. a second slide, to close what the fill opened.
+
+Every move's destination is free when the move runs, given the moves before it, except that it
+may overlap the extent's own source (copy ``memmove``-style, as a compacting collector does). A
+device's moves are kept only if they enlarge its largest free extent. Nothing here touches a pool:
+`ExtentPool.apply_plan` carries a plan out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import islice
+
+from .extents import AddressSpace
+
+
+@dataclass(frozen=True, slots=True)
+class ExtentView:
+    """One live extent, in pages. `key` is opaque to the planner (the pool puts the reservation)."""
+
+    key: object
+    offset: int
+    length: int
+    movable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLayout:
+    name: str
+    pages: int
+    extents: tuple[ExtentView, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Move the extent of `key` on `device` from page `src` to page `dst` (`length` pages)."""
+
+    key: object
+    device: str
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceGain:
+    device: str
+    largest_free_before: int
+    largest_free_after: int
+    fragmentation_before: float
+    fragmentation_after: float
+    moved_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionPlan:
+    moves: tuple[Move, ...]
+    #: One entry per device that was over the threshold (with or without moves).
+    gains: tuple[DeviceGain, ...]
+
+    @property
+    def moved_pages(self) -> int:
+        return sum(m.length for m in self.moves)
+
+    def __bool__(self) -> bool:
+        return bool(self.moves)
+
+
+#: Holes tried per extent in the fill step (best fit among the smallest that fit below it).
+_FILL_CANDIDATES = 32
+
+
+def plan_compaction(
+    layouts: list[DeviceLayout] | tuple[DeviceLayout, ...], *, threshold: float = 0.3, max_moved_pages: int | None = None
+) -> CompactionPlan:
+    """Plan moves for the devices fragmented beyond `threshold`; see the module docstring.
+
+    `max_moved_pages` caps the pages moved over all devices (None: no cap).
+    """
+    moves: list[Move] = []
+    gains: list[DeviceGain] = []
+    budget = max_moved_pages
+    for layout in layouts:
+        space = _build(layout)
+        before_largest, before_frag = space.largest_free, space.fragmentation
+        if before_frag <= threshold:
+            continue
+        device_moves = _plan_device(layout, space, budget)
+        if space.largest_free <= before_largest:
+            gains.append(DeviceGain(layout.name, before_largest, before_largest, before_frag, before_frag, 0))
+            continue
+        moved = sum(m.length for m in device_moves)
+        if budget is not None:
+            budget -= moved
+        moves.extend(device_moves)
+        gains.append(DeviceGain(layout.name, before_largest, space.largest_free, before_frag, space.fragmentation, moved))
+    return CompactionPlan(tuple(moves), tuple(gains))
+
+
+def _build(layout: DeviceLayout) -> AddressSpace:
+    space = AddressSpace(layout.pages)
+    for e in layout.extents:
+        space.allocate(e.offset, e.length)
+    return space
+
+
+def _plan_device(layout: DeviceLayout, space: AddressSpace, budget: int | None) -> list[Move]:
+    """Simulate slide, fill, slide on `space` (changed in place); return the moves."""
+    where = {id(e): e.offset for e in layout.extents}
+    movable = [e for e in layout.extents if e.movable]
+    moves: list[Move] = []
+
+    def move(e: ExtentView, dst: int) -> bool:
+        nonlocal budget
+        if budget is not None:
+            if budget < e.length:
+                return False
+            budget -= e.length
+        src = where[id(e)]
+        space.release(src)
+        space.allocate(dst, e.length)
+        where[id(e)] = dst
+        moves.append(Move(e.key, layout.name, src, dst, e.length))
+        return True
+
+    def slide() -> None:
+        cursor = 0
+        for e in sorted(layout.extents, key=lambda e: where[id(e)]):
+            offset = where[id(e)]
+            if e.movable and offset > cursor and move(e, cursor):
+                offset = cursor
+            cursor = offset + e.length
+
+    slide()
+    for e in sorted(movable, key=lambda e: where[id(e)], reverse=True):
+        offset = where[id(e)]
+        holes = [(length, start) for length, start in islice(space.fits(e.length), _FILL_CANDIDATES) if start < offset]
+        if holes:
+            length, start = min(holes)
+            if start + length <= offset:  # a hole that touches the extent is the slide's business
+                move(e, start)
+    slide()
+    return moves

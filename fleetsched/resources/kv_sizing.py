@@ -1,0 +1,160 @@
+"""Sizing sessions from the model: KV-cache bytes per token, per session, and a server's capacity.
+
+- `kv_bytes_per_token(config)`: 2 (K and V) x layers x KV heads x head dim x dtype bytes, from a
+  Hugging Face ``config.json`` (a mapping or a path). ``head_dim`` defaults to hidden_size /
+  num_attention_heads, ``num_key_value_heads`` to num_attention_heads (no GQA), the dtype to the
+  config's ``torch_dtype`` (or ``dtype``), else float16. Multimodal configs that nest the language
+  model under ``text_config`` are read from there. Models with compressed latent KV (MLA) are not
+  modelled.
+- `session_bytes(context_tokens, ...)`: a session's KV memory, tokens rounded up to whole blocks
+  of vLLM's ``block_size`` (16 tokens by default).
+- `parse_vllm_cache_config(metrics_text)`: the KV capacity a vLLM server reports on ``/metrics``
+  (the labels of ``vllm:cache_config_info``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+#: Bytes per element of the KV cache, by dtype name (torch's, without the ``torch.`` prefix).
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "float": 4, "fp32": 4,
+    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
+}  # fmt: skip
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def _load(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        data: Mapping[str, Any] = config
+    else:
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        data = json.loads(path.read_text())
+    if "num_hidden_layers" not in data and isinstance(data.get("text_config"), Mapping):
+        merged = dict(data["text_config"])
+        for key in ("torch_dtype", "dtype"):
+            merged.setdefault(key, data.get(key))
+        return merged
+    return data
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of `dtype` ("bfloat16", "torch.float16", "fp8", ...)."""
+    name = str(dtype).removeprefix("torch.").lower()
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown KV cache dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}") from None
+
+
+def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype: str | None = None) -> int:
+    """KV-cache bytes one token takes: 2 x layers x KV heads x head dim x dtype bytes.
+
+    `config` is a parsed ``config.json``, its path, or the model directory. `dtype` overrides the
+    config's (pass the cache dtype when it differs from the weights', e.g. "fp8"). Raises
+    ValueError naming a missing field.
+    """
+    data = _load(config)
+
+    def need(key: str) -> int:
+        value = data.get(key)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
+        return value
+
+    layers = need("num_hidden_layers")
+    heads = need("num_attention_heads")
+    kv_heads = need("num_key_value_heads") if data.get("num_key_value_heads") is not None else heads
+    if data.get("head_dim") is not None:
+        head_dim = need("head_dim")
+    else:
+        hidden = need("hidden_size")
+        if hidden % heads:
+            raise ValueError(f"model config: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        head_dim = hidden // heads
+    name = dtype or data.get("torch_dtype") or data.get("dtype") or "float16"
+    return 2 * layers * kv_heads * head_dim * dtype_bytes(name)
+
+
+def session_bytes(
+    context_tokens: int,
+    config: Mapping[str, Any] | str | PathLike[str] | None = None,
+    *,
+    bytes_per_token: int | None = None,
+    dtype: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> int:
+    """KV bytes a session of `context_tokens` holds, in whole blocks of `block_size` tokens.
+
+    Give either `config` (read with `kv_bytes_per_token`) or `bytes_per_token`.
+    """
+    if context_tokens <= 0:
+        raise ValueError(f"context_tokens must be > 0, got {context_tokens}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    if bytes_per_token is None:
+        if config is None:
+            raise ValueError("session_bytes needs a model config or bytes_per_token")
+        bytes_per_token = kv_bytes_per_token(config, dtype=dtype)
+    blocks = -(-context_tokens // block_size)
+    return blocks * block_size * bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheCapacity:
+    """A vLLM server's KV cache: `num_gpu_blocks` blocks of `block_size` tokens."""
+
+    num_gpu_blocks: int
+    block_size: int
+    #: Every label of ``vllm:cache_config_info``, as strings.
+    labels: Mapping[str, str]
+
+    @property
+    def tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    def bytes(self, bytes_per_token: int) -> int:
+        """Capacity in bytes for a model taking `bytes_per_token` per token."""
+        return self.tokens * bytes_per_token
+
+
+_SAMPLE = re.compile(r"^vllm:cache_config_info\{(?P<labels>.*)\}\s+\S+", re.MULTILINE)
+_LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
+
+
+def parse_vllm_cache_config(metrics_text: str) -> KVCacheCapacity:
+    """Read ``vllm:cache_config_info`` from a vLLM server's ``/metrics`` text (Prometheus format).
+
+    Raises ValueError when the metric is absent or lacks a usable num_gpu_blocks / block_size
+    (vLLM reports "None" before the engine has profiled memory).
+    """
+    match = _SAMPLE.search(metrics_text)
+    if match is None:
+        raise ValueError("no vllm:cache_config_info sample in the metrics text; is this a vLLM server's /metrics?")
+    labels = {key: _unescape(value) for key, value in _LABEL.findall(match.group("labels"))}
+
+    def number(key: str) -> int:
+        raw = labels.get(key)
+        try:
+            value = int(float(raw)) if raw is not None else None
+        except ValueError:
+            value = None
+        if value is None or value <= 0:
+            raise ValueError(f"vllm:cache_config_info: {key} is {raw!r}, not a positive number")
+        return value
+
+    return KVCacheCapacity(number("num_gpu_blocks"), number("block_size"), labels)

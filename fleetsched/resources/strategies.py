@@ -1,0 +1,154 @@
+"""Placement strategies: where on one device's address space a request of n pages goes.
+
+A strategy is a small object with two pure-ish methods over an `AddressSpace`:
+
+- ``round(pages, space)``: how many pages to hold for a request of `pages` (size classes and
+  buddy round up; the rest hold exactly the pages asked);
+- ``choose(space, n)``: the offset of a free run of n pages, or None when none fits.
+
+The pool asks every device's strategy and keeps the device whose placement leaves the least
+fragmentation. Strategies, by name (`STRATEGIES`):
+
+``first-fit``  lowest-addressed hole that fits (address-ordered first fit).
+``best-fit``   smallest hole that fits, lowest address on ties.
+``buddy``      power-of-two sizes at naturally aligned offsets (free neighbours still coalesce
+               freely, so this is buddy rounding and alignment, not a buddy free list).
+``size-class`` the seeds' classes 4/8/12/16/24/32/48/64 GB of an 80 GB GPU, scaled to the
+               device: 5, 10, 15, 20, 30, 40, 60 and 80 % of its pages, then multiples of 20 %
+               (capped at the whole device); best fit among holes.
+``frag-aware`` the default; see `FragAware`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from itertools import islice
+from typing import ClassVar
+
+from .extents import AddressSpace
+
+
+class PlacementStrategy(ABC):
+    """Where a request goes on one device, and how much it holds there."""
+
+    name: ClassVar[str]
+    #: Whether the address space must keep its address-ordered index (for first fit).
+    address_index: ClassVar[bool] = False
+
+    def round(self, pages: int, space: AddressSpace) -> int:
+        """Pages to hold for a request of `pages` (never more than the device has)."""
+        return pages
+
+    @abstractmethod
+    def choose(self, space: AddressSpace, n: int) -> int | None:
+        """Offset of a free run of `n` pages on `space`, or None when no hole is large enough."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class FirstFit(PlacementStrategy):
+    name = "first-fit"
+    address_index = True
+
+    def choose(self, space: AddressSpace, n: int) -> int | None:
+        return space.first_fit(n)
+
+
+class BestFit(PlacementStrategy):
+    name = "best-fit"
+
+    def choose(self, space: AddressSpace, n: int) -> int | None:
+        hole = space.smallest_fit(n)
+        return None if hole is None else hole[1]
+
+
+class Buddy(PlacementStrategy):
+    name = "buddy"
+
+    def round(self, pages: int, space: AddressSpace) -> int:
+        return min(1 << (pages - 1).bit_length(), space.pages)
+
+    def choose(self, space: AddressSpace, n: int) -> int | None:
+        align = n if n & (n - 1) == 0 else space.pages  # capped at the device: offset 0 only
+        for length, offset in space.fits(n):
+            aligned = -(-offset // align) * align
+            if aligned + n <= offset + length:
+                return aligned
+        return None
+
+
+class SizeClass(PlacementStrategy):
+    name = "size-class"
+    #: The seeds' classes (GB of an 80 GB GPU) as fractions of the device.
+    CLASSES: ClassVar[tuple[float, ...]] = (0.05, 0.10, 0.15, 0.20, 0.30, 0.40, 0.60, 0.80)
+    #: Above the last class, round up to multiples of this fraction (16 GB of 80 GB).
+    STEP: ClassVar[float] = 0.20
+
+    def round(self, pages: int, space: AddressSpace) -> int:
+        total = space.pages
+        for fraction in self.CLASSES:
+            size = -(-int(fraction * total * 1_000_000) // 1_000_000)
+            if pages <= size:
+                return max(size, 1)
+        step = max(1, round(self.STEP * total))
+        return min(-(-pages // step) * step, total)
+
+    def choose(self, space: AddressSpace, n: int) -> int | None:
+        hole = space.smallest_fit(n)
+        return None if hole is None else hole[1]
+
+
+class FragAware(PlacementStrategy):
+    """Two-ended good fit: the tightest hole, large requests at the top, small at the bottom.
+
+    - Among the `candidates` smallest holes that fit, take the one leaving the smallest leftover
+      (exact fits first), optionally avoiding leftovers under `sliver` x the request (off by
+      default: in the bench traces slivers are soon reabsorbed by coalescing, and avoiding them
+      cost more than it saved).
+    - Small requests (under `large_fraction` of the device) go to the low end of their hole and
+      to the lowest of equally tight holes; large ones to the high end and the highest hole. The
+      large sessions of agent fleets (long-context tool agents, batch jobs) live longer than the
+      small chats, so they gather at the top of memory and the chats at the bottom; a chat's exit
+      then frees memory beside other chats, where it coalesces, instead of leaving a hole
+      between two long-lived sessions.
+    - Across devices, the pool keeps the device where this placement leaves the lowest
+      fragmentation rate.
+    """
+
+    name = "frag-aware"
+
+    def __init__(self, *, large_fraction: float = 1 / 8, sliver: float = 0.0, candidates: int = 16) -> None:
+        self.large_fraction = large_fraction
+        self.sliver = sliver
+        self.candidates = candidates
+
+    def choose(self, space: AddressSpace, n: int) -> int | None:
+        large = n >= self.large_fraction * space.pages
+        sliver = self.sliver * n
+        best: tuple[tuple[bool, int, int], int, int] | None = None
+        for length, offset in islice(space.fits(n), self.candidates):
+            leftover = length - n
+            if leftover == 0 and not large:
+                return offset
+            key = (0 < leftover < sliver, leftover, -offset if large else offset)
+            if best is None or key < best[0]:
+                best = (key, offset, length)
+        if best is None:
+            return None
+        _, offset, length = best
+        return offset + length - n if large else offset
+
+
+STRATEGIES: dict[str, type[PlacementStrategy]] = {
+    cls.name: cls for cls in (FragAware, FirstFit, BestFit, Buddy, SizeClass)
+}
+DEFAULT_STRATEGY = FragAware.name
+
+
+def make_strategy(name: str) -> PlacementStrategy:
+    """The strategy called `name`; raises ValueError naming the known ones."""
+    try:
+        return STRATEGIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown placement strategy {name!r}; known: {', '.join(STRATEGIES)}") from None
