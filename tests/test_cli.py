@@ -1,0 +1,66 @@
+"""The command line, run as users run it (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fleetsched(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetsched.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def test_quickstart_runs_and_writes_a_report(tmp_path):
+    report = tmp_path / "run.json"
+    done = fleetsched("run", "examples/quickstart.toml", "--no-live", "--report", str(report))
+    assert done.returncode == 0, done.stderr
+    assert "support-bot" in done.stdout and "nightly-batch" in done.stdout
+    data = json.loads(report.read_text())
+    assert data["schema"] == "fleetsched.run/1"
+    assert data["sessions"] == {"done": 210}
+    tenants = {t["tenant"]: t for t in data["tenants"]}
+    assert tenants["support-bot"]["calls"] == 360 and tenants["nightly-batch"]["sessions_done"] == 30
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('[tenants.acme]\nweight = -1\n[[workload.agents]]\ntenant = "acme"\ncount = 1\n')
+    done = fleetsched("run", str(config))
+    assert done.returncode == 2
+    assert "tenants.acme.weight" in done.stderr and "greater than 0" in done.stderr
+
+
+def test_env_overrides_and_its_errors(tmp_path):
+    config = tmp_path / "ok.toml"
+    config.write_text('[tenants.acme]\n[[workload.agents]]\ntenant = "acme"\ncount = 1\n')
+    done = fleetsched("run", str(config), env={"FLEETSCHED_SCHEDULER__MAX_SESSIONS": "0"})
+    assert done.returncode == 2 and "scheduler.max_sessions" in done.stderr
+
+
+def test_unknown_workload_tenant_and_missing_file(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('[tenants.acme]\n[[workload.agents]]\ntenant = "ghost"\ncount = 1\n')
+    done = fleetsched("run", str(config))
+    assert done.returncode == 2 and "workload.agents.0.tenant" in done.stderr and "ghost" in done.stderr
+    done = fleetsched("run", str(tmp_path / "nope.toml"))
+    assert done.returncode == 2 and "no such file" in done.stderr
+
+
+def test_bench_overhead_prints_json():
+    done = fleetsched("bench", "overhead", "--sessions", "500", "--latency-sessions", "50", "--calls", "5", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["sessions"] == 500 and data["calls"] == 250
+    assert {"p50", "p99"} <= set(data["added_latency_ms"]) and data["peak_rss_mb"] > 0

@@ -1,0 +1,137 @@
+"""The dispatcher's window and call order, on virtual time against a slow fake engine.
+
+`SlowBackend` stands in for an engine only to make calls take a known time; everything under
+test (window, order, fairness, cancellation) is the real dispatcher.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+
+import anyio
+import pytest
+
+from fleetsched.backends.base import Backend, make_chunk, usage_dict
+from fleetsched.errors import DeadlineExceeded
+from fleetsched.policies.tiers import Tier
+from fleetsched.scheduler import Dispatcher
+
+pytestmark = pytest.mark.anyio
+
+
+class SlowBackend(Backend):
+    """Each call takes `seconds` and yields one token chunk; records the order calls started."""
+
+    def __init__(self, seconds: float = 1.0) -> None:
+        self.seconds = seconds
+        self.started: list[str] = []
+        self.aborted = 0
+
+    async def stream_chat(self, body):
+        self.started.append(body["messages"][0]["content"])
+        try:
+            await anyio.sleep(self.seconds)
+            yield make_chunk("c", "m", 0, role="assistant", content="x")
+            yield make_chunk("c", "m", 0, finish_reason="stop", usage=usage_dict(10, int(body.get("max_tokens", 1))))
+        except BaseException:
+            self.aborted += 1
+            raise
+
+
+def body(label: str, max_tokens: int = 1) -> dict:
+    return {"messages": [{"role": "user", "content": label}], "max_tokens": max_tokens}
+
+
+async def test_window_caps_calls_in_flight_and_tiers_reorder_the_rest():
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("first"), tenant="a", tier=Tier.BATCH))
+        await anyio.sleep(0.1)
+        for label, tier in (("batch", Tier.BATCH), ("standard", Tier.STANDARD), ("critical", Tier.CRITICAL)):
+            tg.start_soon(partial(dispatcher.chat, body(label), tenant=label, tier=tier))
+        await anyio.sleep(0.1)
+        stats = dispatcher.statistics()
+        assert stats.in_flight == 1 and stats.queued == 3
+    assert backend.started == ["first", "critical", "standard", "batch"]
+    assert anyio.current_time() == 4.0
+    finished = {r.tenant: r.finished for r in dispatcher.recorder.calls}
+    assert finished == {"a": 1.0, "critical": 2.0, "standard": 3.0, "batch": 4.0}
+
+
+async def test_tier_is_passed_on_as_priority():
+    seen = []
+
+    class Spy(SlowBackend):
+        async def stream_chat(self, body):
+            seen.append(body["priority"])
+            async for chunk in super().stream_chat(body):
+                yield chunk
+
+    dispatcher = Dispatcher(Spy(0.0), window=4)
+    await dispatcher.chat(body("x"), tenant="a", tier=Tier.CRITICAL)
+    await dispatcher.chat(body("y"), tenant="a", tier=Tier.BATCH)
+    assert seen == [0, 2]
+
+
+async def test_backlogged_tenants_share_by_weighted_tokens():
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, weights={"gold": 2.0, "tin": 1.0})
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("warmup"), tenant="x", tier=1))
+        await anyio.sleep(0.1)
+        for _ in range(30):
+            tg.start_soon(partial(dispatcher.chat, body("gold", 50), tenant="gold", tier=1))
+            tg.start_soon(partial(dispatcher.chat, body("tin", 50), tenant="tin", tier=1))
+    first_half = Counter(backend.started[1:31])
+    # Twice the weight, twice the calls of equal size while both are backlogged (+-1 call).
+    assert abs(first_half["gold"] - 2 * first_half["tin"]) <= 3
+
+
+async def test_cancelled_waiting_call_leaves_no_trace():
+    backend = SlowBackend(10.0)
+    dispatcher = Dispatcher(backend, window=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("running"), tenant="a", tier=1))
+        await anyio.sleep(1)
+        with anyio.move_on_after(1):
+            await dispatcher.chat(body("gives up"), tenant="b", tier=0)
+        assert dispatcher.statistics().queued == 0
+        tg.start_soon(partial(dispatcher.chat, body("next"), tenant="c", tier=1))
+    assert backend.started == ["running", "next"]
+    assert dispatcher.statistics().in_flight == 0
+
+
+async def test_cancelled_running_call_aborts_at_the_backend_and_frees_its_place():
+    backend = SlowBackend(10.0)
+    dispatcher = Dispatcher(backend, window=1)
+    with anyio.move_on_after(2):
+        await dispatcher.chat(body("slow"), tenant="a", tier=1)
+    assert backend.aborted == 1
+    assert dispatcher.statistics().in_flight == 0
+    (record,) = dispatcher.recorder.calls
+    assert record.error is not None and record.finished == 2.0
+
+
+async def test_streaming_observes_time_to_first_token():
+    dispatcher = Dispatcher(SlowBackend(3.0), window=2)
+    async with dispatcher.stream(body("s"), tenant="a", tier=1) as chunks:
+        got = [chunk async for chunk in chunks]
+    assert len(got) == 2
+    (record,) = dispatcher.recorder.calls
+    assert record.ttft_s == 3.0 and record.completion_tokens == 1
+
+
+async def test_call_after_the_session_deadline_is_refused():
+    backend = SlowBackend(0.0)
+    dispatcher = Dispatcher(backend, window=1)
+    await anyio.sleep(5)
+    with pytest.raises(DeadlineExceeded, match="after its deadline"):
+        await dispatcher.chat(body("late"), tenant="a", tier=1, deadline=4.0)
+    assert backend.started == [] and dispatcher.statistics().in_flight == 0
+
+
+def test_invalid_window():
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        Dispatcher(SlowBackend(), window=0)
