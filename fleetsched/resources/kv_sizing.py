@@ -43,7 +43,8 @@ def _load(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
     if "num_hidden_layers" not in data and isinstance(data.get("text_config"), Mapping):
         merged = dict(data["text_config"])
         for key in ("torch_dtype", "dtype"):
-            merged.setdefault(key, data.get(key))
+            if merged.get(key) is None:
+                merged[key] = data.get(key)
         return merged
     return data
 
@@ -139,22 +140,33 @@ def _unescape(value: str) -> str:
 def parse_vllm_cache_config(metrics_text: str) -> KVCacheCapacity:
     """Read ``vllm:cache_config_info`` from a vLLM server's ``/metrics`` text (Prometheus format).
 
-    Raises ValueError when the metric is absent or lacks a usable num_gpu_blocks / block_size
-    (vLLM reports "None" before the engine has profiled memory).
+    Reads ``num_gpu_blocks`` (or, failing that, ``kv_cache_size_tokens`` / ``block_size``); with
+    several engines (one sample each) the blocks add up. Raises ValueError when the metric is
+    absent or lacks usable numbers (vLLM reports "None" before the engine has profiled memory).
     """
-    match = _SAMPLE.search(metrics_text)
-    if match is None:
+    samples = [
+        {key: _unescape(value) for key, value in _LABEL.findall(m.group("labels"))} for m in _SAMPLE.finditer(metrics_text)
+    ]
+    if not samples:
         raise ValueError("no vllm:cache_config_info sample in the metrics text; is this a vLLM server's /metrics?")
-    labels = {key: _unescape(value) for key, value in _LABEL.findall(match.group("labels"))}
+    blocks = 0
+    for labels in samples:  # one per engine of a data-parallel server: their caches add up
+        block_size = _number(labels, "block_size")
+        if _number(labels, "num_gpu_blocks", required=False):
+            blocks += _number(labels, "num_gpu_blocks")
+        elif _number(labels, "kv_cache_size_tokens", required=False):
+            blocks += _number(labels, "kv_cache_size_tokens") // block_size
+        else:
+            _number(labels, "num_gpu_blocks")  # raises, naming the label
+    return KVCacheCapacity(blocks, _number(samples[0], "block_size"), samples[0])
 
-    def number(key: str) -> int:
-        raw = labels.get(key)
-        try:
-            value = int(float(raw)) if raw is not None else None
-        except ValueError:
-            value = None
-        if value is None or value <= 0:
-            raise ValueError(f"vllm:cache_config_info: {key} is {raw!r}, not a positive number")
-        return value
 
-    return KVCacheCapacity(number("num_gpu_blocks"), number("block_size"), labels)
+def _number(labels: Mapping[str, str], key: str, *, required: bool = True) -> int:
+    raw = labels.get(key)
+    try:
+        value = int(float(raw)) if raw is not None else 0
+    except ValueError:
+        value = 0
+    if value <= 0 and required:
+        raise ValueError(f"vllm:cache_config_info: {key} is {raw!r}, not a positive number")
+    return value

@@ -1,0 +1,115 @@
+"""Random reserve / grow / shrink / release / compact sequences, for every strategy.
+
+After every step: no two live extents overlap, allocated + free == total, free neighbours are
+coalesced, and every reported metric equals a brute-force recount from the live reservations.
+"""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from fleetsched.errors import WouldBlock
+from fleetsched.resources import STRATEGIES, DeviceSpec, ExtentPool
+
+PAGE = 4096
+DEVICES = (("a", 48), ("b", 31))  # pages; 31 is not a power of two
+
+
+def recount(pool: ExtentPool) -> None:
+    live = pool.reservations()
+    for name, pages in DEVICES:
+        mine = sorted((r.offset // PAGE, r.size // PAGE, r) for r in live if r.device == name)
+        free_runs = []
+        cursor = 0
+        for start, length, r in mine:
+            assert r.offset % PAGE == 0 and r.size % PAGE == 0 and r.size >= r.nbytes
+            assert start >= cursor, f"{name}: extents overlap at page {start}"
+            if start > cursor:
+                free_runs.append(start - cursor)
+            cursor = start + length
+        assert cursor <= pages
+        if cursor < pages:
+            free_runs.append(pages - cursor)
+        space = pool.space(name)
+        space.check()  # its own indexes agree, and free extents never touch
+        assert sorted(n for _, n in space.free_extents()) == sorted(free_runs)
+        (dev,) = [d for d in pool.statistics().devices if d.name == name]
+        free = sum(free_runs) * PAGE
+        largest = max(free_runs, default=0) * PAGE
+        assert dev.total == pages * PAGE
+        assert dev.allocated + dev.free == dev.total
+        assert dev.free == free and dev.largest_free == largest
+        assert dev.allocated == sum(length for _, length, _ in mine) * PAGE
+        assert dev.reservations == len(mine)
+        assert dev.internal_fragmentation == sum(r.size - r.nbytes for _, _, r in mine)
+        assert dev.fragmentation == pytest.approx((free - largest) / free if free else 0.0)
+        expected_ext = 1 - math.sqrt(sum(n * n for n in free_runs)) / sum(free_runs) if free_runs else 0.0
+        assert dev.external_fragmentation == pytest.approx(expected_ext)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    strategy = "frag-aware"
+    held = Bundle("held")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = ExtentPool([DeviceSpec(n, p * PAGE) for n, p in DEVICES], strategy=self.strategy, page_size=PAGE)
+
+    @rule(target=held, nbytes=st.integers(1, 20 * PAGE), device=st.sampled_from([None, "a", "b"]))
+    def reserve(self, nbytes, device):
+        stats = self.pool.statistics()
+        try:
+            r = self.pool.reserve_nowait(nbytes, owner=object(), device=device)
+        except WouldBlock:
+            fragmented = any(d.free >= nbytes for d in stats.devices)
+            assert self.pool.statistics().fragmentation_failures == stats.fragmentation_failures + fragmented
+            return None
+        r.movable = nbytes % 2 == 0
+        return r
+
+    @rule(r=held, nbytes=st.integers(1, 24 * PAGE))
+    def resize(self, r, nbytes):
+        if r is None or r.released:
+            return
+        before = (r.offset, r.size, r.nbytes)
+        try:
+            self.pool.resize_nowait(r, nbytes)
+        except WouldBlock:
+            assert (r.offset, r.size, r.nbytes) == before
+            return
+        assert r.nbytes == nbytes and r.size >= nbytes
+
+    @rule(r=consumes(held))
+    def release(self, r):
+        if r is not None:
+            r.release()
+            r.release()
+
+    @rule(threshold=st.sampled_from([0.0, 0.3]), flip=st.booleans())
+    def compact(self, threshold, flip):
+        plan = self.pool.plan_compaction(threshold=threshold)
+        for gain in plan.gains:
+            assert gain.largest_free_after >= gain.largest_free_before
+        moved = []
+        if flip and plan.moves:  # a move made stale in between is skipped, not applied
+            plan.moves[0].key.movable = False
+        result = self.pool.apply_plan(plan, lambda r, m: moved.append((r, m)))
+        assert result.applied == len(moved)
+        assert all(r.movable and r.offset == m.dst * PAGE for r, m in moved if r.offset == m.dst * PAGE)
+
+    @invariant()
+    def consistent(self):
+        recount(self.pool)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_allocator_state_machine(strategy):
+    machine = type(f"Machine_{strategy}", (AllocatorMachine,), {"strategy": strategy})
+    runner = machine.TestCase
+    runner.settings = settings(
+        max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    runner().runTest()

@@ -1,0 +1,91 @@
+import json
+
+import pytest
+
+from fleetsched.resources import kv_bytes_per_token, parse_vllm_cache_config, session_bytes
+from fleetsched.resources.kv_sizing import dtype_bytes
+
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_llama3_8b_is_128_kib_per_token():
+    assert kv_bytes_per_token(LLAMA3_8B) == 2 * 32 * 8 * 128 * 2 == 131072
+
+
+def test_defaults_head_dim_and_kv_heads():
+    config = {"hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12, "torch_dtype": "float32"}
+    assert kv_bytes_per_token(config) == 2 * 12 * 12 * 64 * 4
+
+
+def test_explicit_head_dim_wins_and_dtype_override():
+    config = {**LLAMA3_8B, "head_dim": 256}
+    assert kv_bytes_per_token(config) == 2 * 32 * 8 * 256 * 2
+    assert kv_bytes_per_token(config, dtype="fp8") == 2 * 32 * 8 * 256
+
+
+def test_reads_file_dir_and_text_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16", "text_config": {**LLAMA3_8B, "torch_dtype": None}}))
+    assert kv_bytes_per_token(tmp_path) == kv_bytes_per_token(tmp_path / "config.json") == 131072
+
+
+def test_missing_dtype_defaults_to_float16_and_unknown_dtype_raises():
+    config = dict(LLAMA3_8B)
+    del config["torch_dtype"]
+    assert kv_bytes_per_token(config) == 131072
+    assert dtype_bytes("torch.float32") == 4
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        kv_bytes_per_token(config, dtype="float13")
+
+
+def test_missing_field_is_named():
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        kv_bytes_per_token({"hidden_size": 8, "num_attention_heads": 2})
+
+
+def test_session_bytes_rounds_to_blocks():
+    assert session_bytes(1, bytes_per_token=100) == 16 * 100
+    assert session_bytes(16, bytes_per_token=100) == 16 * 100
+    assert session_bytes(17, bytes_per_token=100) == 32 * 100
+    assert session_bytes(100, LLAMA3_8B, block_size=32) == 128 * 131072
+    with pytest.raises(ValueError):
+        session_bytes(0, bytes_per_token=1)
+    with pytest.raises(ValueError):
+        session_bytes(10)
+
+
+METRICS = r'''# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="27910",num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",sliding_window="None",swap_space="4",swap_space_bytes="4294967296"} 1.0
+'''
+
+
+def test_parse_cache_config():
+    capacity = parse_vllm_cache_config(METRICS)
+    assert (capacity.num_gpu_blocks, capacity.block_size) == (27910, 16)
+    assert capacity.tokens == 27910 * 16
+    assert capacity.bytes(131072) == 27910 * 16 * 131072
+    assert capacity.labels["cache_dtype"] == "auto"
+
+
+def test_parse_sums_engines_and_falls_back_to_tokens():
+    text = (
+        'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="10"} 1.0\n'
+        'vllm:cache_config_info{block_size="128",engine="1",kv_cache_size_tokens="2560",num_gpu_blocks="None"} 1.0\n'
+    )
+    assert parse_vllm_cache_config(text).num_gpu_blocks == 30
+
+
+def test_parse_errors():
+    with pytest.raises(ValueError, match="no vllm:cache_config_info"):
+        parse_vllm_cache_config("vllm:num_requests_running 0\n")
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        parse_vllm_cache_config('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n')
