@@ -263,3 +263,13 @@ async def test_works_on_asyncio_in_real_time():
             stats = backend.statistics()
     assert [r["usage"]["completion_tokens"] for r in results] == [8, 8, 8, 8]
     assert stats.steps == 8 and stats.elapsed_s >= stats.busy_s > 0
+
+
+async def test_stream_interval_groups_tokens_into_chunks():
+    async with SimBackend(flat(stream_interval=4)) as backend:
+        sizes = []
+        async for chunk in backend.stream_chat(body(16, 10)):
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if content:
+                sizes.append(len(content) // len(" tok"))
+    assert sizes == [1, 4, 4, 1]  # the first token at once, then every 4, the rest at the end

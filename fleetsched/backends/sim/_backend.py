@@ -25,6 +25,7 @@ from fleetsched.settings import SimSettings
 from ..base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, make_chunk, new_completion_id, usage_dict
 from ._engine import FINISHED, SimEngine, SimRequest
 from ._kv_cache import block_hashes, prompt_text
+from ._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
 
 #: Text of one simulated output token (4 characters: one token by `estimate_prompt_tokens`).
 TOKEN_TEXT = " tok"
@@ -95,6 +96,8 @@ class SimBackend(Backend):
         self.settings = settings or SimSettings()
         self.model = model
         self.engine = SimEngine(self.settings)
+        self._park: Park = park_event
+        self._unpark: Unpark = unpark_event
         self._task_group: TaskGroup | None = None
         self._wake: anyio.Event | None = None
         self._closed = False
@@ -105,6 +108,7 @@ class SimBackend(Backend):
     async def __aenter__(self) -> SimBackend:
         if self._task_group is not None or self._closed:
             raise RuntimeError("a SimBackend can be entered once")
+        self._park, self._unpark = parking_for_current_library()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._started_at = anyio.current_time()
@@ -131,18 +135,17 @@ class SimBackend(Backend):
         engine = self.engine
         for request in [*engine.running]:
             engine.abort(request)
-            if request.waiter is not None:
-                request.waiter.set()
+            self._unpark(request)
         while (request := engine.queue.peek()) is not None:
             engine.abort(request)
-            if request.waiter is not None:
-                request.waiter.set()
+            self._unpark(request)
 
     # -- the engine loop -----------------------------------------------------------------------
 
     async def _run(self) -> None:
         engine = self.engine
         interval = self.settings.stream_interval
+        unpark = self._unpark
         while True:
             step = engine.schedule()
             if step is None:
@@ -154,14 +157,12 @@ class SimBackend(Backend):
             await anyio.sleep(duration)
             self._step_started = None
             for request in engine.complete(requests, counts, duration):
-                waiter = request.waiter
-                if waiter is not None and (
+                if request.waiter is not None and (
                     request.num_output - request.delivered >= interval
                     or request.delivered == 0
                     or request.status == FINISHED
                 ):
-                    request.waiter = None
-                    waiter.set()
+                    unpark(request)
 
     def _kick(self) -> None:
         if self._wake is not None:
@@ -188,7 +189,9 @@ class SimBackend(Backend):
             priority = 0  # vLLM ignores it under fcfs
         s = self.settings
         prompt = estimate_prompt_tokens(body)
-        given = body.get("max_completion_tokens") or body.get("max_tokens")
+        given = body.get("max_completion_tokens")
+        if given is None:
+            given = body.get("max_tokens")
         if given is not None:
             if not isinstance(given, int) or isinstance(given, bool) or given < 1:
                 raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {given!r}")
@@ -225,7 +228,7 @@ class SimBackend(Backend):
     async def _stream(self, spec: SimRequest, model: str) -> AsyncIterator[Chunk]:
         if self._closed:
             raise BackendUnavailable("the sim backend stopped before this request reached it")
-        engine = self.engine
+        engine, park = self.engine, self._park
         request = engine.new_request(spec.prompt_tokens, spec.max_tokens, spec.hashes, spec.priority)
         self._kick()
         cid, created = new_completion_id(), int(time.time())
@@ -234,8 +237,7 @@ class SimBackend(Backend):
                 if request.num_output == request.delivered:
                     if request.status > FINISHED:  # aborted by shutdown
                         raise BackendUnavailable("the sim backend stopped while this request was in flight")
-                    waiter = request.waiter = anyio.Event()
-                    await waiter.wait()
+                    await park(request)
                     continue
                 count = request.num_output - request.delivered
                 role = "assistant" if request.delivered == 0 else None

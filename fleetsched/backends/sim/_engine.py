@@ -146,12 +146,21 @@ class SimEngine:
         running = self.running
         scheduled: dict[SimRequest, int] = {}
         preempted = False
+        bs = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             num_new = request.prompt_tokens + request.num_output - request.num_computed
             if num_new > budget:
                 num_new = budget
+            if (
+                request.num_computed + num_new <= len(request.blocks) * bs
+                and request.num_hashed == len(request.hashes)
+            ):  # the common decode: its last block has room, nothing to hash
+                scheduled[request] = num_new
+                budget -= num_new
+                i += 1
+                continue
             while not self._allocate(request, num_new):
                 victim = self.queue.victim(running)
                 index = running.index(victim)
