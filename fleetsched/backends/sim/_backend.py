@@ -146,6 +146,12 @@ class SimBackend(Backend):
         engine = self.engine
         interval = self.settings.stream_interval
         unpark = self._unpark
+        try:
+            await self._loop(engine, interval, unpark)
+        finally:
+            self._shut()  # on a crash too: open streams fail instead of waiting forever
+
+    async def _loop(self, engine: SimEngine, interval: int, unpark: Unpark) -> None:
         while True:
             step = engine.schedule()
             if step is None:
