@@ -15,7 +15,8 @@ Every error the library raises on purpose derives from `FleetschedError`::
     ├── SessionCancelled                   awaiting a handle that was cancelled
     └── BackendError                       a model call failed
         ├── BackendUnavailable             connection refused, circuit open, server gone
-        ├── Overloaded                     shed or rate-limited; carries retry_after_s
+        ├── Overloaded                     shed: its wait would exceed its SLA; carries retry_after_s
+        │   └── RateLimited                the tenant's requests or tokens per minute are used up
         └── DeadlineExceeded(TimeoutError) a call started after the session's deadline
 
 Foreign exceptions (httpx, openai, vllm) are translated where they cross into the library with
@@ -112,6 +113,10 @@ class Overloaded(BackendError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(f"{message} (retry after {retry_after_s:.1f} s)")
         self.retry_after_s = retry_after_s
+
+
+class RateLimited(Overloaded):
+    """The tenant's requests-per-minute or tokens-per-minute limit is used up for now."""
 
 
 class DeadlineExceeded(BackendError, TimeoutError):

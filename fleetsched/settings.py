@@ -25,6 +25,20 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SlaSettings(_Section):
+    """A tenant's service-level objectives. None: no objective."""
+
+    ttft_p99_s: float | None = Field(None, gt=0)
+    """Time to first token, 99th percentile. Orders the tenant's calls (earliest deadline first)
+    and decides when batch-tier calls are shed."""
+    latency_p95_s: float | None = Field(None, gt=0)
+    """Whole call latency, 95th percentile."""
+    deadline_s: float | None = Field(None, gt=0)
+    """Default deadline of a session, from submission."""
+    min_tokens_per_s: float | None = Field(None, gt=0)
+    """Generated tokens per second the tenant should get while backlogged."""
+
+
 class TenantSettings(_Section):
     """One tenant: who pays, whose SLA applies."""
 
@@ -38,6 +52,11 @@ class TenantSettings(_Section):
     """Bytes this tenant's sessions may hold at once (None: no quota)."""
     session_memory: ByteSize | None = None
     """Memory a session of this tenant reserves, unless submit() says (None: the scheduler's)."""
+    requests_per_minute: float | None = Field(None, gt=0)
+    """Model calls per minute (token bucket, burst of one minute); None: unlimited."""
+    tokens_per_minute: float | None = Field(None, gt=0)
+    """Prompt plus max_tokens per minute, charged at call time, unused output refunded."""
+    sla: SlaSettings = Field(default_factory=SlaSettings)
 
     @field_validator("tier", mode="before")
     @classmethod
@@ -68,6 +87,39 @@ class SchedulerSettings(_Section):
         if value <= 0:
             raise ValueError("must be > 0 bytes")
         return value
+
+
+class DispatchSettings(_Section):
+    """How model calls are let through to the backend."""
+
+    min_share: dict[str, float] = Field(default_factory=lambda: {"standard": 0.1, "batch": 0.05})
+    """Least share of the engine's service (tokens) a backlogged lower tier gets, by tier name."""
+    adaptive_window: bool = True
+    """Size the in-flight window from the engine's signals (starts at backend.max_in_flight)."""
+    min_window: int = Field(4, ge=1)
+    max_window: int = Field(512, ge=1)
+    window_interval_s: float = Field(0.5, gt=0)
+    waiting_target: int = Field(2, ge=0)
+    """Calls waiting inside the engine tolerated before the window shrinks."""
+    shed_batch: bool = True
+    """Refuse batch-tier calls with Overloaded when their predicted wait exceeds the tenant's TTFT SLA."""
+
+    @field_validator("min_share")
+    @classmethod
+    def _shares(cls, value: dict[str, float]) -> dict[str, float]:
+        for tier, share in value.items():
+            Tier.parse(tier)
+            if not 0 <= share < 1:
+                raise ValueError(f"share of {tier!r} must be in [0, 1), got {share}")
+        if sum(value.values()) >= 1:
+            raise ValueError("shares must add up to less than 1")
+        return value
+
+    @model_validator(mode="after")
+    def _window_bounds(self) -> DispatchSettings:
+        if self.min_window > self.max_window:
+            raise ValueError(f"min_window ({self.min_window}) is above max_window ({self.max_window})")
+        return self
 
 
 class DeviceSettings(_Section):
@@ -211,6 +263,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     resources: ResourceSettings = Field(default_factory=ResourceSettings)
     backend: BackendSettings = Field(default_factory=BackendSettings)
+    dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
     tenants: dict[str, TenantSettings] = Field(default_factory=lambda: {"default": TenantSettings()})
     workload: WorkloadSettings = Field(default_factory=WorkloadSettings)
 

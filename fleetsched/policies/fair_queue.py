@@ -2,9 +2,10 @@
 
 Order, from the outside in:
 
-1. **Tier bands.** critical before standard before batch, strictly, except that a waiting entry is
-   promoted one band for every `aging_s` seconds its queue's head has waited, so that a lower band
-   cannot starve forever.
+1. **Tier bands.** critical before standard before batch, strictly, with two guards so that a
+   lower band cannot starve: a waiting entry is promoted one band for every `aging_s` seconds its
+   queue's head has waited, and a backlogged band whose `min_share` of the service (by cost) is not
+   met goes next. A band returning from idle starts at its share, so idle time is not banked.
 2. **Weighted fair share between tenants of a band**, by virtual counters in the manner of VTC
    (Sheng et al., "Fairness in Serving Large Language Models"): serving a tenant adds
    ``cost / weight`` to its counter, the backlogged tenant with the smallest counter goes next, and a
@@ -61,14 +62,26 @@ class FairQueue:
     turns aging off.
     """
 
-    def __init__(self, weights: Mapping[str, float] | None = None, *, aging_s: float | None = None) -> None:
+    def __init__(
+        self,
+        weights: Mapping[str, float] | None = None,
+        *,
+        aging_s: float | None = None,
+        min_share: Mapping[int, float] | None = None,
+    ) -> None:
         self._weights = dict(weights or {})
         self._aging_s = aging_s or None
+        self._min_share = {int(tier): share for tier, share in (min_share or {}).items() if share > 0}
+        if sum(self._min_share.values()) >= 1:
+            raise ValueError(f"minimum shares must add up to less than 1, got {self._min_share}")
+        self._served: dict[int, float] = {}
         self._queues: dict[tuple[str, int], _SubQueue] = {}
         self._counters: dict[str, float] = {}
         self._last_served: dict[int, float] = {}
         self._seq = itertools.count()
         self._len = 0
+        #: Sum of the costs of the live entries (the work waiting, for predicting waits).
+        self.queued_cost = 0.0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -101,11 +114,14 @@ class FairQueue:
             queue = self._queues[key] = _SubQueue()
         if not self._tenant_backlogged(entry.tenant):
             self._lift(entry.tenant, entry.tier)
+        if entry.tier in self._min_share and not self._band_backlogged(entry.tier):
+            self._lift_band(entry.tier)
         entry.seq = next(self._seq)
         entry.removed = False
         heapq.heappush(queue.heap, (entry.deadline, entry.seq, entry))
         queue.live += 1
         self._len += 1
+        self.queued_cost += entry.cost
         return entry
 
     def remove(self, entry: Entry) -> bool:
@@ -118,15 +134,23 @@ class FairQueue:
         entry.removed = True
         queue.live -= 1
         self._len -= 1
+        self.queued_cost -= entry.cost
         return True
 
-    def charge(self, tenant: str, cost: float) -> None:
+    def charge(self, tenant: str, cost: float, tier: int | None = None) -> None:
         """Add `cost` (weighted by the tenant's weight) to the tenant's counter.
 
         Dispatch charges the prompt estimate at pick time and the output tokens when they are
-        known; a negative cost corrects an over-estimate.
+        known; a negative cost corrects an over-estimate. With `tier`, the band's service (for
+        minimum shares) is charged too.
         """
         self._counters[tenant] = self.counter(tenant) + cost / self.weight(tenant)
+        if tier is not None:
+            self._served[tier] = self._served.get(tier, 0.0) + cost
+
+    def served(self, tier: int) -> float:
+        """Service (cost) given to a band so far."""
+        return self._served.get(tier, 0.0)
 
     def serve_direct(self, tenant: str, tier: int, cost: float) -> None:
         """Account for an item served without ever being queued (nothing was waiting).
@@ -136,7 +160,7 @@ class FairQueue:
         """
         if not self._tenant_backlogged(tenant):
             self._lift(tenant, tier)
-        self.charge(tenant, cost)
+        self.charge(tenant, cost, tier)
         self._last_served[tier] = self.counter(tenant)
 
     def pick(self, now: float, eligible: Callable[[str], bool] | None = None) -> Entry | None:
@@ -148,23 +172,31 @@ class FairQueue:
         entry = self.peek(now, eligible)
         if entry is not None:
             self._pop(entry)
-            self.charge(entry.tenant, entry.cost)
+            self.charge(entry.tenant, entry.cost, entry.tier)
             self._last_served[entry.tier] = self.counter(entry.tenant)
         return entry
 
     def peek(self, now: float, eligible: Callable[[str], bool] | None = None) -> Entry | None:
         """The entry `pick` would return, left in place and uncharged."""
-        best: tuple[int, float, float, int] | None = None
-        best_entry: Entry | None = None
-        for (tenant, _), queue in self._queues.items():
+        best: dict[int, tuple[tuple[int, float, float, int], Entry]] = {}  # per tier
+        for (tenant, tier), queue in self._queues.items():
             if not queue.live or (eligible is not None and not eligible(tenant)):
                 continue
             head = queue.head()
             assert head is not None
             rank = (self._band(head, now), self.counter(tenant), head.deadline, head.seq)
-            if best is None or rank < best:
-                best, best_entry = rank, head
-        return best_entry
+            if tier not in best or rank < best[tier][0]:
+                best[tier] = (rank, head)
+        if not best:
+            return None
+        winner = min(best.values(), key=lambda pair: pair[0])[1]
+        if len(best) > 1 and self._min_share:
+            total = sum(self._served.values())
+            for tier in sorted(best):
+                share = self._min_share.get(tier, 0.0)
+                if tier != winner.tier and self.served(tier) < share * total:
+                    return best[tier][1]  # the band is owed its minimum share
+        return winner
 
     def __iter__(self) -> Iterator[Entry]:
         """Live entries in no particular order."""
@@ -188,9 +220,21 @@ class FairQueue:
         entry.removed = True
         queue.live -= 1
         self._len -= 1
+        self.queued_cost -= entry.cost
 
     def _tenant_backlogged(self, tenant: str) -> bool:
         return any(q.live for (t, _), q in self._queues.items() if t == tenant)
+
+    def _band_backlogged(self, tier: int) -> bool:
+        return any(q.live for (_, band), q in self._queues.items() if band == tier)
+
+    def _lift_band(self, tier: int) -> None:
+        """A band returning from idle starts exactly at its share: no credit for idle time."""
+        share = self._min_share[tier]
+        others = sum(self._served.values()) - self.served(tier)
+        floor = share * others / (1 - share)  # so that served / total == share exactly
+        if self.served(tier) < floor:
+            self._served[tier] = floor
 
     def _lift(self, tenant: str, tier: int) -> None:
         backlogged = [

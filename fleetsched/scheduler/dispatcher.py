@@ -1,6 +1,9 @@
 """The dispatcher: every model call of every session passes through here to the backend.
 
-A call first takes a place in the backend's in-flight window. While the window has room and no
+A call is first checked against its tenant's rate limits (`RateLimited`) and, for a sheddable
+tier, against its tenant's TTFT objective: if the wait predicted from the queued work and the
+recent service rate exceeds it, the call is refused with `Overloaded` and a retry-after rather
+than left to miss its objective. Then it takes a place in the backend's in-flight window. While the window has room and no
 call waits, it goes straight through (the fast path: no task switch, no allocation beyond the
 call's record). Otherwise it waits in a `FairQueue` (tier bands, fair share between tenants by
 virtual token counters, earliest deadline first within a tenant) and is handed a place when a
@@ -18,14 +21,18 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import Backend, ChatBody, Chunk, collect_chat, estimate_prompt_tokens
-from ..errors import DeadlineExceeded
+from ..backends.base import Backend, ChatBody, Chunk, collect_chat, estimate_prompt_tokens, requested_max_tokens
+from ..errors import DeadlineExceeded, Overloaded, RateLimited
 from ..policies.fair_queue import Entry, FairQueue
-from .records import CallRecord, Recorder
+from ..policies.tiers import Tier
+from ..resources.ratelimit import TenantRateLimits
+from .records import CallRecord, Recorder, percentile
 
 #: VTC weights: a prompt token costs 1, a generated token 2.
 INPUT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
+#: The service rate (for predicted waits) is measured over periods at least this long.
+RATE_PERIOD_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +42,10 @@ class DispatcherStatistics:
     queued: int
     queued_by_tier: Mapping[int, int]
     calls_started: int
+    shed: int
+    rate_limited: int
+    service_rate: float | None
+    """Recent rate at which queued work (prompt-token estimates) is served, per second."""
 
 
 class _Waiter:
@@ -55,16 +66,32 @@ class Dispatcher:
         window: int,
         weights: Mapping[str, float] | None = None,
         aging_s: float | None = None,
+        min_share: Mapping[int, float] | None = None,
+        rate_limits: TenantRateLimits | None = None,
+        shed_after_s: Mapping[str, float] | None = None,
+        shed_tiers: frozenset[int] = frozenset({Tier.BATCH}),
         recorder: Recorder | None = None,
     ) -> None:
+        """`shed_after_s` maps a tenant to the predicted wait past which its calls of a tier in
+        `shed_tiers` are refused (its TTFT objective)."""
         if window < 1:
             raise ValueError(f"in-flight window must be >= 1, got {window}")
         self.backend = backend
         self.window = window
         self.recorder = recorder if recorder is not None else Recorder()
-        self._queue = FairQueue(weights, aging_s=aging_s)
+        self._queue = FairQueue(weights, aging_s=aging_s, min_share=min_share)
+        self._limits = rate_limits
+        self._shed_after_s = dict(shed_after_s or {})
+        self._shed_tiers = shed_tiers
         self._in_flight = 0
         self._started = 0
+        self._shed = 0
+        self._rate_limited = 0
+        # Service rate, measured over periods of at least RATE_PERIOD_S.
+        self._rate: float | None = None
+        self._rate_since: float | None = None
+        self._rate_served = 0.0
+        self._engine_ttfts: list[float] = []
 
     # -- the call path ---------------------------------------------------------------------------
 
@@ -125,7 +152,22 @@ class Dispatcher:
         if now > deadline:
             raise DeadlineExceeded(f"session {session} made a model call {now - deadline:.3f} s after its deadline")
         estimate = estimate_prompt_tokens(body)
+        if tier in self._shed_tiers and tenant in self._shed_after_s:
+            wait = self.predicted_wait_s()
+            if wait > self._shed_after_s[tenant]:
+                self._shed += 1
+                raise Overloaded(
+                    f"{Tier(tier)} call of tenant {tenant!r} shed: its predicted wait of {wait:.1f} s exceeds "
+                    f"its TTFT objective of {self._shed_after_s[tenant]:.1f} s",
+                    retry_after_s=wait,
+                )
+        if self._limits is not None:
+            wait = self._limits.try_take(tenant, estimate + requested_max_tokens(body), now)
+            if wait > 0:
+                self._rate_limited += 1
+                raise RateLimited(f"tenant {tenant!r} is over its requests or tokens per minute", retry_after_s=wait)
         record = CallRecord(tenant, tier, session, now)
+        record.max_tokens = requested_max_tokens(body)
         if await self._acquire(tenant, tier, estimate * INPUT_WEIGHT, due, now):
             record.started = anyio.current_time()
         else:
@@ -133,13 +175,22 @@ class Dispatcher:
         return record, estimate
 
     def _end(self, record: CallRecord, estimate: int) -> None:
-        record.finished = anyio.current_time()
-        record.backend_s = record.finished - record.started
+        now = record.finished = anyio.current_time()
+        record.backend_s = now - record.started
         self._release()
+        if record.first_token == record.first_token:  # not nan
+            self._engine_ttfts.append(record.first_token - record.started)
+        if self._limits is not None and record.error is None:
+            self._limits.refund(record.tenant, record.max_tokens - record.completion_tokens)
+        # Measured in the units of the queue's costs (prompt estimates), so queued cost over rate
+        # is a wait in seconds.
+        self._measure_rate(now, estimate * INPUT_WEIGHT)
         # Correct the prompt estimate and charge the output, now that both are known.
         if record.prompt_tokens or record.completion_tokens:
             self._queue.charge(
-                record.tenant, (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT
+                record.tenant,
+                (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT,
+                record.tier,
             )
         self.recorder.add_call(record)
 
@@ -179,6 +230,31 @@ class Dispatcher:
             entry.item.granted = True
             entry.item.event.set()
 
+    def _measure_rate(self, now: float, served: float) -> None:
+        if self._rate_since is None:
+            self._rate_since = now
+        self._rate_served += served
+        elapsed = now - self._rate_since
+        if elapsed >= RATE_PERIOD_S:
+            rate = self._rate_served / elapsed
+            self._rate = rate if self._rate is None else 0.5 * self._rate + 0.5 * rate
+            self._rate_since, self._rate_served = now, 0.0
+
+    def predicted_wait_s(self) -> float:
+        """Seconds a call arriving now would wait for a place: the queued work over the recent
+        service rate (0 while the window has room or nothing has been measured yet)."""
+        if not self._queue or not self._rate:
+            return 0.0
+        return self._queue.queued_cost / self._rate
+
+    def take_engine_ttft(self) -> float | None:
+        """Median engine-side TTFT of the calls finished since the last take (for the window)."""
+        if not self._engine_ttfts:
+            return None
+        median = percentile(self._engine_ttfts, 50)
+        self._engine_ttfts.clear()
+        return median
+
     def resize(self, window: int) -> None:
         """Change the in-flight window (the adaptive window policy calls this)."""
         if window < 1:
@@ -190,7 +266,9 @@ class Dispatcher:
         by_tier: dict[int, int] = {}
         for (_, tier), n in self._queue.queued_by().items():
             by_tier[tier] = by_tier.get(tier, 0) + n
-        return DispatcherStatistics(self.window, self._in_flight, len(self._queue), by_tier, self._started)
+        return DispatcherStatistics(
+            self.window, self._in_flight, len(self._queue), by_tier, self._started, self._shed, self._rate_limited, self._rate
+        )
 
 
 def _note(chunk: Chunk, record: CallRecord) -> None:

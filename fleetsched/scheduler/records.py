@@ -21,6 +21,7 @@ class CallRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     backend_s: float = math.nan
+    max_tokens: int = 0
     error: str | None = None
 
     @property

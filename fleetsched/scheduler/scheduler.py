@@ -25,11 +25,13 @@ from anyio.abc import TaskGroup
 
 from ..agents.context import SessionContext
 from ..backends import Backend, create_backend
-from ..errors import DeadlineExceeded, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
+from ..errors import DeadlineExceeded, FleetschedError, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
 from ..policies.fair_queue import Entry, FairQueue
 from ..policies.tiers import Tier
+from ..policies.window import AimdWindow, WindowSignals
 from ..resources import MemoryPool, MemoryStatistics, create_pool
 from ..resources.limiter import SessionSlots
+from ..resources.ratelimit import RateLimit, TenantRateLimits
 from ..settings import Settings
 from .dispatcher import Dispatcher, DispatcherStatistics
 from .records import Recorder, SessionRecord
@@ -92,11 +94,20 @@ class Scheduler:
         self.slots = SessionSlots(self.settings.scheduler.max_sessions, {n: t.max_sessions for n, t in tenants.items()})
         weights = {name: t.weight for name, t in tenants.items()}
         self._queue = FairQueue(weights, aging_s=self.settings.scheduler.aging_s)
+        dispatch = self.settings.dispatch
+        limits = {
+            name: RateLimit(t.requests_per_minute, t.tokens_per_minute)
+            for name, t in tenants.items()
+            if t.requests_per_minute or t.tokens_per_minute
+        }
         self.dispatcher = Dispatcher(
             self.backend,
             window=self.settings.backend.max_in_flight,
             weights=weights,
             aging_s=self.settings.scheduler.aging_s,
+            min_share={int(Tier.parse(tier)): share for tier, share in dispatch.min_share.items()},
+            rate_limits=TenantRateLimits(limits) if limits else None,
+            shed_after_s={n: t.sla.ttft_p99_s for n, t in tenants.items() if t.sla.ttft_p99_s} if dispatch.shed_batch else None,
             recorder=self.recorder,
         )
         self._task_group: TaskGroup | None = None
@@ -120,6 +131,8 @@ class Scheduler:
             self._task_group = await stack.enter_async_context(anyio.create_task_group())
             self.pool.add_release_listener(self._admit_ready)
             stack.callback(self.pool.remove_release_listener, self._admit_ready)
+            if self.settings.dispatch.adaptive_window:
+                self._task_group.start_soon(self._adapt_window, name="fleetsched window")
             self._exit_stack = stack.pop_all()
         self._accepting = True
         return self
@@ -170,6 +183,7 @@ class Scheduler:
             memory = int(tenant_settings.session_memory or self.settings.scheduler.session_memory)
         if deadline_s is not None and not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s}")
+        deadline_s = deadline_s or tenant_settings.sla.deadline_s
         now = anyio.current_time()
         handle = SessionHandle(
             agent,
@@ -241,7 +255,8 @@ class Scheduler:
         self._task_group.start_soon(self._run, handle, name=handle.name)
 
     async def _run(self, handle: SessionHandle) -> None:
-        ctx = SessionContext(handle, self.dispatcher, model=self.settings.backend.model)
+        slo = self.settings.tenants[handle.tenant].sla.ttft_p99_s
+        ctx = SessionContext(handle, self.dispatcher, model=self.settings.backend.model, ttft_slo_s=slo or math.inf)
         scope = handle._scope
         assert scope is not None
         outcome: SessionState | None = None
@@ -307,6 +322,37 @@ class Scheduler:
                 c.completion_tokens,
             )
         )
+
+    async def _adapt_window(self) -> None:
+        """Resize the dispatcher's in-flight window from the engine's signals, periodically."""
+        dispatch = self.settings.dispatch
+        policy = AimdWindow(dispatch.min_window, dispatch.max_window, dispatch.waiting_target)
+        last_preemptions: float | None = None
+        while True:
+            await anyio.sleep(dispatch.window_interval_s)
+            try:
+                signals = await self.backend.signals()
+            except FleetschedError:
+                continue  # no signals this round; keep the window
+            preempted = 0.0
+            if signals.preemptions_total is not None:
+                if last_preemptions is not None:
+                    preempted = signals.preemptions_total - last_preemptions
+                last_preemptions = signals.preemptions_total
+            d = self.dispatcher.statistics()
+            window = policy.next_window(
+                WindowSignals(
+                    window=d.window,
+                    in_flight=d.in_flight,
+                    queued=d.queued,
+                    engine_waiting=signals.waiting,
+                    kv_cache_usage=signals.kv_cache_usage,
+                    preemptions=preempted,
+                    ttft_s=self.dispatcher.take_engine_ttft(),
+                )
+            )
+            if window != d.window:
+                self.dispatcher.resize(window)
 
     # -- inspection ------------------------------------------------------------------------------
 

@@ -1,0 +1,85 @@
+"""Per-tenant rate limits: token buckets for requests per minute and tokens per minute."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class TokenBucket:
+    """`rate_per_s` tokens flow in up to `capacity`. Pure: callers pass the clock's `now`.
+
+    A take larger than the capacity is allowed when the bucket is full (it goes negative), so an
+    unusually large request is slowed, never refused for ever.
+    """
+
+    __slots__ = ("rate_per_s", "capacity", "tokens", "updated")
+
+    def __init__(self, rate_per_s: float, capacity: float) -> None:
+        if not rate_per_s > 0 or not capacity > 0:
+            raise ValueError(f"a token bucket needs rate > 0 and capacity > 0, got {rate_per_s}, {capacity}")
+        self.rate_per_s = rate_per_s
+        self.capacity = capacity
+        self.tokens = capacity
+        self.updated: float | None = None
+
+    def _refill(self, now: float) -> None:
+        if self.updated is not None:
+            self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate_per_s)
+        self.updated = now
+
+    def wait_s(self, amount: float, now: float) -> float:
+        """Seconds until `amount` could be taken (0: now)."""
+        self._refill(now)
+        need = min(amount, self.capacity)
+        return 0.0 if self.tokens >= need else (need - self.tokens) / self.rate_per_s
+
+    def take(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.tokens -= amount
+
+    def give_back(self, amount: float) -> None:
+        self.tokens = min(self.capacity, self.tokens + amount)
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    requests_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+
+
+class TenantRateLimits:
+    """Requests-per-minute and tokens-per-minute buckets per tenant (burst: one minute's worth)."""
+
+    def __init__(self, limits: Mapping[str, RateLimit]) -> None:
+        self._requests: dict[str, TokenBucket] = {}
+        self._tokens: dict[str, TokenBucket] = {}
+        for tenant, limit in limits.items():
+            if limit.requests_per_minute:
+                self._requests[tenant] = TokenBucket(limit.requests_per_minute / 60, limit.requests_per_minute)
+            if limit.tokens_per_minute:
+                self._tokens[tenant] = TokenBucket(limit.tokens_per_minute / 60, limit.tokens_per_minute)
+
+    def try_take(self, tenant: str, tokens: float, now: float) -> float:
+        """Take one request and `tokens` tokens for `tenant`, or neither: returns 0 when taken,
+        else the seconds to wait before both would be there."""
+        requests = self._requests.get(tenant)
+        token_bucket = self._tokens.get(tenant)
+        wait = max(
+            requests.wait_s(1, now) if requests else 0.0,
+            token_bucket.wait_s(tokens, now) if token_bucket else 0.0,
+        )
+        if wait > 0:
+            return wait
+        if requests:
+            requests.take(1, now)
+        if token_bucket:
+            token_bucket.take(tokens, now)
+        return 0.0
+
+    def refund(self, tenant: str, tokens: float) -> None:
+        """Give back tokens charged up front but not used (max_tokens not all generated)."""
+        bucket = self._tokens.get(tenant)
+        if bucket is not None and tokens > 0 and not math.isnan(tokens):
+            bucket.give_back(tokens)

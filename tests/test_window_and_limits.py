@@ -1,0 +1,100 @@
+"""The window controller and the rate-limit buckets (pure), and both in the dispatcher."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import anyio
+import pytest
+
+from fleetsched.errors import Overloaded, RateLimited
+from fleetsched.policies.tiers import Tier
+from fleetsched.policies.window import AimdWindow, WindowSignals
+from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits, TokenBucket
+from fleetsched.scheduler import Dispatcher
+
+from .test_dispatcher import SlowBackend, body
+
+
+def signals(**kw) -> WindowSignals:
+    base = {"window": 32, "in_flight": 32, "queued": 10, "engine_waiting": 0, "kv_cache_usage": 0.5}
+    return WindowSignals(**{**base, **kw})
+
+
+def test_window_grows_while_we_hold_calls_back_and_the_engine_has_room():
+    assert AimdWindow().next_window(signals()) == 33
+
+
+def test_window_holds_when_nothing_waits_with_us():
+    assert AimdWindow().next_window(signals(queued=0)) == 32
+    assert AimdWindow().next_window(signals(in_flight=20)) == 32
+
+
+@pytest.mark.parametrize(
+    "why", [{"engine_waiting": 5}, {"preemptions": 1.0}, {"kv_cache_usage": 0.99}]
+)
+def test_window_shrinks_when_the_engine_queues_preempts_or_fills(why):
+    assert AimdWindow().next_window(signals(**why)) == 25
+
+
+def test_window_shrinks_on_ttft_climb_only_with_engine_queueing():
+    policy = AimdWindow()
+    policy.next_window(signals(ttft_s=0.01))
+    assert policy.next_window(signals(ttft_s=0.1, engine_waiting=1)) == 25
+    assert policy.next_window(signals(ttft_s=0.1, engine_waiting=0)) == 33
+
+
+def test_window_bounds():
+    policy = AimdWindow(min_window=4, max_window=33)
+    assert policy.next_window(signals(window=33, in_flight=33)) == 33
+    assert policy.next_window(signals(window=4, engine_waiting=9)) == 4
+
+
+def test_token_bucket():
+    bucket = TokenBucket(rate_per_s=1.0, capacity=10)
+    assert bucket.wait_s(10, now=0) == 0
+    bucket.take(10, now=0)
+    assert bucket.wait_s(3, now=1) == pytest.approx(2.0)
+    assert bucket.wait_s(50, now=10) == 0  # larger than capacity: allowed once full
+
+
+def test_rate_limits_take_both_or_neither():
+    limits = TenantRateLimits({"a": RateLimit(requests_per_minute=60, tokens_per_minute=600)})
+    assert limits.try_take("a", 600, now=0) == 0
+    assert limits.try_take("a", 10, now=0) == pytest.approx(1.0)  # tokens short for 1 s
+    limits.refund("a", 300)
+    assert limits.try_take("a", 10, now=0) == 0
+    assert limits.try_take("other", 10**9, now=0) == 0  # no limit declared
+
+
+@pytest.mark.anyio
+async def test_dispatcher_refuses_over_the_rate_limit_with_retry_after():
+    limits = TenantRateLimits({"a": RateLimit(requests_per_minute=3)})
+    backend = SlowBackend(0.0)
+    dispatcher = Dispatcher(backend, window=4, rate_limits=limits)
+    for _ in range(3):
+        await dispatcher.chat(body("ok"), tenant="a", tier=1)
+    with pytest.raises(RateLimited) as info:
+        await dispatcher.chat(body("no"), tenant="a", tier=1)
+    assert info.value.retry_after_s == pytest.approx(20.0)
+    assert len(backend.started) == 3 and dispatcher.statistics().rate_limited == 1
+    await anyio.sleep(20)
+    await dispatcher.chat(body("ok again"), tenant="a", tier=1)
+
+
+@pytest.mark.anyio
+async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objective():
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, shed_after_s={"bulk": 5.0})
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):  # measure the service rate: 3 calls of 1 s
+            await dispatcher.chat(body("warm"), tenant="bulk", tier=Tier.BATCH)
+        for _ in range(12):  # twelve seconds of work queued
+            tg.start_soon(partial(dispatcher.chat, body("queued"), tenant="std", tier=Tier.STANDARD))
+        await anyio.sleep(0.5)
+        with pytest.raises(Overloaded, match="predicted wait") as info:
+            await dispatcher.chat(body("shed me"), tenant="bulk", tier=Tier.BATCH)
+        assert info.value.retry_after_s > 5.0
+        # A standard-tier call is never shed; it waits its turn.
+        await dispatcher.chat(body("waits"), tenant="std", tier=Tier.STANDARD)
+    assert "shed me" not in backend.started and dispatcher.statistics().shed == 1
