@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetsched.backends.sim import BlockPool, FcfsQueue, PriorityQueue, SimEngine, SimRequest, make_queue
+from fleetsched.backends.sim._engine import FINISHED
 from fleetsched.backends.sim._kv_cache import block_hashes, prompt_text
 from fleetsched.settings import SimSettings
 
@@ -100,3 +103,50 @@ def test_preempted_request_recomputes_prompt_and_output():
     assert engine.preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
     assert engine.pool.usage == 0.0
     engine.pool.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(["fcfs", "priority"]),
+    kv_blocks=st.integers(6, 40),
+    budget=st.integers(8, 128),
+    max_seqs=st.integers(1, 8),
+    requests=st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(-2, 2), st.integers(0, 3), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_random_workloads_keep_invariants_and_finish(policy, kv_blocks, budget, max_seqs, requests):
+    """Random arrivals, shared prefixes, aborts and a small cache: invariants hold at every step."""
+    bs = 8
+    engine = SimEngine(
+        SimSettings(policy=policy, block_size=bs, kv_cache_tokens=kv_blocks * bs, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    )
+    pending = [r for r in requests if -(-(r[0] + r[1]) // bs) <= kv_blocks]  # the backend refuses the rest
+    live = []
+    step = 0
+    while pending or engine.has_work:
+        if pending and step % 2 == 0:
+            prompt, out, priority, prefix, abort = pending.pop()
+            hashes = [prefix * 1000 + i for i in range(prompt // bs)]  # same prefix id: same blocks
+            live.append((engine.new_request(prompt, out, hashes, priority), abort))
+        if step % 5 == 3:
+            for request, abort in live:
+                if abort and not request.done:
+                    engine.abort(request)
+                    break
+        planned = engine.schedule()
+        if planned is not None:
+            requests_, counts, _ = planned
+            assert sum(counts) <= budget and len(engine.running) <= max_seqs
+            assert len(set(requests_)) == len(requests_)
+            engine.complete(*planned)
+        engine.pool.check()
+        step += 1
+        assert step < 10_000
+    for request, _ in live:
+        assert request.done and not request.blocks
+        if request.status == FINISHED:
+            assert request.num_output == request.max_tokens
+    assert engine.pool.usage == 0.0
