@@ -2,6 +2,8 @@
 
     fleetsched run CONFIG [--backend sim] [--report FILE.json]
     fleetsched bench NAME [--json] ...
+    fleetsched simulate CONFIG --duration 2h [--find-max-sessions]
+    fleetsched calibrate --url URL --out profile.toml
 
 A bad config exits with code 2 and a message naming the key and the reason.
 """
@@ -69,6 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("name", nargs="?", help=", ".join(f"{k}: {v}" for k, v in bench.BENCHMARKS.items()))
     bench_cmd.add_argument("rest", nargs=argparse.REMAINDER)
 
+    # Commands implemented in their own modules, each with main(argv) -> int.
+    delegated = {
+        "simulate": ("fleetsched.simulate", "run a config on the sim backend in virtual time; capacity planning"),
+        "calibrate": ("fleetsched.calibrate", "fit a sim profile to a real vLLM server"),
+    }
+    for name, (_, text) in delegated.items():
+        commands.add_parser(name, help=text, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in delegated:
+        import importlib
+
+        return importlib.import_module(delegated[argv[0]][0]).main(argv[1:])
     args = parser.parse_args(argv)
     console = Console()
     if not console.is_terminal:

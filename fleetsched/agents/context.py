@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import httpx
 
 from ..backends.base import Chunk
 from ..scheduler.session import Activity
@@ -31,6 +32,7 @@ class SessionContext:
         self._dispatcher = dispatcher
         self.model = model
         self._ttft_slo_s = ttft_slo_s
+        self._openai: Any = None
 
     @property
     def session_id(self) -> int:
@@ -52,6 +54,26 @@ class SessionContext:
     @property
     def reservation(self) -> Reservation | None:
         return self._handle.reservation
+
+    @property
+    def openai(self) -> Any:
+        """A real ``openai.AsyncOpenAI`` client whose requests go through this session's dispatcher.
+
+        Chat completions (streaming or not, with tools) work as against a server; the SDK's own
+        retries are off, since fleetsched decides retries and order.
+        """
+        if self._openai is None:
+            import openai
+
+            from .transport import SessionTransport
+
+            self._openai = openai.AsyncOpenAI(
+                base_url="http://fleetsched.invalid/v1",
+                api_key="fleetsched-session",
+                max_retries=0,
+                http_client=httpx.AsyncClient(transport=SessionTransport(self)),
+            )
+        return self._openai
 
     def _body(self, messages: Sequence[Mapping[str, Any]] | None, body: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         out = dict(body or {})
@@ -119,10 +141,15 @@ class SessionContext:
         """Mark the block as time spent in tool `name` (the session holds no engine slot)."""
         handle = self._handle
         handle.activity = Activity.TOOL
+        reservation = handle.reservation
+        if reservation is not None:
+            reservation.movable = True  # idle: a compaction may move its memory meanwhile
         start = anyio.current_time()
         try:
             yield
         finally:
+            if reservation is not None:
+                reservation.movable = False
             handle.activity = Activity.THINKING
             handle.counters.tool_calls += 1
             handle.counters.tool_s += anyio.current_time() - start

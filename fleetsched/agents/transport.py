@@ -1,0 +1,99 @@
+"""An httpx transport that serves the OpenAI API from the dispatcher, for ``ctx.openai``.
+
+Agent code written for the `openai` SDK runs unchanged: `SessionContext.openai` is a real
+``openai.AsyncOpenAI`` whose HTTP transport is this one, so its requests never touch the network.
+``POST .../chat/completions`` goes through the scheduler's dispatcher with the session's tenant,
+tier and deadline; streamed responses are sent back as server-sent events, and refusals as the
+HTTP errors the SDK knows (429 rate-limited, 503 shed, both with ``Retry-After``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from ..backends.base import Chunk
+from ..errors import BackendError, BackendUnavailable, DeadlineExceeded, Overloaded, RateLimited
+
+if TYPE_CHECKING:
+    from .context import SessionContext
+
+
+def error_response(status: int, message: str, kind: str, *, retry_after_s: float | None = None) -> httpx.Response:
+    """An OpenAI-style error body: ``{"error": {"message", "type", "code"}}``."""
+    headers = {"retry-after": f"{max(1, round(retry_after_s))}"} if retry_after_s is not None else {}
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return httpx.Response(status, json=body, headers=headers)
+
+
+def response_for(exc: BaseException) -> httpx.Response | None:
+    """The HTTP answer for one of our errors (None: not ours to answer)."""
+    if isinstance(exc, RateLimited):
+        return error_response(429, str(exc), "rate_limit_exceeded", retry_after_s=exc.retry_after_s)
+    if isinstance(exc, Overloaded):
+        return error_response(503, str(exc), "overloaded", retry_after_s=exc.retry_after_s)
+    if isinstance(exc, DeadlineExceeded):
+        return error_response(408, str(exc), "deadline_exceeded")
+    if isinstance(exc, BackendUnavailable):
+        return error_response(502, str(exc), "backend_unavailable")
+    if isinstance(exc, BackendError):
+        return error_response(500, str(exc), "backend_error")
+    if isinstance(exc, ValueError):
+        return error_response(400, str(exc), "invalid_request_error")
+    return None
+
+
+class _EventStream(httpx.AsyncByteStream):
+    """Server-sent events over an already opened dispatcher stream; closing it ends the call."""
+
+    def __init__(self, opened: AbstractAsyncContextManager[AsyncIterator[Chunk]], chunks: AsyncIterator[Chunk]) -> None:
+        self._opened = opened
+        self._chunks = chunks
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._chunks:
+                yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._opened.__aexit__(None, None, None)
+
+
+class SessionTransport(httpx.AsyncBaseTransport):
+    """Routes one session's OpenAI requests through the dispatcher."""
+
+    def __init__(self, ctx: SessionContext) -> None:
+        self._ctx = ctx
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
+            return error_response(404, f"{request.method} {request.url.path} is not served to agents", "not_found")
+        try:
+            body: dict[str, Any] = json.loads(await request.aread())
+            if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+                raise ValueError("the request body must be a JSON object with a `messages` list")
+        except ValueError as exc:
+            return error_response(400, f"malformed request: {exc}", "invalid_request_error")
+        streaming = bool(body.pop("stream", False))
+        body.pop("stream_options", None)
+        try:
+            if not streaming:
+                return httpx.Response(200, json=await self._ctx.chat(body=body))
+            opened = self._ctx.stream(body=body)
+            chunks = await opened.__aenter__()
+        except Exception as exc:
+            answer = response_for(exc)
+            if answer is None:
+                raise
+            return answer
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks))

@@ -1,0 +1,72 @@
+"""Agent code written for the openai SDK runs unchanged through ctx.openai."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from fleetsched import Scheduler
+
+from .helpers import check_released, settings
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_chat_completion_through_the_sdk(anyio_backend):
+    async def agent(ctx):
+        response = await ctx.openai.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        return response.choices[0].message.content, response.usage.completion_tokens
+
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        assert await handle == ("ok", 4)
+    assert handle.counters.calls == 1
+    assert scheduler.recorder.calls[0].tenant == "acme"
+    check_released(scheduler)
+
+
+async def test_streaming_through_the_sdk():
+    async def agent(ctx):
+        stream = await ctx.openai.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+        )
+        parts = []
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+        return "".join(parts)
+
+    async with Scheduler(settings()) as scheduler:
+        assert await (await scheduler.submit(agent, tenant="acme")) == "ok"
+    (record,) = scheduler.recorder.calls
+    assert record.completion_tokens == 3 and record.error is None
+    check_released(scheduler)
+
+
+async def test_rate_limit_reaches_the_sdk_as_429_with_retry_after():
+    s = settings({"acme": {"requests_per_minute": 1}})
+
+    async def agent(ctx):
+        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        try:
+            await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+        except openai.RateLimitError as exc:
+            return exc.status_code, exc.response.headers["retry-after"]
+
+    async with Scheduler(s) as scheduler:
+        assert await (await scheduler.submit(agent, tenant="acme")) == (429, "60")
+    check_released(scheduler)
+
+
+async def test_malformed_request_is_a_400_not_a_crash():
+    async def agent(ctx):
+        try:
+            await ctx.openai.chat.completions.create(model="m", messages="not a list")  # type: ignore[arg-type]
+        except openai.BadRequestError as exc:
+            return exc.status_code
+
+    async with Scheduler(settings()) as scheduler:
+        assert await (await scheduler.submit(agent, tenant="acme")) == 400
