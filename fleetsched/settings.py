@@ -80,6 +80,11 @@ class SchedulerSettings(_Section):
     """On leaving the scheduler, running sessions get this long to finish before cancellation."""
     session_memory: ByteSize = ByteSize(1 << 30)
     """Memory a session reserves when neither submit() nor its tenant says."""
+    tool_policy: Literal["keep", "release", "adaptive"] = "adaptive"
+    """While a session is in a tool: keep its slot and memory, release them to waiting sessions,
+    or decide per call from the tool's learned durations and the admission pressure."""
+    tool_keep_s: float = Field(2.0, ge=0)
+    """Adaptive: under pressure, tools expected to last at most this long keep slot and memory."""
 
     @field_validator("session_memory")
     @classmethod

@@ -27,7 +27,12 @@ if TYPE_CHECKING:
 class SessionContext:
     """The running session's view: identity, deadline, reservation, model calls, tool marks."""
 
-    def __init__(self, handle: SessionHandle, dispatcher: Dispatcher, *, model: str, ttft_slo_s: float = math.inf) -> None:
+    def __init__(
+        self, handle: SessionHandle, dispatcher: Dispatcher, *, model: str, ttft_slo_s: float = math.inf, pace: Any = None
+    ) -> None:
+        """`pace` (the scheduler) is told when tools start and end: `tool_started(handle, name)`,
+        ``await tool_finished(handle, name, seconds)``."""
+        self._pace = pace
         self._handle = handle
         self._dispatcher = dispatcher
         self.model = model
@@ -138,21 +143,31 @@ class SessionContext:
 
     @asynccontextmanager
     async def tool(self, name: str) -> AsyncIterator[None]:
-        """Mark the block as time spent in tool `name` (the session holds no engine slot)."""
+        """Mark the block as time spent in tool `name`.
+
+        Meanwhile the session's memory may be moved by a compaction, or its slot and memory lent
+        to waiting sessions (the scheduler's keep-or-release policy); leaving the block then
+        waits until the session is re-admitted.
+        """
         handle = self._handle
         handle.activity = Activity.TOOL
         reservation = handle.reservation
         if reservation is not None:
             reservation.movable = True  # idle: a compaction may move its memory meanwhile
         start = anyio.current_time()
+        if self._pace is not None:
+            self._pace.tool_started(handle, name)
         try:
             yield
         finally:
             if reservation is not None:
                 reservation.movable = False
-            handle.activity = Activity.THINKING
+            seconds = anyio.current_time() - start
             handle.counters.tool_calls += 1
-            handle.counters.tool_s += anyio.current_time() - start
+            handle.counters.tool_s += seconds
+            if self._pace is not None:
+                await self._pace.tool_finished(handle, name, seconds)
+            handle.activity = Activity.THINKING
 
     def _due(self) -> float:
         """When this call's first token is due under the tenant's TTFT objective (inf: none)."""

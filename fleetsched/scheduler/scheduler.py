@@ -7,6 +7,10 @@ step, `_admit_ready`, run whenever something changes (a submission, a release), 
 its memory are granted together or not at all. When the head of the queue does not fit in
 memory, admission waits for a release rather than letting smaller sessions pass it for ever.
 
+While a session sits in a tool call, the `KeepOrRelease` policy may park it: its slot and memory
+go back to the pool for waiting sessions, and when the tool returns the session is re-admitted
+ahead of newer sessions of its tenant before it goes on.
+
 Every session runs in its own cancel scope: an exception fails that session only, and every
 exit path (done, failed, cancelled, deadline, scheduler shutdown) gives back its slot and its
 reservation in `_finish`.
@@ -27,6 +31,7 @@ from ..agents.context import SessionContext
 from ..backends import Backend, create_backend
 from ..errors import DeadlineExceeded, FleetschedError, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
 from ..policies.fair_queue import Entry, FairQueue
+from ..policies.pace import KeepOrRelease, ToolStats
 from ..policies.tiers import Tier
 from ..policies.window import AimdWindow, WindowSignals
 from ..resources import MemoryPool, MemoryStatistics, create_pool
@@ -45,7 +50,9 @@ class SchedulerStatistics:
     queued: Mapping[tuple[str, str], int]
     """Queued sessions per (tenant, tier)."""
     running: Mapping[tuple[str, str], int]
-    """Admitted or running sessions per (tenant, tier)."""
+    """Admitted or running sessions per (tenant, tier), holding a slot."""
+    parked: int
+    """Sessions in a tool call whose slot and memory were released to others."""
     finished: Mapping[str, int]
     """Finished sessions per final state."""
     slots_in_use: int
@@ -119,6 +126,9 @@ class Scheduler:
         self._idle = anyio.Event()
         self._idle.set()
         self._finished: dict[str, int] = {}
+        self._tool_stats = ToolStats()
+        self._in_tool: dict[SessionHandle, tuple[str, float]] = {}  # tool name, start time
+        self._tool_policy = KeepOrRelease(self.settings.scheduler.tool_policy, self.settings.scheduler.tool_keep_s)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -203,11 +213,14 @@ class Scheduler:
             self._record(handle)
             raise
         handle._on_cancel_queued = self._cancel_queued
+        pressure_before = bool(self._queue)
         handle._entry = self._queue.push(Entry(tenant, int(tier), now, handle))
         self._live += 1
         if self._idle.is_set():
             self._idle = anyio.Event()
         self._admit_ready()
+        if self._queue and not pressure_before:
+            self._reconsider_tools(now)  # sessions now wait: tools kept for lack of pressure may park
         return handle
 
     # -- admission -------------------------------------------------------------------------------
@@ -240,12 +253,16 @@ class Scheduler:
                     return  # the head waits for memory; a release calls us again
                 picked = self._queue.pick(now, eligible)
                 assert picked is entry
-                self._start(handle, reservation, now)
+                if handle._readmit is not None:
+                    self._resume(handle, reservation)
+                else:
+                    self._start(handle, reservation, now)
         finally:
             self._admitting = False
 
     def _start(self, handle: SessionHandle, reservation: Any, now: float) -> None:
         self.slots.take(handle.tenant)
+        handle._holds_slot = True
         handle.reservation = reservation
         handle._entry = None
         handle._scope = anyio.CancelScope(deadline=handle.deadline)
@@ -256,7 +273,7 @@ class Scheduler:
 
     async def _run(self, handle: SessionHandle) -> None:
         slo = self.settings.tenants[handle.tenant].sla.ttft_p99_s
-        ctx = SessionContext(handle, self.dispatcher, model=self.settings.backend.model, ttft_slo_s=slo or math.inf)
+        ctx = SessionContext(handle, self.dispatcher, model=self.settings.backend.model, ttft_slo_s=slo or math.inf, pace=self)
         scope = handle._scope
         assert scope is not None
         outcome: SessionState | None = None
@@ -279,7 +296,12 @@ class Scheduler:
     def _finish(self, handle: SessionHandle, state: SessionState) -> None:
         """Give back everything the session holds; then admit whoever can run now."""
         self._running.pop(handle.id, None)
-        self.slots.give(handle.tenant)
+        self._in_tool.pop(handle, None)
+        if handle._park_timer is not None:
+            handle._park_timer.cancel()
+        if handle._holds_slot:
+            self.slots.give(handle.tenant)
+            handle._holds_slot = False
         handle._set_state(state, anyio.current_time())
         self._record(handle)
         self._session_ended()
@@ -323,6 +345,80 @@ class Scheduler:
             )
         )
 
+    # -- tool calls: keep or release ---------------------------------------------------------------
+
+    def tool_started(self, handle: SessionHandle, tool: str) -> None:
+        """A session entered a tool: park it now, after a time to live, or never (the policy)."""
+        now = anyio.current_time()
+        self._in_tool[handle] = (tool, now)
+        self._plan_park(handle, tool, now, now)
+
+    def _plan_park(self, handle: SessionHandle, tool: str, started: float, now: float) -> None:
+        ttl = self._tool_policy.ttl_s(tool, self._tool_stats, waiting=len(self._queue))
+        remaining = ttl - (now - started)
+        if remaining <= 0:
+            self._park(handle)
+        elif remaining < math.inf:
+            handle._park_timer = anyio.CancelScope()
+            assert self._task_group is not None
+            self._task_group.start_soon(self._park_after, handle, remaining, handle._park_timer)
+
+    def _reconsider_tools(self, now: float) -> None:
+        """Admission pressure appeared: decide again for sessions kept in a tool without a timer."""
+        for handle, (tool, started) in list(self._in_tool.items()):
+            if handle._holds_slot and handle._park_timer is None:
+                self._plan_park(handle, tool, started, now)
+
+    async def tool_finished(self, handle: SessionHandle, tool: str, seconds: float) -> None:
+        """A session left a tool: learn its duration; if it was parked, wait to be re-admitted."""
+        self._in_tool.pop(handle, None)
+        self._tool_stats.observe(tool, seconds)
+        if handle._park_timer is not None:
+            handle._park_timer.cancel()
+            handle._park_timer = None
+        if not handle._holds_slot:
+            await self._readmit(handle)
+
+    async def _park_after(self, handle: SessionHandle, ttl: float, timer: anyio.CancelScope) -> None:
+        with timer:
+            await anyio.sleep(ttl)
+            if handle._park_timer is timer and handle.activity is Activity.TOOL:
+                self._park(handle)
+
+    def _park(self, handle: SessionHandle) -> None:
+        """Give the slot and memory of a session in a tool to whoever waits."""
+        if not handle._holds_slot or handle.done:
+            return
+        self.slots.give(handle.tenant)
+        handle._holds_slot = False
+        handle.parked_count += 1
+        reservation, handle.reservation = handle.reservation, None
+        if reservation is not None:
+            reservation.release()  # admits the next sessions through the release listener
+        self._admit_ready()
+
+    async def _readmit(self, handle: SessionHandle) -> None:
+        """Queue a returning session ahead of its tenant's new ones and wait for slot and memory."""
+        handle._readmit = granted = anyio.Event()
+        # deadline -1 sorts before new sessions (deadline 0) of the tenant; arrival keeps its age.
+        entry = Entry(handle.tenant, int(handle.tier), handle.timestamps[SessionState.QUEUED], handle, deadline=-1.0)
+        self._queue.push(entry)
+        self._admit_ready()
+        try:
+            await granted.wait()  # _resume may have set it already, during _admit_ready above
+        except BaseException:
+            self._queue.remove(entry)  # no-op if it was already granted (then _finish releases)
+            handle._readmit = None
+            raise
+
+    def _resume(self, handle: SessionHandle, reservation: Any) -> None:
+        self.slots.take(handle.tenant)
+        handle._holds_slot = True
+        handle.reservation = reservation
+        event, handle._readmit = handle._readmit, None
+        assert event is not None
+        event.set()
+
     async def _adapt_window(self) -> None:
         """Resize the dispatcher's in-flight window from the engine's signals, periodically."""
         dispatch = self.settings.dispatch
@@ -359,12 +455,17 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         queued = {(t, str(Tier(tier))): n for (t, tier), n in self._queue.queued_by().items()}
         running: dict[tuple[str, str], int] = {}
+        parked = 0
         for handle in self._running.values():
+            if not handle._holds_slot:
+                parked += 1
+                continue
             key = (handle.tenant, str(handle.tier))
             running[key] = running.get(key, 0) + 1
         return SchedulerStatistics(
             queued=queued,
             running=running,
+            parked=parked,
             finished=dict(self._finished),
             slots_in_use=self.slots.in_use,
             slots_total=self.slots.total,

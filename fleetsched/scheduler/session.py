@@ -89,6 +89,11 @@ class SessionHandle:
         self._scope: anyio.CancelScope | None = None
         self._on_cancel_queued: Callable[[SessionHandle], None] | None = None
         self._cancel_requested = False
+        self._holds_slot = False
+        self._park_timer: anyio.CancelScope | None = None
+        self._readmit: anyio.Event | None = None
+        #: Times its slot and memory were released during a tool call.
+        self.parked_count = 0
         self._done = anyio.Event()
 
     # -- inspection ----------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""Keep or release a session's slot and memory during tool calls (policy, then scheduler)."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import pytest
+
+from fleetsched import Scheduler, SessionCancelled, SessionFailed, SessionState
+from fleetsched.policies.pace import KeepOrRelease, ToolStats
+
+from .helpers import check_released, settings
+
+
+def learned(tool: str, *durations: float) -> ToolStats:
+    stats = ToolStats()
+    for d in durations:
+        stats.observe(tool, d)
+    return stats
+
+
+def test_policy_modes_and_pressure():
+    stats = learned("search", 30, 30, 30)
+    assert KeepOrRelease("keep").ttl_s("search", stats, waiting=5) == math.inf
+    assert KeepOrRelease("release").ttl_s("search", stats, waiting=0) == 0
+    adaptive = KeepOrRelease("adaptive", keep_s=2.0, unknown_ttl_s=1.0)
+    assert adaptive.ttl_s("search", stats, waiting=0) == math.inf  # nobody waits: keep
+    assert adaptive.ttl_s("search", stats, waiting=3) == 0  # long tool, others wait: release
+    assert adaptive.ttl_s("calc", learned("calc", 0.1, 0.2, 0.1), waiting=3) == 2.0  # short: keep
+    assert adaptive.ttl_s("new-tool", stats, waiting=3) == 1.0  # no history yet: keep a while
+
+
+def test_tool_stats_are_pessimistic():
+    stats = learned("t", 1, 3)
+    assert stats.expected_s("t") is None  # too few samples
+    stats.observe("t", 2)
+    assert stats.expected_s("t") == pytest.approx(2 + 1)
+
+
+def tool_agent(tool_s: float, log: list, label: str, *, fail: bool = False):
+    async def agent(ctx):
+        log.append((label, "start", anyio.current_time()))
+        await ctx.chat([{"role": "user", "content": "plan"}], max_tokens=4)
+        async with ctx.tool("long-tool"):
+            await anyio.sleep(tool_s)
+            if fail:
+                raise RuntimeError("tool failed")
+        await ctx.chat([{"role": "user", "content": "answer"}], max_tokens=4)
+        log.append((label, "end", anyio.current_time()))
+
+    return agent
+
+
+def sleeper(seconds: float, log: list, label: str):
+    async def agent(ctx):
+        log.append((label, "start", anyio.current_time()))
+        await anyio.sleep(seconds)
+        log.append((label, "end", anyio.current_time()))
+
+    return agent
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        # Released after the unknown-tool TTL (1 s): B runs meanwhile; A resumes when its tool ends.
+        ("adaptive", [("A", "start", 0.0), ("B", "start", 1.0), ("B", "end", 11.0), ("A", "end", 100.0)]),
+        # The seeds' way: A holds its slot through the tool, B waits for all of it.
+        ("keep", [("A", "start", 0.0), ("A", "end", 100.0), ("B", "start", 100.0), ("B", "end", 110.0)]),
+    ],
+)
+async def test_a_long_tool_lends_its_slot(policy, expected):
+    log: list = []
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": policy, "drain_grace_s": 1000})
+    async with Scheduler(s) as scheduler:
+        a = await scheduler.submit(tool_agent(100, log, "A"), tenant="acme")
+        await anyio.sleep(0.5)
+        await scheduler.submit(sleeper(10, log, "B"), tenant="acme")
+        await anyio.sleep(5)
+        stats = scheduler.statistics()
+        assert stats.slots_in_use == 1
+        assert stats.parked == (1 if policy == "adaptive" else 0)
+    assert log == expected
+    assert a.parked_count == (1 if policy == "adaptive" else 0)
+    check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_returning_session_goes_before_newer_ones_of_its_tenant():
+    log: list = []
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "release", "drain_grace_s": 1000})
+    async with Scheduler(s) as scheduler:
+        await scheduler.submit(tool_agent(5, log, "A"), tenant="acme")
+        for label in ("B", "C"):
+            await scheduler.submit(sleeper(10, log, label), tenant="acme")
+    # A parks at t=0, B runs 0-10; A's tool ended at 5, so A goes before C.
+    assert [entry for entry in log if entry[1] == "end"] == [("B", "end", 10.0), ("A", "end", 10.0), ("C", "end", 20.0)]
+    check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_a_failing_tool_fails_its_session_and_leaks_nothing():
+    log: list = []
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "release"})
+    async with Scheduler(s) as scheduler:
+        bad = await scheduler.submit(tool_agent(3, log, "A", fail=True), tenant="acme")
+        other = await scheduler.submit(sleeper(1, log, "B"), tenant="acme")
+        with pytest.raises(SessionFailed):
+            await bad
+        await other
+    check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_cancel_while_parked_or_waiting_to_return():
+    log: list = []
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "release", "drain_grace_s": 1000})
+    async with Scheduler(s) as scheduler:
+        parked = await scheduler.submit(tool_agent(50, log, "A"), tenant="acme")
+        returning = await scheduler.submit(tool_agent(1, log, "R"), tenant="acme")
+        blocker = await scheduler.submit(sleeper(100, log, "B"), tenant="acme")
+        await anyio.sleep(10)  # A parked at 0, R parked at 0, B holds the slot; R waits to return
+        assert scheduler.statistics().parked == 2
+        parked.cancel()
+        returning.cancel()
+        for handle in (parked, returning):
+            with pytest.raises(SessionCancelled):
+                await handle
+        await blocker
+    assert returning.state is SessionState.CANCELLED
+    check_released(scheduler)
