@@ -147,6 +147,13 @@ class ResourceSettings(_Section):
     page_size: ByteSize = ByteSize(2 << 20)
     """Granule of the allocators' address space; reservations round up to whole pages."""
     devices: list[DeviceSettings] = Field(default_factory=lambda: [DeviceSettings(name="gpu0", memory=ByteSize(80 * 10**9))])
+    compact: bool = True
+    """Before refusing a request for fragmentation, move movable reservations (sessions idle or in
+    a tool call) to open a hole for it. Address-space strategies only."""
+    compact_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    """Compact a device whenever its fragmentation rate, (free - largest free) / free, passes this
+    after memory comes free (None: never). Moves only movable reservations. In the allocator bench
+    0.3 cut fragmentation failures by a further ~40 % but moved 0.3-2 bytes per byte granted."""
 
     @field_validator("page_size")
     @classmethod
@@ -196,7 +203,21 @@ class SimSettings(_Section):
     max_model_len: int = Field(8192, ge=1)
     """Prompt plus completion tokens of one request at most; longer requests are refused at once."""
     stream_interval: int = Field(1, ge=1)
-    """Tokens per streamed chunk once the first is out (vLLM's stream_interval); higher is cheaper."""
+    """Tokens per streamed chunk once the first is out (vLLM's stream_interval); higher is cheaper.
+    `fleetsched simulate` raises it to 8 unless set: hours of a large fleet at 1 cost minutes."""
+    profile: str | None = None
+    """A calibrated profile whose values become this section's defaults: a shipped name
+    ("tiny-cpu-vllm", "hermes3-70b-4xa100", "qwen2-7b-a100-40gb") or a path to a TOML file.
+    Fields set beside it override the profile's."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_profile(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("profile"):
+            from .backends.sim._profiles import load_profile
+
+            return {**load_profile(str(data["profile"])).sim, **data}
+        return data
 
 
 class BackendSettings(_Section):
@@ -245,10 +266,22 @@ class AgentMix(_Section):
     prompt_tokens: int = Field(256, ge=1)
     max_tokens: int = Field(64, ge=1)
     tool_s: float = Field(0.0, ge=0)
-    """Seconds spent in a tool between turns."""
+    """Seconds spent in a tool between turns: the value ("fixed"), the mean ("exponential"), or
+    the low end ("uniform", up to `tool_s_max`)."""
+    tool_dist: Literal["fixed", "exponential", "uniform"] = "fixed"
+    tool_s_max: float | None = Field(None, gt=0)
+    tool_name: str = "tool"
+    """The tool's name, under which its durations are learned."""
     think_s: float = Field(0.0, ge=0)
     """Seconds of agent-side work between turns."""
     session_memory: ByteSize | None = None
+
+
+    @model_validator(mode="after")
+    def _uniform_needs_max(self) -> AgentMix:
+        if self.tool_dist == "uniform" and (self.tool_s_max is None or self.tool_s_max < self.tool_s):
+            raise ValueError(f"tool_s_max: a uniform tool time needs tool_s_max >= tool_s ({self.tool_s})")
+        return self
 
 
 class WorkloadSettings(_Section):

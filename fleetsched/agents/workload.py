@@ -36,6 +36,16 @@ def filler_text(tokens: int, rng: random.Random) -> str:
     return " ".join(words)
 
 
+def tool_time(mix: AgentMix, rng: random.Random) -> float:
+    """One draw of the mix's tool duration."""
+    if mix.tool_dist == "exponential":
+        return rng.expovariate(1 / mix.tool_s)
+    if mix.tool_dist == "uniform":
+        assert mix.tool_s_max is not None
+        return rng.uniform(mix.tool_s, mix.tool_s_max)
+    return mix.tool_s
+
+
 def scripted_chat_agent(mix: AgentMix, rng: random.Random) -> Agent:
     """A session of `mix`'s kind. It makes real model calls; its decisions follow the script."""
     prompt = filler_text(mix.prompt_tokens, rng)
@@ -51,8 +61,8 @@ def scripted_chat_agent(mix: AgentMix, rng: random.Random) -> Agent:
             if turn == mix.turns - 1:
                 break
             if mix.tool_s:
-                async with ctx.tool("tool"):
-                    await anyio.sleep(mix.tool_s)
+                async with ctx.tool(mix.tool_name):
+                    await anyio.sleep(tool_time(mix, rng))
                 messages.append({"role": "user", "content": f"tool result {turn}: " + filler_text(16, rng)})
             if mix.think_s:
                 await anyio.sleep(mix.think_s)

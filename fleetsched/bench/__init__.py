@@ -10,6 +10,7 @@ import importlib
 BENCHMARKS = {
     "overhead": "what the scheduler itself costs per session and per call (instant backend)",
     "allocator": "placement strategies of the memory allocator on churn traces",
+    "mixed-pace": "chatty, long-tool and batch agents: baseline (slots held through tools) vs keep-or-release",
     "qos": "tiers and fair share on a real vLLM overloaded 2-3x: direct-fcfs, direct-priority, fleetsched",
     "sim-fidelity": "the sim backend against reference tables and a real CPU vLLM",
 }
