@@ -38,6 +38,7 @@ class SessionContext:
         self.model = model
         self._ttft_slo_s = ttft_slo_s
         self._openai: Any = None
+        self._tool_depth = 0
 
     @property
     def session_id(self) -> int:
@@ -149,6 +150,10 @@ class SessionContext:
         to waiting sessions (the scheduler's keep-or-release policy); leaving the block then
         waits until the session is re-admitted.
         """
+        if self._tool_depth:  # nested in another tool period: that one accounts for the time
+            yield
+            return
+        self._tool_depth += 1
         handle = self._handle
         handle.activity = Activity.TOOL
         reservation = handle.reservation
@@ -160,6 +165,7 @@ class SessionContext:
         try:
             yield
         finally:
+            self._tool_depth -= 1
             if reservation is not None:
                 reservation.movable = False
             seconds = anyio.current_time() - start

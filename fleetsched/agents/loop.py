@@ -1,0 +1,142 @@
+"""A tool-calling agent loop in the OpenAI tool-call format.
+
+The model asks for tools; the loop runs them (concurrently when several are asked), feeds the
+results back as ``tool`` messages, and stops on an answer, a turn limit or the session's
+deadline. Malformed model output never hangs or crashes the loop: an unknown tool, arguments that
+are not JSON, a tool that raises, times out or returns something that is not text, and an empty
+reply each become a clear error message in the conversation, and the model gets another turn.
+
+Where the model cannot be trusted to decide (a tiny random model in tests and benchmarks), a
+`script` decides the tool calls turn by turn; the loop still makes every model call for real.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+
+from .context import SessionContext
+
+ToolFn = Callable[..., Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A tool the model may call: `fn(**arguments)` is awaited, at most `timeout_s` seconds."""
+
+    name: str
+    fn: ToolFn
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    timeout_s: float = 30.0
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)}}
+
+
+@dataclass(slots=True)
+class LoopResult:
+    answer: str | None
+    stopped: Literal["answer", "turn_limit", "deadline"]
+    turns: int
+    messages: list[dict[str, Any]]
+    tool_errors: int = 0
+
+
+#: One scripted turn: the tool calls to make, as {"name": ..., "arguments": dict or raw string}.
+ScriptTurn = Sequence[Mapping[str, Any]]
+_call_ids = itertools.count(1)
+
+
+async def run_tool_loop(
+    ctx: SessionContext,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Tool],
+    *,
+    max_turns: int = 8,
+    max_tokens: int = 256,
+    script: Sequence[ScriptTurn] | None = None,
+) -> LoopResult:
+    """Run the loop from `messages`. Returns the answer and why the loop stopped."""
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    by_name = {tool.name: tool for tool in tools}
+    conversation = [dict(m) for m in messages]
+    schemas = [tool.schema() for tool in tools]
+    errors = 0
+    for turn in range(max_turns):
+        if anyio.current_time() >= ctx.deadline:
+            return LoopResult(None, "deadline", turn, conversation, errors)
+        response = await ctx.chat(conversation, tools=schemas, max_tokens=max_tokens)
+        message = response["choices"][0]["message"]
+        calls = list(message.get("tool_calls") or ())
+        if script is not None:
+            calls = [_scripted_call(c) for c in script[turn]] if turn < len(script) else []
+        if not calls:
+            answer = message.get("content") or ""
+            if answer.strip():
+                conversation.append({"role": "assistant", "content": answer})
+                return LoopResult(answer, "answer", turn + 1, conversation, errors)
+            errors += 1
+            conversation.append({"role": "assistant", "content": ""})
+            conversation.append({"role": "user", "content": "error: your reply was empty; answer, or call one of the tools"})
+            continue
+        conversation.append({"role": "assistant", "content": message.get("content"), "tool_calls": calls})
+        results = await _run_calls(ctx, calls, by_name)
+        errors += sum(result.startswith("error:") for result in results)
+        for call, result in zip(calls, results):
+            conversation.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result})
+    return LoopResult(None, "turn_limit", max_turns, conversation, errors)
+
+
+def _scripted_call(step: Mapping[str, Any]) -> dict[str, Any]:
+    arguments = step.get("arguments", {})
+    raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"id": f"call_fs{next(_call_ids)}", "type": "function", "function": {"name": step["name"], "arguments": raw}}
+
+
+async def _run_calls(ctx: SessionContext, calls: list[dict[str, Any]], tools: Mapping[str, Tool]) -> list[str]:
+    """Run the requested tools concurrently, as one tool period of the session."""
+    results = [""] * len(calls)
+
+    async def run(index: int, call: Mapping[str, Any]) -> None:
+        results[index] = await _run_one(call, tools)
+
+    names = "+".join(sorted({str((c.get("function") or {}).get("name")) for c in calls}))
+    async with ctx.tool(names):
+        async with anyio.create_task_group() as tg:
+            for index, call in enumerate(calls):
+                tg.start_soon(run, index, call)
+    return results
+
+
+async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
+    function = call.get("function") or {}
+    name = function.get("name")
+    tool = tools.get(name) if isinstance(name, str) else None
+    if tool is None:
+        return f"error: unknown tool {name!r}; available tools: {', '.join(sorted(tools)) or '(none)'}"
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError as exc:
+        return f"error: the arguments for {name!r} are not valid JSON ({exc.msg} at position {exc.pos})"
+    if not isinstance(arguments, dict):
+        return f"error: the arguments for {name!r} must be a JSON object, got {type(arguments).__name__}"
+    try:
+        with anyio.fail_after(tool.timeout_s):
+            result = await tool.fn(**arguments)
+    except TimeoutError:
+        return f"error: tool {name!r} did not finish within {tool.timeout_s:g} s"
+    except Exception as exc:  # a tool's failure is the model's to handle, not the session's
+        return f"error: tool {name!r} raised {type(exc).__name__}: {exc}"
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result)
+    except (TypeError, ValueError):
+        return f"error: tool {name!r} returned a {type(result).__name__}, which is not text or JSON"

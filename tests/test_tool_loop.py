@@ -1,0 +1,132 @@
+"""The tool-calling loop: scripted decisions, real model calls, and every malformed case."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from fleetsched import Scheduler, SessionState
+from fleetsched.agents.loop import Tool, run_tool_loop
+
+from .helpers import check_released, settings
+
+pytestmark = pytest.mark.anyio
+
+
+async def add(a: float, b: float) -> str:
+    return str(a + b)
+
+
+async def search(query: str) -> dict:
+    await anyio.sleep(2)
+    return {"hits": [f"result for {query}"]}
+
+
+async def explode() -> str:
+    raise RuntimeError("disk full")
+
+
+async def hang() -> str:
+    await anyio.sleep(3600)
+    return "never"
+
+
+async def opaque() -> object:
+    return object()
+
+
+TOOLS = [
+    Tool("add", add, "add two numbers", {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}),
+    Tool("search", search, "search the web"),
+    Tool("explode", explode),
+    Tool("hang", hang, timeout_s=5),
+    Tool("opaque", opaque),
+]
+
+
+async def run(script, **kw):
+    results = {}
+
+    async def agent(ctx):
+        results["loop"] = await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, script=script, **kw)
+        return results["loop"].answer
+
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        await handle
+    check_released(scheduler)
+    return results["loop"], handle
+
+
+async def test_concurrent_tools_then_an_answer():
+    script = [[{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "search", "arguments": {"query": "q"}}]]
+    loop, handle = await run(script)
+    assert loop.stopped == "answer" and loop.answer == "ok" and loop.turns == 2
+    tool_messages = [m["content"] for m in loop.messages if m["role"] == "tool"]
+    assert tool_messages == ["5", '{"hits": ["result for q"]}']
+    assert handle.counters.calls == 2 and handle.counters.tool_calls == 1
+    assert handle.counters.tool_s == 2.0  # both tools ran at once: one tool period of 2 s
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ({"name": "nope"}, "error: unknown tool 'nope'; available tools: add, explode, hang, opaque, search"),
+        ({"name": "add", "arguments": "{not json"}, "error: the arguments for 'add' are not valid JSON"),
+        ({"name": "add", "arguments": "[1, 2]"}, "error: the arguments for 'add' must be a JSON object"),
+        ({"name": "add", "arguments": {"x": 1}}, "error: tool 'add' raised TypeError"),
+        ({"name": "explode"}, "error: tool 'explode' raised RuntimeError: disk full"),
+        ({"name": "hang"}, "error: tool 'hang' did not finish within 5 s"),
+        ({"name": "opaque"}, "error: tool 'opaque' returned a object, which is not text or JSON"),
+    ],
+)
+async def test_malformed_calls_become_errors_in_the_conversation(call, message):
+    loop, handle = await run([[call]])
+    assert handle.state is SessionState.DONE and loop.stopped == "answer"
+    (tool_message,) = [m for m in loop.messages if m["role"] == "tool"]
+    assert tool_message["content"].startswith(message)
+    assert loop.tool_errors == 1
+
+
+async def test_turn_limit():
+    script = [[{"name": "add", "arguments": {"a": 1, "b": 1}}]] * 5
+    loop, _ = await run(script, max_turns=3)
+    assert loop.stopped == "turn_limit" and loop.turns == 3 and loop.answer is None
+
+
+async def test_deadline_stops_the_loop_cleanly():
+    async def agent(ctx):
+        slow = [[{"name": "search", "arguments": {"query": "a"}}]] * 10
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, script=slow, max_turns=10)
+
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme", deadline_s=5)
+        with pytest.raises(Exception):
+            await handle
+    # A deadline mid-tool cancels the session: failed with DeadlineExceeded, nothing leaked.
+    assert handle.state is SessionState.FAILED and type(handle.error).__name__ == "DeadlineExceeded"
+    check_released(scheduler)
+
+
+async def test_invalid_turn_limit():
+    async def agent(ctx):
+        await run_tool_loop(ctx, [], TOOLS, max_turns=0)
+
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        with pytest.raises(Exception):
+            await handle
+    assert "max_turns must be >= 1" in str(handle.error)
+
+
+async def test_empty_replies_are_answered_with_an_error_not_a_hang():
+    from fleetsched.backends.instant import InstantBackend
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, max_turns=3)
+
+    async with InstantBackend(text="") as backend, Scheduler(settings(), backend=backend) as scheduler:
+        loop = await (await scheduler.submit(agent, tenant="acme"))
+    assert loop.stopped == "turn_limit" and loop.tool_errors == 3
+    assert sum("your reply was empty" in (m["content"] or "") for m in loop.messages) == 3
+    check_released(scheduler)
