@@ -1,0 +1,38 @@
+"""Every example runs: the TOML configs on virtual time, tool_agents.py as users run it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetsched import Scheduler
+from fleetsched.agents.workload import plan, run_workload
+from fleetsched.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["quickstart.toml", "tenant_slas.toml", "mixed_pace.toml"])
+async def test_config_example_runs_to_completion(name):
+    settings = load_settings(ROOT / "examples" / name)
+    settings = settings.model_copy(update={"scheduler": settings.scheduler.model_copy(update={"drain_grace_s": 10_000})})
+    async with Scheduler(settings) as scheduler:
+        await run_workload(scheduler, settings.workload)
+    finished = scheduler.statistics().finished
+    assert sum(finished.values()) == len(plan(settings.workload))
+    # Only the batch tier may be shed (tenant_slas): everything else completes.
+    failed = [s for s in scheduler.recorder.sessions if s.state != "done"]
+    assert all(s.tier == 2 for s in failed), failed[:3]
+
+
+def test_tool_agents_example():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "tool_agents.py"), "--sessions", "12"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "12 of 12 agents answered" in done.stdout
