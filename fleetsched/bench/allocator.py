@@ -43,8 +43,6 @@ from ..resources import DEFAULT_STRATEGY, STRATEGIES, DeviceSpec, ExtentPool, se
 GB = 10**9
 BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3-8B, bf16: 128 KiB
 LOAD = 0.7
-#: Share of sessions idle (in a tool call, between chat turns) at a compaction: movable.
-MOVABLE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +51,18 @@ class Session:
     nbytes: int
     lifetime: float
     device: str | None = None
-    movable: bool = False
+    #: Share of its life the session is idle (in a tool call, between turns): movable then.
+    idle_share: float = 0.0
+    #: Length of one busy-then-idle cycle (a model call and the tool call or user turn after it).
+    cycle: float = 1.0
+    #: Where in its first cycle the session starts, 0..1.
+    phase: float = 0.0
+
+    def movable_at(self, t: float) -> bool:
+        """Idle at time `t`: each cycle is busy (generating) first, then idle for `idle_share`."""
+        if self.idle_share <= 0.0:
+            return False
+        return ((t - self.arrival) / self.cycle + self.phase) % 1.0 >= 1.0 - self.idle_share
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,61 +81,70 @@ def _pareto(rng: random.Random, mean: float, alpha: float = 1.5, cap: float = 50
     return min(scale * rng.paretovariate(alpha), cap * mean)
 
 
-def _chat(rng: random.Random) -> tuple[int, float]:
-    return _tokens_bytes(rng.randint(2_000, 16_000)), rng.expovariate(1.0)
+# Idle shares and cycles are assumptions, not measurements: a chat waits on its user about half
+# the time; a tool agent spends most of its time in tools (6 of 10 parts); a batch job generates
+# without pause. `--idle-scale` scales them to show how much the figures lean on them.
+CHAT_IDLE, TOOL_IDLE, BATCH_IDLE, SEEDS_IDLE = 0.5, 0.6, 0.0, 0.5
+
+Draw = tuple[int, float, float, float]  # bytes, lifetime, idle share, cycle
 
 
-def _tool(rng: random.Random) -> tuple[int, float]:
-    return _tokens_bytes(int(math.exp(rng.uniform(math.log(16_000), math.log(128_000))))), _pareto(rng, 8.0)
+def _chat(rng: random.Random) -> Draw:
+    return _tokens_bytes(rng.randint(2_000, 16_000)), rng.expovariate(1.0), CHAT_IDLE, 0.25
 
 
-def _batch(rng: random.Random) -> tuple[int, float]:
-    return _tokens_bytes(rng.randint(32_000, 160_000)), rng.uniform(10.0, 30.0)
+def _tool(rng: random.Random) -> Draw:
+    tokens = int(math.exp(rng.uniform(math.log(16_000), math.log(128_000))))
+    return _tokens_bytes(tokens), _pareto(rng, 8.0), TOOL_IDLE, 0.5
 
 
-def _mixed(rng: random.Random) -> tuple[int, float]:
+def _batch(rng: random.Random) -> Draw:
+    return _tokens_bytes(rng.randint(32_000, 160_000)), rng.uniform(10.0, 30.0), BATCH_IDLE, 1.0
+
+
+def _mixed(rng: random.Random) -> Draw:
     u = rng.random()
-    nbytes, _ = (_chat if u < 0.70 else _tool if u < 0.95 else _batch)(rng)
-    return nbytes, _pareto(rng, 3.0 if u < 0.70 else 8.0)
+    nbytes, _, idle, cycle = (_chat if u < 0.70 else _tool if u < 0.95 else _batch)(rng)
+    return nbytes, _pareto(rng, 3.0 if u < 0.70 else 8.0), idle, cycle
 
 
-def _seeds(rng: random.Random) -> tuple[int, float]:
+def _seeds(rng: random.Random) -> Draw:
     gb = rng.choices([4, 8, 12, 16, 20, 25, 32], weights=[2, 2, 2, 2, 4, 4, 1])[0]
-    return gb * GB + rng.randint(0, 512) * 2**20, rng.expovariate(1 / 4.0)
+    return gb * GB + rng.randint(0, 512) * 2**20, rng.expovariate(1 / 4.0), SEEDS_IDLE, 0.5
 
 
 def _generate(
-    name: str, devices: tuple[DeviceSpec, ...], draw: Callable[[random.Random], tuple[int, float]], count: int, seed: int,
-    *, bursty: bool = False, affinity: float = 0.0, load: float = LOAD,
+    name: str, devices: tuple[DeviceSpec, ...], draw: Callable[[random.Random], Draw], count: int, seed: int,
+    *, bursty: bool = False, affinity: float = 0.0, load: float = LOAD, idle_scale: float = 1.0,
 ) -> Trace:
     rng = random.Random(f"{seed}:{name}")
     capacity = sum(d.capacity for d in devices)
     drawn = [draw(rng) for _ in range(count)]
-    mean_area = statistics.fmean(n * life for n, life in drawn)
+    mean_area = statistics.fmean(d[0] * d[1] for d in drawn)
     rate = load * capacity / mean_area  # Little's law: the offered load is LOAD of capacity
     clock = 0.0
     sessions = []
-    for i, (nbytes, life) in enumerate(drawn):
+    for i, (nbytes, life, idle, cycle) in enumerate(drawn):
         if bursty:
             if i % 8 == 0:
                 clock += rng.expovariate(rate / 8)
         else:
             clock += rng.expovariate(rate)
         device = rng.choice(devices).name if rng.random() < affinity else None
-        sessions.append(Session(clock, nbytes, life, device, rng.random() < MOVABLE))
+        sessions.append(Session(clock, nbytes, life, device, min(1.0, idle * idle_scale), cycle, rng.random()))
     return Trace(name, devices, tuple(sessions))
 
 
-def traces(count: int, seed: int, load: float = LOAD) -> list[Trace]:
+def traces(count: int, seed: int, load: float = LOAD, idle_scale: float = 1.0) -> list[Trace]:
     gpu = (DeviceSpec("gpu0", 80 * GB),)
     mixed_gpus = (DeviceSpec("gpu0", 80 * GB), DeviceSpec("gpu1", 80 * GB), DeviceSpec("gpu2", 40 * GB), DeviceSpec("gpu3", 40 * GB))
     return [
-        _generate("chat", (DeviceSpec("gpu0", 24 * GB),), _chat, count, seed, load=load),
-        _generate("tool-agents", gpu, _tool, count, seed, load=load),
-        _generate("batch", gpu, _batch, count, seed, bursty=True, load=load),
-        _generate("mixed", gpu, _mixed, count, seed, load=load),
-        _generate("seeds-80g", gpu, _seeds, count, seed, load=load),
-        _generate("multi-gpu", mixed_gpus, _mixed, count, seed, affinity=1 / 3, load=load),
+        _generate("chat", (DeviceSpec("gpu0", 24 * GB),), _chat, count, seed, load=load, idle_scale=idle_scale),
+        _generate("tool-agents", gpu, _tool, count, seed, load=load, idle_scale=idle_scale),
+        _generate("batch", gpu, _batch, count, seed, bursty=True, load=load, idle_scale=idle_scale),
+        _generate("mixed", gpu, _mixed, count, seed, load=load, idle_scale=idle_scale),
+        _generate("seeds-80g", gpu, _seeds, count, seed, load=load, idle_scale=idle_scale),
+        _generate("multi-gpu", mixed_gpus, _mixed, count, seed, affinity=1 / 3, load=load, idle_scale=idle_scale),
     ]
 
 
@@ -137,51 +155,58 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def replay(trace: Trace, strategy: str, *, compact: bool = False) -> dict[str, float]:
+def replay(trace: Trace, strategy: str, *, compact: bool = True, threshold: float | None = None) -> dict[str, float]:
     """Run `trace` through an `ExtentPool` with `strategy`; return its figures.
 
-    With `compact`, act as a scheduler that compacts: when the head of the queue is refused
-    although enough bytes are free and a device's fragmentation rate exceeds 0.3 (the seeds'
-    threshold), plan a compaction over the movable sessions, apply it, and retry once.
+    `compact` and `threshold` are the pool's on-demand compaction and `compact_threshold`. Before
+    every operation each live session is marked movable when it is idle at that moment (its
+    cycle, `Session.movable_at`), as the scheduler marks a session in a tool call. Operations
+    that moved reservations are timed apart (``compaction_op_us_*``) from the rest.
     """
-    pool = ExtentPool(trace.devices, strategy=strategy)
-    moved = compactions = 0
+    pool = ExtentPool(trace.devices, strategy=strategy, compact=compact, compact_threshold=threshold)
     capacity = sum(d.total for d in pool.statistics().devices)
     departures: list[tuple[float, int, object]] = []
     pending: deque[tuple[int, Session]] = deque()
+    live: dict[int, tuple[Session, object]] = {}
     frag: list[float] = []
     ops: list[float] = []
+    compaction_ops: list[float] = []
     waits: list[float] = []
-    peak = 0
+    peak = granted = 0
 
-    def admit(i: int, s: Session, now: float, retry: bool = True) -> bool:
-        nonlocal peak, moved, compactions
+    def mark(now: float) -> None:
+        for s, r in live.values():
+            r.movable = s.movable_at(now)  # type: ignore[attr-defined]
+
+    def timed(op: Callable[[], object]) -> object:
+        before = pool.compaction_searches
         start = time.perf_counter()  # wall-clock ok
         try:
-            r = pool.reserve_nowait(s.nbytes, owner=i, device=s.device)
+            return op()
+        finally:
+            elapsed = time.perf_counter() - start  # wall-clock ok
+            (compaction_ops if pool.compaction_searches != before else ops).append(elapsed)
+
+    def admit(i: int, s: Session, now: float) -> bool:
+        nonlocal peak, granted
+        mark(now)
+        try:
+            r = timed(lambda: pool.reserve_nowait(s.nbytes, owner=i, device=s.device))
         except WouldBlock:
-            ops.append(time.perf_counter() - start)  # wall-clock ok
-            if compact and retry and pool.statistics().free >= s.nbytes:
-                plan = pool.plan_compaction(threshold=0.3)
-                if plan:
-                    result = pool.apply_plan(plan)
-                    moved += result.moved_bytes
-                    compactions += 1
-                    return admit(i, s, now, retry=False)
             return False
-        ops.append(time.perf_counter() - start)  # wall-clock ok
-        r.movable = s.movable
+        live[i] = (s, r)
         heapq.heappush(departures, (now + s.lifetime, i, r))
         waits.append(now - s.arrival)
+        granted += s.nbytes
         peak = max(peak, pool.statistics().allocated)
         return True
 
     def depart_until(limit: float) -> None:
         while departures and departures[0][0] <= limit:
-            now, _, r = heapq.heappop(departures)
-            start = time.perf_counter()  # wall-clock ok
-            r.release()  # type: ignore[attr-defined]
-            ops.append(time.perf_counter() - start)  # wall-clock ok
+            now, i, r = heapq.heappop(departures)
+            del live[i]
+            mark(now)
+            timed(r.release)  # type: ignore[attr-defined]
             while pending and admit(*pending[0], now):
                 pending.popleft()
 
@@ -192,6 +217,7 @@ def replay(trace: Trace, strategy: str, *, compact: bool = False) -> dict[str, f
         if pending or not admit(i, s, s.arrival):
             pending.append((i, s))
     depart_until(math.inf)
+    stats = pool.statistics()
     return {
         "frag_mean": statistics.fmean(frag),
         "frag_p95": _pct(frag, 0.95),
@@ -200,13 +226,23 @@ def replay(trace: Trace, strategy: str, *, compact: bool = False) -> dict[str, f
         "wait_mean": statistics.fmean(waits),
         "op_us_p50": _pct(ops, 0.50) * 1e6,
         "op_us_p99": _pct(ops, 0.99) * 1e6,
-        "compactions": compactions,
-        "moved_gb": moved / GB,
+        "compactions": stats.compactions,
+        "compaction_ops": len(compaction_ops),
+        "compaction_op_us_p50": _pct(compaction_ops, 0.50) * 1e6,
+        "compaction_op_us_p99": _pct(compaction_ops, 0.99) * 1e6,
+        "moves": stats.moves,
+        "moved_gb": stats.moved_bytes / GB,
+        "moved_bytes_per_op": stats.moved_bytes / max(1, len(ops) + len(compaction_ops)),
+        "moved_gb_per_gb_granted": stats.moved_bytes / max(1, granted),
     }
 
 
-def live_timing(strategy: str, live: int = 10_000, churn: int = 20_000, seed: int = 0) -> dict[str, float]:
-    """Op wall time with `live` reservations of 1-5 pages held on one 80 GB device, under churn."""
+def live_timing(strategy: str, live: int = 10_000, churn: int = 20_000, seed: int = 0, movable: float = 0.0) -> dict[str, float]:
+    """Op wall time with `live` reservations of 1-5 pages held on one 80 GB device, under churn.
+
+    A share `movable` of the reservations is movable (on-demand compaction then runs when a
+    request finds no hole); operations that searched for moves are timed apart.
+    """
     rng = random.Random(seed)
     pool = ExtentPool([DeviceSpec("gpu0", 80 * GB)], strategy=strategy)
     page = pool.page_size
@@ -214,22 +250,39 @@ def live_timing(strategy: str, live: int = 10_000, churn: int = 20_000, seed: in
     try:  # size-class rounds a page up to 5 % of the device: it holds far fewer
         while len(held) < live:
             held.append(pool.reserve_nowait(rng.randint(1, 5) * page - rng.randint(0, page - 1)))
+            held[-1].movable = rng.random() < movable
     except WouldBlock:
         pass
     ops: list[float] = []
-    for _ in range(churn):
-        victim = held.pop(rng.randrange(len(held)))
-        start = time.perf_counter()  # wall-clock ok
-        victim.release()
-        ops.append(time.perf_counter() - start)  # wall-clock ok
-        nbytes = rng.randint(1, 5) * page - rng.randint(0, page - 1)
+    compaction_ops: list[float] = []
+
+    def timed(op: Callable[[], object]) -> object:
+        before = pool.compaction_searches
         start = time.perf_counter()  # wall-clock ok
         try:
-            held.append(pool.reserve_nowait(nbytes))
+            return op()
+        finally:
+            elapsed = time.perf_counter() - start  # wall-clock ok
+            (compaction_ops if pool.compaction_searches != before else ops).append(elapsed)
+
+    for _ in range(churn):
+        victim = held.pop(rng.randrange(len(held)))
+        timed(victim.release)
+        nbytes = rng.randint(1, 5) * page - rng.randint(0, page - 1)
+        try:
+            held.append(timed(lambda: pool.reserve_nowait(nbytes)))  # type: ignore[arg-type]
+            held[-1].movable = rng.random() < movable
         except WouldBlock:
             pass
-        ops.append(time.perf_counter() - start)  # wall-clock ok
-    return {"live": len(held), "op_us_p50": _pct(ops, 0.5) * 1e6, "op_us_p99": _pct(ops, 0.99) * 1e6}
+    return {
+        "live": len(held),
+        "op_us_p50": _pct(ops, 0.5) * 1e6,
+        "op_us_p99": _pct(ops, 0.99) * 1e6,
+        "compaction_ops": len(compaction_ops),
+        "compaction_op_us_p50": _pct(compaction_ops, 0.5) * 1e6,
+        "compaction_op_us_p99": _pct(compaction_ops, 0.99) * 1e6,
+        "moved_bytes_per_op": pool.moved_bytes / max(1, len(ops) + len(compaction_ops)),
+    }
 
 
 def defrag_gain(seed: int = 0) -> dict[str, float]:
@@ -238,7 +291,7 @@ def defrag_gain(seed: int = 0) -> dict[str, float]:
     pool = ExtentPool([DeviceSpec("gpu0", 80 * GB)], strategy=DEFAULT_STRATEGY)
     held = []
     while True:  # fill, then free a random 40 %
-        nbytes, _ = _mixed(rng)
+        nbytes = _mixed(rng)[0]
         try:
             held.append(pool.reserve_nowait(nbytes))
         except WouldBlock:
@@ -265,8 +318,8 @@ def defrag_gain(seed: int = 0) -> dict[str, float]:
     }
 
 
-def _aggregate(per_trace: dict[str, dict[str, dict[str, float]]], strategy: str) -> dict[str, float]:
-    rows = [per_trace[t][strategy] for t in per_trace]
+def _aggregate(rows: list[dict[str, float]]) -> dict[str, float]:
+    granted = [r["moved_gb"] / r["moved_gb_per_gb_granted"] for r in rows if r["moved_gb_per_gb_granted"]]
     return {
         "frag_mean": statistics.fmean(r["frag_mean"] for r in rows),
         "frag_p95": max(r["frag_p95"] for r in rows),
@@ -275,6 +328,11 @@ def _aggregate(per_trace: dict[str, dict[str, dict[str, float]]], strategy: str)
         "wait_mean": statistics.fmean(r["wait_mean"] for r in rows),
         "op_us_p50": statistics.median(r["op_us_p50"] for r in rows),
         "op_us_p99": max(r["op_us_p99"] for r in rows),
+        "compaction_ops": sum(int(r["compaction_ops"]) for r in rows),
+        "compaction_op_us_p99": max(r["compaction_op_us_p99"] for r in rows),
+        "moves": sum(int(r["moves"]) for r in rows),
+        "moved_gb": sum(r["moved_gb"] for r in rows),
+        "moved_gb_per_gb_granted": sum(r["moved_gb"] for r in rows) / sum(granted) if granted else 0.0,
     }
 
 
@@ -284,58 +342,79 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sessions", type=int, default=4000, help="sessions per trace (default 4000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load", type=float, default=LOAD, help=f"offered load, fraction of capacity (default {LOAD})")
+    parser.add_argument("--idle-scale", type=float, default=1.0, help="scale the sessions' idle (movable) shares")
+    parser.add_argument("--threshold", type=float, default=0.3, help="compact_threshold for the threshold row (default 0.3)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated names")
     args = parser.parse_args(argv)
     names = [n for n in args.strategies.split(",") if n]
-    generated = traces(args.sessions, args.seed, args.load)
-    per_trace = {t.name: {n: replay(t, n) for n in names} for t in generated}
-    compacting = {t.name: replay(t, DEFAULT_STRATEGY, compact=True) for t in generated}
-    result = {
+    generated = traces(args.sessions, args.seed, args.load, args.idle_scale)
+    shipped = {t.name: {n: replay(t, n) for n in names} for t in generated}
+    placement = {t.name: {n: replay(t, n, compact=False) for n in names} for t in generated}
+    threshold = {t.name: replay(t, DEFAULT_STRATEGY, threshold=args.threshold) for t in generated}
+    result: dict[str, object] = {
         "default": DEFAULT_STRATEGY,
         "load": args.load,
         "sessions_per_trace": args.sessions,
         "seed": args.seed,
-        "strategies": {n: _aggregate(per_trace, n) for n in names},
-        "traces": per_trace,
+        "idle_scale": args.idle_scale,
+        # Every strategy in the pool as shipped: on-demand compaction of movable sessions.
+        "strategies": {n: _aggregate([shipped[t][n] for t in shipped]) for n in names},
+        # The same without any compaction: placement alone.
+        "placement_only": {n: _aggregate([placement[t][n] for t in placement]) for n in names},
+        f"default_threshold_{args.threshold}": _aggregate(list(threshold.values())),
+        "traces": {t: {"shipped": shipped[t], "placement_only": placement[t], "threshold": threshold[t]} for t in shipped},
         "live_10k": {n: live_timing(n, seed=args.seed) for n in names},
-        "defrag": {
-            "snapshot": defrag_gain(args.seed),
-            "replay": {
-                "strategy": DEFAULT_STRATEGY,
-                "frag_failures": sum(int(r["frag_failures"]) for r in compacting.values()),
-                "frag_failures_without": sum(int(per_trace[t].get(DEFAULT_STRATEGY, r)["frag_failures"]) for t, r in compacting.items()),
-                "frag_mean": statistics.fmean(r["frag_mean"] for r in compacting.values()),
-                "wait_mean": statistics.fmean(r["wait_mean"] for r in compacting.values()),
-                "compactions": sum(int(r["compactions"]) for r in compacting.values()),
-                "moved_gb": sum(r["moved_gb"] for r in compacting.values()),
-            },
-        },
+        "live_10k_half_movable": live_timing(DEFAULT_STRATEGY, seed=args.seed, movable=0.5),
+        "defrag": {"snapshot": defrag_gain(args.seed)},
     }
+    if "first-fit" in names and DEFAULT_STRATEGY in names:
+        result["targets"] = _targets(shipped, placement, threshold)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    columns = ["frag_mean", "frag_p95", "frag_failures", "peak_util", "wait_mean", "op_us_p50", "op_us_p99"]
-    for title, table in [("all traces", result["strategies"])] + [(t, per_trace[t]) for t in per_trace]:
+    columns = ["frag_mean", "frag_p95", "frag_failures", "peak_util", "wait_mean", "op_us_p50", "op_us_p99",
+               "compaction_op_us_p99", "moved_gb_per_gb_granted"]  # fmt: skip
+    tables = [("all traces, as shipped (on-demand compaction)", result["strategies"]),
+              ("all traces, placement only", result["placement_only"])]  # fmt: skip
+    tables += [(f"{t}, as shipped", shipped[t]) for t in shipped] + [(f"{t}, placement only", placement[t]) for t in shipped]
+    for title, table in tables:
         print(f"\n== {title} ==")
-        print(f"{'strategy':<12}" + "".join(f"{c:>15}" for c in columns))
-        for n, row in table.items():
+        print(f"{'strategy':<12}" + "".join(f"{c[:14]:>15}" for c in columns))
+        for n, row in table.items():  # type: ignore[attr-defined]
             print(f"{n:<12}" + "".join(f"{row[c]:>15.3f}" if isinstance(row[c], float) else f"{row[c]:>15}" for c in columns))
+    row = result[f"default_threshold_{args.threshold}"]
+    print(f"\n{DEFAULT_STRATEGY} with compact_threshold {args.threshold}: " + ", ".join(f"{c} {row[c]:.3f}" for c in columns))  # type: ignore[index]
     print("\n== 10,000 live reservations, churn ==")
-    for n, row in result["live_10k"].items():
-        print(f"{n:<12} live={row['live']:>6}  op p50={row['op_us_p50']:.1f} us  p99={row['op_us_p99']:.1f} us")
-    d = result["defrag"]["snapshot"]
+    for n, row in {**result["live_10k"], f"{DEFAULT_STRATEGY} (half movable)": result["live_10k_half_movable"]}.items():  # type: ignore[dict-item]
+        print(f"{n:<28} live={row['live']:>6}  op p50={row['op_us_p50']:.1f} us  p99={row['op_us_p99']:.1f} us  "
+              f"compaction ops {row['compaction_ops']} p99={row['compaction_op_us_p99']:.0f} us")  # fmt: skip
+    d = result["defrag"]["snapshot"]  # type: ignore[index]
     print(
         f"\n== compaction on a fragmented 80 GB device ==\nlargest free {d['largest_free_gb_before']:.1f} -> "
         f"{d['largest_free_gb_after']:.1f} GB, fragmentation {d['frag_before']:.2f} -> {d['frag_after']:.2f}, "
         f"{d['moves']} moves ({d['moved_gb']:.1f} GB), planned in {d['plan_ms']:.1f} ms"
     )
-    c = result["defrag"]["replay"]
-    print(
-        f"{c['strategy']} compacting on fragmentation refusals (half the sessions movable): frag failures "
-        f"{c['frag_failures_without']} -> {c['frag_failures']}, frag mean {c['frag_mean']:.3f}, wait mean "
-        f"{c['wait_mean']:.2f}, {c['compactions']} compactions moving {c['moved_gb']:.0f} GB"
-    )
+    if "targets" in result:
+        print("\n== targets ==")
+        print(json.dumps(result["targets"], indent=2))
     return 0
+
+
+def _targets(shipped: dict, placement: dict, threshold: dict) -> dict[str, object]:
+    """Default vs first-fit failures per trace, three ways: which part of a gain is placement."""
+    out: dict[str, object] = {}
+    for t in shipped:
+        ff = placement[t]["first-fit"]["frag_failures"] or 1
+        out[t] = {
+            "first_fit_placement_only": placement[t]["first-fit"]["frag_failures"],
+            "default_shipped_over_first_fit": round(shipped[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
+            "default_placement_only_over_first_fit": round(placement[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
+            "first_fit_with_compaction_over_first_fit": round(shipped[t]["first-fit"]["frag_failures"] / ff, 3),
+            "default_threshold_over_first_fit": round(threshold[t]["frag_failures"] / ff, 3),
+            "best_shipped": min(shipped[t], key=lambda n: shipped[t][n]["frag_failures"]),
+            "best_placement_only": min(placement[t], key=lambda n: placement[t][n]["frag_failures"]),
+        }
+    return out
 
 
 if __name__ == "__main__":

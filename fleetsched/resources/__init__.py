@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from ..settings import ResourceSettings
 from .allocator import DEFAULT_PAGE_SIZE, ApplyResult, ExtentPool
-from .defrag import CompactionPlan, DeviceGain, DeviceLayout, ExtentView, Move, plan_compaction
+from .defrag import CompactionPlan, DeviceGain, DeviceLayout, ExtentView, HolePlan, Move, plan_compaction, plan_hole
 from .extents import AddressSpace
 from .kv_sizing import KVCacheCapacity, kv_bytes_per_token, parse_vllm_cache_config, session_bytes
 from .memory import CountingPool, DeviceSpec, DeviceStatistics, MemoryPool, MemoryStatistics, Reservation
@@ -26,6 +26,7 @@ __all__ = [
     "DeviceStatistics",
     "ExtentPool",
     "ExtentView",
+    "HolePlan",
     "KVCacheCapacity",
     "MemoryPool",
     "MemoryStatistics",
@@ -37,6 +38,7 @@ __all__ = [
     "make_strategy",
     "parse_vllm_cache_config",
     "plan_compaction",
+    "plan_hole",
     "session_bytes",
 ]
 
@@ -45,12 +47,21 @@ def create_pool(settings: ResourceSettings, quotas: Mapping[str, int] | None = N
     """Build the memory pool that `settings.strategy` names, over `settings.devices`.
 
     "counting" gives a `CountingPool`; every name in `STRATEGIES` an `ExtentPool` with pages of
-    `settings.page_size`. Raises ValueError for an unknown name.
+    `settings.page_size` that compacts as `settings.compact` and `settings.compact_threshold` say
+    (give it a move callback with `ExtentPool.set_move_callback`). Raises ValueError for an
+    unknown name.
     """
     devices = [DeviceSpec(d.name, int(d.memory)) for d in settings.devices]
     if settings.strategy == "counting":
         return CountingPool(devices, quotas=quotas)
     if settings.strategy in STRATEGIES:
-        return ExtentPool(devices, strategy=settings.strategy, page_size=int(settings.page_size), quotas=quotas)
+        return ExtentPool(
+            devices,
+            strategy=settings.strategy,
+            page_size=int(settings.page_size),
+            quotas=quotas,
+            compact=settings.compact,
+            compact_threshold=settings.compact_threshold,
+        )
     known = ", ".join(["counting", *STRATEGIES])
     raise ValueError(f"resources.strategy: unknown strategy {settings.strategy!r}; known: {known}")

@@ -9,8 +9,18 @@ otherwise every device's strategy proposes an offset and the pool keeps the devi
 placement leaves the lowest fragmentation rate, then the least free memory (pack, so whole
 devices stay free for large requests), then the device listed first.
 
-Compaction: `plan_compaction()` asks the pure planner in `defrag` for a plan over the live
-extents; `apply_plan()` carries it out move by move.
+Compaction, over reservations flagged `Reservation.movable` only, in three ways:
+
+- on demand (``compact=True``, the default): a request that fits nowhere contiguously although a
+  device has enough free pages in total is not refused at once; `defrag.plan_hole` looks for the
+  cheapest window to empty by moving movable reservations elsewhere, and the request is placed
+  there. Only when no such window exists is it a fragmentation failure.
+- past a threshold (``compact_threshold``): after memory comes free, every device whose
+  fragmentation rate exceeds it is compacted with `defrag.plan_compaction`.
+- by hand: `plan_compaction()` returns a plan, `apply_plan()` carries it out.
+
+Every move calls the move callback (`set_move_callback`) before the reservation's offset changes,
+so its owner can copy the data; `statistics()` counts compactions, moves and bytes moved.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .defrag import CompactionPlan, DeviceLayout, ExtentView, Move, plan_compaction
+from .defrag import CompactionPlan, DeviceLayout, ExtentView, HolePlan, Move, plan_compaction, plan_hole
 from .extents import AddressSpace
 from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation
 from .strategies import DEFAULT_STRATEGY, PlacementStrategy, make_strategy
@@ -46,8 +56,19 @@ class ExtentPool(MemoryPool):
         strategy: str | PlacementStrategy = DEFAULT_STRATEGY,
         page_size: int = DEFAULT_PAGE_SIZE,
         quotas: Mapping[str, int] | None = None,
+        compact: bool = True,
+        compact_threshold: float | None = None,
+        move_callback: Callable[[Reservation, Move], None] | None = None,
     ) -> None:
         super().__init__(devices, quotas=quotas)
+        if compact_threshold is not None and not 0.0 <= compact_threshold <= 1.0:
+            raise ValueError(f"compact_threshold must lie in [0, 1], got {compact_threshold}")
+        self.compact = compact
+        self.compact_threshold = compact_threshold
+        self._move_callback = move_callback
+        self._compacting = False
+        #: Times the pool looked for moves (to place a request, or past its threshold), moving or not.
+        self.compaction_searches = 0
         if page_size <= 0:
             raise ValueError(f"page size must be > 0 bytes, got {page_size}")
         self.page_size = page_size
@@ -68,6 +89,15 @@ class ExtentPool(MemoryPool):
     @property
     def largest_device(self) -> int:
         return max(s.pages for s in self._spaces.values()) * self.page_size
+
+    def set_move_callback(self, callback: Callable[[Reservation, Move], None] | None) -> None:
+        """Call ``callback(reservation, move)`` before the pool moves a movable reservation.
+
+        `move` gives pages (multiply by `page_size`); the reservation still has its old `offset`
+        during the call and the new one after. If the callback raises, that move is undone and the
+        exception propagates out of the call that compacted (a reserve or a release).
+        """
+        self._move_callback = callback
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -119,6 +149,83 @@ class ExtentPool(MemoryPool):
             return 0.0
         largest = max(space.largest_other_than(start, length), offset - start, start + length - offset - n)
         return (free - largest) / free
+
+    def _place_by_moving(self, nbytes: int, device: str | None) -> tuple[str, int, int] | None:
+        if not self.compact:
+            return None
+        best: tuple[tuple[int, int, int], HolePlan] | None = None
+        for index, (name, space) in enumerate(self._spaces.items()):
+            n = self._pages(nbytes, space)
+            if not self._movable_count[name] or space.free_pages < n:
+                continue
+            self.compaction_searches += 1
+            plan = plan_hole(self._layout(name), list(space.free_extents()), n)
+            if plan is not None:
+                key = (plan.moved_pages, name != device, index)
+                if best is None or key < best[0]:
+                    best = (key, plan)
+        if best is None:
+            return None
+        plan = best[1]
+        self._carry_out(plan.moves)
+        self.compactions += 1
+        return self._commit(plan.device, plan.offset, plan.length, nbytes)
+
+    def _carry_out(self, moves: tuple[Move, ...]) -> None:
+        """Make `moves` (none overlapping another's destination); undo the failing one and raise."""
+        for move in moves:
+            r = move.key
+            assert isinstance(r, Reservation)
+            space = self._spaces[move.device]
+            space.release(move.src)
+            space.allocate(move.dst, move.length)
+            self._notify_move(r, move, space)
+            r.offset = move.dst * self.page_size
+            self.moves += 1
+            self.moved_bytes += move.length * self.page_size
+
+    def _notify_move(self, r: Reservation, move: Move, space: AddressSpace) -> None:
+        if self._move_callback is None:
+            return
+        try:
+            self._move_callback(r, move)
+        except BaseException:
+            space.release(move.dst)
+            space.allocate(move.src, move.length)
+            raise
+
+    def _released_memory(self) -> None:
+        if self.compact_threshold is not None and not self._compacting:
+            self._compact_over_threshold()
+        super()._released_memory()
+
+    def _compact_over_threshold(self) -> None:
+        threshold = self.compact_threshold
+        assert threshold is not None
+        over = [
+            self._layout(name)
+            for name, space in self._spaces.items()
+            if self._movable_count[name] and space.fragmentation > threshold
+        ]
+        if not over:
+            return
+        self.compaction_searches += 1
+        plan = plan_compaction(over, threshold=threshold)
+        if plan:
+            self._compacting = True
+            try:
+                result = self.apply_plan(plan, self._move_callback, _wake=False)
+            finally:
+                self._compacting = False
+            if result.applied:
+                self.compactions += 1
+                self.moves += result.applied
+                self.moved_bytes += result.moved_bytes
+
+    def _layout(self, name: str) -> DeviceLayout:
+        page = self.page_size
+        views = tuple(ExtentView(r, r.offset // page, r.size // page, r.movable) for r in self._live if r.device == name)
+        return DeviceLayout(name, self._spaces[name].pages, views)
 
     def _unplace(self, reservation: Reservation) -> None:
         self._spaces[reservation.device].release(reservation.offset // self.page_size)
@@ -186,8 +293,12 @@ class ExtentPool(MemoryPool):
         """A compaction plan for every device whose fragmentation rate exceeds `threshold`."""
         return plan_compaction(self.layouts(), threshold=threshold, max_moved_pages=max_moved_pages)
 
-    def apply_plan(self, plan: CompactionPlan, move_callback: Callable[[Reservation, Move], None] | None = None) -> ApplyResult:
+    def apply_plan(
+        self, plan: CompactionPlan, move_callback: Callable[[Reservation, Move], None] | None = None, *, _wake: bool = True
+    ) -> ApplyResult:
         """Carry out `plan`'s moves in order; call ``move_callback(reservation, move)`` before each.
+
+        Without `move_callback`, the pool's own (`set_move_callback`) is called.
 
         The callback moves the data (offsets in `move` are pages; multiply by `page_size`). A
         move is skipped when its reservation was released, is no longer movable, is no longer
@@ -196,6 +307,7 @@ class ExtentPool(MemoryPool):
         served and release listeners called afterwards, since larger holes may now exist.
         """
         applied = skipped = moved = 0
+        move_callback = move_callback or self._move_callback
         try:
             for move in plan.moves:
                 r = move.key
@@ -221,7 +333,7 @@ class ExtentPool(MemoryPool):
                 applied += 1
                 moved += move.length * self.page_size
         finally:
-            if applied:
+            if applied and _wake:
                 self._released_memory()
         return ApplyResult(applied, skipped, moved)
 

@@ -17,6 +17,8 @@ device's moves are kept only if they enlarge its largest free extent. Nothing he
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -149,4 +151,90 @@ def _plan_device(layout: DeviceLayout, space: AddressSpace, budget: int | None) 
             if start + length <= offset:  # a hole that touches the extent is the slide's business
                 move(e, start)
     slide()
+    return moves
+
+
+@dataclass(frozen=True, slots=True)
+class HolePlan:
+    """Moves that open a free run of `length` pages at page `offset` of `device`."""
+
+    device: str
+    offset: int
+    length: int
+    moves: tuple[Move, ...]
+
+    @property
+    def moved_pages(self) -> int:
+        return sum(m.length for m in self.moves)
+
+
+#: Cheapest windows whose evictions are tried before giving up (each try is O(holes)).
+_HOLE_TRIES = 16
+#: Holes looked at per evicted extent (smallest first).
+_HOLE_SCAN = 64
+
+
+def plan_hole(layout: DeviceLayout, free: Sequence[tuple[int, int]], n: int) -> HolePlan | None:
+    """The cheapest way found to open `n` contiguous free pages by moving movable extents only.
+
+    `free` is the device's free extents, (offset, length) in address order. A candidate is a
+    window of `n` pages (starting at a hole, ending at a hole's end, or starting at a movable
+    extent) that no unmovable extent overlaps; its price is the pages of the extents it overlaps.
+    Windows are tried cheapest first: each overlapped extent, largest first, goes to the
+    smallest free run outside the window that holds it. Moves never overlap each other or the
+    window, so they may run in any order. Returns None when no window of the `_HOLE_TRIES`
+    cheapest can be emptied that way, or when `n` pages already lie free in one run.
+    """
+    if any(length >= n for _, length in free) or sum(length for _, length in free) < n or n > layout.pages:
+        return None
+    extents = sorted(layout.extents, key=lambda e: e.offset)
+    starts = [e.offset for e in extents]
+    starts_set: set[int] = set()
+    for offset, length in free:
+        starts_set.add(offset)
+        starts_set.add(offset + length - n)
+    starts_set.update(e.offset for e in extents if e.movable)
+    priced: list[tuple[int, int, list[ExtentView]]] = []
+    for a in starts_set:
+        if a < 0 or a + n > layout.pages:
+            continue
+        i = bisect_right(starts, a) - 1
+        if i < 0 or extents[i].offset + extents[i].length <= a:
+            i += 1
+        over: list[ExtentView] = []
+        while i < len(extents) and extents[i].offset < a + n:
+            if not extents[i].movable:
+                break
+            over.append(extents[i])
+            i += 1
+        else:
+            priced.append((sum(e.length for e in over), a, over))
+    priced.sort(key=lambda p: (p[0], p[1]))
+    by_size = sorted((length, offset) for offset, length in free)
+    for _, a, over in priced[:_HOLE_TRIES]:
+        moves = _evict(layout.name, by_size, a, a + n, over)
+        if moves is not None:
+            return HolePlan(layout.name, a, n, tuple(moves))
+    return None
+
+
+def _evict(device: str, by_size: list[tuple[int, int]], lo: int, hi: int, over: list[ExtentView]) -> list[Move] | None:
+    """Place every extent of `over` in free pages outside ``[lo, hi)``; None if one does not fit."""
+    used: dict[int, int] = {}  # free run start -> pages already given out from its low end
+    moves = []
+    for e in sorted(over, key=lambda e: -e.length):
+        first = bisect_left(by_size, (e.length, -1))
+        for length, offset in islice(by_size, first, first + _HOLE_SCAN):
+            pieces = [(offset, min(offset + length, lo)), (max(offset, hi), offset + length)]
+            for start, end in pieces:
+                begin = start + used.get(start, 0)
+                if end - begin >= e.length:
+                    used[start] = begin + e.length - start
+                    moves.append(Move(e.key, device, e.offset, begin, e.length))
+                    break
+            else:
+                continue
+            break
+        else:
+            return None
     return moves

@@ -53,7 +53,7 @@ class DeviceSpec:
 class Reservation:
     """Memory held by one owner on one device. Release it once; further releases do nothing."""
 
-    __slots__ = ("pool", "owner", "tenant", "nbytes", "size", "device", "offset", "priority", "movable", "_released")
+    __slots__ = ("pool", "owner", "tenant", "nbytes", "size", "device", "offset", "priority", "_movable", "_released")
 
     def __init__(
         self, pool: MemoryPool, owner: object, tenant: str | None, nbytes: int, size: int, device: str, offset: int, priority: int
@@ -66,13 +66,29 @@ class Reservation:
         self.device = device
         self.offset = offset
         self.priority = priority
-        #: True while the owner is idle (in a tool call, say), so a compaction may move it.
-        self.movable = False
+        self._movable = False
         self._released = False
 
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def movable(self) -> bool:
+        """True while the owner is idle (in a tool call, say), so a compaction may move it.
+
+        The owner sets it; while it is True the pool may change `offset` (after calling its
+        move callback, see `ExtentPool.set_move_callback`).
+        """
+        return self._movable
+
+    @movable.setter
+    def movable(self, value: bool) -> None:
+        value = bool(value)
+        if value != self._movable:
+            self._movable = value
+            if not self._released:
+                self.pool._movable_changed(self, value)
 
     def release(self) -> None:
         self.pool.release(self)
@@ -113,6 +129,11 @@ class MemoryStatistics:
     fragmentation_failures: int
     devices: tuple[DeviceStatistics, ...]
     by_tenant: Mapping[str, int] = field(default_factory=dict)
+    #: Compactions made by the pool itself (to place a request, or past its threshold).
+    compactions: int = 0
+    #: Reservations moved and bytes copied by those compactions.
+    moves: int = 0
+    moved_bytes: int = 0
 
     @property
     def fragmentation(self) -> float:
@@ -150,7 +171,9 @@ class MemoryPool(ABC):
         self._waiters: list[_Waiter] = []
         self._seq = itertools.count()
         self._listeners: list[Callable[[], None]] = []
+        self._movable_count: dict[str, int] = {d.name: 0 for d in devices}
         self.fragmentation_failures = 0
+        self.compactions = self.moves = self.moved_bytes = 0
         # Requests refused for fragmentation and not granted since, so a retry counts once.
         self._refused: OrderedDict[object, None] = OrderedDict()
 
@@ -328,6 +351,8 @@ class MemoryPool(ABC):
         if reservation._released or reservation.pool is not self:
             return
         reservation._released = True
+        if reservation._movable:
+            self._movable_count[reservation.device] -= 1
         self._live.discard(reservation)
         self._refused.pop(reservation, None)
         self._unplace(reservation)
@@ -364,9 +389,22 @@ class MemoryPool(ABC):
             fragmentation_failures=self.fragmentation_failures,
             devices=devices,
             by_tenant={t: n for t, n in self._by_tenant.items() if n},
+            compactions=self.compactions,
+            moves=self.moves,
+            moved_bytes=self.moved_bytes,
         )
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _movable_changed(self, reservation: Reservation, movable: bool) -> None:
+        self._movable_count[reservation.device] += 1 if movable else -1
+
+    def _place_by_moving(self, nbytes: int, device: str | None) -> tuple[str, int, int] | None:
+        """Last resort before a fragmentation refusal: move movable reservations to make room.
+
+        None by default (pools without an address space never fragment).
+        """
+        return None
 
     def _quota_blocks(self, tenant: str | None, nbytes: int) -> bool:
         quota = self._quotas.get(tenant) if tenant is not None else None
@@ -395,9 +433,11 @@ class MemoryPool(ABC):
         self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object = None
     ) -> Reservation | None:
         placed = self._place(nbytes, device)
-        if placed is None:
-            if any(self._free_bytes(d.name) >= nbytes for d in self.devices):
+        if placed is None and any(self._free_bytes(d.name) >= nbytes for d in self.devices):
+            placed = self._place_by_moving(nbytes, device)
+            if placed is None:
                 self._count_refusal(key)
+        if placed is None:
             return None
         if key is not None:
             try:
