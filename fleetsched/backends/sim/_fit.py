@@ -1,0 +1,262 @@
+"""Fitting a step-cost profile: closed loops on the synchronous engine, then non-negative least squares.
+
+A step costs ``t = a + b*tokens + c*context + d*sequences``, linear in the profile
+``theta = (a, b, c, d)``. In a closed loop with no client delay (each client sends its next
+request the moment the last one finishes) the engine's decisions depend on token counts only,
+never on time, so one run of the engine gives feature sums that hold for every ``theta``:
+
+- total time = ``F_total . theta``, where ``F_total`` sums ``(1, tokens, context, seqs)`` over steps;
+- a request's time to first token = ``F_ttft . theta``, the same sum over the steps it waited for.
+
+Matching a measured throughput or mean TTFT is then one linear equation in ``theta``, and a sweep
+of measurements is solved by non-negative least squares on relative errors. Pure Python, no
+event loop, no numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fleetsched.settings import SimSettings
+
+from ._engine import FINISHED, SimEngine
+
+#: The profile's fields, in the order of the feature vectors.
+PARAMS = ("step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s")
+
+Vector = tuple[float, float, float, float]
+
+
+def _dot(features: Sequence[float], theta: Sequence[float]) -> float:
+    return sum(f * t for f, t in zip(features, theta))
+
+
+def theta_of(settings: SimSettings) -> Vector:
+    """The step-cost profile of `settings` as a vector in `PARAMS` order."""
+    return tuple(getattr(settings, name) for name in PARAMS)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A closed loop: `concurrency` clients, each sending `rounds` requests back to back."""
+
+    concurrency: int
+    prompt_tokens: int
+    max_tokens: int
+    rounds: int = 2
+    shared_prefix_tokens: int = 0
+    """Leading prompt tokens every request shares (a system prompt), served from the prefix cache."""
+    prefix_caching: bool = True
+    """False: the engine runs without a prefix cache (shared blocks are recomputed)."""
+
+
+@dataclass(slots=True)
+class LoopFeatures:
+    """What one run of a closed loop costs, as feature sums (see the module docstring)."""
+
+    total: list[float] = field(default_factory=lambda: [0.0] * 4)
+    ttft: list[list[float]] = field(default_factory=list)
+    """One feature vector per request: the steps from its arrival to its first token."""
+    generated_tokens: int = 0
+    requests: int = 0
+    preemptions: int = 0
+
+    def duration_s(self, theta: Sequence[float]) -> float:
+        return _dot(self.total, theta)
+
+    def throughput(self, theta: Sequence[float]) -> float:
+        """Output tokens per second under `theta`."""
+        return self.generated_tokens / self.duration_s(theta)
+
+    def ttft_s(self, theta: Sequence[float]) -> list[float]:
+        return sorted(_dot(f, theta) for f in self.ttft)
+
+    def ttft_p50_s(self, theta: Sequence[float]) -> float:
+        values = self.ttft_s(theta)
+        return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+    def mean_ttft_features(self) -> list[float]:
+        n = len(self.ttft)
+        return [sum(f[i] for f in self.ttft) / n for i in range(4)]
+
+
+def closed_loop(settings: SimSettings, workload: Workload) -> LoopFeatures:
+    """Run `workload` on a fresh `SimEngine` with no client delay; feature sums of the run.
+
+    Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
+    `max_tokens`.
+    """
+    engine = SimEngine(settings)
+    out = LoopFeatures()
+    blocks = workload.prompt_tokens // settings.block_size
+    serial = itertools.count(1)
+    arrived: dict[object, list[float]] = {}
+    left = {}
+
+    def send(client: int) -> None:
+        n = next(serial)
+        shared = workload.shared_prefix_tokens // settings.block_size if workload.prefix_caching else 0
+        hashes = [hash(("fit", 0 if i < shared else n, i)) for i in range(blocks)]
+        request = engine.new_request(workload.prompt_tokens, workload.max_tokens, hashes)
+        arrived[request] = list(out.total)
+        left[request] = client
+
+    remaining = [workload.rounds] * workload.concurrency
+    for client in range(workload.concurrency):
+        remaining[client] -= 1
+        send(client)
+    total = out.total
+    while (step := engine.schedule()) is not None:
+        requests, counts, _ = step
+        tokens = sum(counts)
+        total[0] += 1
+        total[1] += tokens
+        total[2] += tokens + sum(r.num_computed for r in requests)
+        total[3] += len(requests)
+        for request in engine.complete(requests, counts, 0.0):
+            if request.num_output == 1 and request in arrived:
+                start = arrived.pop(request)
+                out.ttft.append([now - then for now, then in zip(total, start)])
+            if request.status == FINISHED:
+                out.requests += 1
+                client = left.pop(request)
+                if remaining[client]:
+                    remaining[client] -= 1
+                    send(client)
+    out.generated_tokens = engine.generated_tokens
+    out.preemptions = engine.preemptions
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One measured point of a sweep: a closed loop's throughput and (optionally) TTFT."""
+
+    workload: Workload
+    throughput: float
+    """Output tokens per second, all clients together."""
+    ttft_mean_s: float | None = None
+    ttft_p50_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PointError:
+    workload: Workload
+    measured_throughput: float
+    predicted_throughput: float
+    measured_ttft_p50_s: float | None
+    predicted_ttft_p50_s: float
+
+    @property
+    def throughput_rel_err(self) -> float:
+        return abs(self.predicted_throughput - self.measured_throughput) / self.measured_throughput
+
+    @property
+    def ttft_p50_rel_err(self) -> float | None:
+        if not self.measured_ttft_p50_s:
+            return None
+        return abs(self.predicted_ttft_p50_s - self.measured_ttft_p50_s) / self.measured_ttft_p50_s
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    theta: Vector
+    points: list[PointError]
+
+    @property
+    def max_throughput_rel_err(self) -> float:
+        return max(p.throughput_rel_err for p in self.points)
+
+    @property
+    def max_ttft_rel_err(self) -> float | None:
+        errs = [e for p in self.points if (e := p.ttft_p50_rel_err) is not None]
+        return max(errs) if errs else None
+
+    def as_settings(self, base: SimSettings) -> SimSettings:
+        return base.model_copy(update=dict(zip(PARAMS, self.theta)))
+
+
+def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float], free: Sequence[bool] = (True,) * 4) -> list[float]:
+    """Least squares ``rows . x = targets`` with ``x >= 0``, by trying every active set.
+
+    Only for a handful of unknowns (2^n subsets). Parameters with ``free[i] == False`` stay 0.
+    """
+    n = len(rows[0])
+    best: tuple[float, list[float]] | None = None
+    candidates = [i for i in range(n) if free[i]]
+    for size in range(1, len(candidates) + 1):
+        for subset in itertools.combinations(candidates, size):
+            x_sub = _solve_ls([[row[i] for i in subset] for row in rows], targets)
+            if x_sub is None or any(v < 0 for v in x_sub):
+                continue
+            x = [0.0] * n
+            for i, v in zip(subset, x_sub):
+                x[i] = v
+            residual = sum((_dot(row, x) - y) ** 2 for row, y in zip(rows, targets))
+            if best is None or residual < best[0]:
+                best = (residual, x)
+    if best is None:
+        raise ValueError("no non-negative profile fits these measurements")
+    return best[1]
+
+
+def _solve_ls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float] | None:
+    """Normal equations by Gaussian elimination with partial pivoting; None when singular."""
+    k = len(rows[0])
+    # Scale columns so that seconds-per-token and seconds-per-step are comparable.
+    scale = [max(abs(row[j]) for row in rows) or 1.0 for j in range(k)]
+    a = [[sum(r[i] * r[j] for r in rows) / (scale[i] * scale[j]) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, targets)) / scale[i]] for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(k):
+            if r != col:
+                factor = a[r][col] / a[col][col]
+                a[r] = [x - factor * y for x, y in zip(a[r], a[col])]
+    return [a[i][k] / a[i][i] / scale[i] for i in range(k)]
+
+
+def fit_profile(
+    base: SimSettings,
+    measurements: Sequence[Measurement],
+    *,
+    fit: Sequence[str] = PARAMS,
+    ttft_weight: float = 1.0,
+) -> Fit:
+    """Fit the `fit` parameters to `measurements` (relative errors; throughput and mean TTFT rows).
+
+    `base` gives the engine's shape (max_num_seqs, token budget, block size, cache) and the values
+    of the step costs not in `fit` (a cost known from the hardware, or one a table cannot tell
+    apart from another). Raises ValueError when no non-negative profile fits.
+    """
+    unknown = set(fit) - set(PARAMS)
+    if unknown:
+        raise ValueError(f"fit: unknown parameters {sorted(unknown)}; known: {', '.join(PARAMS)}")
+    fixed = [0.0 if name in fit else getattr(base, name) for name in PARAMS]
+    free = [name in fit for name in PARAMS]
+    loops = [closed_loop(base, m.workload) for m in measurements]
+    rows: list[list[float]] = []
+    targets: list[float] = []
+
+    def add(features: Sequence[float], seconds: float, weight: float) -> None:
+        rows.append([weight * f / seconds for f in features])
+        targets.append(weight * (1.0 - _dot(features, fixed) / seconds))
+
+    for m, loop in zip(measurements, loops):
+        add(loop.total, loop.generated_tokens / m.throughput, 1.0)
+        if m.ttft_mean_s and ttft_weight:
+            add(loop.mean_ttft_features(), m.ttft_mean_s, ttft_weight)
+    solved = nnls(rows, targets, free)
+    theta = tuple(x if f else v for x, f, v in zip(solved, free, fixed))
+    return Fit(theta, evaluate(theta, measurements, loops))  # type: ignore[arg-type]
+
+
+def evaluate(theta: Sequence[float], measurements: Sequence[Measurement], loops: Sequence[LoopFeatures]) -> list[PointError]:
+    return [
+        PointError(m.workload, m.throughput, loop.throughput(theta), m.ttft_p50_s, loop.ttft_p50_s(theta))
+        for m, loop in zip(measurements, loops)
+    ]

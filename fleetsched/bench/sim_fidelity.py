@@ -1,0 +1,226 @@
+"""``fleetsched bench sim-fidelity [--json]``: the sim backend against reference tables, a real CPU vLLM, and the clock.
+
+- ``reference_tables``: each shipped reference profile against its published table. Hermes 3 70B
+  (4 x A100): throughput per batch size, a closed loop of N requests of 100 prompt / 1,500 output
+  tokens. Qwen2-7B (A100 40GB): the table's QPS ratios between modes (serial, static batch of 4,
+  continuous default, tuned), under the assumptions in the profile; its absolute serial QPS cannot
+  be matched by any consistent model (12 QPS at 1.1 s P50 is 13 requests in flight).
+- ``real``: the ``tiny-cpu-vllm`` profile against a real CPU vLLM on a closed loop the calibration
+  did not see (concurrency 24, 200-token prompts, 64-token answers): throughput and TTFT p50.
+  Starts a server (about a minute) unless ``--url`` names one; ``--no-real`` skips it.
+- ``speed``: wall time of ``fleetsched simulate`` for one virtual hour of 1,000 concurrent sessions
+  (the whole stack: scheduler, dispatcher, sim engine). ``--no-speed`` skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import anyio
+
+from fleetsched.backends.sim._fit import LoopFeatures, Workload, closed_loop, theta_of
+from fleetsched.backends.sim._profiles import load_profile
+from fleetsched.settings import SimSettings
+
+HERMES = "hermes3-70b-4xa100"
+HERMES_TABLE = {1: 45, 4: 142, 8: 248, 16: 398, 32: 587, 64: 743, 128: 821}
+HERMES_PROMPT, HERMES_OUTPUT = 100, 1500
+
+QWEN = "qwen2-7b-a100-40gb"
+#: mode: (table QPS, table P50 s, max_num_seqs, max_num_batched_tokens, requests in flight)
+QWEN_TABLE = {
+    "serial": (12, 1.1, 1, 2048, 1),
+    "static_batch_4": (38, 1.8, 4, 2048, 4),
+    "continuous_default": (65, 1.5, 256, 2048, 98),
+    "continuous_tuned": (85, 1.6, 256, 32768, 136),
+}
+QWEN_PROMPT, QWEN_OUTPUT = 512, 80
+
+#: The workload the calibration did not see (it swept concurrency 1/4/16/64/128, shapes 64:128 and 384:32).
+REAL_WORKLOAD = Workload(concurrency=24, prompt_tokens=200, max_tokens=64, rounds=3)
+
+
+def _rel(sim: float, ref: float) -> float:
+    return abs(sim - ref) / ref
+
+
+def hermes_table() -> dict[str, Any]:
+    settings = SimSettings(profile=HERMES)
+    theta = theta_of(settings)
+    points = []
+    for batch, table in HERMES_TABLE.items():
+        loop = closed_loop(settings, Workload(batch, HERMES_PROMPT, HERMES_OUTPUT, rounds=2))
+        sim = loop.throughput(theta)
+        points.append({"batch": batch, "table_tok_s": table, "sim_tok_s": round(sim, 1), "rel_err": round(_rel(sim, table), 4)})
+    return {
+        "name": HERMES,
+        "max_rel_err": max(p["rel_err"] for p in points),
+        "assumptions": f"closed loop of N requests, {HERMES_PROMPT} prompt / {HERMES_OUTPUT} output tokens",
+        "points": points,
+    }
+
+
+def qwen_table() -> dict[str, Any]:
+    modes = {}
+    for mode, (qps, p50, seqs, budget, in_flight) in QWEN_TABLE.items():
+        settings = SimSettings(profile=QWEN, max_num_seqs=seqs, max_num_batched_tokens=budget)
+        loop = closed_loop(settings, Workload(in_flight, QWEN_PROMPT, QWEN_OUTPUT, rounds=3))
+        seconds = loop.duration_s(theta_of(settings))
+        modes[mode] = {
+            "table_qps": qps,
+            "table_p50_s": p50,
+            "in_flight": in_flight,
+            "sim_qps": round(loop.requests / seconds, 2),
+            "sim_latency_s": round(in_flight * seconds / loop.requests, 3),
+        }
+    serial_table, serial_sim = modes["serial"]["table_qps"], modes["serial"]["sim_qps"]
+    for mode in modes.values():
+        mode["table_ratio_to_serial"] = round(mode["table_qps"] / serial_table, 2)
+        mode["sim_ratio_to_serial"] = round(mode["sim_qps"] / serial_sim, 2)
+        mode["ratio_rel_err"] = round(_rel(mode["sim_ratio_to_serial"], mode["table_ratio_to_serial"]), 4)
+    tuned_default_table = 85 / 65
+    tuned_default_sim = modes["continuous_tuned"]["sim_qps"] / modes["continuous_default"]["sim_qps"]
+    ratio_errs = [m["ratio_rel_err"] for name, m in modes.items() if name != "serial"]
+    return {
+        "name": QWEN,
+        "max_rel_err": max(ratio_errs),
+        "compared": "QPS ratio of each mode to serial (the absolute QPS cannot be matched; see notes)",
+        "assumptions": f"{QWEN_PROMPT} prompt / {QWEN_OUTPUT} output tokens; in flight = QPS x P50 (Little's law) for continuous modes",
+        "tuned_over_default": {"table": round(tuned_default_table, 2), "sim": round(tuned_default_sim, 2)},
+        "matched": [name for name, m in modes.items() if name != "serial" and m["ratio_rel_err"] <= 0.10],
+        "notes": [
+            "serial: 12 QPS with one request in flight needs 83 ms a request, but the table's P50 is 1.1 s; "
+            f"the sim's serial request takes {1 / serial_sim:.2f} s ({serial_sim} QPS)",
+            "continuous rows: 65-85 QPS of requests that take ~1 s alone exceed the compute of one A100 for "
+            "any prompt long enough to matter; the sim saturates at a higher multiple of serial",
+            "tuned vs default: the sim gains only from the larger token budget; the table's 1.31x is not reproduced",
+        ],
+        "modes": modes,
+    }
+
+
+async def _real_loop(url: str, workload: Workload) -> Any:
+    import httpx
+
+    from fleetsched.calibrate import measure, prompt_chars
+
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        chars = await prompt_chars(client, model, workload.prompt_tokens)
+        await measure(client, model, 4, chars, 8, 1)  # warm up
+        return await measure(client, model, workload.concurrency, chars, workload.max_tokens, workload.rounds)
+
+
+def real_fidelity(url: str, settings: SimSettings, workload: Workload = REAL_WORKLOAD) -> dict[str, Any]:
+    """Measure `workload` on the server at `url` and simulate it with `settings`; both figures and errors."""
+    sample = anyio.run(_real_loop, url, workload)
+    same = Workload(workload.concurrency, sample.prompt_tokens, workload.max_tokens, workload.rounds)
+    loop: LoopFeatures = closed_loop(settings, same)
+    theta = theta_of(settings)
+    sim_tp, sim_ttft = loop.throughput(theta), loop.ttft_p50_s(theta)
+    return {
+        "workload": {"concurrency": same.concurrency, "prompt_tokens": same.prompt_tokens, "max_tokens": same.max_tokens, "rounds": same.rounds},
+        "measured": {"throughput_tok_s": round(sample.throughput, 1), "ttft_p50_s": round(sample.ttft_p50_s, 4)},
+        "sim": {"throughput_tok_s": round(sim_tp, 1), "ttft_p50_s": round(sim_ttft, 4)},
+        "throughput_rel_err": round(_rel(sim_tp, sample.throughput), 4),
+        "ttft_p50_rel_err": round(_rel(sim_ttft, sample.ttft_p50_s), 4),
+    }
+
+
+def speed_settings(sessions: int = 1000) -> Any:
+    """A three-tier fleet of `sessions` agents (tool-using, multi-turn) on the default profile."""
+    from fleetsched.settings import Settings
+
+    third = sessions // 3
+    return Settings(
+        scheduler={"max_sessions": sessions, "session_memory": "64MB"},
+        backend={"kind": "sim", "max_in_flight": 128, "sim": {"profile": "tiny-cpu-vllm", "stream_interval": 8}},
+        tenants={
+            "interactive": {"tier": "critical", "sla": {"ttft_p99_s": 2.0}},
+            "agents": {"tier": "standard", "weight": 2},
+            "offline": {"tier": "batch"},
+        },
+        workload={
+            "agents": [
+                {"tenant": "interactive", "count": third, "turns": 3, "prompt_tokens": 200, "max_tokens": 48, "think_s": 2.0},
+                {"tenant": "agents", "count": third, "turns": 6, "prompt_tokens": 400, "max_tokens": 96, "tool_s": 3.0},
+                {"tenant": "offline", "count": sessions - 2 * third, "turns": 2, "prompt_tokens": 600, "max_tokens": 128, "tool_s": 5.0},
+            ]
+        },
+    )
+
+
+def speed(sessions: int = 1000, duration_s: float = 3600.0) -> dict[str, Any]:
+    from fleetsched.simulate import simulate
+
+    report, _ = simulate(speed_settings(sessions), duration_s)
+    return {
+        "sessions": sessions,
+        "simulated_s": report["duration_s"],
+        "wall_s": report["wall_s"],
+        "speedup": round(report["duration_s"] / report["wall_s"], 1),
+        "calls": report["calls"],
+        "throughput_tok_s": report["throughput_tok_s"],
+        "engine_steps": report["sim"]["engine_steps"],
+        "stream_interval": report["sim"]["stream_interval"],
+    }
+
+
+def _start_server_and_measure() -> dict[str, Any]:
+    from fleetsched.testing.vllm_server import VLLMServer, missing_setup
+
+    missing = missing_setup()
+    if missing:
+        return {"skipped": f"no vLLM install ({'; '.join(missing)} missing): run scripts/setup-vllm.sh"}
+    with VLLMServer(max_model_len=1024) as server:
+        return real_fidelity(server.url, SimSettings(profile="tiny-cpu-vllm"))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fleetsched bench sim-fidelity", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--url", help="a running vLLM server with the tiny model (server defaults, max_model_len 1024)")
+    parser.add_argument("--no-real", action="store_true", help="skip the real-vLLM comparison")
+    parser.add_argument("--no-speed", action="store_true", help="skip the 1 h x 1,000 sessions speed run")
+    args = parser.parse_args(argv)
+
+    result: dict[str, Any] = {"reference_tables": [hermes_table(), qwen_table()]}
+    if not args.no_real:
+        result["real"] = real_fidelity(args.url, SimSettings(profile="tiny-cpu-vllm")) if args.url else _start_server_and_measure()
+    if not args.no_speed:
+        result["speed"] = speed()
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    out = sys.stdout.write
+    hermes, qwen = result["reference_tables"]
+    out(f"{HERMES}: max rel err {hermes['max_rel_err']:.1%} ({hermes['assumptions']})\n")
+    for p in hermes["points"]:
+        out(f"  batch {p['batch']:4d}: table {p['table_tok_s']:5d} tok/s, sim {p['sim_tok_s']:7.1f}, err {p['rel_err']:5.1%}\n")
+    out(f"{QWEN}: max rel err of ratios to serial {qwen['max_rel_err']:.1%}; matched within 10%: {qwen['matched'] or 'none'}\n")
+    for name, m in qwen["modes"].items():
+        out(
+            f"  {name:20s} table {m['table_qps']:3d} QPS (x{m['table_ratio_to_serial']:<5}) sim {m['sim_qps']:6.2f} QPS "
+            f"(x{m['sim_ratio_to_serial']:<6}) latency {m['sim_latency_s']:.2f} s vs P50 {m['table_p50_s']} s\n"
+        )
+    for note in qwen["notes"]:
+        out(f"  note: {note}\n")
+    real = result.get("real")
+    if real and "skipped" not in real:
+        out(
+            f"real CPU vLLM ({real['workload']}): throughput {real['measured']['throughput_tok_s']} measured vs "
+            f"{real['sim']['throughput_tok_s']} sim (err {real['throughput_rel_err']:.1%}); TTFT p50 "
+            f"{real['measured']['ttft_p50_s'] * 1e3:.1f} ms vs {real['sim']['ttft_p50_s'] * 1e3:.1f} ms (err {real['ttft_p50_rel_err']:.1%})\n"
+        )
+    elif real:
+        out(f"real: skipped: {real['skipped']}\n")
+    if "speed" in result:
+        s = result["speed"]
+        out(
+            f"speed: {s['sessions']} sessions, {s['simulated_s']:.0f} s simulated in {s['wall_s']:.1f} s wall "
+            f"({s['speedup']}x), {s['calls']:,} calls, {s['engine_steps']:,} steps, stream_interval {s['stream_interval']}\n"
+        )
+    return 0

@@ -1,0 +1,241 @@
+"""``fleetsched calibrate --url URL --out profile.toml``: fit a sim profile to a real vLLM server.
+
+Sweeps closed loops (N clients sending requests back to back, ``ignore_eos`` so every request
+generates exactly ``max_tokens``) over concurrency and prompt / answer lengths, measures output
+throughput and time to first token, and fits the step costs of `SimSettings` by non-negative
+least squares on relative errors (`fleetsched.backends.sim._fit`). Prints the fit's error per
+point and writes the profile as TOML (load it with ``backend.sim.profile = "profile.toml"``).
+
+The engine's shape (max_num_seqs, token budget, block size, KV cache) is not measured: pass the
+server's values (the defaults are vLLM's CPU server defaults with a 1 GiB cache for the tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from .backends.sim._fit import PARAMS, Fit, Measurement, Workload, fit_profile
+from .backends.sim._profiles import dump_profile
+from .settings import SimSettings
+
+_FILLER = " ".join(f"{w}{i % 97}" for i, w in enumerate("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split() * 8)) + " "
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One closed loop measured on the server."""
+
+    concurrency: int
+    prompt_tokens: int
+    """Mean prompt tokens the server counted (chat template included)."""
+    max_tokens: int
+    rounds: int
+    throughput: float
+    ttft_mean_s: float
+    ttft_p50_s: float
+
+    def measurement(self) -> Measurement:
+        workload = Workload(self.concurrency, self.prompt_tokens, self.max_tokens, self.rounds)
+        return Measurement(workload, self.throughput, self.ttft_mean_s, self.ttft_p50_s)
+
+
+def prompt_of(chars: int) -> str:
+    """A unique prompt of `chars` characters (unique first, so no prefix cache hits)."""
+    head = f"request {next(_ids)}: "
+    return (head + _FILLER * (chars // len(_FILLER) + 1))[:chars]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, content: str, max_tokens: int) -> tuple[float, int, int]:
+    """Stream one completion; (time to first token, prompt tokens, completion tokens).
+
+    The completions endpoint, not chat: the prompt is counted as sent, whatever the chat template
+    does with it (the tiny test model's template drops list-form content, which vLLM may pass it).
+    """
+    body = {
+        "model": model,
+        "prompt": content,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = anyio.current_time()
+    ttft = None
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+                ttft = anyio.current_time() - start
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    if ttft is None or not usage:
+        raise RuntimeError(f"the server answered no tokens or no usage for a {max_tokens}-token request")
+    return ttft, usage["prompt_tokens"], usage["completion_tokens"]
+
+
+async def prompt_chars(client: httpx.AsyncClient, model: str, tokens: int) -> int:
+    """Characters of `prompt_of` text that the server counts as about `tokens` prompt tokens.
+
+    The chat template adds tokens and the tokenizer is unknown, so probe (max_tokens 1) and rescale.
+    """
+    chars = tokens * 3
+    for _ in range(3):
+        _, counted, _ = await one_request(client, model, prompt_of(chars), 1)
+        if abs(counted - tokens) <= max(2, tokens // 50):
+            break
+        chars = max(8, round(chars * tokens / max(1, counted)))
+    return chars
+
+
+async def measure(
+    client: httpx.AsyncClient, model: str, concurrency: int, prompt_chars: int, max_tokens: int, rounds: int
+) -> Sample:
+    """One closed loop of `concurrency` clients, `rounds` requests each."""
+    ttfts: list[float] = []
+    prompts: list[int] = []
+    completion = 0
+
+    async def worker() -> None:
+        nonlocal completion
+        for _ in range(rounds):
+            ttft, prompt, tokens = await one_request(client, model, prompt_of(prompt_chars), max_tokens)
+            ttfts.append(ttft)
+            prompts.append(prompt)
+            completion += tokens
+
+    start = anyio.current_time()
+    async with anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(worker)
+    elapsed = anyio.current_time() - start
+    return Sample(
+        concurrency,
+        round(statistics.mean(prompts)),
+        max_tokens,
+        rounds,
+        completion / elapsed,
+        statistics.mean(ttfts),
+        statistics.median(ttfts),
+    )
+
+
+async def sweep(
+    url: str, model: str | None, concurrencies: list[int], shapes: list[tuple[int, int]], rounds: int, echo: Any = print
+) -> list[Sample]:
+    """Measure every (concurrency, shape) point; shapes are (prompt tokens, max_tokens)."""
+    limits = httpx.Limits(max_connections=max(concurrencies) + 8, max_keepalive_connections=max(concurrencies) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        if model is None:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        # Warm up (first requests pay for compilation and caches).
+        await measure(client, model, 4, 200, 8, 1)
+        samples = []
+        for (prompt, max_tokens), concurrency in itertools.product(shapes, concurrencies):
+            chars = await prompt_chars(client, model, prompt)
+            sample = await measure(client, model, concurrency, chars, max_tokens, rounds)
+            echo(
+                f"  c={concurrency:4d} prompt={sample.prompt_tokens:5d} max_tokens={max_tokens:4d}: "
+                f"{sample.throughput:8.0f} tok/s, TTFT p50 {sample.ttft_p50_s * 1e3:7.1f} ms"
+            )
+            samples.append(sample)
+        return samples
+
+
+def fit_table(fit: Fit) -> list[str]:
+    lines = [f"{'conc':>5} {'prompt':>6} {'max_tok':>7} {'tok/s meas':>10} {'sim':>8} {'err':>6} {'TTFT p50 meas':>13} {'sim':>8} {'err':>6}"]
+    for p in fit.points:
+        w = p.workload
+        ttft = p.ttft_p50_rel_err
+        lines.append(
+            f"{w.concurrency:5d} {w.prompt_tokens:6d} {w.max_tokens:7d} {p.measured_throughput:10.0f} {p.predicted_throughput:8.0f} "
+            f"{p.throughput_rel_err:6.1%} {(p.measured_ttft_p50_s or 0) * 1e3:11.1f}ms {p.predicted_ttft_p50_s * 1e3:6.1f}ms "
+            + (f"{ttft:6.1%}" if ttft is not None else "     -")
+        )
+    return lines
+
+
+def profile_document(base: SimSettings, samples: list[Sample], fit: Fit, url: str, description: str) -> str:
+    sim = {k: v for k, v in base.model_dump().items() if k in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size", "max_model_len")}
+    sim.update({name: float(f"{value:.4g}") for name, value in zip(PARAMS, fit.theta)})
+    info = {
+        "description": description,
+        "source": f"fleetsched calibrate --url {url}: closed loops, ignore_eos, unique prompts",
+        "assumptions": "Step cost t = a + b*tokens + c*context + d*sequences, fitted by non-negative least squares "
+        "on relative errors of throughput and mean TTFT. Engine shape given on the command line, not measured.",
+    }
+    ttft_err = fit.max_ttft_rel_err
+    record = {
+        "concurrency": [s.concurrency for s in samples],
+        "prompt_tokens": [s.prompt_tokens for s in samples],
+        "max_tokens": [s.max_tokens for s in samples],
+        "measured_tok_s": [round(s.throughput, 1) for s in samples],
+        "measured_ttft_p50_s": [round(s.ttft_p50_s, 5) for s in samples],
+        "sim_tok_s": [round(p.predicted_throughput, 1) for p in fit.points],
+        "sim_ttft_p50_s": [round(p.predicted_ttft_p50_s, 5) for p in fit.points],
+        "max_throughput_rel_err": round(fit.max_throughput_rel_err, 4),
+        "max_ttft_p50_rel_err": round(ttft_err, 4) if ttft_err is not None else -1.0,
+    }
+    return dump_profile(info, sim, record)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [(int(p), int(m)) for p, m in (item.split(":") for item in text.split(",") if item)]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fleetsched calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="the vLLM server's root URL (without /v1)")
+    parser.add_argument("--out", required=True, metavar="PROFILE.toml")
+    parser.add_argument("--model", help="served model name (default: the server's first)")
+    parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128], help="clients, comma-separated")
+    parser.add_argument("--shapes", type=_shapes, default=[(64, 128), (384, 32)], help="PROMPT:MAX_TOKENS pairs")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per client per point")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--kv-cache-tokens", type=int, default=524288)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--description", default="a vLLM server measured by fleetsched calibrate")
+    args = parser.parse_args(argv)
+
+    base = SimSettings(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_model_len=args.max_model_len,
+    )
+    print(f"sweeping {args.url}: concurrency {args.concurrency}, (prompt, max_tokens) {args.shapes}")
+    try:
+        samples = anyio.run(sweep, args.url, args.model, args.concurrency, args.shapes, args.rounds)
+    except (httpx.HTTPError, RuntimeError) as exc:
+        print(f"fleetsched calibrate: {args.url}: {exc}", file=sys.stderr)
+        return 1
+    fit = fit_profile(base, [s.measurement() for s in samples])
+    print("fit: " + ", ".join(f"{n} = {v:.4g}" for n, v in zip(PARAMS, fit.theta)))
+    print("\n".join(fit_table(fit)))
+    ttft = fit.max_ttft_rel_err
+    print(f"max relative error: throughput {fit.max_throughput_rel_err:.1%}, TTFT p50 {ttft:.1%}" if ttft is not None else "")
+    Path(args.out).write_text(profile_document(base, samples, fit, args.url, args.description))
+    print(f"profile written to {args.out}")
+    return 0

@@ -1,0 +1,258 @@
+"""``fleetsched simulate CONFIG --duration 2h``: the real scheduler on the sim backend, in virtual time.
+
+The same `Scheduler`, dispatcher and agents as ``fleetsched run``, on the `sim` backend under trio's
+``MockClock(autojump_threshold=0)``: whenever every task waits, the clock jumps to the next
+deadline, so hours of fleet traffic take seconds of wall time. Needs trio (``pip install trio``).
+
+With ``--duration``, the workload is a fleet held for that long: each ``workload.agents`` entry keeps
+``count`` sessions running at once (a session that ends is replaced by a new one of its kind, each
+staggered over the first seconds); new sessions stop at the end and those running finish within
+``scheduler.drain_grace_s``. Without it, the workload runs as ``fleetsched run`` runs it.
+
+``--find-max-sessions`` answers "how many agents fit at these SLAs?": it scales the fleet (all
+entries together, keeping the tier mix) and binary-searches the largest total that still meets
+every tenant's SLA (`SlaSettings`: ttft_p99_s, latency_p95_s, deadline_s, min_tokens_per_s; and
+no failed calls), one virtual-time run per probe.
+
+Cost: one engine step per generated token wakes a stream only every ``stream_interval`` tokens;
+simulate sets it to 8 (vLLM's own knob; the first token always comes at once) unless the config or
+``--stream-interval`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from .errors import ConfigError, FleetschedError
+from .settings import AgentMix, Settings, load_settings
+
+SIMULATE_STREAM_INTERVAL = 8
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``"90"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"``; ValueError otherwise."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*(min|[smhd]?)", text.strip().lower())
+    if not parts or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text.strip().lower()):
+        raise ValueError(f"not a duration: {text!r} (examples: 90s, 15m, 2h, 1h30m)")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def sim_settings(settings: Settings, profile: str | None = None, stream_interval: int | None = None) -> Settings:
+    """`settings` with the sim backend, the profile and the stream interval of a simulation."""
+    sim = settings.backend.sim.model_dump(exclude_unset=True)
+    if profile is not None:
+        sim = {"profile": profile}  # a profile replaces the section (fields in the config would not apply to it)
+    if stream_interval is not None:
+        sim["stream_interval"] = stream_interval
+    elif "stream_interval" not in sim:
+        sim["stream_interval"] = SIMULATE_STREAM_INTERVAL
+    backend = settings.backend.model_validate({**settings.backend.model_dump(exclude={"sim"}), "kind": "sim", "sim": sim})
+    return settings.model_copy(update={"backend": backend})
+
+
+def scale_fleet(agents: list[AgentMix], total: int) -> list[AgentMix]:
+    """The agent mix with `total` sessions in all, in the same proportions (each kind at least 1)."""
+    base = sum(m.count for m in agents)
+    counts = [max(1, round(total * m.count / base)) for m in agents]
+    return [m.model_copy(update={"count": c}) for m, c in zip(agents, counts)]
+
+
+async def _fleet(scheduler: Any, agents: list[AgentMix], duration_s: float, seed: int) -> None:
+    from .agents.workload import scripted_chat_agent
+
+    rng = random.Random(seed)
+    end = anyio.current_time() + duration_s
+    ramp = min(30.0, duration_s / 10)
+
+    async def member(index: int, mix: AgentMix, delay: float) -> None:
+        kind = mix.kind or f"{mix.tenant}-{index}"
+        memory = int(mix.session_memory) if mix.session_memory else None
+        await anyio.sleep(delay)
+        while anyio.current_time() < end:
+            try:
+                handle = await scheduler.submit(scripted_chat_agent(mix, rng), tenant=mix.tenant, memory=memory, kind=kind)
+                await handle
+            except FleetschedError:
+                await anyio.sleep(1.0)  # rejected or failed (recorded by the scheduler); do not spin
+
+    async with anyio.create_task_group() as tg:
+        for index, mix in enumerate(agents):
+            for _ in range(mix.count):
+                tg.start_soon(member, index, mix, rng.uniform(0, ramp))
+
+
+async def _simulate(settings: Settings, duration_s: float | None) -> tuple[dict[str, Any], Any]:
+    from .agents.workload import run_workload
+    from .report import build_report
+    from .scheduler import Scheduler
+
+    async with Scheduler(settings) as scheduler:
+        start = anyio.current_time()
+        if duration_s is None:
+            await run_workload(scheduler, settings.workload)
+        else:
+            await _fleet(scheduler, settings.workload.agents, duration_s, settings.workload.seed)
+        elapsed = anyio.current_time() - start
+    report = build_report(scheduler, duration_s=elapsed, backend="sim")
+    stats = scheduler.backend.statistics()
+    report["sim"] = {
+        "profile": settings.backend.sim.profile,
+        "stream_interval": settings.backend.sim.stream_interval,
+        "engine_steps": stats.steps,
+        "engine_busy_frac": round(stats.busy_fraction, 4),
+        "preemptions": stats.preemptions,
+        "sessions_in_fleet": sum(m.count for m in settings.workload.agents),
+    }
+    return report, scheduler
+
+
+def simulate(settings: Settings, duration_s: float | None = None) -> tuple[dict[str, Any], Any]:
+    """Run `settings` (already on the sim backend) in virtual time; (report, scheduler).
+
+    The report is `build_report`'s plus ``sim`` (engine figures) and ``wall_s``.
+    """
+    try:
+        import trio.testing
+    except ImportError as exc:  # trio is a dev dependency
+        raise ConfigError("simulate", "virtual time needs trio: pip install trio") from exc
+    began = time.perf_counter()  # wall-clock ok
+    result = anyio.run(
+        _simulate, settings, duration_s, backend="trio", backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)}
+    )
+    result[0]["wall_s"] = round(time.perf_counter() - began, 3)  # wall-clock ok
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class SlaCheck:
+    tenant: str
+    metric: str
+    target: float
+    value: float
+
+    @property
+    def ok(self) -> bool:
+        return self.value <= self.target if self.metric != "min_tokens_per_s" else self.value >= self.target
+
+
+def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[SlaCheck]:
+    """Every tenant's SLA targets against what the run recorded (call errors count against it)."""
+    from .scheduler.records import percentile
+
+    checks = []
+    calls_by: dict[str, list[Any]] = {}
+    for call in scheduler.recorder.calls:
+        calls_by.setdefault(call.tenant, []).append(call)
+    for name, tenant in settings.tenants.items():
+        calls = calls_by.get(name, [])
+        if not calls:
+            continue
+        ok = [c for c in calls if c.error is None]
+        sla = tenant.sla
+        checks.append(SlaCheck(name, "call_errors", 0, len(calls) - len(ok)))
+        if sla.ttft_p99_s is not None:
+            checks.append(SlaCheck(name, "ttft_p99_s", sla.ttft_p99_s, percentile([c.ttft_s for c in ok], 99)))
+        if sla.latency_p95_s is not None:
+            checks.append(SlaCheck(name, "latency_p95_s", sla.latency_p95_s, percentile([c.latency_s for c in ok], 95)))
+        if sla.deadline_s is not None:
+            spans = [s.finished - s.submitted for s in scheduler.recorder.sessions if s.tenant == name and s.state == "done"]
+            checks.append(SlaCheck(name, "deadline_s", sla.deadline_s, max(spans, default=0.0)))
+        if sla.min_tokens_per_s is not None:
+            tokens = sum(c.completion_tokens for c in ok)
+            checks.append(SlaCheck(name, "min_tokens_per_s", sla.min_tokens_per_s, tokens / duration_s))
+    # A NaN percentile (no successful call) fails its check: NaN <= target is False.
+    return checks
+
+
+def find_max_sessions(settings: Settings, duration_s: float, echo: Any = print, limit: int = 1 << 16) -> dict[str, Any]:
+    """The largest fleet (total sessions, tier mix kept) whose run meets every tenant's SLA."""
+    agents = settings.workload.agents
+    probes: dict[int, bool] = {}
+
+    def meets(total: int) -> bool:
+        scaled = settings.model_copy(update={"workload": settings.workload.model_copy(update={"agents": scale_fleet(agents, total)})})
+        report, scheduler = simulate(scaled, duration_s)
+        checks = sla_checks(scheduler, scaled, report["duration_s"])
+        failed = [c for c in checks if not c.ok]
+        probes[total] = not failed
+        verdict = "meets every SLA" if not failed else "misses " + ", ".join(f"{c.tenant}.{c.metric} ({c.value:.3g} vs {c.target:.3g})" for c in failed)
+        echo(f"  {total:6d} sessions: {report['throughput_tok_s']} tok/s, {verdict} [{report['wall_s']:.1f} s wall]")
+        return not failed
+
+    lo, hi = 0, max(1, sum(m.count for m in agents))
+    while meets(hi):  # grow until a fleet fails
+        lo, hi = hi, hi * 2
+        if hi > limit:
+            return {"max_sessions": lo, "bounded_by_limit": True, "probes": probes, "agents": _mix(agents, lo)}
+    while hi - lo > max(1, lo // 50):  # to within 2%
+        mid = (lo + hi) // 2
+        if meets(mid):
+            lo = mid
+        else:
+            hi = mid
+    return {"max_sessions": lo, "bounded_by_limit": False, "probes": probes, "agents": _mix(agents, lo)}
+
+
+def _mix(agents: list[AgentMix], total: int) -> dict[str, int]:
+    if total == 0:
+        return {}
+    return {m.kind or f"{m.tenant}-{i}": m.count for i, m in enumerate(scale_fleet(agents, total))}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fleetsched simulate", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="TOML settings file (tenants, workload; the backend becomes sim)")
+    parser.add_argument("--duration", help="hold the fleet this long in virtual time (90s, 15m, 2h)")
+    parser.add_argument("--profile", help="sim profile: a shipped name or a TOML file (default: the config's)")
+    parser.add_argument("--stream-interval", type=int, help=f"tokens per streamed chunk (default {SIMULATE_STREAM_INTERVAL})")
+    parser.add_argument("--find-max-sessions", action="store_true", help="search the largest fleet that meets every SLA")
+    parser.add_argument("--report", metavar="FILE.json", help="write the report (or the search's result) as JSON")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = parser.parse_args(argv)
+    try:
+        duration = parse_duration(args.duration) if args.duration else None
+        settings = load_settings(args.config)
+        if not settings.workload.agents:
+            raise ConfigError("workload.agents", "the config describes no agents to run")
+        settings = sim_settings(settings, args.profile, args.stream_interval)
+        if args.find_max_sessions and duration is None:
+            raise ConfigError("--duration", "--find-max-sessions needs --duration (each probe holds the fleet that long)")
+    except (ConfigError, ValueError) as exc:
+        print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.find_max_sessions:
+        result = find_max_sessions(settings, duration, echo=(lambda _: None) if args.json else print)  # type: ignore[arg-type]
+        result["probes"] = {str(k): v for k, v in sorted(result["probes"].items())}
+        text = json.dumps(result, indent=2)
+        print(text if args.json else f"largest fleet meeting every SLA: {result['max_sessions']} sessions {result['agents']}")
+    else:
+        report, _ = simulate(settings, duration)
+        text = json.dumps(report, indent=2)
+        if args.json:
+            print(text)
+        else:
+            from rich.console import Console
+
+            from .report import tenant_table
+
+            console = Console(width=160)
+            console.print(tenant_table(report))
+            s = report["sim"]
+            console.print(
+                f"{report['duration_s']:.0f} s simulated in {report['wall_s']:.1f} s wall; {s['engine_steps']:,} engine steps, "
+                f"busy {s['engine_busy_frac']:.0%}, {s['preemptions']} preemptions, stream_interval {s['stream_interval']}"
+            )
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(text + "\n")
+    return 0
