@@ -8,7 +8,15 @@ from ..settings import ResourceSettings
 from .allocator import DEFAULT_PAGE_SIZE, ApplyResult, ExtentPool
 from .defrag import CompactionPlan, DeviceGain, DeviceLayout, ExtentView, HolePlan, Move, plan_compaction, plan_hole
 from .extents import AddressSpace
-from .kv_sizing import KVCacheCapacity, kv_bytes_per_token, parse_vllm_cache_config, session_bytes
+from .kv_sizing import (
+    KVCacheCapacity,
+    kv_bytes_per_token,
+    kv_device,
+    kv_page_size,
+    parse_vllm_cache_config,
+    read_vllm_kv_capacity,
+    session_bytes,
+)
 from .memory import CountingPool, DeviceSpec, DeviceStatistics, MemoryPool, MemoryStatistics, Reservation
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, PlacementStrategy, make_strategy
 
@@ -35,10 +43,13 @@ __all__ = [
     "Reservation",
     "create_pool",
     "kv_bytes_per_token",
+    "kv_device",
+    "kv_page_size",
     "make_strategy",
     "parse_vllm_cache_config",
     "plan_compaction",
     "plan_hole",
+    "read_vllm_kv_capacity",
     "session_bytes",
 ]
 

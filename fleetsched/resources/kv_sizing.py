@@ -8,8 +8,9 @@
   modelled.
 - `session_bytes(context_tokens, ...)`: a session's KV memory, tokens rounded up to whole blocks
   of vLLM's ``block_size`` (16 tokens by default).
-- `parse_vllm_cache_config(metrics_text)`: the KV capacity a vLLM server reports on ``/metrics``
-  (the labels of ``vllm:cache_config_info``).
+- `parse_vllm_cache_config(metrics_text)` / `read_vllm_kv_capacity(url)`: the KV capacity a vLLM
+  server reports on ``/metrics`` (the labels of ``vllm:cache_config_info``); `kv_device` turns it
+  into a ``resources.devices`` entry.
 """
 
 from __future__ import annotations
@@ -170,3 +171,37 @@ def _number(labels: Mapping[str, str], key: str, *, required: bool = True) -> in
     if value <= 0 and required:
         raise ValueError(f"vllm:cache_config_info: {key} is {raw!r}, not a positive number")
     return value
+
+
+async def read_vllm_kv_capacity(url: str, *, client: Any = None) -> KVCacheCapacity:
+    """The KV capacity a live vLLM server reports: GET ``{url}/metrics``, then `parse_vllm_cache_config`.
+
+    `url` is the server root (``http://host:port``, no ``/v1``). `client` is an
+    ``httpx.AsyncClient`` to reuse (one is made otherwise). Raises ValueError as the parser does,
+    and httpx's errors when the server does not answer.
+    """
+    import httpx
+
+    if client is None:
+        async with httpx.AsyncClient(timeout=10.0) as own:
+            return await read_vllm_kv_capacity(url, client=own)
+    response = await client.get(f"{url.rstrip('/')}/metrics")
+    response.raise_for_status()
+    return parse_vllm_cache_config(response.text)
+
+
+def kv_device(
+    name: str, capacity: KVCacheCapacity, config: Mapping[str, Any] | str | PathLike[str], *, dtype: str | None = None
+) -> dict[str, Any]:
+    """A ``resources.devices`` entry for a vLLM server's KV cache: its tokens x the model's bytes per token.
+
+    Declare one per replica (``ResourceSettings(devices=[kv_device(...)], page_size=...)``); with
+    ``page_size = block_size x bytes per token`` (`kv_page_size`) a pool page is one vLLM block,
+    so reservations round up exactly as the engine allocates.
+    """
+    return {"name": name, "memory": capacity.bytes(kv_bytes_per_token(config, dtype=dtype))}
+
+
+def kv_page_size(capacity: KVCacheCapacity, config: Mapping[str, Any] | str | PathLike[str], *, dtype: str | None = None) -> int:
+    """Bytes of one KV block of the server: block_size tokens x the model's bytes per token."""
+    return capacity.block_size * kv_bytes_per_token(config, dtype=dtype)

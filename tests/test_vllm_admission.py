@@ -1,0 +1,128 @@
+"""Admission by KV capacity on a real vLLM server: no preemption storm when reservations fit.
+
+A dedicated server (the session one has a 1 GiB cache and 4 sequences, which never preempts) with
+48 KV blocks of 128 tokens (6,144 tokens), 32 sequences at once, no prefix caching, and chat
+content passed as a plain string (the tiny model's template drops list-form content). Fourteen
+sessions each stream one completion of 600 tokens (``ignore_eos``) after a prompt of a few hundred
+tokens, so that every sequence really grows towards its budget of 1,024 tokens.
+
+- Without admission (a pool whose device is far larger than the cache) all fourteen run at once,
+  the cache overflows and ``vllm:num_preemptions_total`` climbs.
+- With admission (the device is the server's KV capacity read from ``/metrics`` x the model's
+  bytes per token, one pool page per vLLM block, each session reserving its budget) six run at a
+  time, the counter stays flat, and every session finishes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import anyio
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from fleetsched.resources import (
+    DeviceSpec,
+    ExtentPool,
+    kv_bytes_per_token,
+    kv_device,
+    kv_page_size,
+    read_vllm_kv_capacity,
+    session_bytes,
+)
+from fleetsched.testing.fixtures import require_vllm_setup
+from fleetsched.testing.vllm_server import VLLMServer, model_path
+
+pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
+
+SESSIONS = 14
+MAX_TOKENS = 600
+BUDGET_TOKENS = 1024  # prompt (< 400 tokens, checked) + MAX_TOKENS, whole blocks
+WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "lambda", "sigma", "omega")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def small_cache_server() -> Iterator[VLLMServer]:
+    require_vllm_setup()
+    server = VLLMServer(
+        max_model_len=2048,
+        max_num_seqs=32,
+        extra_args=(
+            "--num-gpu-blocks-override", "48",
+            "--no-enable-prefix-caching",
+            "--chat-template-content-format", "string",
+        ),
+    )  # fmt: skip
+    with server:
+        yield server
+
+
+async def _preemptions(client: httpx.AsyncClient, server: VLLMServer) -> float:
+    text = (await client.get(server.metrics_url)).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions_total"))
+
+
+async def _run_load(server: VLLMServer, pool: ExtentPool, nbytes: int) -> list[tuple[int, int]]:
+    """Run SESSIONS sessions at once, each holding a reservation of `nbytes` while it generates."""
+    openai = AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+    usage: list[tuple[int, int]] = []
+
+    async def session(i: int) -> None:
+        rng = random.Random(i)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(60))
+        async with pool.reserve(nbytes, owner=i):
+            response = await openai.chat.completions.create(
+                model=server.model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=MAX_TOKENS,
+                extra_body={"ignore_eos": True},
+            )
+        assert response.usage is not None
+        usage.append((response.usage.prompt_tokens, response.usage.completion_tokens))
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            for i in range(SESSIONS):
+                tg.start_soon(session, i)
+    await openai.close()
+    return usage
+
+
+async def test_admission_by_kv_capacity_keeps_preemptions_flat(small_cache_server: VLLMServer) -> None:
+    server = small_cache_server
+    capacity = await read_vllm_kv_capacity(server.url)
+    config = model_path()
+    per_token = kv_bytes_per_token(config)
+    assert capacity.tokens == 48 * capacity.block_size
+    nbytes = session_bytes(BUDGET_TOKENS, bytes_per_token=per_token, block_size=capacity.block_size)
+    device = kv_device("vllm0", capacity, config)
+    page = kv_page_size(capacity, config)
+    assert device["memory"] == capacity.tokens * per_token
+
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        # Without admission: a device far larger than the cache lets every session in at once.
+        unbounded = ExtentPool([DeviceSpec("vllm0", 1000 * device["memory"])], page_size=page)
+        before = await _preemptions(client, server)
+        usage = await _run_load(server, unbounded, nbytes)
+        without = await _preemptions(client, server) - before
+
+        # With admission: the device is the server's KV capacity.
+        bounded = ExtentPool([DeviceSpec("vllm0", device["memory"])], page_size=page)
+        before = await _preemptions(client, server)
+        usage_admitted = await _run_load(server, bounded, nbytes)
+        with_admission = await _preemptions(client, server) - before
+
+    print(f"preemptions without admission: {without:.0f}, with admission: {with_admission:.0f}")
+    assert all(p + c <= BUDGET_TOKENS and c == MAX_TOKENS for p, c in usage + usage_admitted)
+    assert min(p for p, _ in usage) > 100, "prompts should be hundreds of tokens long"
+    assert len(usage) == len(usage_admitted) == SESSIONS
+    assert without > 0, "the load should overflow the KV cache without admission"
+    assert with_admission == 0
+    assert bounded.statistics().allocated == 0
