@@ -89,3 +89,16 @@ def test_parse_errors():
         parse_vllm_cache_config("vllm:num_requests_running 0\n")
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         parse_vllm_cache_config('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n')
+
+
+def test_kv_device_and_page_from_a_server_capacity():
+    from fleetsched.resources import KVCacheCapacity, kv_device, kv_page_size
+    from fleetsched.settings import ResourceSettings
+
+    tiny = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "dtype": "float32"}
+    capacity = KVCacheCapacity(48, 128, {})
+    device = kv_device("vllm0", capacity, tiny)
+    assert device == {"name": "vllm0", "memory": 48 * 128 * 2048}
+    assert kv_page_size(capacity, tiny) == 128 * 2048
+    settings = ResourceSettings(devices=[device], page_size=kv_page_size(capacity, tiny))
+    assert int(settings.devices[0].memory) == 48 * 128 * 2048
