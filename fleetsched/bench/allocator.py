@@ -12,16 +12,25 @@ Each trace is a stream of sessions (arrival time, KV bytes, lifetime) generated 
 Sizes are Llama-3-8B KV bytes (128 KiB a token, `session_bytes`, 16-token blocks); the offered
 load (arrival rate x mean bytes x mean lifetime) is the same fraction of capacity for every
 strategy. A session that does not fit waits in FIFO order and is retried on every release (like
-the scheduler), so a request refused several times counts once. Figures per strategy:
+the scheduler), so a request refused several times counts once. Each session cycles busy (a model
+call: pinned) then idle (a tool call or the user's turn: movable), the idle share per workload
+being an assumption (`CHAT_IDLE`, ...; ``--idle-scale`` scales them).
+
+Every strategy runs three ways: as shipped (``strategies``: on-demand compaction of movable
+sessions before a fragmentation refusal), placement only (``placement_only``: no compaction), and
+the default strategy with ``compact_threshold`` (``default_threshold_X``). Figures:
 
 ``frag_mean`` / ``frag_p95``  the seeds' fragmentation rate, sampled at every arrival;
 ``frag_failures``             requests refused while their device(s) had enough free bytes;
 ``peak_util``                 the most bytes held at once, over capacity (rounding included);
 ``wait_mean``                 mean wait of a session for its memory, in units of trace time;
-``op_us_p50`` / ``op_us_p99`` wall time of reserve/release calls, microseconds.
+``op_us_p50`` / ``op_us_p99`` wall time of reserve/release calls that did not search for moves;
+``compaction_op_us_*``        the same for those that did (rare);
+``moved_gb_per_gb_granted``   the price of compaction: bytes copied per byte reserved.
 
-Separately: op timing with 10,000 live reservations of 1-5 pages under churn, and the gain of a
-compaction plan on a fragmented snapshot (half the sessions movable).
+``targets`` gives, per trace, the default's failures over first-fit's (placement only), three
+ways, and which strategy wins. Separately: op timing with 10,000 live reservations of 1-5 pages
+under churn, and the gain of a compaction plan on a fragmented snapshot (half the sessions movable).
 """
 
 from __future__ import annotations
