@@ -1,0 +1,57 @@
+"""Profile fitting: closed-loop features are linear in the step costs, so a fit recovers a known profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetsched.backends.sim._fit import PARAMS, Measurement, Workload, closed_loop, fit_profile, nnls, theta_of
+from fleetsched.calibrate import main as calibrate_main
+from fleetsched.settings import SimSettings
+
+SWEEP = [Workload(c, p, m, rounds=2) for c in (1, 8, 32) for p, m in ((64, 64), (512, 16))]
+
+
+def test_features_predict_the_duration_for_any_profile():
+    base = SimSettings(max_num_seqs=16)
+    loop = closed_loop(base, Workload(8, 300, 40, rounds=3))
+    assert loop.requests == 24 and loop.generated_tokens == 24 * 40
+    assert len(loop.ttft) == 24
+    # Doubling every cost doubles the time: the schedule of a closed loop does not depend on it.
+    theta = theta_of(base)
+    assert loop.duration_s([2 * t for t in theta]) == pytest.approx(2 * loop.duration_s(theta))
+
+
+def test_fit_recovers_a_known_profile_from_its_own_measurements():
+    truth = SimSettings(step_base_s=0.004, step_per_token_s=3e-5, step_per_context_token_s=1e-7, step_per_seq_s=2e-4)
+    theta = theta_of(truth)
+    measurements = []
+    for workload in SWEEP:
+        loop = closed_loop(truth, workload)
+        mean_ttft = sum(loop.ttft_s(theta)) / len(loop.ttft)
+        measurements.append(Measurement(workload, loop.throughput(theta), mean_ttft, loop.ttft_p50_s(theta)))
+    fit = fit_profile(SimSettings(), measurements)
+    for name, got, want in zip(PARAMS, fit.theta, theta):
+        assert got == pytest.approx(want, rel=1e-6), name
+    assert fit.max_throughput_rel_err < 1e-6
+
+
+def test_pinned_parameters_keep_their_value():
+    base = SimSettings(step_per_token_s=1e-4, step_per_context_token_s=0.0)
+    measurements = [Measurement(Workload(n, 100, 200), tp) for n, tp in ((1, 40.0), (8, 250.0), (32, 600.0))]
+    fit = fit_profile(base, measurements, fit=("step_base_s", "step_per_seq_s"))
+    assert fit.theta[1] == 1e-4 and fit.theta[2] == 0.0
+    assert all(t >= 0 for t in fit.theta)
+
+
+def test_nnls_clamps_at_zero():
+    # y = 2*x0 - 1*x1 exactly; the non-negative answer drops x1.
+    rows = [[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]
+    x = nnls(rows, [1.0, 0.0, -1.0], free=(True, True))
+    assert x[1] == 0.0 and x[0] >= 0
+
+
+def test_calibrate_reports_an_unreachable_server(tmp_path, capsys):
+    out = tmp_path / "p.toml"
+    assert calibrate_main(["--url", "http://127.0.0.1:9", "--out", str(out), "--concurrency", "1"]) == 1
+    assert "127.0.0.1:9" in capsys.readouterr().err
+    assert not out.exists()

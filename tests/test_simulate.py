@@ -1,0 +1,91 @@
+"""`fleetsched simulate`: the real scheduler on the sim backend under trio's MockClock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleetsched.cli import main as cli_main
+from fleetsched.settings import Settings
+from fleetsched.simulate import find_max_sessions, parse_duration, scale_fleet, sim_settings, simulate, sla_checks
+
+pytest.importorskip("trio")
+
+
+def fleet(count: int = 6, ttft_p99_s: float | None = None) -> Settings:
+    return Settings(
+        scheduler={"max_sessions": 512, "session_memory": "64MB"},
+        backend={"kind": "instant", "max_in_flight": 64, "sim": {"max_num_seqs": 8}},
+        tenants={"live": {"tier": "critical", "sla": {"ttft_p99_s": ttft_p99_s} if ttft_p99_s else {}}, "bulk": {"tier": "batch"}},
+        workload={
+            "agents": [
+                {"tenant": "live", "count": count, "turns": 2, "prompt_tokens": 100, "max_tokens": 32, "think_s": 1.0},
+                {"tenant": "bulk", "count": count // 2, "turns": 1, "prompt_tokens": 300, "max_tokens": 64, "tool_s": 2.0},
+            ]
+        },
+    )
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("15m", 900), ("2h", 7200), ("1h30m", 5400)])
+def test_parse_duration(text: str, seconds: float):
+    assert parse_duration(text) == seconds
+
+
+def test_parse_duration_rejects_junk():
+    with pytest.raises(ValueError, match="2h"):
+        parse_duration("two hours")
+
+
+def test_sim_settings_switch_to_sim_and_raise_the_stream_interval():
+    settings = sim_settings(fleet())
+    assert settings.backend.kind == "sim"
+    assert settings.backend.sim.max_num_seqs == 8 and settings.backend.sim.stream_interval == 8
+    hermes = sim_settings(fleet(), profile="hermes3-70b-4xa100", stream_interval=2).backend.sim
+    assert hermes.max_num_seqs == 256 and hermes.stream_interval == 2
+
+
+def test_a_quarter_hour_of_a_small_fleet_in_virtual_time():
+    report, scheduler = simulate(sim_settings(fleet(count=2)), 900)
+    assert 900 <= report["duration_s"] < 900 + 60
+    live = next(t for t in report["tenants"] if t["tenant"] == "live")
+    assert live["sessions_done"] > 100 and live["call_errors"] == 0
+    # The same report as `fleetsched run`, plus the engine's figures.
+    assert {"schema", "tenants", "throughput_tok_s", "sim", "wall_s"} <= set(report)
+    assert report["sim"]["engine_steps"] > 0
+
+
+def test_scale_fleet_keeps_the_mix():
+    agents = fleet(count=6).workload.agents
+    assert [m.count for m in scale_fleet(agents, 90)] == [60, 30]
+    assert [m.count for m in scale_fleet(agents, 1)] == [1, 1]
+
+
+def test_find_max_sessions_is_the_edge_of_the_sla():
+    settings = sim_settings(fleet(count=4, ttft_p99_s=0.5))
+    result = find_max_sessions(settings, 30.0, echo=lambda _: None, limit=2048)
+    best = result["max_sessions"]
+    assert 4 <= best < 2048 and not result["bounded_by_limit"]
+    assert result["probes"][best] is True
+    assert any(not ok and n > best for n, ok in result["probes"].items())
+    # The answer's fleet meets the SLA when run again (deterministic virtual time).
+    scaled = settings.model_copy(update={"workload": settings.workload.model_copy(update={"agents": scale_fleet(settings.workload.agents, best)})})
+    report, scheduler = simulate(scaled, 30.0)
+    assert all(c.ok for c in sla_checks(scheduler, scaled, report["duration_s"]))
+
+
+def test_cli_simulate_json(tmp_path, capsys):
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[tenants.a]\ntier = "standard"\n[workload]\n[[workload.agents]]\ntenant = "a"\ncount = 4\nturns = 2\nmax_tokens = 16\n'
+    )
+    assert cli_main(["simulate", str(config), "--duration", "2m", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == "sim" and 120 <= report["duration_s"] < 200
+
+
+def test_cli_simulate_bad_config_exits_2(tmp_path, capsys):
+    config = tmp_path / "bad.toml"
+    config.write_text('[backend.sim]\nprofile = "nope"\n[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 1\n')
+    assert cli_main(["simulate", str(config), "--duration", "1m"]) == 2
+    assert "config error" in capsys.readouterr().err
