@@ -4,6 +4,8 @@
     fleetsched bench NAME [--json] ...
     fleetsched simulate CONFIG --duration 2h [--find-max-sessions]
     fleetsched calibrate --url URL --out profile.toml
+    fleetsched report RUN.json --out DIR
+    fleetsched serve --config CONFIG
 
 A bad config exits with code 2 and a message naming the key and the reason.
 """
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     delegated = {
         "simulate": ("fleetsched.simulate", "run a config on the sim backend in virtual time; capacity planning"),
         "calibrate": ("fleetsched.calibrate", "fit a sim profile to a real vLLM server"),
+        "report": ("fleetsched.observability.render", "render a run's JSON report as plots and an HTML page"),
+        "serve": ("fleetsched.gateway.server", "serve the OpenAI-compatible multi-tenant QoS gateway"),
     }
     for name, (_, text) in delegated.items():
         commands.add_parser(name, help=text, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "allocator": "placement strategies of the memory allocator on churn traces",
     "mixed-pace": "chatty, long-tool and batch agents: baseline (slots held through tools) vs keep-or-release",
     "qos": "tiers and fair share on a real vLLM overloaded 2-3x: direct-fcfs, direct-priority, fleetsched",
+    "gateway": "the gateway's added latency and throughput under load from a second process",
     "sim-fidelity": "the sim backend against reference tables and a real CPU vLLM",
 }
 
