@@ -9,6 +9,7 @@ arrive all at once, or as a Poisson process of `arrival_rate` per second.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,17 +24,19 @@ from ..settings import AgentMix, WorkloadSettings
 
 _WORDS = "the fleet of agents shares one engine and every tenant gets its fair part of tokens".split()
 SYSTEM_PROMPT = "You are a careful assistant. Use the tools when they help, and answer briefly."
+# Prompts are slices of one long random text: distinct prompts (so no accidental prefix-cache
+# hits between sessions) at the cost of a slice, not a word-by-word draw per prompt.
+@functools.cache
+def _corpus() -> str:
+    return " ".join(random.Random(0).choices(_WORDS, k=200_000))
 
 
 def filler_text(tokens: int, rng: random.Random) -> str:
     """About `tokens` tokens of text (4 characters a token, as the estimators count)."""
-    words: list[str] = []
-    chars = 0
-    while chars < tokens * 4:
-        word = rng.choice(_WORDS)
-        words.append(word)
-        chars += len(word) + 1
-    return " ".join(words)
+    corpus = _corpus()
+    length = tokens * 4
+    start = rng.randrange(len(corpus) - length) if length < len(corpus) else 0
+    return corpus[start : start + length]
 
 
 def tool_time(mix: AgentMix, rng: random.Random) -> float:
