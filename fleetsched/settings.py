@@ -8,6 +8,7 @@ in the library reads the environment.
 
 from __future__ import annotations
 
+import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Literal
@@ -57,6 +58,14 @@ class TenantSettings(_Section):
     tokens_per_minute: float | None = Field(None, gt=0)
     """Prompt plus max_tokens per minute, charged at call time, unused output refunded."""
     sla: SlaSettings = Field(default_factory=SlaSettings)
+    api_keys: list[str] = Field(default_factory=list)
+    """The gateway's API keys of this tenant, stored hashed: ``sha256:<64 hex digits>`` (make one
+    with ``fleetsched serve --hash-key KEY``). The key decides tenant, tier and SLA."""
+
+    @field_validator("api_keys")
+    @classmethod
+    def _hashed_keys(cls, value: list[str]) -> list[str]:
+        return _check_key_hashes(value)
 
     @field_validator("tier", mode="before")
     @classmethod
@@ -69,6 +78,37 @@ class TenantSettings(_Section):
         if value is not None and value <= 0:
             raise ValueError("must be > 0 bytes")
         return value
+
+
+def _check_key_hashes(value: list[str]) -> list[str]:
+    for i, key in enumerate(value):
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", key):
+            raise ValueError(f"{i}: API keys are stored hashed as sha256:<64 lowercase hex digits>, not in clear")
+    return value
+
+
+class GatewaySettings(_Section):
+    """`fleetsched serve`: the OpenAI-compatible HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    redis_url: str | None = None
+    """Share tenant state (rate limits, fair-share counters, session placement) between gateway
+    instances through this Redis (``redis://host:port/db``); None keeps it in memory."""
+    admin_api_keys: list[str] = Field(default_factory=list)
+    """Hashed keys (``sha256:<hex>``) that see every tenant's metrics."""
+    session_idle_s: float = Field(300.0, gt=0)
+    """A session named by ``X-Session-ID`` ends after this long without a call."""
+    max_context_tokens: int | None = Field(None, ge=1)
+    """Prompt plus max_tokens of one request at most (the backend's max model length); None:
+    taken from the backend settings where they say it, else unchecked."""
+    max_body_bytes: int = Field(4 << 20, ge=1)
+    """Largest request body accepted (413 above)."""
+
+    @field_validator("admin_api_keys")
+    @classmethod
+    def _hashed_keys(cls, value: list[str]) -> list[str]:
+        return _check_key_hashes(value)
 
 
 class SchedulerSettings(_Section):
@@ -304,6 +344,7 @@ class Settings(BaseSettings):
     dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
     tenants: dict[str, TenantSettings] = Field(default_factory=lambda: {"default": TenantSettings()})
     workload: WorkloadSettings = Field(default_factory=WorkloadSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
     @model_validator(mode="after")
     def _workload_tenants_declared(self) -> Settings:

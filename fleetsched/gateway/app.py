@@ -1,0 +1,500 @@
+"""The gateway: an ASGI app serving the OpenAI API to tenants, through the dispatcher.
+
+    POST /v1/chat/completions   POST /v1/completions   (streaming and not)
+    GET  /v1/models   GET /metrics   GET /health
+
+A raw ASGI callable rather than a framework: the hot path (auth, checks, one dispatcher call,
+one JSON answer) has no routing or middleware layers, which keeps the added latency well under a
+millisecond. The app runs a `Scheduler` (its backend, pool and dispatcher), entered by the ASGI
+lifespan or by `Gateway.running()`.
+
+What a request goes through, in order: the API key (401 when missing or wrong) decides tenant,
+tier and SLA; the body is parsed and checked (400 naming the field, 413 when too large); a
+request whose prompt estimate plus max_tokens exceeds the backend's context is refused (400
+naming the limit); the tenant's rate limits are taken from the shared state (429 with
+Retry-After); with ``X-Session-ID`` the call waits for its session's turn (session admission,
+keep-or-release across calls, replica placement); then the dispatcher (which sheds batch calls
+with 503 and Retry-After). Responses and streams are passed through as the backend produced
+them, usage included. A client that disconnects cancels its call, which aborts it at the engine.
+
+Calls without ``X-Session-ID`` go straight to the dispatcher: a one-call scheduler session would
+add admission bookkeeping to every stateless request and buy nothing (there is no tool time to
+release), while the dispatcher still orders, limits and sheds them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+
+from ..agents.transport import error_response, response_for
+from ..backends import create_backend
+from ..backends.base import Backend, requested_max_tokens
+from ..backends.vllm_server import REPLICA_KEY
+from ..errors import BackendError, FleetschedError, SchedulerClosed, SessionRejected
+from ..resources.ratelimit import RateLimit
+from ..scheduler import Scheduler
+from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
+from ..scheduler.records import Recorder
+from ..settings import Settings
+from .auth import Identity, KeyRing
+from .backend import ENDPOINT_KEY, GatewayBackend, collect_completion
+from .metrics import GatewayMetrics
+from .sessions import SESSION_ID, SessionTable
+from .state import SharedState, create_state
+from .validate import Invalid, check_chat, check_completion, prompt_chars
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+SESSION_HEADER = b"x-session-id"
+#: How often an instance with shared state counts its peers' service into its fair-share counters.
+FAIR_SHARE_SYNC_S = 0.5
+
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_ROUTES = {
+    "/v1/chat/completions": ("POST", "chat"),
+    "/v1/completions": ("POST", "completions"),
+    "/v1/models": ("GET", "models"),
+    "/metrics": ("GET", "metrics"),
+    "/health": ("GET", "health"),
+}
+
+
+class _SessionRecorder(Recorder):
+    """Counts calls and forgets them: a server runs for ever."""
+
+    def add_session(self, record: Any) -> None:
+        pass
+
+
+def context_limit(settings: Settings) -> int | None:
+    """Prompt plus max_tokens a backend accepts at most (None: unknown, not checked)."""
+    if settings.gateway.max_context_tokens is not None:
+        return settings.gateway.max_context_tokens
+    kind = settings.backend.kind
+    if kind == "sim":
+        return settings.backend.sim.max_model_len
+    if kind == "vllm-engine":
+        return settings.backend.engine_max_model_len
+    return None
+
+
+def _dumps(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Gateway:
+    """The ASGI app. ``async with gateway.running():`` (or the ASGI lifespan) before serving.
+
+    `backend` defaults to the one the settings describe; one passed in is the caller's to close.
+    """
+
+    def __init__(self, settings: Settings, *, backend: Backend | None = None, instance: str | None = None) -> None:
+        self.settings = settings
+        self.instance = instance or uuid.uuid4().hex[:12]
+        self.keys = KeyRing.from_settings(settings)
+        limits = {
+            name: RateLimit(t.requests_per_minute, t.tokens_per_minute)
+            for name, t in settings.tenants.items()
+            if t.requests_per_minute or t.tokens_per_minute
+        }
+        self.state: SharedState = create_state(limits, settings.gateway.redis_url)
+        # The gateway takes rate limits from the shared state; the dispatcher must not take twice.
+        tenants = {
+            name: t.model_copy(update={"requests_per_minute": None, "tokens_per_minute": None})
+            for name, t in settings.tenants.items()
+        }
+        self._scheduler_settings = settings.model_copy(update={"tenants": tenants})
+        self._own_backend = backend is None
+        self.backend = GatewayBackend(backend if backend is not None else create_backend(settings.backend))
+        self.metrics = GatewayMetrics()
+        self.max_context = context_limit(settings)
+        self.scheduler: Scheduler | None = None
+        self.sessions: SessionTable | None = None
+        self._local_usage: dict[str, float] = {}
+        self._models = _dumps(
+            {"object": "list", "data": [{"id": settings.backend.model, "object": "model", "created": 0, "owned_by": "fleetsched"}]}
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Gateway]:
+        """Run the scheduler (and, with shared state, the fair-share sync) while the block lasts."""
+        try:
+            async with (
+                Scheduler(self._scheduler_settings, backend=self.backend, recorder=_SessionRecorder(keep_calls=False)) as scheduler,
+                anyio.create_task_group() as tg,
+            ):
+                if self._own_backend:
+                    await self.backend.__aenter__()
+                self.scheduler = scheduler
+                self.sessions = SessionTable(
+                    scheduler,
+                    self.state,
+                    instance=self.instance,
+                    idle_s=self.settings.gateway.session_idle_s,
+                    pick_replica=self.backend.pick_replica,
+                )
+                if self.state.shared:
+                    tg.start_soon(self._sync_fair_share, name="fleetsched gateway fair-share sync")
+                try:
+                    yield self
+                finally:
+                    self.sessions.close_all()
+                    tg.cancel_scope.cancel()
+        finally:
+            self.scheduler = None
+            with anyio.CancelScope(shield=True):
+                await self.state.aclose()
+                if self._own_backend:
+                    await self.backend.aclose()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        started = False
+        try:
+            async with self.running():
+                started = True
+                await send({"type": "lifespan.startup.complete"})
+                await receive()  # lifespan.shutdown
+        except BaseException as exc:
+            if not started:
+                await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                return
+            raise
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _sync_fair_share(self) -> None:
+        """Charge this instance's fair-share counters with the service its peers gave."""
+        assert self.scheduler is not None
+        queue = self.scheduler.dispatcher._queue  # hook wanted: Dispatcher.charge_external()
+        last = await self.state.usage()
+        while True:
+            await anyio.sleep(FAIR_SHARE_SYNC_S)
+            try:
+                totals = await self.state.usage()
+            except Exception as exc:  # Redis away for a moment: keep the local counters
+                logger.warning("fair-share sync failed: %r", exc)
+                continue
+            for tenant, total in totals.items():
+                peers = total - last.get(tenant, 0.0) - self._local_usage.pop(tenant, 0.0)
+                if peers > 0 and tenant in self.settings.tenants:
+                    queue.charge(tenant, peers)
+            last = totals
+
+    # -- ASGI ------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = _ROUTES.get(scope["path"])
+        if route is None:
+            await _error(send, error_response(404, f"no such endpoint: {scope['path']}", "not_found"))
+            return
+        method, endpoint = route
+        if scope["method"] != method:
+            await _error(send, error_response(405, f"{scope['path']} takes {method}", "method_not_allowed"))
+            return
+        if endpoint == "health":
+            ok = self.scheduler is not None
+            await _send(send, 200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"starting"}')
+            return
+        headers = dict(scope["headers"])
+        identity = self.keys.identify_header(headers.get(b"authorization"))
+        if identity is None:
+            self.metrics.record("", endpoint, 401)
+            await _error(
+                send,
+                error_response(
+                    401,
+                    "missing or wrong API key: send `Authorization: Bearer <key>` with a key of your tenant",
+                    "invalid_api_key",
+                ),
+            )
+            return
+        if endpoint == "models":
+            await _send(send, 200, self._models)
+        elif endpoint == "metrics":
+            await self._metrics(identity, send)
+        else:
+            await self._call(endpoint, identity, headers, receive, send)
+
+    async def _metrics(self, identity: Identity, send: Send) -> None:
+        extra: list[str] = []
+        if identity.admin and self.scheduler is not None:
+            d = self.scheduler.dispatcher.statistics()
+            s = self.scheduler.statistics()
+            extra = [
+                f"fleetsched_dispatcher_window {d.window}",
+                f"fleetsched_dispatcher_in_flight {d.in_flight}",
+                f"fleetsched_dispatcher_queued {d.queued}",
+                f"fleetsched_dispatcher_shed_total {d.shed}",
+                f"fleetsched_scheduler_sessions_running {s.running_total}",
+                f"fleetsched_scheduler_sessions_queued {s.queued_total}",
+                f"fleetsched_gateway_sessions {len(self.sessions or ())}",
+            ]
+        text = self.metrics.render(identity.tenant, extra)
+        await _send(send, 200, text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
+
+    # -- model calls -----------------------------------------------------------------------------
+
+    async def _call(self, endpoint: str, identity: Identity, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+        start = anyio.current_time()
+        tenant = identity.tenant
+        if tenant is None or identity.settings is None:
+            await _error(send, error_response(403, "the admin key makes no model calls; use a tenant's key", "permission_denied"))
+            return
+        status = await self._answer(endpoint, identity, headers, receive, send)
+        if status:
+            self.metrics.record(tenant, endpoint, status, anyio.current_time() - start)
+
+    async def _answer(self, endpoint: str, identity: Identity, headers: dict[bytes, bytes], receive: Receive, send: Send) -> int:
+        """Serve one model call; returns the status sent (0: the client went away)."""
+        tenant, tenant_settings = identity.tenant, identity.settings
+        assert tenant is not None and tenant_settings is not None
+        raw = await _read_body(receive, self.settings.gateway.max_body_bytes)
+        if raw is None:
+            return 0
+        if isinstance(raw, httpx.Response):
+            return await _error(send, raw)
+        try:
+            body = (check_chat if endpoint == "chat" else check_completion)(json.loads(raw))
+        except Invalid as exc:
+            return await _error(send, _invalid(str(exc), exc.param))
+        except (ValueError, RecursionError) as exc:
+            return await _error(send, _invalid(f"the body is not valid JSON: {exc}", None))
+        streaming = bool(body.pop("stream", False))
+        for private in (REPLICA_KEY, ENDPOINT_KEY, "priority"):
+            body.pop(private, None)
+        prompt = max(1, prompt_chars(body) // 4)
+        max_tokens = requested_max_tokens(body, default=0)
+        if self.max_context is not None and prompt + max_tokens > self.max_context:
+            return await _error(
+                send,
+                _invalid(
+                    f"this request needs about {prompt + max_tokens} tokens (prompt about {prompt}, max_tokens "
+                    f"{max_tokens}) but the backend's context holds at most {self.max_context} tokens "
+                    "(gateway.max_context_tokens); shorten the prompt or lower max_tokens",
+                    "messages" if endpoint == "chat" else "prompt",
+                    code="context_length_exceeded",
+                ),
+            )
+        wait = await self.state.take(tenant, prompt + requested_max_tokens(body))
+        if wait > 0:
+            return await _error(
+                send,
+                error_response(
+                    429, f"tenant {tenant!r} is over its requests or tokens per minute", "rate_limit_exceeded", retry_after_s=wait
+                ),
+            )
+        if endpoint == "completions":
+            body[ENDPOINT_KEY] = "completions"
+        session_id = headers.get(SESSION_HEADER)
+        done = _Outcome()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
+            try:
+                if session_id is None:
+                    tier = int(tenant_settings.tier)
+                    ttft = tenant_settings.sla.ttft_p99_s
+                    due = anyio.current_time() + ttft if ttft else math.inf
+                    await self._dispatch(endpoint, body, streaming, tenant, tier, 0, due, math.inf, send, done)
+                else:
+                    await self._session_call(endpoint, body, streaming, identity, session_id, send, done)
+            except Exception as exc:
+                done.status = await _error(send, _answer_for(exc)) if not done.started else 200
+                if not isinstance(exc, FleetschedError) or isinstance(exc, BackendError) and done.status >= 500:
+                    logger.warning("call of tenant %r failed: %r", tenant, exc)
+            finally:
+                tg.cancel_scope.cancel()
+        await self._settle(tenant, max_tokens or requested_max_tokens(body), done)
+        return done.status
+
+    async def _session_call(
+        self, endpoint: str, body: dict[str, Any], streaming: bool, identity: Identity, raw_id: bytes, send: Send, done: _Outcome
+    ) -> None:
+        session_id = raw_id.decode("latin-1")
+        if not SESSION_ID.fullmatch(session_id):
+            done.status = await _error(
+                send, _invalid("X-Session-ID: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Session-ID")
+            )
+            return
+        assert self.sessions is not None and identity.tenant is not None and identity.settings is not None
+        async with self.sessions.call(identity.tenant, session_id) as session:
+            handle = session.handle
+            assert handle is not None
+            if session.placement.replica is not None:
+                body[REPLICA_KEY] = session.placement.replica
+            ttft = identity.settings.sla.ttft_p99_s
+            due = anyio.current_time() + ttft if ttft else math.inf
+            await self._dispatch(endpoint, body, streaming, handle.tenant, int(handle.tier), handle.id, due, handle.deadline, send, done)
+            handle.counters.calls += 1
+            handle.counters.prompt_tokens += done.prompt_tokens
+            handle.counters.completion_tokens += done.completion_tokens
+
+    async def _dispatch(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        streaming: bool,
+        tenant: str,
+        tier: int,
+        session: int,
+        due: float,
+        deadline: float,
+        send: Send,
+        done: _Outcome,
+    ) -> None:
+        if self.scheduler is None:
+            raise SchedulerClosed("the gateway is not running")
+        dispatcher = self.scheduler.dispatcher
+        in_flight = self.metrics.in_flight
+        in_flight[tenant] = in_flight.get(tenant, 0) + 1
+        try:
+            if endpoint == "chat" and not streaming:
+                response = await dispatcher.chat(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline)
+                done.note(response)
+                done.status = await _send(send, 200, _dumps(response))
+                return
+            async with dispatcher.stream(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline) as chunks:
+                if not streaming:
+                    collected = [chunk async for chunk in chunks]
+                    response = collect_completion(collected)
+                    done.note(response)
+                    done.status = await _send(send, 200, _dumps(response))
+                    return
+                # The first chunk before the headers: a failure up to here is still an HTTP error.
+                first = await anext(chunks, None)
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                done.started, done.status = True, 200
+                try:
+                    if first is not None:
+                        done.note(first)
+                        await send({"type": "http.response.body", "body": b"data: " + _dumps(first) + b"\n\n", "more_body": True})
+                        async for chunk in chunks:
+                            done.note(chunk)
+                            await send({"type": "http.response.body", "body": b"data: " + _dumps(chunk) + b"\n\n", "more_body": True})
+                    tail = b"data: [DONE]\n\n"
+                except FleetschedError as exc:  # mid-stream: the error travels as an event
+                    logger.warning("stream of tenant %r failed: %r", tenant, exc)
+                    error = json.loads(_answer_for(exc).content)
+                    tail = b"data: " + _dumps(error) + b"\n\n"
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+        finally:
+            in_flight[tenant] -= 1
+
+    async def _settle(self, tenant: str, max_tokens: int, done: _Outcome) -> None:
+        """After a call: refund unused tokens, count tokens and fair-share service."""
+        if done.status != 200:
+            return
+        self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.state.refund(tenant, max_tokens - done.completion_tokens)
+                if self.state.shared:
+                    cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
+                    self._local_usage[tenant] = self._local_usage.get(tenant, 0.0) + cost
+                    await self.state.add_usage(tenant, cost)
+            except Exception as exc:
+                logger.warning("could not settle a call of tenant %r in the shared state: %r", tenant, exc)
+
+
+class _Outcome:
+    __slots__ = ("status", "started", "prompt_tokens", "completion_tokens")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.started = False
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def note(self, payload: dict[str, Any]) -> None:
+        usage = payload.get("usage")
+        if usage:
+            self.prompt_tokens = usage.get("prompt_tokens") or 0
+            self.completion_tokens = usage.get("completion_tokens") or 0
+
+
+def _invalid(message: str, param: str | None, *, code: str = "invalid_request_error") -> httpx.Response:
+    response = error_response(400, message, "invalid_request_error")
+    body = json.loads(response.content)
+    body["error"]["param"] = param
+    body["error"]["code"] = code
+    return httpx.Response(400, json=body)
+
+
+def _answer_for(exc: BaseException) -> httpx.Response:
+    """The HTTP answer for an exception raised by a call."""
+    cause = exc.__cause__
+    status = getattr(cause, "status_code", None)
+    if isinstance(exc, BackendError) and isinstance(status, int) and 400 <= status < 500 and status != 429:
+        return error_response(status, str(exc), "invalid_request_error")  # the engine refused the body
+    if isinstance(exc, SessionRejected):
+        return error_response(400, str(exc), "invalid_request_error")
+    if isinstance(exc, SchedulerClosed):
+        return error_response(503, str(exc), "unavailable", retry_after_s=1)
+    answer = response_for(exc)
+    if answer is None:
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+    if answer.status_code == 500:  # a backend failure is a bad gateway, not ours
+        return error_response(502, str(exc), "backend_error")
+    return answer
+
+
+async def _send(send: Send, status: int, payload: bytes, *, content_type: bytes = b"application/json", headers: list[tuple[bytes, bytes]] | None = None) -> int:
+    out = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
+    if headers:
+        out += headers
+    await send({"type": "http.response.start", "status": status, "headers": out})
+    await send({"type": "http.response.body", "body": payload})
+    return status
+
+
+async def _error(send: Send, response: httpx.Response) -> int:
+    extra = [(b"retry-after", response.headers["retry-after"].encode())] if "retry-after" in response.headers else None
+    return await _send(send, response.status_code, response.content, headers=extra)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | httpx.Response | None:
+    """The whole request body; an error answer when over `limit`; None when the client left."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return error_response(413, f"the request body is over {limit} bytes (gateway.max_body_bytes)", "invalid_request_error")
+        parts.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(parts) if len(parts) != 1 else parts[0]
+
+
+async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    """Cancel the call when the client goes away (ASGI says so with ``http.disconnect``)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return

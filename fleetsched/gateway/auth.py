@@ -1,0 +1,91 @@
+"""API keys: stored hashed, compared in constant time; a key names a tenant (or the admin).
+
+Keys are high-entropy random strings, so one round of SHA-256 is enough to keep them out of the
+config in clear (a slow hash such as scrypt defends guessable passwords, and would cost
+milliseconds on every request). A presented key is hashed once and compared with every stored
+hash by `hmac.compare_digest`, all of them, so that neither the time taken nor the order of the
+keys says which one came close.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..settings import Settings, TenantSettings
+
+PREFIX = "sha256:"
+
+
+def hash_key(key: str) -> str:
+    """The stored form of `key`: ``sha256:<64 hex digits>``."""
+    return PREFIX + hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh random API key (``fs-`` and 43 URL-safe characters)."""
+    return "fs-" + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is calling: a tenant (with its settings), or the admin (tenant None)."""
+
+    tenant: str | None
+    settings: TenantSettings | None = None
+
+    @property
+    def admin(self) -> bool:
+        return self.tenant is None
+
+
+ADMIN = Identity(None)
+
+
+class KeyRing:
+    """Maps presented API keys to identities. Built once from the settings."""
+
+    def __init__(self, tenants: Mapping[str, TenantSettings], admin_hashes: list[str] = ()) -> None:  # type: ignore[assignment]
+        entries: list[tuple[bytes, Identity]] = []
+        seen: dict[str, str] = {}
+        for name, tenant in tenants.items():
+            for stored in tenant.api_keys:
+                if stored in seen:
+                    raise ConfigError(f"tenants.{name}.api_keys", f"the same key hash is also given to {seen[stored]}")
+                seen[stored] = f"tenant {name!r}"
+                entries.append((bytes.fromhex(stored.removeprefix(PREFIX)), Identity(name, tenant)))
+        for stored in admin_hashes:
+            if stored in seen:
+                raise ConfigError("gateway.admin_api_keys", f"the same key hash is also given to {seen[stored]}")
+            seen[stored] = "the admin"
+            entries.append((bytes.fromhex(stored.removeprefix(PREFIX)), ADMIN))
+        self._entries = tuple(entries)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> KeyRing:
+        return cls(settings.tenants, settings.gateway.admin_api_keys)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def identify(self, key: str) -> Identity | None:
+        """The identity whose key is `key`, or None. Compares against every stored hash."""
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+        found: Identity | None = None
+        for stored, identity in self._entries:
+            if hmac.compare_digest(stored, digest):
+                found = identity
+        return found
+
+    def identify_header(self, authorization: bytes | None) -> Identity | None:
+        """The identity for an ``Authorization: Bearer KEY`` header value (None: missing or wrong)."""
+        if not authorization:
+            return None
+        scheme, _, key = authorization.decode("latin-1").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
+        return self.identify(key.strip())

@@ -1,0 +1,158 @@
+"""The gateway's view of the backend: chat passes through, ``/v1/completions`` is added.
+
+The backend seam speaks chat completions only. Text completions travel through the same
+dispatcher (same window, order, limits and abort) as chat bodies marked with `ENDPOINT_KEY`;
+this wrapper turns them into ``text_completion`` chunks: forwarded as they are to a vLLM server's
+``/v1/completions``, or, for the other backends (sim, instant), served by their chat stream with
+the prompt as one user message and each delta rewritten as completion text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from ..backends.base import Backend, ChatBody, Chunk, EngineSignals
+from ..backends.vllm_server import REPLICA_KEY, VLLMServerBackend, translate_error
+from ..errors import BackendError
+
+ENDPOINT_KEY = "fleetsched_endpoint"
+"""Body key marking a text-completion call (removed before the backend sees the body)."""
+
+
+class GatewayBackend(Backend):
+    """Wraps the configured backend; enter it instead of the backend it wraps."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        if body.get(ENDPOINT_KEY) == "completions":
+            request = dict(body)
+            del request[ENDPOINT_KEY]
+            if isinstance(self.inner, VLLMServerBackend):
+                return _vllm_completions(self.inner, request)
+            return _completions_over_chat(self.inner, request)
+        return self.inner.stream_chat(body)
+
+    def replicas(self) -> list[str]:
+        """Names of the replicas a session can be placed on (empty: the backend has no choice)."""
+        if isinstance(self.inner, VLLMServerBackend) and len(self.inner.replicas) > 1:
+            return list(self.inner.replicas)
+        return []
+
+    def pick_replica(self) -> str | None:
+        if not self.replicas():
+            return None
+        assert isinstance(self.inner, VLLMServerBackend)
+        return self.inner.pick_replica().name
+
+    async def signals(self) -> EngineSignals:
+        return await self.inner.signals()
+
+    async def __aenter__(self) -> GatewayBackend:
+        await self.inner.__aenter__()
+        return self
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) -> AsyncIterator[Chunk]:
+    """Stream ``/v1/completions`` from a vLLM replica, chunks as the server sent them.
+
+    No retries and no circuit breaker here (the chat path has both): a failure is the caller's.
+    """
+    import openai
+
+    target = backend.pick_replica(body.pop(REPLICA_KEY, None))
+    body.pop("stream", None)
+    stream_options = {**(body.pop("stream_options", None) or {}), "include_usage": True}
+    model = body.pop("model", None) or backend.model
+    prompt = body.pop("prompt")
+    target.in_flight += 1
+    stream = None
+    try:
+        try:
+            stream = await target.client.completions.create(
+                model=model, prompt=prompt, stream=True, stream_options=stream_options, extra_body=body
+            )
+            async for chunk in stream:
+                yield chunk.model_dump(exclude_unset=True)
+        except (openai.OpenAIError, *_transport_errors()) as exc:
+            raise translate_error(exc, target.name) from exc
+    finally:
+        target.in_flight -= 1
+        if stream is not None:
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    from ..backends import vllm_server
+
+    return vllm_server._TRANSPORT_ERRORS
+
+
+async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> AsyncIterator[Chunk]:
+    prompt = body.pop("prompt")
+    if isinstance(prompt, list):
+        prompt = "".join(str(p) for p in prompt)
+    body.pop(REPLICA_KEY, None)
+    upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}]})
+    created = int(time.time())  # wall-clock ok: a response field, not a measurement
+    try:
+        async for chunk in upstream:
+            out: Chunk = {
+                "id": str(chunk.get("id", "")).replace("chatcmpl-", "cmpl-", 1),
+                "object": "text_completion",
+                "created": chunk.get("created") or created,
+                "model": chunk.get("model", ""),
+                "choices": [
+                    {
+                        "index": c.get("index", 0),
+                        "text": (c.get("delta") or {}).get("content") or "",
+                        "logprobs": None,
+                        "finish_reason": c.get("finish_reason"),
+                    }
+                    for c in chunk.get("choices") or ()
+                ],
+            }
+            if chunk.get("usage"):
+                out["usage"] = chunk["usage"]
+            yield out
+    finally:
+        aclose = getattr(upstream, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                await aclose()
+
+
+def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
+    """Fold ``text_completion`` chunks into one non-streamed response."""
+    cid, model, created = "", "", 0
+    text: list[str] = []
+    finish: str | None = None
+    usage: dict[str, int] | None = None
+    for chunk in chunks:
+        cid = chunk.get("id") or cid
+        model = chunk.get("model") or model
+        created = chunk.get("created") or created
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or ():
+            text.append(choice.get("text") or "")
+            finish = choice.get("finish_reason") or finish
+    if not cid:
+        raise BackendError("the backend returned no completion")
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish or "stop"}],
+        "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }

@@ -1,0 +1,97 @@
+"""``fleetsched serve --config CONFIG``: the gateway on uvicorn (httptools, uvloop where present).
+
+    fleetsched serve --config fleetsched.toml [--host H] [--port P]
+    fleetsched serve --hash-key KEY      print the stored form of an API key
+    fleetsched serve --new-key           make a random key and print it with its stored form
+
+`serve_in_thread` runs a gateway in a background thread of the calling process, for tests and
+benchmarks that need a real socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import ConfigError
+from ..settings import Settings, load_settings
+from .app import Gateway
+from .auth import hash_key, new_key
+
+
+def uvicorn_config(app: Any, host: str, port: int, **overrides: Any) -> Any:
+    """A uvicorn config tuned for the gateway: httptools, uvloop if installed, no access log."""
+    import uvicorn
+
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    options: dict[str, Any] = dict(
+        host=host, port=port, loop=loop, http="httptools", lifespan="on", log_level="warning", access_log=False,
+        timeout_keep_alive=30, backlog=4096,
+    )
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fleetsched serve", description="Serve the OpenAI-compatible multi-tenant gateway.")
+    parser.add_argument("--config", help="TOML settings file (tenants with api_keys, backend, [gateway])")
+    parser.add_argument("--host", help="override gateway.host")
+    parser.add_argument("--port", type=int, help="override gateway.port")
+    parser.add_argument("--hash-key", metavar="KEY", help="print the stored form (sha256:...) of KEY and exit")
+    parser.add_argument("--new-key", action="store_true", help="print a new random key and its stored form, and exit")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.hash_key:
+        print(hash_key(args.hash_key))
+        return 0
+    if args.new_key:
+        key = new_key()
+        print(f"key:    {key}\nstored: {hash_key(key)}")
+        return 0
+    try:
+        settings = load_settings(args.config)
+        gateway = Gateway(settings)
+    except ConfigError as exc:
+        print(f"fleetsched: config error: {exc}", file=sys.stderr)
+        return 2
+    if not len(gateway.keys):
+        print("fleetsched serve: warning: no API keys configured; every call will get 401", file=sys.stderr)
+    import uvicorn
+
+    host = args.host or settings.gateway.host
+    port = args.port if args.port is not None else settings.gateway.port
+    server = uvicorn.Server(uvicorn_config(gateway, host, port))
+    print(f"fleetsched gateway on http://{host}:{port}/v1 (instance {gateway.instance})", file=sys.stderr, flush=True)
+    server.run()
+    return 0 if server.started else 1
+
+
+@contextmanager
+def serve_in_thread(settings: Settings, *, host: str = "127.0.0.1", port: int = 0, **gateway_options: Any) -> Iterator[tuple[Gateway, str]]:
+    """Run a gateway on uvicorn in a daemon thread; yields it and its root URL (``http://host:port``)."""
+    import uvicorn
+
+    gateway = Gateway(settings, **gateway_options)
+    server = uvicorn.Server(uvicorn_config(gateway, host, port, loop="asyncio"))
+    thread = threading.Thread(target=server.run, name="fleetsched-gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30  # wall-clock ok: waits on another thread
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.01)  # wall-clock ok
+    bound = server.servers[0].sockets[0].getsockname()
+    try:
+        yield gateway, f"http://{bound[0]}:{bound[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

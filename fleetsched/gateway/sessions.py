@@ -1,0 +1,141 @@
+"""Gateway sessions: calls that share an ``X-Session-ID`` run as one scheduler session.
+
+The first call of a session submits a scheduler session for the key's tenant, so it waits for
+admission (a session slot and a memory reservation) like an in-process agent. The session's
+agent does not make the calls itself: it hands each arriving call a turn, waits until the call
+is over, and then sits in a tool period (``ctx.tool("client")``) until the next call comes. The
+time between two calls is the client's tool or think time, so the scheduler's keep-or-release
+policy applies across HTTP calls: it may lend the session's slot and memory to waiting sessions,
+and then the next call waits for re-admission. After `idle_s` without a call the session ends.
+
+Calls of one session are served one at a time, in arrival order. The call itself runs in the
+request's own task (so a client disconnect cancels it at once) with the session's identity,
+tier and deadline.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+
+from ..agents.context import SessionContext
+from ..scheduler import Scheduler
+from ..scheduler.session import SessionHandle
+from .state import Placement, SharedState
+
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+
+
+class _Turn:
+    __slots__ = ("ready", "done", "abandoned")
+
+    def __init__(self) -> None:
+        self.ready = anyio.Event()
+        self.done = anyio.Event()
+        self.abandoned = False
+
+
+@dataclass(eq=False)
+class GatewaySession:
+    key: str
+    placement: Placement
+    handle: SessionHandle | None = None
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.send, self.receive = anyio.create_memory_object_stream[_Turn](math.inf)
+
+
+class SessionTable:
+    """The live gateway sessions of this instance, by tenant and session id."""
+
+    def __init__(
+        self, scheduler: Scheduler, state: SharedState, *, instance: str, idle_s: float, pick_replica: object = None
+    ) -> None:
+        self._scheduler = scheduler
+        self._state = state
+        self._instance = instance
+        self._idle_s = idle_s
+        self._pick_replica = pick_replica
+        self._sessions: dict[str, GatewaySession] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @asynccontextmanager
+    async def call(self, tenant: str, session_id: str) -> AsyncIterator[GatewaySession]:
+        """Hold the session's turn for one call: waits for (re-)admission, released on exit.
+
+        Raises what `Scheduler.submit` raises for a session that can never run."""
+        key = f"{tenant}/{session_id}"
+        session = self._sessions.get(key)
+        proposal = Placement(self._instance, self._pick_replica() if callable(self._pick_replica) else None)
+        placement = await self._state.place(key, proposal, self._idle_s)
+        if session is None or session.closed:
+            session = GatewaySession(key, placement)
+            turn = _Turn()
+            session.send.send_nowait(turn)
+            session.handle = await self._scheduler.submit(
+                self._agent(session), tenant=tenant, name=f"gateway:{key}", kind="gateway"
+            )
+            self._sessions[key] = session
+        else:
+            session.placement = placement
+            turn = _Turn()
+            session.send.send_nowait(turn)
+        try:
+            await turn.ready.wait()
+            yield session
+        finally:
+            turn.abandoned = True
+            turn.done.set()
+
+    def _agent(self, session: GatewaySession):  # noqa: ANN202 - an Agent
+        async def serve(ctx: SessionContext) -> None:
+            try:
+                turn = session.receive.receive_nowait()
+                while True:
+                    if not turn.abandoned:
+                        turn.ready.set()
+                        await turn.done.wait()
+                    next_turn = None
+                    async with ctx.tool("client"):
+                        with anyio.move_on_after(self._idle_s):
+                            next_turn = await session.receive.receive()
+                        if next_turn is None:
+                            try:
+                                next_turn = session.receive.receive_nowait()
+                            except anyio.WouldBlock:
+                                self._close(session)
+                                assert session.handle is not None
+                                session.handle.cancel()  # leaves the tool without waiting for re-admission
+                                await anyio.sleep_forever()
+                    turn = next_turn
+            finally:
+                self._close(session)
+
+        return serve
+
+    def _close(self, session: GatewaySession) -> None:
+        if session.closed:
+            return
+        session.closed = True
+        if self._sessions.get(session.key) is session:
+            del self._sessions[session.key]
+        while True:  # a call that raced with the expiry goes ahead without the session
+            try:
+                session.receive.receive_nowait().ready.set()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+
+    def close_all(self) -> None:
+        """End every session (the gateway is shutting down)."""
+        for session in list(self._sessions.values()):
+            self._close(session)
+            if session.handle is not None:
+                session.handle.cancel()

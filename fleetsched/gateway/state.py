@@ -1,0 +1,226 @@
+"""Tenant state that gateway instances share: rate-limit buckets, fair-share counters, placement.
+
+One small interface, `SharedState`, with two implementations: `MemoryState` (one instance alone;
+the default) and `RedisState` (``gateway.redis_url`` set: several instances behind one load
+balancer act as one gateway). `create_state` picks from the settings.
+
+- Rate limits: a requests-per-minute and a tokens-per-minute token bucket per tenant, as in
+  `fleetsched.resources.ratelimit`. In Redis both are taken or neither, in one Lua script on the
+  Redis server's clock, so instances never race nor disagree about time.
+- Fair-share counters: the service each tenant got (VTC cost: prompt 1, output 2), summed over
+  instances, so that each instance's dispatcher can count what its peers served.
+- Session placement: which instance and replica serve a session, first writer wins, expiring
+  after the session's idle time.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import anyio
+
+from ..resources.ratelimit import RateLimit, TenantRateLimits
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a session runs: the gateway instance that admitted it and the backend replica."""
+
+    instance: str
+    replica: str | None = None
+
+
+class SharedState(ABC):
+    """Per-tenant state, local or shared. All methods are cheap awaits on the request path."""
+
+    def __init__(self, limits: Mapping[str, RateLimit]) -> None:
+        self.limits = dict(limits)
+
+    @abstractmethod
+    async def take(self, tenant: str, tokens: float) -> float:
+        """Take one request and `tokens` tokens from `tenant`'s buckets, or neither.
+
+        Returns 0 when taken, else the seconds until both would be there."""
+
+    @abstractmethod
+    async def refund(self, tenant: str, tokens: float) -> None:
+        """Give back tokens charged up front but not used."""
+
+    @abstractmethod
+    async def add_usage(self, tenant: str, cost: float) -> None:
+        """Count `cost` of service given to `tenant` (fair-share counters)."""
+
+    @abstractmethod
+    async def usage(self) -> dict[str, float]:
+        """Service given to each tenant so far, by all instances together."""
+
+    @abstractmethod
+    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
+        """The placement of `session`: the one already recorded, else `proposal` (recorded now).
+        Either way its expiry is pushed to `ttl_s` from now."""
+
+    @abstractmethod
+    async def forget(self, session: str) -> None:
+        """Drop the placement of `session`."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether other instances see this state."""
+        return False
+
+    async def aclose(self) -> None:
+        """Release connections. Idempotent."""
+
+
+class MemoryState(SharedState):
+    """State of one gateway instance alone, in its memory."""
+
+    def __init__(self, limits: Mapping[str, RateLimit]) -> None:
+        super().__init__(limits)
+        self._buckets = TenantRateLimits(self.limits)
+        self._usage: dict[str, float] = {}
+        self._placements: dict[str, tuple[Placement, float]] = {}
+
+    async def take(self, tenant: str, tokens: float) -> float:
+        if tenant not in self.limits:
+            return 0.0
+        return self._buckets.try_take(tenant, tokens, anyio.current_time())
+
+    async def refund(self, tenant: str, tokens: float) -> None:
+        if tenant in self.limits:
+            self._buckets.refund(tenant, tokens)
+
+    async def add_usage(self, tenant: str, cost: float) -> None:
+        self._usage[tenant] = self._usage.get(tenant, 0.0) + cost
+
+    async def usage(self) -> dict[str, float]:
+        return dict(self._usage)
+
+    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
+        now = anyio.current_time()
+        found = self._placements.get(session)
+        placement = found[0] if found is not None and found[1] > now else proposal
+        self._placements[session] = (placement, now + ttl_s)
+        if len(self._placements) > 1024 and found is None:
+            self._placements = {k: v for k, v in self._placements.items() if v[1] > now}
+        return placement
+
+    async def forget(self, session: str) -> None:
+        self._placements.pop(session, None)
+
+
+# KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, tokens rate/s,
+# tokens capacity (rate 0: no such limit), tokens to take. Returns the wait in seconds, as a
+# string (Redis would truncate a Lua number to an integer).
+_TAKE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rr, rc, tr, tc, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local v = redis.call('HMGET', KEYS[1], 'r', 'rt', 'k', 'kt')
+local function level(value, at, rate, cap)
+  if value == false or value == nil then return cap end
+  return math.min(cap, tonumber(value) + (now - tonumber(at)) * rate)
+end
+local wait, r, k = 0, 0, 0
+if rr > 0 then
+  r = level(v[1], v[2], rr, rc)
+  if r < 1 then wait = math.max(wait, (1 - r) / rr) end
+end
+if tr > 0 then
+  k = level(v[3], v[4], tr, tc)
+  local need = math.min(amount, tc)
+  if k < need then wait = math.max(wait, (need - k) / tr) end
+end
+if wait > 0 then return tostring(wait) end
+if rr > 0 then redis.call('HSET', KEYS[1], 'r', tostring(r - 1), 'rt', tostring(now)) end
+if tr > 0 then redis.call('HSET', KEYS[1], 'k', tostring(k - amount), 'kt', tostring(now)) end
+redis.call('EXPIRE', KEYS[1], 3600)
+return '0'
+"""
+
+# KEYS[1]: the tenant's bucket hash. ARGV: tokens rate/s, tokens capacity, tokens to give back.
+_REFUND = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rate, cap, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local v = redis.call('HMGET', KEYS[1], 'k', 'kt')
+if v[1] == false then return '0' end
+local k = math.min(cap, tonumber(v[1]) + (now - tonumber(v[2])) * rate)
+redis.call('HSET', KEYS[1], 'k', tostring(math.min(cap, k + amount)), 'kt', tostring(now))
+return '1'
+"""
+
+
+class RedisState(SharedState):
+    """State shared by every gateway instance that names the same Redis (and `prefix`)."""
+
+    def __init__(self, limits: Mapping[str, RateLimit], url: str, *, prefix: str = "fleetsched") -> None:
+        import redis.asyncio as redis
+
+        super().__init__(limits)
+        self._redis = redis.Redis.from_url(url)
+        self._prefix = prefix
+        self._take = self._redis.register_script(_TAKE)
+        self._refund = self._redis.register_script(_REFUND)
+        self._closed = False
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    def _bucket(self, tenant: str) -> str:
+        return f"{self._prefix}:bucket:{tenant}"
+
+    async def take(self, tenant: str, tokens: float) -> float:
+        limit = self.limits.get(tenant)
+        if limit is None:
+            return 0.0
+        rpm, tpm = limit.requests_per_minute or 0.0, limit.tokens_per_minute or 0.0
+        wait = await self._take(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, tpm / 60, tpm, float(tokens)])
+        return float(wait)
+
+    async def refund(self, tenant: str, tokens: float) -> None:
+        limit = self.limits.get(tenant)
+        if limit is None or not limit.tokens_per_minute or not tokens > 0:
+            return
+        tpm = limit.tokens_per_minute
+        await self._refund(keys=[self._bucket(tenant)], args=[tpm / 60, tpm, float(tokens)])
+
+    async def add_usage(self, tenant: str, cost: float) -> None:
+        await self._redis.hincrbyfloat(f"{self._prefix}:usage", tenant, cost)
+
+    async def usage(self) -> dict[str, float]:
+        raw = await self._redis.hgetall(f"{self._prefix}:usage")
+        return {k.decode(): float(v) for k, v in raw.items()}
+
+    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
+        key = f"{self._prefix}:session:{session}"
+        ttl_ms = max(1, int(ttl_s * 1000))
+        if await self._redis.set(key, json.dumps(asdict(proposal)), nx=True, px=ttl_ms):
+            return proposal
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.get(key)
+            pipe.pexpire(key, ttl_ms)
+            raw, _ = await pipe.execute()
+        if raw is None:  # expired in between: take it
+            await self._redis.set(key, json.dumps(asdict(proposal)), px=ttl_ms)
+            return proposal
+        return Placement(**json.loads(raw))
+
+    async def forget(self, session: str) -> None:
+        await self._redis.delete(f"{self._prefix}:session:{session}")
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._redis.aclose()
+
+
+def create_state(limits: Mapping[str, RateLimit], redis_url: str | None, *, prefix: str = "fleetsched") -> SharedState:
+    """`RedisState` when `redis_url` is set, else `MemoryState`."""
+    if redis_url:
+        return RedisState(limits, redis_url, prefix=prefix)
+    return MemoryState(limits)

@@ -1,0 +1,129 @@
+"""Request validation: a malformed body is a 400 that names the field, never a 500.
+
+Only the fields the gateway reads or that commonly carry the wrong type are checked; the rest
+travel to the backend untouched (vLLM checks its own extras and its 400 is passed through).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+class Invalid(ValueError):
+    """A malformed request; `param` names the field."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param = param
+
+
+def _number(body: Mapping[str, Any], name: str, low: float | None = None, high: float | None = None) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise Invalid(name, f"must be a number, got {type(value).__name__}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise Invalid(name, f"must be between {low} and {high}, got {value}")
+
+
+def _integer(body: Mapping[str, Any], name: str, low: int, high: int = 2**31 - 1) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Invalid(name, f"must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise Invalid(name, f"must be between {low} and {high}, got {value}")
+    return value
+
+
+def _common(body: Mapping[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise Invalid("model", "must be a string")
+    for name in ("stream", "logprobs", "ignore_eos", "echo"):
+        if name in body and body[name] is not None and not isinstance(body[name], bool):
+            raise Invalid(name, "must be true or false")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise Invalid("stream_options", "must be an object")
+    _integer(body, "max_tokens", 1)
+    _integer(body, "max_completion_tokens", 1)
+    _integer(body, "seed", -(2**63), 2**63 - 1)
+    n = _integer(body, "n", 1)
+    if n not in (None, 1):
+        raise Invalid("n", "only n=1 is served by this gateway; send n requests instead")
+    _number(body, "temperature", 0, 2)
+    _number(body, "top_p", 0, 1)
+    _number(body, "presence_penalty", -2, 2)
+    _number(body, "frequency_penalty", -2, 2)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        raise Invalid("stop", "must be a string or a list of strings")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise Invalid("user", "must be a string")
+
+
+def check_chat(body: Any) -> dict[str, Any]:
+    """The body of a ``/v1/chat/completions`` request, checked; raises `Invalid`."""
+    if not isinstance(body, dict):
+        raise Invalid(None, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise Invalid("messages", "must be a non-empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise Invalid(f"messages.{i}", "must be an object with `role` and `content`")
+        if message.get("role") not in ROLES:
+            raise Invalid(f"messages.{i}.role", f"must be one of {', '.join(sorted(ROLES))}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+                raise Invalid(f"messages.{i}.content", "must be a string, a list of content parts or null")
+            for j, part in enumerate(content):
+                if "text" in part and not isinstance(part["text"], str):
+                    raise Invalid(f"messages.{i}.content.{j}.text", "must be a string")
+    for name in ("tools", "functions"):
+        value = body.get(name)
+        if value is not None and not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
+            raise Invalid(name, "must be a list of objects")
+    _common(body)
+    return body
+
+
+def check_completion(body: Any) -> dict[str, Any]:
+    """The body of a ``/v1/completions`` request, checked; raises `Invalid`."""
+    if not isinstance(body, dict):
+        raise Invalid(None, "the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise Invalid("prompt", "exactly one prompt per request is served by this gateway")
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise Invalid("prompt", "must be a non-empty string")
+    _common(body)
+    return body
+
+
+def prompt_chars(body: Mapping[str, Any]) -> int:
+    """Characters of prompt text in a checked chat or completion body."""
+    prompt = body.get("prompt")
+    if prompt is not None:
+        return len(prompt[0] if isinstance(prompt, list) else prompt)
+    chars = 0
+    for message in body.get("messages") or ():
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p.get("text", "")) for p in content if isinstance(p.get("text", ""), str))
+        chars += 16
+    return chars
