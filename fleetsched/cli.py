@@ -1,6 +1,6 @@
 """The ``fleetsched`` command line.
 
-    fleetsched run CONFIG [--backend sim] [--report FILE.json]
+    fleetsched run CONFIG [--backend sim] [--report FILE.json] [--metrics-port PORT] [--no-live]
     fleetsched bench NAME [--json] ...
     fleetsched simulate CONFIG --duration 2h [--find-max-sessions]
     fleetsched calibrate --url URL --out profile.toml
@@ -36,26 +36,46 @@ def _load(path: str, backend: str | None) -> Settings:
     return settings
 
 
-async def _run(settings: Settings, report_path: str | None, live: bool, console: Console) -> dict:
+async def _run(settings: Settings, args: argparse.Namespace, console: Console) -> dict:
     from .agents.workload import plan, run_workload
     from .display import live_view
-    from .report import build_report, tenant_table, write_report
+    from .observability.feasibility import check_feasibility
+    from .observability.sla import SlaTracker
+    from .observability.timeline import Timeline
+    from .report import build_report, sla_table, tenant_table, write_report
     from .scheduler import Scheduler
 
     total = len(plan(settings.workload))
+    tracker = SlaTracker(settings.tenants, window_s=args.sla_window)
     async with Scheduler(settings) as scheduler:
+        feasibility = await check_feasibility(settings, scheduler.backend)
+        for flagged in feasibility["unreachable"]:
+            print(f"fleetsched: warning: {flagged['message']}", file=sys.stderr, flush=True)
+        if feasibility["note"]:
+            print(f"fleetsched: note: {feasibility['note']}", file=sys.stderr, flush=True)
         start = anyio.current_time()
+        timeline = Timeline(scheduler, tracker, interval_s=args.sample_interval)
         async with anyio.create_task_group() as tg:
-            if live:
-                tg.start_soon(live_view, scheduler, total, console)
+            if args.metrics_port is not None:
+                from .observability.metrics import registry_for, serve_metrics
+
+                port = await tg.start(serve_metrics, registry_for(scheduler, tracker), host=args.metrics_host, port=args.metrics_port)
+                print(f"fleetsched: metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr, flush=True)
+            tg.start_soon(timeline.run)
+            if not args.no_live:
+                tg.start_soon(lambda: live_view(scheduler, total, console, tracker=tracker))
             await run_workload(scheduler, settings.workload)
             tg.cancel_scope.cancel()
+        timeline.sample()
         duration = anyio.current_time() - start
-    report = build_report(scheduler, duration_s=duration, backend=settings.backend.kind)
+    report = build_report(
+        scheduler, duration_s=duration, backend=settings.backend.kind, start=start, timeline=timeline.as_dict(), feasibility=feasibility
+    )
     console.print(tenant_table(report))
-    if report_path:
-        write_report(report, report_path)
-        console.print(f"report written to {report_path}")
+    console.print(sla_table(report))
+    if args.report:
+        write_report(report, args.report)
+        console.print(f"report written to {args.report}")
     return report
 
 
@@ -68,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--backend", choices=["sim", "instant", "vllm-server", "vllm-engine"], help="override backend.kind")
     run.add_argument("--report", metavar="FILE.json", help="write the run's figures as JSON")
     run.add_argument("--no-live", action="store_true", help="no live view, only the final table")
+    run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on PORT (0: any free port, printed on stderr)")
+    run.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics server listens on (default 127.0.0.1)")
+    run.add_argument("--sla-window", type=float, default=60.0, metavar="S", help="rolling window of the live SLA attainment (default 60 s)")
+    run.add_argument("--sample-interval", type=float, default=0.5, metavar="S", help="timeline sampling period in the report (default 0.5 s)")
 
     bench_cmd = commands.add_parser("bench", help="run a benchmark", add_help=False)
     bench_cmd.add_argument("name", nargs="?", help=", ".join(f"{k}: {v}" for k, v in bench.BENCHMARKS.items()))
@@ -103,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"fleetsched: config error: {exc}", file=sys.stderr)
         return 2
-    anyio.run(_run, settings, args.report, not args.no_live, console)
+    anyio.run(_run, settings, args, console)
     return 0
 
 

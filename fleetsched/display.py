@@ -12,50 +12,97 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from .observability.sla import SlaTracker
+from .policies.tiers import Tier
 from .scheduler import Scheduler
 
 GB = 10**9
 
 
-def _view(scheduler: Scheduler, total: int) -> Any:
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _tenant_rows(scheduler: Scheduler, tracker: SlaTracker | None) -> list[list[str]]:
     stats = scheduler.statistics()
-    finished = sum(stats.finished.values())
-    table = Table(expand=False)
-    for column in ("tenant", "tier", "queued", "running", "done", "failed"):
-        table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
     done_by: dict[str, int] = {}
     failed_by: dict[str, int] = {}
     for record in scheduler.recorder.sessions:
         bucket = done_by if record.state == "done" else failed_by
         bucket[record.tenant] = bucket.get(record.tenant, 0) + 1
+    breaches: dict[str, int] = {}
+    if tracker is not None:
+        for (tenant, _, _), n in tracker.breaches.items():
+            breaches[tenant] = breaches.get(tenant, 0) + n
+    refused: dict[str, int] = {}
+    for (tenant, _), n in stats.dispatcher.refused_by.items():
+        refused[tenant] = refused.get(tenant, 0) + n
+    rows = []
     for name, tenant in scheduler.settings.tenants.items():
         queued = sum(n for (t, _), n in stats.queued.items() if t == name)
         running = sum(n for (t, _), n in stats.running.items() if t == name)
-        table.add_row(name, str(tenant.tier), str(queued), str(running), str(done_by.get(name, 0)), str(failed_by.get(name, 0)))
-    memory = stats.memory
+        attained = tracker.tenant_attainment(name) if tracker is not None else None
+        rows.append(
+            [name, str(tenant.tier), str(queued), str(running), str(done_by.get(name, 0)), str(failed_by.get(name, 0)),
+             _pct(attained), str(breaches.get(name, 0)), str(refused.get(name, 0))]
+        )
+    return rows
+
+
+def _view(scheduler: Scheduler, total: int, tracker: SlaTracker | None = None) -> Any:
+    if tracker is not None:
+        tracker.update(scheduler.recorder, anyio.current_time())
+    stats = scheduler.statistics()
+    finished = sum(stats.finished.values())
+    window = f" ({tracker.window_s:g} s)" if tracker is not None else ""
+    table = Table(expand=False)
+    for column in ("tenant", "tier", "queued", "running", "done", "failed", f"SLA{window}", "breaches", "refused"):
+        table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
+    for row in _tenant_rows(scheduler, tracker):
+        table.add_row(*row)
     d = stats.dispatcher
+    queues = "   ".join(
+        f"{t}: {sum(n for (_, tier), n in stats.queued.items() if tier == str(t))} sessions, {d.queued_by_tier.get(int(t), 0)} calls"
+        for t in Tier
+    )
+    devices = "   ".join(
+        f"{x.name} {x.allocated / GB:,.1f}/{x.total / GB:,.1f} GB frag {x.fragmentation:.0%}" for x in stats.memory.devices
+    )
     summary = Text(
         f"sessions {finished}/{total}   slots {stats.slots_in_use}/{stats.slots_total}   "
-        f"memory {memory.allocated / GB:,.1f}/{memory.total / GB:,.1f} GB (frag {memory.fragmentation:.0%})   "
-        f"calls in flight {d.in_flight}/{d.window}, queued {d.queued}"
+        f"calls in flight {d.in_flight}/{d.window}, queued {d.queued}\n"
+        f"queues  {queues}\nmemory  {devices}   fragmentation failures {stats.memory.fragmentation_failures}"
     )
     return Group(ProgressBar(total=max(total, 1), completed=finished, width=60), summary, table)
 
 
-async def live_view(scheduler: Scheduler, total: int, console: Console, *, interval_s: float = 0.25) -> None:
+def _line(scheduler: Scheduler, total: int, tracker: SlaTracker | None) -> str:
+    if tracker is not None:
+        tracker.update(scheduler.recorder, anyio.current_time())
+    stats = scheduler.statistics()
+    finished = sum(stats.finished.values())
+    pct = 100 * finished / total if total else math.nan
+    frag = max((x.fragmentation for x in stats.memory.devices), default=0.0)
+    attained = ""
+    if tracker is not None:
+        parts = [f"{name} {_pct(tracker.tenant_attainment(name))}" for name in scheduler.settings.tenants if tracker.goals.get(name)]
+        attained = f" sla {', '.join(parts)}" if parts else ""
+    return (
+        f"[{pct:5.1f}%] finished {finished}/{total} queued {stats.queued_total} running {stats.running_total} "
+        f"calls in flight {stats.dispatcher.in_flight}/{stats.dispatcher.window} queued {stats.dispatcher.queued} "
+        f"memory {stats.memory.allocated / GB:,.1f}/{stats.memory.total / GB:,.1f} GB frag {frag:.0%}{attained}"
+    )
+
+
+async def live_view(
+    scheduler: Scheduler, total: int, console: Console, *, tracker: SlaTracker | None = None, interval_s: float = 0.25
+) -> None:
     """Show progress until cancelled: a live dashboard on a terminal, else a line every 2 s."""
     if console.is_terminal:
-        with Live(_view(scheduler, total), console=console, refresh_per_second=8, transient=True) as live:
+        with Live(_view(scheduler, total, tracker), console=console, refresh_per_second=8, transient=True) as live:
             while True:
                 await anyio.sleep(interval_s)
-                live.update(_view(scheduler, total))
+                live.update(_view(scheduler, total, tracker))
     while True:
         await anyio.sleep(2.0)
-        stats = scheduler.statistics()
-        finished = sum(stats.finished.values())
-        pct = 100 * finished / total if total else math.nan
-        console.print(
-            f"[{pct:5.1f}%] finished {finished}/{total} queued {stats.queued_total} running {stats.running_total} "
-            f"calls in flight {stats.dispatcher.in_flight}",
-            highlight=False,
-        )
+        console.print(_line(scheduler, total, tracker), highlight=False)

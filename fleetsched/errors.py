@@ -4,6 +4,7 @@ Every error the library raises on purpose derives from `FleetschedError`::
 
     FleetschedError
     ├── ConfigError(ValueError)            a setting is missing or out of range
+    ├── ReportSchemaError(ValueError)      a run report of another schema version, or not a report
     ├── UnknownTenant(KeyError)            submit() named a tenant the config does not declare
     ├── SchedulerClosed(RuntimeError)      submit() after the scheduler stopped accepting work
     ├── WouldBlock                         a *_nowait() call could not proceed at once
@@ -37,6 +38,10 @@ class ConfigError(FleetschedError, ValueError):
         super().__init__(f"{key}: {reason}")
         self.key = key
         self.reason = reason
+
+
+class ReportSchemaError(FleetschedError, ValueError):
+    """A run report (JSON) is not of the schema this version reads; the message names both."""
 
 
 class UnknownTenant(FleetschedError, KeyError):

@@ -1,27 +1,106 @@
-"""The run report: one JSON document per run, and the final per-tenant table."""
+"""The run report: one JSON document per run (schema ``fleetsched.run/2``), and the final tables.
+
+The schema is documented field by field in ``docs/report-schema.md``. `build_report` makes it
+from a finished scheduler (``fleetsched run`` and ``fleetsched simulate`` both use it),
+`load_report` reads one back and refuses any other schema version with `ReportSchemaError`.
+`tenant_table` and `sla_table` are the tables printed at the end of a run.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .errors import ReportSchemaError
+from .observability.sla import OBJECTIVES, QUANTILE, REASON_TEXT, REASONS, evaluate
+from .policies.tiers import Tier
 from .scheduler import Scheduler, summarise
+from .scheduler.records import percentile
 
-SCHEMA = "fleetsched.run/1"
+SCHEMA = "fleetsched.run/2"
+#: Breach events kept in the report (the counts cover all of them).
+MAX_BREACH_EVENTS = 500
 
 
 def _num(value: float, digits: int = 4) -> float | None:
-    return None if math.isnan(value) else round(value, digits)
+    return None if value is None or math.isnan(value) or math.isinf(value) else round(value, digits)
 
 
-def build_report(scheduler: Scheduler, *, duration_s: float, backend: str) -> dict[str, Any]:
-    """The run's figures as a JSON-ready dict (schema `SCHEMA`)."""
+def _quantiles(values: list[float]) -> list[float] | None:
+    """The 0th..100th percentiles (101 values) of `values`: a CDF that stays small."""
+    data = sorted(v for v in values if not math.isnan(v))
+    if not data:
+        return None
+    return [round(percentile(data, q), 6) for q in range(101)]
+
+
+def _sla_section(scheduler: Scheduler, start: float) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    rows, breaches = evaluate(scheduler.recorder, scheduler.settings.tenants)
+    by_reason = {r: 0 for r in REASONS}
+    for b in breaches:
+        by_reason[b.reason] += 1
+    per_tenant = {}
+    for row in rows:
+        per_tenant[row.tenant] = {
+            "met": row.met,
+            "refused": {"shed": row.refused.get("shed", 0), "rate_limited": row.refused.get("rate-limited", 0)},
+            "objectives": {
+                o.objective: {
+                    "target": o.target,
+                    "value": _num(o.value),
+                    "events": o.events,
+                    "met_events": o.met_events,
+                    "attainment": _num(o.attainment),
+                    "required": QUANTILE[o.objective],
+                    "met": o.met,
+                    "breaches": dict(o.breaches),
+                }
+                for o in row.objectives
+            },
+        }
+    section = {
+        "breaches": {"total": len(breaches), "by_reason": by_reason},
+        "events": [
+            {
+                "t": round(b.at - start, 4),
+                "tenant": b.tenant,
+                "tier": str(Tier(b.tier)),
+                "objective": b.objective,
+                "value": _num(b.value),
+                "target": b.target,
+                "reason": b.reason,
+            }
+            for b in breaches[:MAX_BREACH_EVENTS]
+        ],
+    }
+    return section, per_tenant
+
+
+def build_report(
+    scheduler: Scheduler,
+    *,
+    duration_s: float,
+    backend: str,
+    start: float | None = None,
+    timeline: Mapping[str, Any] | None = None,
+    feasibility: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The run's figures as a JSON-ready dict (schema `SCHEMA`).
+
+    `start` is the run's start on the scheduler's clock (breach times are relative to it);
+    `timeline` is `Timeline.as_dict()`, `feasibility` `check_feasibility()`'s result.
+    """
     settings = scheduler.settings
     stats = scheduler.statistics()
+    recorder = scheduler.recorder
+    if start is None:
+        start = min((s.submitted for s in recorder.sessions), default=0.0)
+    sla, sla_by_tenant = _sla_section(scheduler, start)
     tenants = []
-    for row in summarise(scheduler.recorder, settings.tenants):
+    for row in summarise(recorder, settings.tenants):
         tenant = settings.tenants[row.tenant]
         tenants.append(
             {
@@ -38,19 +117,42 @@ def build_report(scheduler: Scheduler, *, duration_s: float, backend: str) -> di
                 "queue_s": {"p50": _num(row.queue_p50_s)},
                 "prompt_tokens": row.prompt_tokens,
                 "completion_tokens": row.completion_tokens,
+                "sla": sla_by_tenant[row.tenant],
             }
         )
+    ok = [c for c in recorder.calls if c.error is None]
+    distributions: dict[str, Any] = {}
+    for metric, attr in (("ttft_s", "ttft_s"), ("latency_s", "latency_s")):
+        by_tenant: dict[str, list[float]] = {}
+        by_tier: dict[str, list[float]] = {}
+        for c in ok:
+            value = getattr(c, attr)
+            by_tenant.setdefault(c.tenant, []).append(value)
+            by_tier.setdefault(str(Tier(c.tier)), []).append(value)
+        distributions[metric] = {
+            "tenant": {k: _quantiles(v) for k, v in by_tenant.items()},
+            "tier": {k: _quantiles(v) for k, v in by_tier.items()},
+        }
     completion = sum(t["completion_tokens"] for t in tenants)
+    sla["feasibility"] = dict(feasibility) if feasibility is not None else None
     return {
         "schema": SCHEMA,
         "backend": backend,
         "duration_s": round(duration_s, 3),
         "sessions": dict(stats.finished),
-        "calls": scheduler.recorder.call_count,
+        "calls": recorder.call_count,
+        "refused_calls": len(recorder.refusals),
         "completion_tokens": completion,
         "throughput_tok_s": round(completion / duration_s, 1) if duration_s > 0 else None,
-        "memory": {"total_bytes": stats.memory.total, "fragmentation_failures": stats.memory.fragmentation_failures},
+        "memory": {
+            "total_bytes": stats.memory.total,
+            "fragmentation_failures": stats.memory.fragmentation_failures,
+            "devices": [{"name": d.name, "total_bytes": d.total} for d in stats.memory.devices],
+        },
         "tenants": tenants,
+        "sla": sla,
+        "distributions": distributions,
+        "timeline": dict(timeline) if timeline is not None else None,
     }
 
 
@@ -58,12 +160,30 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
+def load_report(path: str | Path) -> dict[str, Any]:
+    """Read a run report; raises `ReportSchemaError` unless it is a ``fleetsched.run/2`` document."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ReportSchemaError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportSchemaError(f"{path}: not a JSON run report ({exc})") from None
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema != SCHEMA:
+        found = f"schema {schema!r}" if schema else "no 'schema' field"
+        hint = " (written by an older fleetsched: run it again to get a new report)" if str(schema).startswith("fleetsched.run/") else ""
+        raise ReportSchemaError(f"{path}: {found}, but this fleetsched reads only {SCHEMA!r}{hint}")
+    return data
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:,.0f}"
+
+
 def tenant_table(report: dict[str, Any]) -> Any:
     """A rich Table of the report's per-tenant rows."""
     from rich.table import Table
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1e3:,.0f}"
 
     table = Table(title=f"fleetsched run: {report['duration_s']:.1f} s on {report['backend']}, {report['throughput_tok_s']} tok/s")
     for column in ("tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"):
@@ -75,11 +195,59 @@ def tenant_table(report: dict[str, Any]) -> Any:
             str(t["sessions_done"]),
             str(t["sessions_failed"]),
             str(t["calls"]),
-            ms(t["ttft_s"]["p50"]),
-            ms(t["ttft_s"]["p99"]),
-            ms(t["latency_s"]["p50"]),
-            ms(t["latency_s"]["p99"]),
+            _ms(t["ttft_s"]["p50"]),
+            _ms(t["ttft_s"]["p99"]),
+            _ms(t["latency_s"]["p50"]),
+            _ms(t["latency_s"]["p99"]),
             f"{t['prompt_tokens']:,}",
             f"{t['completion_tokens']:,}",
         )
+    return table
+
+
+_UNITS = {"ttft_p99": "TTFT p99", "latency_p95": "call p95", "deadline": "deadline", "min_tokens_per_s": "tok/s"}
+
+
+def sla_rows(report: dict[str, Any]) -> list[list[str]]:
+    """The SLA table as text cells: per tenant and objective, target, measured, attainment, verdict, breaches."""
+    rows = []
+    unreachable = {u["tenant"] for u in ((report["sla"].get("feasibility") or {}).get("unreachable") or [])}
+    for t in report["tenants"]:
+        sla = t["sla"]
+        refused = sla["refused"]
+        refused_text = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in refused.items() if n)
+        if not sla["objectives"]:
+            rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", "-", "-", "-", "-", "no SLA", refused_text])
+            continue
+        for objective in OBJECTIVES:
+            o = sla["objectives"].get(objective)
+            if o is None:
+                continue
+            if objective == "min_tokens_per_s":
+                target, value = f"{o['target']:g}", "-" if o["value"] is None else f"{o['value']:,.1f}"
+            else:
+                target, value = f"{o['target'] * 1e3:,.0f} ms", "-" if o["value"] is None else f"{o['value'] * 1e3:,.0f} ms"
+            attainment = "-" if o["attainment"] is None else f"{o['attainment']:.1%}"
+            verdict = "met" if o["met"] else "MISSED"
+            if t["tenant"] in unreachable and objective == "ttft_p99":
+                verdict += " (unreachable)"
+            breaches = ", ".join(f"{n} {REASON_TEXT[r]}" for r, n in sorted(o["breaches"].items(), key=lambda kv: -kv[1]))
+            rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", _UNITS[objective], target, value, attainment, verdict, breaches or refused_text])
+    return rows
+
+
+SLA_COLUMNS = ("tenant", "tier", "weight", "objective", "target", "measured", "attained", "verdict", "breaches (reason)")
+
+
+def sla_table(report: dict[str, Any]) -> Any:
+    """A rich Table of every tenant's SLA objectives: target, measured, attainment, breaches by reason."""
+    from rich.table import Table
+
+    total = report["sla"]["breaches"]
+    table = Table(title=f"SLA: {total['total']} breaches")
+    for column in SLA_COLUMNS:
+        table.add_column(column, justify="right" if column in ("weight", "target", "measured", "attained") else "left")
+    for row in sla_rows(report):
+        style = "red" if row[7].startswith("MISSED") else None
+        table.add_row(*row, style=style)
     return table

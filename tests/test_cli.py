@@ -28,7 +28,7 @@ def test_quickstart_runs_and_writes_a_report(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "support-bot" in done.stdout and "nightly-batch" in done.stdout
     data = json.loads(report.read_text())
-    assert data["schema"] == "fleetsched.run/1"
+    assert data["schema"] == "fleetsched.run/2"
     assert data["sessions"] == {"done": 210}
     tenants = {t["tenant"]: t for t in data["tenants"]}
     assert tenants["support-bot"]["calls"] == 360 and tenants["nightly-batch"]["sessions_done"] == 30

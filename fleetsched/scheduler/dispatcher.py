@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -46,6 +46,8 @@ class DispatcherStatistics:
     rate_limited: int
     service_rate: float | None
     """Recent rate at which queued work (prompt-token estimates) is served, per second."""
+    refused_by: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """Refused calls per (tenant, reason), reason "shed" or "rate-limited"."""
 
 
 class _Waiter:
@@ -87,6 +89,7 @@ class Dispatcher:
         self._started = 0
         self._shed = 0
         self._rate_limited = 0
+        self._refused_by: dict[tuple[str, str], int] = {}
         # Service rate, measured over periods of at least RATE_PERIOD_S.
         self._rate: float | None = None
         self._rate_since: float | None = None
@@ -156,6 +159,7 @@ class Dispatcher:
             wait = self.predicted_wait_s()
             if wait > self._shed_after_s[tenant]:
                 self._shed += 1
+                self._refuse(tenant, tier, session, now, "shed", "Overloaded")
                 raise Overloaded(
                     f"{Tier(tier)} call of tenant {tenant!r} shed: its predicted wait of {wait:.1f} s exceeds "
                     f"its TTFT objective of {self._shed_after_s[tenant]:.1f} s",
@@ -165,6 +169,7 @@ class Dispatcher:
             wait = self._limits.try_take(tenant, estimate + requested_max_tokens(body), now)
             if wait > 0:
                 self._rate_limited += 1
+                self._refuse(tenant, tier, session, now, "rate-limited", "RateLimited")
                 raise RateLimited(f"tenant {tenant!r} is over its requests or tokens per minute", retry_after_s=wait)
         record = CallRecord(tenant, tier, session, now)
         record.max_tokens = requested_max_tokens(body)
@@ -193,6 +198,12 @@ class Dispatcher:
                 record.tier,
             )
         self.recorder.add_call(record)
+
+    def _refuse(self, tenant: str, tier: int, session: int, now: float, reason: str, error: str) -> None:
+        """Count and record a refused call (off the hot path: only refusals come here)."""
+        key = (tenant, reason)
+        self._refused_by[key] = self._refused_by.get(key, 0) + 1
+        self.recorder.add_refusal(CallRecord(tenant, tier, session, now, finished=now, error=error))
 
     # -- the window ------------------------------------------------------------------------------
 
@@ -267,7 +278,15 @@ class Dispatcher:
         for (_, tier), n in self._queue.queued_by().items():
             by_tier[tier] = by_tier.get(tier, 0) + n
         return DispatcherStatistics(
-            self.window, self._in_flight, len(self._queue), by_tier, self._started, self._shed, self._rate_limited, self._rate
+            self.window,
+            self._in_flight,
+            len(self._queue),
+            by_tier,
+            self._started,
+            self._shed,
+            self._rate_limited,
+            self._rate,
+            dict(self._refused_by),
         )
 
 

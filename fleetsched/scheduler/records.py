@@ -59,6 +59,9 @@ class Recorder:
     calls: list[CallRecord] = field(default_factory=list)
     sessions: list[SessionRecord] = field(default_factory=list)
     call_count: int = 0
+    refusals: list[CallRecord] = field(default_factory=list)
+    """Calls refused before a place in the window (shed, rate-limited): `error` names why,
+    `started` is nan and `finished` the refusal's time. Kept apart from `calls`."""
 
     def add_call(self, record: CallRecord) -> None:
         self.call_count += 1
@@ -67,6 +70,9 @@ class Recorder:
 
     def add_session(self, record: SessionRecord) -> None:
         self.sessions.append(record)
+
+    def add_refusal(self, record: CallRecord) -> None:
+        self.refusals.append(record)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -1,0 +1,137 @@
+"""SLAs that cannot be met even on an idle engine, found at start rather than by breaches.
+
+The engine's unloaded TTFT is what one call alone takes to its first token. For the ``sim``
+backend it follows from the engine model (`sim_unloaded_ttft_s`: the prefill steps of the
+prompt); for the others it is measured by one probe call straight to the backend, before the
+workload starts (`probe_unloaded_ttft_s`). A tenant whose ``ttft_p99_s`` is below it is flagged.
+The prompt is the tenant's shortest first turn in the workload (system prompt included), or a
+one-line prompt when the workload has no agents of that tenant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import anyio
+
+from ..backends.base import Backend, estimate_prompt_tokens
+from ..settings import Settings, SimSettings
+
+_PROBE_TEXT = "Reply with one word."
+
+
+@dataclass(frozen=True, slots=True)
+class Unreachable:
+    """A tenant objective below what the idle engine achieves."""
+
+    tenant: str
+    objective: str
+    target_s: float
+    unloaded_s: float
+    prompt_tokens: int
+
+    def message(self) -> str:
+        return (
+            f"tenant {self.tenant!r}: sla.{self.objective}_s = {self.target_s:g} s cannot be met: the idle engine "
+            f"takes {self.unloaded_s:.4g} s to the first token of a {self.prompt_tokens}-token prompt; "
+            "raise the target or use a faster engine"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "message": self.message()}
+
+
+def sim_unloaded_ttft_s(sim: SimSettings, prompt_tokens: int) -> float:
+    """TTFT of one call alone on the sim engine: its prefill in chunks of max_num_batched_tokens,
+    each one engine step with one sequence; the first token comes with the last chunk."""
+    total, done = 0.0, 0
+    while done < prompt_tokens:
+        chunk = min(sim.max_num_batched_tokens, prompt_tokens - done)
+        done += chunk
+        total += sim.step_base_s + sim.step_per_token_s * chunk + sim.step_per_context_token_s * done + sim.step_per_seq_s
+    return total
+
+
+def tenant_prompt_tokens(settings: Settings) -> dict[str, int]:
+    """Each tenant's shortest first prompt in the workload, as the dispatcher estimates it."""
+    from ..agents.workload import SYSTEM_PROMPT
+
+    out = {}
+    for name in settings.tenants:
+        sizes = [
+            estimate_prompt_tokens(
+                {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "x" * 4 * m.prompt_tokens}]}
+            )
+            for m in settings.workload.agents
+            if m.tenant == name
+        ]
+        out[name] = min(sizes) if sizes else probe_body()[1]
+    return out
+
+
+def probe_body() -> tuple[dict[str, Any], int]:
+    body = {"messages": [{"role": "user", "content": _PROBE_TEXT}], "max_tokens": 1}
+    return body, estimate_prompt_tokens(body)
+
+
+async def probe_unloaded_ttft_s(backend: Backend, model: str) -> float:
+    """One short call straight to `backend` (not through the dispatcher): seconds to its first chunk
+    with a choice. Raises what the backend raises."""
+    body, _ = probe_body()
+    start = anyio.current_time()
+    stream = backend.stream_chat({**body, "model": model})
+    try:
+        async for chunk in stream:
+            if chunk.get("choices"):
+                return anyio.current_time() - start
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    return anyio.current_time() - start
+
+
+def unreachable(settings: Settings, unloaded_ttft_s: dict[str, float], prompt_tokens: dict[str, int]) -> list[Unreachable]:
+    """Tenants whose TTFT objective is below the idle engine's TTFT for their prompt."""
+    out = []
+    for name, tenant in settings.tenants.items():
+        target = tenant.sla.ttft_p99_s
+        floor = unloaded_ttft_s.get(name)
+        if target is not None and floor is not None and target < floor:
+            out.append(Unreachable(name, "ttft_p99", target, floor, prompt_tokens[name]))
+    return out
+
+
+async def check_feasibility(settings: Settings, backend: Backend) -> dict[str, Any]:
+    """The report's ``sla.feasibility``: the unloaded TTFT per tenant and the unreachable SLAs.
+
+    For the sim backend it is computed; for others one probe call is made (a failing probe is
+    skipped with a note, never raised).
+    """
+    prompts = tenant_prompt_tokens(settings)
+    kind = settings.backend.kind
+    note = None
+    if kind == "sim":
+        floors = {name: sim_unloaded_ttft_s(settings.backend.sim, n) for name, n in prompts.items()}
+        method = "sim engine model"
+    elif kind == "instant":
+        floors = {name: 0.0 for name in prompts}
+        method = "instant backend"
+    else:
+        method = "probe call"
+        try:
+            with anyio.fail_after(30):
+                measured = await probe_unloaded_ttft_s(backend, settings.backend.model)
+        except Exception as exc:  # any failure: skip the check, say why
+            floors = {}
+            note = f"unloaded TTFT not probed: {type(exc).__name__}: {exc}"
+        else:
+            # One short prompt measured: a floor for every tenant (longer prompts only add).
+            floors = {name: measured for name in prompts}
+            prompts = {name: probe_body()[1] for name in prompts}
+    flagged = unreachable(settings, floors, prompts)
+    return {
+        "method": method,
+        "unloaded_ttft_s": {name: round(v, 6) for name, v in floors.items()},
+        "unreachable": [u.as_dict() for u in flagged],
+        "note": note,
+    }

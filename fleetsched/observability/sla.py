@@ -1,0 +1,296 @@
+"""SLA accounting: per-tenant attainment of `SlaSettings` objectives, and breaches with a reason.
+
+Pure and synchronous: everything here reads `CallRecord` / `SessionRecord` values and takes the
+time as an argument, so tests check it against hand-computed figures without an event loop.
+
+Objectives and what counts (see `SlaSettings`):
+
+- ``ttft_p99``: every call of the tenant is an event, met when it succeeded with a TTFT within
+  the target. The objective is met when at least 99 % of events are.
+- ``latency_p95``: the same with the whole call latency, 95 %.
+- ``deadline``: every session that ended done or failed is an event, met when it ended done
+  within the deadline (from submission). Met when every session is.
+- ``min_tokens_per_s``: generated tokens over the time the tenant had a call outstanding (it was
+  backlogged), met when at least the target. Its rolling attainment is 1 or 0 per window.
+
+Refused calls are events that miss every call objective. Calls cancelled (their session ended
+or was cancelled) are not call events: the session's deadline accounts for them.
+
+A missed event is a `Breach` with a reason: ``shed`` or ``rate-limited`` (refused),
+``failed`` (the call raised), ``queued`` (queued too long: the dispatcher queue time, started -
+submitted, is at least half the value) or ``engine-slow`` (the rest). A session past its
+deadline is ``queued`` when its admission wait dominates, else ``engine-slow``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..scheduler.records import CallRecord, Recorder, SessionRecord, percentile
+from ..settings import SlaSettings, TenantSettings
+
+OBJECTIVES = ("ttft_p99", "latency_p95", "deadline", "min_tokens_per_s")
+#: The share of events that must meet the target for the objective to be met.
+QUANTILE = {"ttft_p99": 0.99, "latency_p95": 0.95, "deadline": 1.0, "min_tokens_per_s": 1.0}
+REASONS = ("queued", "engine-slow", "rate-limited", "shed", "failed")
+REASON_TEXT = {
+    "queued": "queued too long",
+    "engine-slow": "engine slow",
+    "rate-limited": "rate-limited",
+    "shed": "shed",
+    "failed": "call failed",
+}
+_REFUSED = {"Overloaded": "shed", "RateLimited": "rate-limited"}
+_CANCELLED = frozenset({"Cancelled", "CancelledError"})
+
+
+def targets(sla: SlaSettings) -> dict[str, float]:
+    """The objectives `sla` sets, by name (objectives left None are absent)."""
+    values = {
+        "ttft_p99": sla.ttft_p99_s,
+        "latency_p95": sla.latency_p95_s,
+        "deadline": sla.deadline_s,
+        "min_tokens_per_s": sla.min_tokens_per_s,
+    }
+    return {k: v for k, v in values.items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Breach:
+    """One event that missed its objective."""
+
+    at: float
+    tenant: str
+    tier: int
+    objective: str
+    value: float
+    """What was measured (seconds; inf for a refused or failed call)."""
+    target: float
+    reason: str
+
+
+def _reason(wait_s: float, value_s: float) -> str:
+    return "queued" if wait_s >= value_s / 2 else "engine-slow"
+
+
+def call_events(call: CallRecord, goals: Mapping[str, float]) -> list[tuple[str, bool, Breach | None]]:
+    """(objective, met, breach or None) for each call objective in `goals`; [] for a cancelled call."""
+    if call.error in _CANCELLED:
+        return []
+    events: list[tuple[str, bool, Breach | None]] = []
+    for objective, value in (("ttft_p99", call.ttft_s), ("latency_p95", call.latency_s)):
+        target = goals.get(objective)
+        if target is None:
+            continue
+        if call.error is not None:
+            reason = _REFUSED.get(call.error, "failed")
+            events.append((objective, False, Breach(call.finished, call.tenant, call.tier, objective, math.inf, target, reason)))
+        elif value <= target:
+            events.append((objective, True, None))
+        else:
+            breach = Breach(call.finished, call.tenant, call.tier, objective, value, target, _reason(call.queue_s, value))
+            events.append((objective, False, breach))
+    return events
+
+
+def session_event(session: SessionRecord, goals: Mapping[str, float]) -> tuple[bool, Breach | None] | None:
+    """(met, breach or None) for the deadline objective; None when it does not apply."""
+    target = goals.get("deadline")
+    if target is None or session.state not in ("done", "failed"):
+        return None
+    span = session.finished - session.submitted
+    if session.state == "done" and span <= target:
+        return True, None
+    wait = session.admitted - session.submitted if session.admitted == session.admitted else span
+    return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, _reason(wait, span))
+
+
+def busy_time(intervals: Iterable[tuple[float, float]], lo: float = -math.inf, hi: float = math.inf) -> float:
+    """Length of the union of [start, end] intervals, clipped to [lo, hi]."""
+    total = 0.0
+    end_so_far = -math.inf
+    for start, end in sorted((max(s, lo), min(e, hi)) for s, e in intervals):
+        if end <= start:
+            continue
+        if start > end_so_far:
+            total += end - start
+            end_so_far = end
+        elif end > end_so_far:
+            total += end - end_so_far
+            end_so_far = end
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectiveResult:
+    objective: str
+    target: float
+    value: float
+    """The measured figure: TTFT p99 or latency p95 of successful calls, the longest session,
+    or tokens per backlogged second (nan: nothing to measure)."""
+    events: int
+    met_events: int
+    breaches: Mapping[str, int]
+    """Missed events by reason."""
+
+    @property
+    def attainment(self) -> float:
+        """Share of events that met the target (nan without events)."""
+        return self.met_events / self.events if self.events else math.nan
+
+    @property
+    def met(self) -> bool:
+        if self.objective == "min_tokens_per_s":
+            return not self.value < self.target  # nan (no traffic) does not count as missed
+        return not self.events or self.met_events >= QUANTILE[self.objective] * self.events - 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSla:
+    tenant: str
+    tier: str
+    weight: float
+    objectives: tuple[ObjectiveResult, ...]
+    refused: Mapping[str, int] = field(default_factory=dict)
+    """Refused calls by reason (shed, rate-limited), whether or not an objective was set."""
+
+    @property
+    def met(self) -> bool:
+        return all(o.met for o in self.objectives)
+
+
+def evaluate(recorder: Recorder, tenants: Mapping[str, TenantSettings]) -> tuple[list[TenantSla], list[Breach]]:
+    """Every tenant's objectives over the whole run; the breaches in time order."""
+    calls: dict[str, list[CallRecord]] = {name: [] for name in tenants}
+    for call in [*recorder.calls, *recorder.refusals]:
+        calls.setdefault(call.tenant, []).append(call)
+    sessions: dict[str, list[SessionRecord]] = {name: [] for name in tenants}
+    for session in recorder.sessions:
+        sessions.setdefault(session.tenant, []).append(session)
+    rows, breaches = [], []
+    for name, tenant in tenants.items():
+        goals = targets(tenant.sla)
+        counts = {o: [0, 0] for o in goals}  # events, met
+        reasons: dict[str, dict[str, int]] = {o: {} for o in goals}
+
+        def note(objective: str, met: bool, breach: Breach | None) -> None:
+            counts[objective][0] += 1
+            counts[objective][1] += met
+            if breach is not None:
+                reasons[objective][breach.reason] = reasons[objective].get(breach.reason, 0) + 1
+                breaches.append(breach)
+
+        refused: dict[str, int] = {}
+        for call in calls[name]:
+            if call.error in _REFUSED:
+                refused[_REFUSED[call.error]] = refused.get(_REFUSED[call.error], 0) + 1
+            for event in call_events(call, goals):
+                note(*event)
+        for session in sessions[name]:
+            event = session_event(session, goals)
+            if event is not None:
+                note("deadline", *event)
+        ok = [c for c in calls[name] if c.error is None]
+        results = []
+        for objective, target in goals.items():
+            if objective == "ttft_p99":
+                value = percentile([c.ttft_s for c in ok], 99)
+            elif objective == "latency_p95":
+                value = percentile([c.latency_s for c in ok], 95)
+            elif objective == "deadline":
+                spans = [s.finished - s.submitted for s in sessions[name] if s.state in ("done", "failed")]
+                value = max(spans, default=math.nan)
+            else:
+                busy = busy_time((c.submitted, c.finished) for c in calls[name] if c.error not in _REFUSED)
+                value = sum(c.completion_tokens for c in ok) / busy if busy > 0 else math.nan
+                counts[objective] = [1, int(value >= target)] if busy > 0 else [0, 0]
+                if busy > 0 and value < target:
+                    reasons[objective] = {"engine-slow": 1}
+            events, met = counts[objective]
+            results.append(ObjectiveResult(objective, target, value, events, met, reasons[objective]))
+        rows.append(TenantSla(name, str(tenant.tier), tenant.weight, tuple(results), refused))
+    breaches.sort(key=lambda b: b.at)
+    return rows, breaches
+
+
+class SlaTracker:
+    """Live attainment per tenant and objective over a rolling window of `window_s` seconds.
+
+    Call `update(recorder, now)` whenever a fresh figure is wanted (the live view and the
+    metrics scrape do): it reads the records added since the last update, so the dispatcher's
+    hot path pays nothing. `attainment(tenant, objective)` is then the share of the window's
+    events that met the target (None without events in the window).
+    """
+
+    def __init__(self, tenants: Mapping[str, TenantSettings], *, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self.goals = {name: targets(t.sla) for name, t in tenants.items()}
+        self._events: dict[tuple[str, str], deque[tuple[float, bool]]] = {}
+        self._served: dict[str, deque[tuple[float, float, int]]] = {}  # submitted, finished, tokens
+        self.breaches: dict[tuple[str, str, str], int] = {}
+        """Breaches so far per (tenant, objective, reason)."""
+        self.recent: deque[Breach] = deque(maxlen=200)
+        self._cursors = [0, 0, 0]  # calls, refusals, sessions
+        self._now = -math.inf
+
+    def update(self, recorder: Recorder, now: float) -> list[Breach]:
+        """Take in the records added since the last update; returns the new breaches."""
+        self._now = now
+        new: list[Breach] = []
+        lists: Sequence[list] = (recorder.calls, recorder.refusals, recorder.sessions)
+        for i, records in enumerate(lists):
+            start, self._cursors[i] = self._cursors[i], len(records)
+            for record in records[start:]:
+                goals = self.goals.get(record.tenant, {})
+                if i < 2:
+                    for objective, met, breach in call_events(record, goals):
+                        self._note(record.tenant, objective, record.finished, met, breach, new)
+                    if "min_tokens_per_s" in goals and record.error is None:
+                        self._served.setdefault(record.tenant, deque()).append(
+                            (record.submitted, record.finished, record.completion_tokens)
+                        )
+                else:
+                    event = session_event(record, goals)
+                    if event is not None:
+                        self._note(record.tenant, "deadline", record.finished, *event, new)
+        return new
+
+    def _note(self, tenant: str, objective: str, at: float, met: bool, breach: Breach | None, new: list[Breach]) -> None:
+        self._events.setdefault((tenant, objective), deque()).append((at, met))
+        if breach is not None:
+            key = (tenant, objective, breach.reason)
+            self.breaches[key] = self.breaches.get(key, 0) + 1
+            self.recent.append(breach)
+            new.append(breach)
+
+    def attainment(self, tenant: str, objective: str) -> float | None:
+        """Share of events in the window that met the target; None without events."""
+        lo = self._now - self.window_s
+        if objective == "min_tokens_per_s":
+            served = self._served.get(tenant)
+            target = self.goals.get(tenant, {}).get(objective)
+            while served and served[0][1] < lo:
+                served.popleft()
+            if not served or target is None:
+                return None
+            busy = busy_time(((s, f) for s, f, _ in served), lo, self._now)
+            tokens = sum(n for _, f, n in served if f >= lo)
+            return (1.0 if tokens / busy >= target else 0.0) if busy > 0 else None
+        events = self._events.get((tenant, objective))
+        while events and events[0][0] < lo:
+            events.popleft()
+        if not events:
+            return None
+        return sum(met for _, met in events) / len(events)
+
+    def tenant_attainment(self, tenant: str) -> float | None:
+        """The lowest attainment over the tenant's objectives in the window (None: no events)."""
+        worst = None
+        for objective in self.goals.get(tenant, {}):
+            value = self.attainment(tenant, objective)
+            if value is not None:
+                worst = value if worst is None else min(worst, value)
+        return worst
