@@ -201,7 +201,14 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
+            try:
+                await self._http(scope, receive, send)
+            except Exception:  # a bug of ours: answer 500 if we still can, never take the server down
+                logger.exception("gateway error on %s %s", scope.get("method"), scope.get("path"))
+                try:
+                    await _error(send, error_response(500, "internal error in the gateway", "internal_error"))
+                except Exception:
+                    pass
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 

@@ -81,7 +81,8 @@ def check_chat(body: Any) -> dict[str, Any]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise Invalid(f"messages.{i}", "must be an object with `role` and `content`")
-        if message.get("role") not in ROLES:
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
             raise Invalid(f"messages.{i}.role", f"must be one of {', '.join(sorted(ROLES))}")
         content = message.get("content")
         if content is not None and not isinstance(content, str):

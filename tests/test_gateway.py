@@ -1,0 +1,281 @@
+"""The gateway over a real socket (uvicorn in a thread), the real openai SDK as the client."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+from fleetsched.backends.base import Backend, ChatBody, Chunk, make_chunk, usage_dict
+from fleetsched.errors import Overloaded
+from fleetsched.gateway.app import _answer_for
+from fleetsched.gateway.auth import KeyRing, hash_key
+from fleetsched.gateway.server import serve_in_thread
+from fleetsched.settings import Settings
+
+ACME, GLOBEX, ADMIN = "fs-acme-key", "fs-globex-key", "fs-admin-key"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def gateway_settings(tenants: dict | None = None, **sections) -> Settings:
+    tenants = tenants or {
+        "acme": {"api_keys": [hash_key(ACME)], "tier": "critical"},
+        "globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 3},
+    }
+    sections.setdefault("backend", {"kind": "instant"})
+    sections.setdefault("resources", {"strategy": "counting", "devices": [{"name": "gpu0", "memory": "80GB"}]})
+    gateway = {"admin_api_keys": [hash_key(ADMIN)], "max_context_tokens": 1000, **sections.pop("gateway", {})}
+    return Settings(tenants=tenants, gateway=gateway, **sections)
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    with serve_in_thread(gateway_settings()) as (gw, url):
+        yield gw, url
+
+
+@pytest.fixture
+def url(gateway):
+    return gateway[1]
+
+
+def client(url: str, key: str = ACME) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+def test_sync_sdk_chat_and_streaming(url):
+    c = client(url)
+    reply = c.chat.completions.create(model="m", messages=MSG, max_tokens=4)
+    assert reply.choices[0].message.content == "ok" and reply.usage.completion_tokens == 4
+    chunks = list(c.chat.completions.create(model="m", messages=MSG, max_tokens=3, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "ok"
+    assert chunks[-1].usage.completion_tokens == 3
+
+
+def test_sync_sdk_completions(url):
+    c = client(url)
+    reply = c.completions.create(model="m", prompt="Once upon", max_tokens=2)
+    assert reply.object == "text_completion" and reply.choices[0].text == "ok" and reply.usage.completion_tokens == 2
+    chunks = list(c.completions.create(model="m", prompt="Once upon", max_tokens=2, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "ok"
+    assert chunks[-1].usage.total_tokens > 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_async_sdk_streaming(url, anyio_backend):
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=ACME, max_retries=0) as c:
+        stream = await c.chat.completions.create(model="m", messages=MSG, max_tokens=5, stream=True)
+        parts = [ch async for ch in stream]
+        reply = await c.completions.create(model="m", prompt="x", max_tokens=1)
+    assert parts[0].choices[0].delta.content == "ok" and parts[-1].usage.completion_tokens == 5
+    assert reply.usage.completion_tokens == 1
+
+
+def test_models_and_health(url):
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client(url).models.list()] == ["fleetsched-tiny"]
+
+
+def test_missing_and_wrong_key_get_401_openai_style(url):
+    response = httpx.post(url + "/v1/chat/completions", json={"messages": MSG})
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(url, "fs-wrong").chat.completions.create(model="m", messages=MSG)
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"authorization": "Basic " + ACME}).status_code == 401
+
+
+def test_key_decides_tenant_and_metrics_show_only_own(url):
+    client(url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+    client(url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+    mine = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ACME}"}).text
+    assert 'tenant="acme"' in mine and "globex" not in mine and 'tenant=""' not in mine
+    theirs = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {GLOBEX}"}).text
+    assert 'tenant="globex"' in theirs and "acme" not in theirs
+    everything = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+    assert 'tenant="acme"' in everything and 'tenant="globex"' in everything
+    assert "fleetsched_dispatcher_in_flight" in everything and "fleetsched_dispatcher" not in mine
+    # The admin key names no tenant: it makes no model calls.
+    assert httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers={"authorization": f"Bearer {ADMIN}"}).status_code == 403
+
+
+def test_keys_are_compared_hashed():
+    ring = KeyRing(gateway_settings().tenants)
+    assert ring.identify(ACME).tenant == "acme" and ring.identify(GLOBEX).tenant == "globex"
+    assert ring.identify(ACME + "x") is None and ring.identify("") is None
+    with pytest.raises(ValueError, match="hashed"):
+        gateway_settings({"a": {"api_keys": [ACME]}})
+
+
+def test_rate_limited_429_with_retry_after():
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2}})
+    with serve_in_thread(s) as (_, url):
+        c = client(url, GLOBEX)
+        for _ in range(2):
+            c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as caught:
+            c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+    assert caught.value.status_code == 429 and int(caught.value.response.headers["retry-after"]) >= 1
+
+
+def test_shed_is_503_with_retry_after():
+    answer = _answer_for(Overloaded("batch call shed", retry_after_s=7.2))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "7"
+
+
+def test_too_large_400_names_the_limit(url):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 3000}], max_tokens=500)
+    error = caught.value.body
+    assert error["code"] == "context_length_exceeded" and "1000 tokens" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"messages": []}', "messages"),
+        (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', "messages.0.content"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": true}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+        (b"\xff\xfe", None),
+    ],
+)
+def test_malformed_bodies_are_400(url, body, param):
+    response = httpx.post(url + "/v1/chat/completions", content=body, headers={"authorization": f"Bearer {ACME}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_body_over_the_limit_is_413():
+    with serve_in_thread(gateway_settings(gateway={"max_body_bytes": 1000})) as (_, url):
+        response = httpx.post(url + "/v1/completions", content=b" " * 2000, headers={"authorization": f"Bearer {ACME}"})
+    assert response.status_code == 413 and "max_body_bytes" in response.json()["error"]["message"]
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]) | _json, "content": _json})
+_fields = {
+    "model": _json,
+    "messages": st.lists(_message | _json, max_size=3) | _json,
+    "prompt": st.text(max_size=30) | _json,
+    "max_tokens": st.integers(-5, 5000) | _json,
+    "max_completion_tokens": _json,
+    "stream": st.booleans() | _json,
+    "stream_options": _json,
+    "temperature": st.floats() | _json,
+    "n": _json,
+    "stop": _json,
+    "tools": _json,
+    "seed": _json,
+    "priority": _json,
+    "fleetsched_replica": _json,
+}
+_bodies = st.fixed_dictionaries({}, optional=_fields) | _json
+
+
+@hsettings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), session=st.none() | st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=8))
+def test_fuzzed_request_bodies_never_get_a_500(url, body, path, session):
+    headers = {"authorization": f"Bearer {ACME}", "content-type": "application/json"}
+    if session is not None:
+        headers["x-session-id"] = session
+    try:
+        content = json.dumps(body, allow_nan=True).encode()
+    except (TypeError, ValueError):
+        return
+    response = httpx.post(url + path, content=content, headers=headers, timeout=10)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert "message" in response.json()["error"]
+
+
+class SlowBackend(Backend):
+    """Streams one chunk, then waits; records whether the call was aborted."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.aborted = 0
+
+    async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        self.started += 1
+        try:
+            yield make_chunk("chatcmpl-slow", "m", 0, role="assistant", content="a")
+            await anyio.sleep(30)
+            yield make_chunk("chatcmpl-slow", "m", 0, finish_reason="stop", usage=usage_dict(1, 1))
+        except BaseException:
+            self.aborted += 1
+            raise
+
+
+def _wait_for(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_client_disconnect_aborts_the_call():
+    backend = SlowBackend()
+    with serve_in_thread(gateway_settings(), backend=backend) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": MSG, "stream": True}, headers=headers) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        assert _wait_for(lambda: backend.aborted == 1)
+        # Not streamed: the client gives up waiting, the call is aborted too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers=headers, timeout=0.5)
+        assert _wait_for(lambda: backend.aborted == 2)
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+
+
+def test_sessions_group_calls_and_are_admitted_as_sessions():
+    """One session slot, tools kept: a second session waits until the first one expires."""
+    s = gateway_settings(scheduler={"max_sessions": 1, "tool_policy": "keep"}, gateway={"session_idle_s": 0.5})
+    with serve_in_thread(s) as (gw, url):
+        a = client(url).with_options(default_headers={"X-Session-ID": "agent-a"})
+        b = client(url, GLOBEX).with_options(default_headers={"X-Session-ID": "agent-a"})  # same id, other tenant
+        a.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        a.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        stats = gw.scheduler.statistics()
+        assert stats.running_total == 1 and len(gw.sessions) == 1
+        start = time.monotonic()
+        b.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        assert time.monotonic() - start >= 0.3  # waited for agent-a of acme to expire
+        assert _wait_for(lambda: len(gw.sessions) == 0, 3)
+
+
+def test_sessions_released_during_client_time():
+    """Tools released: between its calls a session lends its slot to another session."""
+    s = gateway_settings(scheduler={"max_sessions": 1, "tool_policy": "release"}, gateway={"session_idle_s": 30})
+    with serve_in_thread(s) as (gw, url):
+        a = client(url).with_options(default_headers={"X-Session-ID": "a"})
+        b = client(url).with_options(default_headers={"X-Session-ID": "b"})
+        start = time.monotonic()
+        for _ in range(3):
+            a.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+            b.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        assert time.monotonic() - start < 5
+        assert len(gw.sessions) == 2
+        handles = gw.scheduler.running_sessions()
+        assert sorted(h.counters.calls for h in handles) == [3, 3]
+        assert all(h.parked_count >= 2 for h in handles)
