@@ -1,0 +1,148 @@
+"""Gateway instances sharing tenant state through a real Redis server (Debian's redis-server).
+
+The Redis server runs on a free loopback port for this module. Without the binary the tests are
+skipped, unless FLEETSCHED_REQUIRE_REDIS=1: then they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+
+import openai
+import pytest
+
+from fleetsched.gateway.auth import hash_key
+from fleetsched.gateway.server import serve_in_thread
+from fleetsched.gateway.state import Placement, RedisState
+from fleetsched.resources.ratelimit import RateLimit
+
+from .test_gateway import ACME, GLOBEX, MSG, client, gateway_settings
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "no redis-server binary: apt-get install -y redis-server"
+        if os.environ.get("FLEETSCHED_REQUIRE_REDIS") == "1":
+            pytest.fail(f"FLEETSCHED_REQUIRE_REDIS=1 but {message}", pytrace=False)
+        pytest.skip(message)
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as workdir:
+        process = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                        s.sendall(b"PING\r\n")
+                        if s.recv(16).startswith(b"+PONG"):
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline or process.poll() is not None:
+                    pytest.fail("redis-server did not start")
+                time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+def test_two_instances_hold_a_tenants_rate_limit_jointly(redis_url):
+    tenants = {
+        "acme": {"api_keys": [hash_key(ACME)]},
+        "globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 4},
+    }
+    s = gateway_settings(tenants, gateway={"redis_url": redis_url})
+    flush(redis_url)
+    with serve_in_thread(s) as (one, url_one), serve_in_thread(s) as (two, url_two):
+        assert one.state.shared and two.state.shared and one.instance != two.instance
+        first, second = client(url_one, GLOBEX), client(url_two, GLOBEX)
+        for c in (first, second, first, second):
+            c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        for c in (first, second):  # both instances see the bucket empty
+            with pytest.raises(openai.RateLimitError) as caught:
+                c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+            assert int(caught.value.response.headers["retry-after"]) >= 1
+        # Another tenant's bucket is its own.
+        client(url_two, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+
+
+def test_alone_an_instance_keeps_the_limit_in_memory():
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2}})
+    with serve_in_thread(s) as (one, url_one), serve_in_thread(s) as (_, url_two):
+        assert not one.state.shared
+        for url in (url_one, url_one, url_two, url_two):  # two each: the buckets are separate
+            client(url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+
+
+async def test_token_bucket_refund_and_usage_and_placement_are_shared(redis_url):
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    limits = {"acme": RateLimit(None, 600.0)}  # 600 tokens a minute, burst 600
+    a, b = RedisState(limits, redis_url, prefix=prefix), RedisState(limits, redis_url, prefix=prefix)
+    try:
+        assert await a.take("acme", 500) == 0
+        wait = await b.take("acme", 200)
+        assert 9 < wait <= 11  # 100 tokens short at 10 a second
+        await a.refund("acme", 300)
+        assert await b.take("acme", 200) == 0
+        assert await a.take("nobody", 10**9) == 0  # no limit, no bucket
+
+        await a.add_usage("acme", 10.5)
+        await b.add_usage("acme", 2)
+        await b.add_usage("globex", 1)
+        assert await a.usage() == {"acme": 12.5, "globex": 1.0}
+
+        first = await a.place("acme/s1", Placement("one", "r0"), 5)
+        second = await b.place("acme/s1", Placement("two", "r1"), 5)
+        assert first == second == Placement("one", "r0")
+        await b.forget("acme/s1")
+        assert await b.place("acme/s1", Placement("two", "r1"), 5) == Placement("two", "r1")
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+def test_fair_share_counters_count_the_peers_service(redis_url):
+    flush(redis_url)
+    s = gateway_settings(gateway={"redis_url": redis_url})
+    with serve_in_thread(s) as (one, url_one), serve_in_thread(s) as (two, _):
+        for _ in range(3):
+            client(url_one, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=4)
+        queue = two.scheduler.dispatcher._queue
+        deadline = time.monotonic() + 5
+        while queue.counter("acme") <= 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # 3 calls of about 4 prompt tokens (weight 1) and 4 completion tokens (weight 2).
+        assert queue.counter("acme") >= 3 * (1 + 4 * 2)
+
+
+def flush(url: str) -> None:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        r.flushdb()
