@@ -59,7 +59,7 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
             if args.metrics_port is not None:
                 from .observability.metrics import registry_for, serve_metrics
 
-                port = await tg.start(serve_metrics, registry_for(scheduler, tracker), host=args.metrics_host, port=args.metrics_port)
+                port = await tg.start(serve_metrics, registry_for(scheduler, tracker), args.metrics_host, args.metrics_port)
                 print(f"fleetsched: metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr, flush=True)
             tg.start_soon(timeline.run)
             if not args.no_live:

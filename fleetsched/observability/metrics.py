@@ -245,7 +245,7 @@ async def _handle(stream: SocketStream, registry: CollectorRegistry) -> None:
             pass
 
 
-async def serve_metrics(registry: CollectorRegistry, *, host: str = "127.0.0.1", port: int = 0, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+async def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
     """Serve ``GET /metrics`` from `registry` until cancelled. Start it with ``await tg.start(...)``:
     the started value is the port listened on (useful with `port` 0)."""
     listener = await anyio.create_tcp_listener(local_host=host, local_port=port)

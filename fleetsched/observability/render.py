@@ -1,0 +1,279 @@
+"""``fleetsched report RUN.json --out DIR``: plots of a run report and an HTML page that shows them.
+
+Writes into DIR: ``ttft_cdf.png`` (TTFT CDF per tier and per tenant, SLA targets dashed),
+``throughput.png``, ``queue_depth.png``, ``memory.png`` (allocated memory and fragmentation per
+device), ``sla_attainment.png`` (attainment per tenant and objective, and the rolling attainment
+over time) and ``index.html`` (the plots with the tenant and SLA tables). Exit codes: 0 done,
+2 when the report cannot be read or is of another schema version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import ReportSchemaError
+from ..report import SLA_COLUMNS, load_report, sla_rows
+
+PLOTS = ("ttft_cdf.png", "throughput.png", "queue_depth.png", "memory.png", "sla_attainment.png")
+TIER_COLORS = {"critical": "tab:red", "standard": "tab:blue", "batch": "tab:green"}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(ax: Any, quantiles: list[float] | None, label: str, **style: Any) -> None:
+    if not quantiles:
+        return
+    ax.plot(quantiles, [q / 100 for q in range(101)], label=label, **style)
+
+
+def plot_ttft_cdf(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    dist = report["distributions"]["ttft_s"]
+    fig, (by_tier, by_tenant) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for tier, q in sorted(dist["tier"].items()):
+        _cdf(by_tier, q, tier, color=TIER_COLORS.get(tier))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, t in enumerate(report["tenants"]):
+        color = colors[i % len(colors)]
+        _cdf(by_tenant, dist["tenant"].get(t["tenant"]), f"{t['tenant']} ({t['tier']})", color=color)
+        target = t["sla"]["objectives"].get("ttft_p99", {}).get("target")
+        if target is not None:
+            by_tenant.axvline(target, color=color, linestyle="--", linewidth=1)
+    for ax, title in ((by_tier, "TTFT by tier"), (by_tenant, "TTFT by tenant (dashed: TTFT p99 objective)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (s)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.axhline(0.99, color="grey", linewidth=0.8, linestyle=":")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="lower right")
+    by_tier.set_ylabel("share of calls")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _timeline(report: dict[str, Any]) -> dict[str, Any] | None:
+    timeline = report.get("timeline")
+    return timeline if timeline and len(timeline.get("t", [])) >= 2 else None
+
+
+def _empty(ax: Any, text: str = "no timeline in this report") -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+
+
+def plot_throughput(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    tl = _timeline(report)
+    if tl is None:
+        _empty(ax)
+    else:
+        t, tokens = tl["t"], tl["completion_tokens"]
+        rates = [(tokens[i] - tokens[i - 1]) / (t[i] - t[i - 1]) if t[i] > t[i - 1] else 0.0 for i in range(1, len(t))]
+        ax.step(t[1:], rates, where="pre", color="tab:purple", label="generated tokens/s")
+        ax.axhline(report["throughput_tok_s"] or 0, color="grey", linestyle="--", linewidth=1, label=f"run mean {report['throughput_tok_s']} tok/s")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Throughput over time")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_queue_depth(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, (sessions, calls) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    tl = _timeline(report)
+    if tl is None:
+        _empty(sessions)
+    else:
+        t = tl["t"]
+        for tier, values in tl["queued_sessions"].items():
+            if any(values):
+                sessions.plot(t, values, label=f"{tier}", color=TIER_COLORS.get(tier))
+        sessions.plot(t, tl["running_sessions"], label="running (all tiers)", color="black", linewidth=0.8, linestyle=":")
+        for tier, values in tl["queued_calls"].items():
+            if any(values):
+                calls.plot(t, values, label=f"{tier} queued", color=TIER_COLORS.get(tier))
+        calls.plot(t, tl["in_flight"], label="in flight", color="black", linewidth=0.8)
+        calls.plot(t, tl["window"], label="window", color="grey", linestyle="--", linewidth=0.8)
+        for ax in (sessions, calls):
+            ax.legend(fontsize=8, loc="upper right")
+    sessions.set_title("Sessions waiting for admission, per tier")
+    sessions.set_ylabel("sessions")
+    calls.set_title("Model calls waiting for the in-flight window, per tier")
+    calls.set_ylabel("calls")
+    calls.set_xlabel("time since start (s)")
+    for ax in (sessions, calls):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, (mem, frag) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    tl = _timeline(report)
+    totals = {d["name"]: d["total_bytes"] for d in report["memory"].get("devices", [])}
+    if tl is None:
+        _empty(mem)
+    else:
+        t = tl["t"]
+        for device, values in tl["memory_allocated_bytes"].items():
+            line = mem.plot(t, [v / 1e9 for v in values], label=f"{device} allocated")[0]
+            if device in totals:
+                mem.axhline(totals[device] / 1e9, color=line.get_color(), linestyle="--", linewidth=0.8, label=f"{device} total")
+        for device, values in tl["fragmentation"].items():
+            frag.plot(t, [100 * v for v in values], label=device)
+        mem.legend(fontsize=8, loc="upper right")
+        frag.legend(fontsize=8, loc="upper right")
+    mem.set_title("Memory reserved by sessions, per device")
+    mem.set_ylabel("GB")
+    frag.set_title("Fragmentation per device: (free - largest free) / free")
+    frag.set_ylabel("%")
+    frag.set_ylim(0, 100)
+    frag.set_xlabel("time since start (s)")
+    for ax in (mem, frag):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, (bars, over_time) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.3]})
+    objectives = ["ttft_p99", "latency_p95", "deadline", "min_tokens_per_s"]
+    tenants = [t for t in report["tenants"] if t["sla"]["objectives"]]
+    width = 0.8 / len(objectives)
+    for j, objective in enumerate(objectives):
+        xs, ys = [], []
+        for i, t in enumerate(tenants):
+            o = t["sla"]["objectives"].get(objective)
+            if o is not None and o["attainment"] is not None:
+                xs.append(i + (j - 1.5) * width)
+                ys.append(100 * o["attainment"])
+        if xs:
+            bars.bar(xs, ys, width=width, label=objective)
+    bars.axhline(99, color="grey", linestyle=":", linewidth=0.8)
+    bars.set_xticks(range(len(tenants)), [f"{t['tenant']}\n({t['tier']})" for t in tenants], fontsize=8)
+    bars.set_ylim(0, 105)
+    bars.set_ylabel("attainment (% of events within target)")
+    bars.set_title("SLA attainment per tenant, whole run")
+    if tenants:
+        bars.legend(fontsize=8, loc="lower right")
+    else:
+        _empty(bars, "no tenant has an SLA")
+    tl = _timeline(report)
+    if tl is None:
+        _empty(over_time)
+    else:
+        for t in tenants:
+            values = tl["attainment"].get(t["tenant"], [])
+            over_time.plot(tl["t"], [None if v is None else 100 * v for v in values], label=t["tenant"])
+        over_time.set_ylim(0, 105)
+        if tenants:
+            over_time.legend(fontsize=8, loc="lower right")
+    over_time.set_title(f"Rolling attainment (worst objective, {tl['window_s'] if tl else '-'} s window)")
+    over_time.set_xlabel("time since start (s)")
+    over_time.set_ylabel("%")
+    for ax in (bars, over_time):
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(columns: list[str] | tuple[str, ...], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:,.0f}"
+
+
+def render_html(report: dict[str, Any]) -> str:
+    tenants = [
+        [t["tenant"], t["tier"], t["sessions_done"], t["sessions_failed"], t["calls"], _ms(t["ttft_s"]["p50"]), _ms(t["ttft_s"]["p99"]),
+         _ms(t["latency_s"]["p50"]), _ms(t["latency_s"]["p99"]), f"{t['prompt_tokens']:,}", f"{t['completion_tokens']:,}"]
+        for t in report["tenants"]
+    ]
+    tenant_cols = ["tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"]
+    sla = report["sla"]
+    by_reason = [[r, n] for r, n in sla["breaches"]["by_reason"].items()]
+    feasibility = sla.get("feasibility") or {}
+    flagged = "".join(f"<li class='bad'>{html.escape(u['message'])}</li>" for u in feasibility.get("unreachable", []))
+    note = f"<li>{html.escape(feasibility['note'])}</li>" if feasibility.get("note") else ""
+    floors = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (feasibility.get("unloaded_ttft_s") or {}).items())
+    feasibility_html = (
+        f"<p>Unloaded TTFT ({html.escape(str(feasibility.get('method')))}): {html.escape(floors) or '-'}</p><ul>{flagged}{note}</ul>"
+        if feasibility
+        else "<p>not checked</p>"
+    )
+    images = "".join(f"<figure><img src='{name}' alt='{name}'></figure>" for name in PLOTS)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>fleetsched run report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
+th {{ background: #f3f3f3; }} td:first-child, td:nth-child(2) {{ text-align: left; }}
+img {{ max-width: 100%; }} .bad {{ color: #b00; }}
+</style></head><body>
+<h1>fleetsched run: {report['duration_s']:.1f} s on {html.escape(report['backend'])}</h1>
+<p>{sum(report['sessions'].values())} sessions ({html.escape(', '.join(f'{k} {v}' for k, v in report['sessions'].items()))}),
+{report['calls']:,} calls, {report.get('refused_calls', 0):,} refused, {report['completion_tokens']:,} tokens generated,
+{report['throughput_tok_s']} tok/s. Schema {html.escape(report['schema'])}.</p>
+<h2>Tenants</h2>{_table(tenant_cols, tenants)}
+<h2>SLA</h2>{_table(SLA_COLUMNS, sla_rows(report))}
+<h3>Breaches by reason ({sla['breaches']['total']})</h3>{_table(["reason", "breaches"], by_reason)}
+<h3>Feasibility at start</h3>{feasibility_html}
+<h2>Plots</h2>{images}
+</body></html>
+"""
+
+
+def render(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write every plot and ``index.html`` into `out` (created); returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    writers = (plot_ttft_cdf, plot_throughput, plot_queue_depth, plot_memory, plot_sla_attainment)
+    paths = []
+    for name, write in zip(PLOTS, writers):
+        write(report, out / name)
+        paths.append(out / name)
+    index = out / "index.html"
+    index.write_text(render_html(report))
+    return [*paths, index]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fleetsched report", description=__doc__.splitlines()[0])
+    parser.add_argument("report", metavar="RUN.json", help="a report written by fleetsched run/simulate --report")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory for the plots and index.html")
+    args = parser.parse_args(argv)
+    try:
+        report = load_report(args.report)
+    except ReportSchemaError as exc:
+        print(f"fleetsched report: {exc}", file=sys.stderr)
+        return 2
+    paths = render(report, Path(args.out))
+    for path in paths:
+        print(path)
+    return 0

@@ -1,0 +1,147 @@
+"""SLA accounting: hand-computed attainment and breach reasons, on plain records and on virtual time."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import pytest
+
+from fleetsched.backends.base import Backend, make_chunk, usage_dict
+from fleetsched.errors import RateLimited
+from fleetsched.observability.feasibility import sim_unloaded_ttft_s
+from fleetsched.observability.sla import SlaTracker, busy_time, evaluate
+from fleetsched.scheduler import CallRecord, Dispatcher, Recorder, SessionRecord
+from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits
+from fleetsched.settings import SimSettings, TenantSettings
+
+
+def call(submitted, started, first, finished, tokens=10, tenant="a", error=None):
+    record = CallRecord(tenant, 0, 1, submitted, started, first, finished, 5, tokens)
+    record.error = error
+    return record
+
+
+def by_name(rows):
+    return {row.tenant: {o.objective: o for o in row.objectives} for row in rows}
+
+
+def test_busy_time_is_the_union_of_intervals():
+    assert busy_time([(0, 2), (1, 3), (5, 6)]) == 4
+    assert busy_time([(0, 10)], lo=2, hi=4) == 2
+    assert busy_time([]) == 0
+
+
+def test_attainment_breach_reasons_and_values_by_hand():
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0, "latency_p95_s": 3.0, "deadline_s": 10.0, "min_tokens_per_s": 3.9})}
+    recorder = Recorder()
+    # ttft 0.5 ok, latency 2 ok
+    recorder.add_call(call(0.0, 0.0, 0.5, 2.0))
+    # ttft 2.0 (queued 1.5 of it: queued too long), latency 4.0 (queue 1.5 < 2: engine slow)
+    recorder.add_call(call(1.0, 2.5, 3.0, 5.0))
+    # ttft 1.5, queue 0.2: engine slow; latency 2.5 ok
+    recorder.add_call(call(6.0, 6.2, 7.5, 8.5))
+    recorder.add_call(call(9.0, 9.0, math.nan, 9.1, tokens=0, error="Cancelled"))  # not an event
+    recorder.add_refusal(CallRecord("a", 0, 1, 10.0, finished=10.0, error="RateLimited"))
+    recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, 0.5, 8.5, 3, 15, 30))  # 8.5 s: met
+    recorder.add_session(SessionRecord("a", 0, "k", "failed", 1.0, 9.0, 12.0, 1, 5, 0))  # 11 s, waited 8: queued
+    rows, breaches = evaluate(recorder, tenants)
+    o = by_name(rows)["a"]
+    # TTFT: 4 events (3 calls + 1 refusal), 1 met; p99 of 0.5, 2.0, 1.5 by interpolation: 1.99
+    assert (o["ttft_p99"].events, o["ttft_p99"].met_events) == (4, 1)
+    assert o["ttft_p99"].value == pytest.approx(1.99)
+    assert o["ttft_p99"].breaches == {"queued": 1, "engine-slow": 1, "rate-limited": 1}
+    assert not o["ttft_p99"].met
+    # latency: 2 of 4 met; breaches: engine slow (call 2), rate-limited (the refusal)
+    assert (o["latency_p95"].events, o["latency_p95"].met_events) == (4, 2)
+    assert o["latency_p95"].breaches == {"engine-slow": 1, "rate-limited": 1}
+    # deadline: 1 of 2 met, the other queued 8 of its 11 s
+    assert (o["deadline"].events, o["deadline"].met_events, o["deadline"].value) == (2, 1, 11.0)
+    assert o["deadline"].breaches == {"queued": 1}
+    # tokens: 30 generated over the busy time [0,5] + [6,8.5] + [9,9.1] = 7.6 s: 3.95/s >= 3.9
+    assert o["min_tokens_per_s"].value == pytest.approx(30 / 7.6)
+    assert o["min_tokens_per_s"].met
+    assert rows[0].refused == {"rate-limited": 1}
+    assert [b.at for b in breaches] == sorted(b.at for b in breaches)
+    assert len(breaches) == 3 + 2 + 1
+
+
+def test_objectives_met_at_their_quantile():
+    tenants = {"a": TenantSettings(sla={"latency_p95_s": 1.0})}
+    recorder = Recorder()
+    for i in range(19):
+        recorder.add_call(call(i, i, i + 0.1, i + 0.5))
+    recorder.add_call(call(20, 20, 20.1, 22))  # 1 of 20 late: 95 % attained, met
+    assert by_name(evaluate(recorder, tenants)[0])["a"]["latency_p95"].met
+    recorder.add_call(call(30, 30, 30.1, 32))  # 2 of 21: 90.5 %, missed
+    result = by_name(evaluate(recorder, tenants)[0])["a"]["latency_p95"]
+    assert result.attainment == pytest.approx(19 / 21) and not result.met
+
+
+def test_rolling_window_forgets_old_events():
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0})}
+    recorder = Recorder()
+    tracker = SlaTracker(tenants, window_s=10)
+    recorder.add_call(call(0, 0, 5, 6))  # late, finished at 6
+    recorder.add_call(call(10, 10, 10.5, 12))  # ok, finished at 12
+    assert [b.reason for b in tracker.update(recorder, now=12)] == ["engine-slow"]
+    assert tracker.attainment("a", "ttft_p99") == 0.5
+    tracker.update(recorder, now=17)  # the late call (t=6) left the window
+    assert tracker.attainment("a", "ttft_p99") == 1.0
+    tracker.update(recorder, now=30)
+    assert tracker.attainment("a", "ttft_p99") is None
+    assert tracker.breaches == {("a", "ttft_p99", "engine-slow"): 1}
+
+
+class FixedBackend(Backend):
+    """First token after `ttft` seconds, done `rest` seconds later, 8 tokens."""
+
+    def __init__(self, ttft: float, rest: float) -> None:
+        self.ttft, self.rest = ttft, rest
+
+    async def stream_chat(self, body):
+        await anyio.sleep(self.ttft)
+        yield make_chunk("c", "m", 0, role="assistant", content="x")
+        await anyio.sleep(self.rest)
+        yield make_chunk("c", "m", 0, finish_reason="stop", usage=usage_dict(10, 8))
+
+
+@pytest.mark.anyio
+async def test_sla_accounting_on_virtual_time():
+    """Window 1, each call 0.2 s to its first token and 1 s in all; three calls at t=0 and a
+    rate-limited fourth at t=0.1. Hand-computed: TTFTs 0.2, 1.2, 2.2; latencies 1, 2, 3."""
+    recorder = Recorder()
+    limits = TenantRateLimits({"a": RateLimit(requests_per_minute=3)})
+    dispatcher = Dispatcher(FixedBackend(0.2, 0.8), window=1, recorder=recorder, rate_limits=limits)
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0, "latency_p95_s": 2.5, "min_tokens_per_s": 10})}
+    tracker = SlaTracker(tenants, window_s=60)
+    t0 = anyio.current_time()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(lambda: dispatcher.chat(body, tenant="a", tier=0))
+        await anyio.sleep(0.1)  # the three are in; the bucket (3 a minute) has refilled 0.005
+        with pytest.raises(RateLimited):
+            await dispatcher.chat(body, tenant="a", tier=0)
+    assert anyio.current_time() - t0 == pytest.approx(3.0)
+    assert sorted(round(c.ttft_s, 6) for c in recorder.calls) == [0.2, 1.2, 2.2]
+    assert dispatcher.statistics().refused_by == {("a", "rate-limited"): 1}
+    rows, breaches = evaluate(recorder, tenants)
+    o = by_name(rows)["a"]
+    assert (o["ttft_p99"].events, o["ttft_p99"].met_events) == (4, 1)
+    # 1.2 = 1.0 queued + 0.2: queued too long; 2.2 likewise; the refusal: rate-limited
+    assert o["ttft_p99"].breaches == {"queued": 2, "rate-limited": 1}
+    assert (o["latency_p95"].events, o["latency_p95"].met_events) == (4, 2)
+    assert o["latency_p95"].breaches == {"queued": 1, "rate-limited": 1}  # 3 s, 2 of them queued
+    assert o["min_tokens_per_s"].value == pytest.approx(24 / 3.0)  # 24 tokens over 3 busy seconds
+    assert not o["min_tokens_per_s"].met
+    tracker.update(recorder, anyio.current_time())
+    assert tracker.attainment("a", "ttft_p99") == 0.25
+    assert tracker.attainment("a", "min_tokens_per_s") == 0.0
+    assert sum(tracker.breaches.values()) == len(breaches)  # call and session breaches; the token rate has no events
+
+
+def test_unloaded_ttft_of_the_sim_engine_by_hand():
+    sim = SimSettings(max_num_batched_tokens=100, step_base_s=0.01, step_per_token_s=0.001, step_per_context_token_s=0.0, step_per_seq_s=0.002)
+    # 250 tokens: chunks 100, 100, 50 -> 3 x (0.01 + 0.002) + 0.25
+    assert sim_unloaded_ttft_s(sim, 250) == pytest.approx(0.286)
