@@ -93,17 +93,26 @@ async def _fleet(scheduler: Any, agents: list[AgentMix], duration_s: float, seed
 
 async def _simulate(settings: Settings, duration_s: float | None) -> tuple[dict[str, Any], Any]:
     from .agents.workload import run_workload
+    from .observability.feasibility import check_feasibility
+    from .observability.sla import SlaTracker
+    from .observability.timeline import Timeline
     from .report import build_report
     from .scheduler import Scheduler
 
     async with Scheduler(settings) as scheduler:
+        feasibility = await check_feasibility(settings, scheduler.backend)
         start = anyio.current_time()
-        if duration_s is None:
-            await run_workload(scheduler, settings.workload)
-        else:
-            await _fleet(scheduler, settings.workload.agents, duration_s, settings.workload.seed)
+        timeline = Timeline(scheduler, SlaTracker(settings.tenants), interval_s=max(1.0, (duration_s or 0) / 500))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(timeline.run)
+            if duration_s is None:
+                await run_workload(scheduler, settings.workload)
+            else:
+                await _fleet(scheduler, settings.workload.agents, duration_s, settings.workload.seed)
+            tg.cancel_scope.cancel()
+        timeline.sample()
         elapsed = anyio.current_time() - start
-    report = build_report(scheduler, duration_s=elapsed, backend="sim")
+    report = build_report(scheduler, duration_s=elapsed, backend="sim", start=start, timeline=timeline.as_dict(), feasibility=feasibility)
     stats = scheduler.backend.statistics()
     report["sim"] = {
         "profile": settings.backend.sim.profile,
@@ -243,10 +252,13 @@ def main(argv: list[str]) -> int:
         else:
             from rich.console import Console
 
-            from .report import tenant_table
+            from .report import sla_table, tenant_table
 
             console = Console(width=160)
+            for flagged in report["sla"]["feasibility"]["unreachable"]:
+                print(f"fleetsched simulate: warning: {flagged['message']}", file=sys.stderr)
             console.print(tenant_table(report))
+            console.print(sla_table(report))
             s = report["sim"]
             console.print(
                 f"{report['duration_s']:.0f} s simulated in {report['wall_s']:.1f} s wall; {s['engine_steps']:,} engine steps, "

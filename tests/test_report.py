@@ -1,0 +1,112 @@
+"""The run report (schema fleetsched.run/2): rendering, schema versions, SLAs flagged at start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetsched.errors import ReportSchemaError
+from fleetsched.observability.render import PLOTS, main as render_main
+from fleetsched.report import SCHEMA, load_report, write_report
+from fleetsched.settings import Settings
+from fleetsched.simulate import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    """A small run on the sim backend in virtual time, with SLAs some tenants miss."""
+    settings = Settings(
+        backend={"kind": "sim", "max_in_flight": 4, "sim": {"max_num_seqs": 4}},
+        scheduler={"max_sessions": 8},
+        resources={"devices": [{"name": "gpu0", "memory": "40GB"}, {"name": "gpu1", "memory": "20GB"}]},
+        tenants={
+            "pager": {"tier": "critical", "sla": {"ttft_p99_s": 0.05, "latency_p95_s": 1.0, "deadline_s": 30}},
+            "product": {"tier": "standard", "requests_per_minute": 20, "sla": {"ttft_p99_s": 0.2, "min_tokens_per_s": 5}},
+            "batch": {"tier": "batch", "session_memory": "8GB", "sla": {"ttft_p99_s": 0.5}},
+        },
+        workload={
+            "arrival_rate": 8,
+            "agents": [
+                {"tenant": "pager", "count": 12, "turns": 2, "prompt_tokens": 100, "max_tokens": 32, "tool_s": 0.5},
+                {"tenant": "product", "count": 12, "turns": 3, "prompt_tokens": 300, "max_tokens": 64},
+                {"tenant": "batch", "count": 6, "turns": 1, "prompt_tokens": 1500, "max_tokens": 128},
+            ],
+        },
+    )
+    data, _ = simulate(settings)
+    return json.loads(json.dumps(data))  # as it would be read back
+
+
+def test_report_has_the_v2_sections(report):
+    assert report["schema"] == SCHEMA == "fleetsched.run/2"
+    tenants = {t["tenant"]: t for t in report["tenants"]}
+    pager = tenants["pager"]["sla"]["objectives"]
+    assert set(pager) == {"ttft_p99", "latency_p95", "deadline"}
+    assert pager["ttft_p99"]["events"] == 24 and 0 <= pager["ttft_p99"]["attainment"] <= 1
+    assert tenants["product"]["sla"]["refused"]["rate_limited"] > 0  # 20 a minute: refusals recorded
+    by_reason = report["sla"]["breaches"]["by_reason"]
+    assert by_reason["rate-limited"] > 0 and sum(by_reason.values()) == report["sla"]["breaches"]["total"]
+    assert report["sla"]["feasibility"]["method"] == "sim engine model"
+    tl = report["timeline"]
+    assert len(tl["t"]) >= 3 and set(tl["fragmentation"]) == {"gpu0", "gpu1"}
+    assert len(report["distributions"]["ttft_s"]["tier"]["critical"]) == 101
+
+
+def test_report_renders_plots_and_html(report, tmp_path):
+    path = tmp_path / "run.json"
+    write_report(report, path)
+    out = tmp_path / "out"
+    assert render_main([str(path), "--out", str(out)]) == 0
+    for name in PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    page = (out / "index.html").read_text()
+    assert all(f"src='{name}'" in page for name in PLOTS)
+    assert "pager" in page and "TTFT p99" in page and "rate-limited" in page
+
+
+def test_other_schema_versions_get_a_clear_error(report, tmp_path, capsys):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**report, "schema": "fleetsched.run/1"}))
+    with pytest.raises(ReportSchemaError, match=r"schema 'fleetsched.run/1', but this fleetsched reads only 'fleetsched.run/2'"):
+        load_report(old)
+    assert render_main([str(old), "--out", str(tmp_path / "x")]) == 2
+    assert "fleetsched.run/1" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    other = tmp_path / "other.json"
+    other.write_text('{"hello": 1}')
+    with pytest.raises(ReportSchemaError, match="no 'schema' field"):
+        load_report(other)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    with pytest.raises(ReportSchemaError, match="not a JSON run report"):
+        load_report(garbage)
+
+
+def test_unreachable_ttft_is_flagged_at_start(tmp_path):
+    config = tmp_path / "fast.toml"
+    config.write_text(
+        '[backend]\nkind = "sim"\n'
+        '[tenants.eager]\nsla = { ttft_p99_s = 0.0005 }\n'  # below the idle engine's ~2.5 ms
+        '[tenants.calm]\nsla = { ttft_p99_s = 1.0 }\n'
+        '[[workload.agents]]\ntenant = "eager"\ncount = 2\nprompt_tokens = 100\n'
+        '[[workload.agents]]\ntenant = "calm"\ncount = 2\n'
+    )
+    out = tmp_path / "run.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "fleetsched.cli", "run", str(config), "--no-live", "--report", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("fleetsched: warning: tenant 'eager': sla.ttft_p99_s = 0.0005 s cannot be met")
+    assert "calm" not in done.stderr
+    feasibility = json.loads(out.read_text())["sla"]["feasibility"]
+    assert [u["tenant"] for u in feasibility["unreachable"]] == ["eager"]
+    assert feasibility["unreachable"][0]["unloaded_s"] > 0.0005
+    assert "(unreachable)" in done.stdout
