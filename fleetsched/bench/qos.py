@@ -1,0 +1,280 @@
+"""``fleetsched bench qos``: tiers and fair share on a real vLLM overloaded 2-3x.
+
+The same offered load in three modes, one run:
+
+- ``direct-fcfs``: straight to a vLLM server running the default fcfs policy;
+- ``direct-priority``: straight to a vLLM server running ``--scheduling-policy priority``, with
+  the tier passed as the request's priority;
+- ``fleetsched``: through fleetsched's dispatcher (tier bands, VTC fair share, minimum shares,
+  the adaptive in-flight window) to the priority server.
+
+Load: three batch-tier tenants of equal weight submit calls open-loop at `overload` times the
+engine's saturated request rate, while a few critical-tier agents each make a call, wait for
+it, think for a second, and call again. Every call generates exactly `max_tokens` tokens
+(vLLM's ``ignore_eos``). The engine's saturated throughput and its unloaded TTFT are measured
+first, in the same run. Without ``--url`` the benchmark starts its own servers (the CPU vLLM
+from ``scripts/setup-vllm.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import anyio
+from openai import AsyncOpenAI
+
+from ..policies.tiers import Tier
+from ..scheduler import Scheduler, percentile
+from ..settings import Settings
+
+BATCH_TENANTS = ("batch-a", "batch-b", "batch-c")
+CRITICAL_AGENTS = 4
+PROMPT = "Summarise the state of the fleet in one paragraph, with the numbers that matter most. " * 2
+
+
+class Tally:
+    """Per-call outcomes of one mode: TTFTs by tier, tokens by tenant, finished tokens."""
+
+    def __init__(self) -> None:
+        self.ttft: dict[str, list[float]] = defaultdict(list)
+        self.service: dict[str, int] = defaultdict(int)  # VTC-weighted: prompt + 2 x completion
+        self.tokens = 0
+        self.errors = 0
+
+    def add(self, tier: str, tenant: str, ttft: float, prompt: int, completion: int) -> None:
+        self.ttft[tier].append(ttft)
+        self.service[tenant] += prompt + 2 * completion
+        self.tokens += completion
+
+
+def body(max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": "fleetsched-tiny",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+
+
+async def direct_call(client: AsyncOpenAI, tally: Tally, tier: Tier, tenant: str, max_tokens: int, priority: bool) -> None:
+    request = body(max_tokens)
+    extra = {"ignore_eos": request.pop("ignore_eos")}
+    if priority:
+        extra["priority"] = int(tier)
+    start = anyio.current_time()
+    first = math.nan
+    usage = None
+    try:
+        stream = await client.chat.completions.create(
+            **request, stream=True, stream_options={"include_usage": True}, extra_body=extra
+        )
+        async for chunk in stream:
+            if math.isnan(first) and chunk.choices:
+                first = anyio.current_time()
+            if chunk.usage:
+                usage = chunk.usage
+    except Exception:
+        tally.errors += 1
+        return
+    if usage is not None:
+        tally.add(str(tier), tenant, first - start, usage.prompt_tokens, usage.completion_tokens)
+
+
+async def fleetsched_call(scheduler: Scheduler, tally: Tally, tier: Tier, tenant: str, max_tokens: int) -> None:
+    start = anyio.current_time()
+    try:
+        async with scheduler.dispatcher.stream(body(max_tokens), tenant=tenant, tier=int(tier)) as chunks:
+            first = math.nan
+            usage: dict[str, int] = {}
+            async for chunk in chunks:
+                if math.isnan(first) and chunk.get("choices"):
+                    first = anyio.current_time()
+                usage = chunk.get("usage") or usage
+    except Exception:
+        tally.errors += 1
+        return
+    if usage:
+        tally.add(str(tier), tenant, first - start, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+
+
+async def offered_load(call, *, rate: float, duration: float, max_tokens: int) -> None:
+    """Open-loop batch calls round-robin over the batch tenants, plus closed-loop critical agents."""
+
+    async def critical_agent(index: int) -> None:
+        while True:
+            await call(Tier.CRITICAL, "critical", max_tokens // 4)
+            await anyio.sleep(1.0)
+
+    with anyio.move_on_after(duration):
+        async with anyio.create_task_group() as tg:
+            for i in range(CRITICAL_AGENTS):
+                tg.start_soon(critical_agent, i)
+            n = 0
+            while True:
+                tg.start_soon(call, Tier.BATCH, BATCH_TENANTS[n % len(BATCH_TENANTS)], max_tokens)
+                n += 1
+                await anyio.sleep(1 / rate)
+
+
+def summarise(tally: Tally, duration: float) -> dict[str, Any]:
+    return {
+        "ttft_s": {
+            tier: {"p50": round(percentile(v, 50), 4), "p99": round(percentile(v, 99), 4), "calls": len(v)}
+            for tier, v in sorted(tally.ttft.items())
+        },
+        "throughput_tok_s": round(tally.tokens / duration, 1),
+        "tenant_service_tokens": dict(sorted(tally.service.items())),
+        "errors": tally.errors,
+    }
+
+
+async def measure_engine(url: str, max_tokens: int) -> dict[str, Any]:
+    """Unloaded TTFT (sequential small calls) and saturated throughput (a full batch)."""
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+    unloaded = Tally()
+    for _ in range(20):
+        await direct_call(client, unloaded, Tier.CRITICAL, "probe", 8, priority=False)
+    saturated = Tally()
+    start = anyio.current_time()
+    with anyio.move_on_after(20):
+        async with anyio.create_task_group() as tg:
+
+            async def worker() -> None:
+                while True:
+                    await direct_call(client, saturated, Tier.BATCH, "probe", max_tokens, priority=False)
+
+            for _ in range(128):
+                tg.start_soon(worker)
+    elapsed = anyio.current_time() - start
+    ttfts = unloaded.ttft[str(Tier.CRITICAL)]
+    return {
+        "unloaded_ttft_s": {"p50": round(percentile(ttfts, 50), 4), "p99": round(percentile(ttfts, 99), 4)},
+        "saturation_tok_s": round(saturated.tokens / elapsed, 1),
+    }
+
+
+async def run_direct(url: str, mode: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+    tally = Tally()
+
+    async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
+        await direct_call(client, tally, tier, tenant, max_tokens, priority=mode == "direct-priority")
+
+    await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
+    await anyio.sleep(5)  # let the engine finish aborting the cancelled calls
+    return summarise(tally, args.duration)
+
+
+async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tuple[dict[str, Any], Tally]:
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": [url], "max_in_flight": args.window},
+        dispatch={"min_share": {"batch": args.batch_min_share}},
+        tenants={"critical": {"tier": "critical"}, **{t: {"tier": "batch"} for t in BATCH_TENANTS}},
+    )
+    tally = Tally()
+    async with Scheduler(settings) as scheduler:
+
+        async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
+            await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
+
+        await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
+        window = scheduler.dispatcher.window
+    return {**summarise(tally, args.duration), "final_window": window}, tally
+
+
+def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> None:
+    """Add the fairness figures and the targets' ratios to `result`."""
+    service = [tally.service[t] for t in BATCH_TENANTS]
+    largest_request = len(PROMPT) // 4 + 2 * args.max_tokens
+    result["fairness_gap_tokens"] = max(service) - min(service)
+    result["vtc_bound_tokens"] = 2 * largest_request
+    ours = result["modes"]["fleetsched"]
+    critical_p99 = ours["ttft_s"].get("critical", {}).get("p99", math.nan)
+    result["targets"] = {
+        "critical_ttft_p99_over_unloaded": round(critical_p99 / result["unloaded_ttft_s"]["p99"], 2),
+        "throughput_over_saturation": round(ours["throughput_tok_s"] / result["saturation_tok_s"], 3),
+        "fairness_within_vtc_bound": result["fairness_gap_tokens"] <= result["vtc_bound_tokens"],
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fleetsched bench qos", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running vLLM with --scheduling-policy priority (all modes use it; direct-fcfs then sends no priority)")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode")
+    parser.add_argument("--overload", type=float, default=2.5, help="offered load over the saturated rate")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--window", type=int, default=32, help="fleetsched's initial in-flight window")
+    parser.add_argument("--batch-min-share", type=float, default=0.05)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()  # wall-clock ok
+
+    def first_half(url: str) -> dict[str, Any]:
+        engine = anyio.run(measure_engine, url, args.max_tokens)
+        rate = args.overload * engine["saturation_tok_s"] / args.max_tokens
+        result = {**engine, "offered_calls_per_s": round(rate, 2), "overload": args.overload, "modes": {}}
+        result["modes"]["direct-fcfs"] = anyio.run(run_direct, url, "direct-fcfs", rate, args)
+        return result
+
+    def second_half(url: str, result: dict[str, Any]) -> None:
+        rate = result["offered_calls_per_s"]
+        result["modes"]["direct-priority"] = anyio.run(run_direct, url, "direct-priority", rate, args)
+        result["modes"]["fleetsched"], tally = anyio.run(run_fleetsched, url, rate, args)
+        verdict(result, tally, args)
+
+    if args.url:
+        result = first_half(args.url)
+        second_half(args.url, result)
+        result["note"] = "one server: direct-fcfs sent no priorities to it"
+    else:
+        from ..testing.vllm_server import VLLMServer, missing_setup
+
+        if missing := missing_setup():
+            print(f"fleetsched bench qos: {'; '.join(missing)} missing (run scripts/setup-vllm.sh)", file=sys.stderr)
+            return 2
+        # One server at a time: on a small machine two engines would compete for the cores.
+        with VLLMServer(scheduling_policy="fcfs") as fcfs:
+            result = first_half(fcfs.url)
+        with VLLMServer(scheduling_policy="priority") as priority:
+            second_half(priority.url, result)
+    result["wall_s"] = round(time.perf_counter() - start, 1)  # wall-clock ok
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print_table(result)
+    return 0
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fleetsched bench qos: {result['overload']}x the saturated rate of a real vLLM")
+    for column in ("mode", "critical TTFT p50/p99 s", "batch TTFT p50/p99 s", "throughput tok/s", "service by batch tenant"):
+        table.add_column(column)
+    for mode, m in result["modes"].items():
+        crit, batch = m["ttft_s"].get("critical", {}), m["ttft_s"].get("batch", {})
+        table.add_row(
+            mode,
+            f"{crit.get('p50')} / {crit.get('p99')}",
+            f"{batch.get('p50')} / {batch.get('p99')}",
+            f"{m['throughput_tok_s']:,}",
+            ", ".join(f"{v:,}" for t, v in m["tenant_service_tokens"].items() if t in BATCH_TENANTS),
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        f"unloaded TTFT p50/p99 {result['unloaded_ttft_s']['p50']} / {result['unloaded_ttft_s']['p99']} s; "
+        f"saturation {result['saturation_tok_s']:,} tok/s; targets {result['targets']}"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
