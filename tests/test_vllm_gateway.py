@@ -1,0 +1,106 @@
+"""The gateway in front of the real CPU vLLM, with the real openai SDK as the client."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from fleetsched.gateway.server import serve_in_thread
+
+from .test_gateway import ACME, client, gateway_settings
+
+pytestmark = [pytest.mark.vllm]
+MSG = [{"role": "user", "content": "Tell me a story about a fox."}]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def gateway_url(vllm_server):
+    s = gateway_settings(
+        backend={"kind": "vllm-server", "urls": [vllm_server.url], "model": "fleetsched-tiny"},
+        gateway={"max_context_tokens": 2048},
+    )
+    with serve_in_thread(s) as (_, url):
+        yield url
+
+
+def engine_counts(vllm_server) -> tuple[float, float]:
+    """(tokens generated, requests finished by length) so far, from the engine's /metrics."""
+    generated = by_length = 0.0
+    for line in httpx.get(vllm_server.metrics_url).text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            generated += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:request_success_total") and 'finished_reason="length"' in line:
+            by_length += float(line.rsplit(" ", 1)[1])
+    return generated, by_length
+
+
+def test_sync_chat_passes_the_engines_answer_through(gateway_url):
+    reply = client(gateway_url).chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=6, extra_body={"ignore_eos": True})
+    assert reply.id.startswith("chatcmpl-") and reply.model == "fleetsched-tiny"
+    assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens > 5
+    assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.mark.anyio
+async def test_async_streaming_chat_with_usage(gateway_url):
+    async with openai.AsyncOpenAI(base_url=gateway_url + "/v1", api_key=ACME, max_retries=0) as c:
+        stream = await c.chat.completions.create(
+            model="fleetsched-tiny",
+            messages=MSG,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 4
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_completions_streaming_and_not(gateway_url):
+    c = client(gateway_url)
+    reply = c.completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=5, extra_body={"ignore_eos": True})
+    assert reply.object == "text_completion" and reply.usage.completion_tokens == 5 and reply.choices[0].text
+    chunks = list(
+        c.completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=5, stream=True, extra_body={"ignore_eos": True})
+    )
+    assert chunks[-1].usage.completion_tokens == 5
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
+
+
+def test_refusals_are_4xx_never_500(gateway_url):
+    c = client(gateway_url)
+    with pytest.raises(openai.BadRequestError, match="2048 tokens"):
+        c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4000)
+    with pytest.raises(openai.BadRequestError):  # the engine's own 400, passed through
+        c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"top_k": "many"})
+
+
+def test_client_disconnect_aborts_at_the_engine(gateway_url, vllm_server):
+    """A 1,900-token stream dropped at its first event: the engine stops generating it, and it
+    never finishes by length (vLLM 0.32 does not count disconnect aborts in request_success)."""
+    headers = {"authorization": f"Bearer {ACME}"}
+    body = {"model": "fleetsched-tiny", "messages": MSG, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    generated_before, length_before = engine_counts(vllm_server)
+    with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, headers=headers, timeout=30) as response:
+        assert next(line for line in response.iter_lines() if line).startswith("data: {")
+    deadline = time.monotonic() + 10
+    settled = engine_counts(vllm_server)
+    while True:  # until the engine generates nothing more
+        time.sleep(0.5)
+        now = engine_counts(vllm_server)
+        if now == settled:
+            break
+        settled = now
+        assert time.monotonic() < deadline, "the engine kept generating after the client left"
+    generated, by_length = settled
+    assert by_length == length_before
+    assert generated - generated_before < 1900
