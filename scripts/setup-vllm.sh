@@ -43,6 +43,15 @@ else
     log "installed in $((SECONDS - start)) s"
 fi
 
+# The in-process backend (kind "vllm-engine") runs fleetsched inside vLLM's environment; install
+# it there (editable, so the checkout is what runs). Cheap to check, so checked every time.
+if "$VENV/bin/python" -c 'import fleetsched.backends.vllm_engine, fleetsched.backends.vllm_server' 2>/dev/null; then
+    log "fleetsched importable in $VENV"
+else
+    log "installing fleetsched (editable) into $VENV"
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT"
+fi
+
 step=$SECONDS
 if [[ -f "$MODEL_MARKER" ]]; then
     log "tiny model already at $MODEL (marker present)"

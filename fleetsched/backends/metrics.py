@@ -29,6 +29,8 @@ PREEMPTIONS = "vllm:num_preemptions"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 FINISHED = "vllm:request_success"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
 CACHE_CONFIG = "vllm:cache_config_info"
 
 _POLICY_LABELS = ("scheduling_policy", "policy")
@@ -43,7 +45,11 @@ class VLLMMetrics:
     """"priority" or "fcfs" where the page says; None where it does not."""
     model_names: frozenset[str] = frozenset()
     finished: Mapping[str, float] = field(default_factory=dict)
-    """Requests finished so far by reason ("stop", "length", "abort", "error", ...)."""
+    """Requests finished so far by reason ("stop", "length", ...). vLLM 0.32 does not count a
+    request aborted by a client disconnect here."""
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    """Tokens prefilled and generated so far (throughput is the rate of these)."""
     cache_config: Mapping[str, str] = field(default_factory=dict)
     """The labels of ``vllm:cache_config_info`` (block_size, kv_cache_size_tokens, ...)."""
 
@@ -85,7 +91,7 @@ def parse_vllm_metrics(text: str) -> VLLMMetrics:
             elif key == FINISHED and "finished_reason" in sample.labels:
                 reason = sample.labels["finished_reason"]
                 finished[reason] = finished.get(reason, 0.0) + sample.value
-            elif key in (RUNNING, WAITING, PREEMPTIONS, PREFIX_QUERIES, PREFIX_HITS):
+            elif key in (RUNNING, WAITING, PREEMPTIONS, PREFIX_QUERIES, PREFIX_HITS, PROMPT_TOKENS, GENERATION_TOKENS):
                 sums[key] = sums.get(key, 0.0) + sample.value
     signals = EngineSignals(
         running=_as_int(sums.get(RUNNING)),
@@ -100,6 +106,8 @@ def parse_vllm_metrics(text: str) -> VLLMMetrics:
         scheduling_policy=policy,
         model_names=frozenset(models),
         finished=finished,
+        prompt_tokens_total=sums.get(PROMPT_TOKENS),
+        generation_tokens_total=sums.get(GENERATION_TOKENS),
         cache_config=cache_config,
     )
 

@@ -11,7 +11,8 @@ arrived; after that a failure is the caller's (a model call is not idempotent on
 
 The body is forwarded as is: keys the SDK does not name (``priority``, vLLM sampling extras) travel
 in ``extra_body``. vLLM honours ``priority`` only under ``--scheduling-policy priority``; the
-backend checks the policy once per replica and logs a warning when it is not (see
+backend checks the policy of each replica once, at its first `signals` poll (off the call path:
+the check can take seconds), and logs a warning when it is not priority (see
 `VLLMServerBackend.scheduling_policy` for how it is found).
 """
 
@@ -26,7 +27,7 @@ import anyio
 import httpx
 import openai
 from openai import AsyncOpenAI
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from ..errors import BackendError, BackendUnavailable, Overloaded
 from .base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, make_chunk, usage_dict
@@ -240,8 +241,6 @@ class VLLMServerBackend(Backend):
         request = dict(body)
         target = self.pick_replica(request.pop(REPLICA_KEY, None) or replica)
         kwargs = self._create_kwargs(request)
-        if not target.policy_checked and request.get("priority"):
-            await self.scheduling_policy(target.name)
 
         breaker = target.breaker
         if not breaker.acquire(anyio.current_time()):
@@ -310,9 +309,10 @@ class VLLMServerBackend(Backend):
     async def _open_with_retries(self, target: Replica, kwargs: dict[str, Any]) -> tuple[Any, Chunk | None]:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.retry_attempts),
-            wait=wait_exponential_jitter(
-                initial=self.retry_initial_s, max=self.retry_max_s, jitter=self.retry_initial_s
-            ),
+            # initial * 2**n capped at max, plus up to `initial` of jitter: the calls that failed
+            # together when a replica went away must not all come back in the same instant.
+            wait=wait_exponential(multiplier=self.retry_initial_s, max=self.retry_max_s)
+            + wait_random(0, self.retry_initial_s),
             retry=retry_if_exception(_retryable),
             sleep=anyio.sleep,
             before_sleep=lambda state: logger.debug(

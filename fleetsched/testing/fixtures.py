@@ -6,7 +6,7 @@ unless ``FLEETSCHED_REQUIRE_VLLM=1`` (CI sets it): then they fail, so that a bro
 pass as green.
 
 The session server runs ``--scheduling-policy priority`` with ``--max-num-seqs 4`` (so that a
-handful of calls already queue, which the priority tests need) and ``--max-model-len 2048``, with
+handful of calls already queue, which the priority tests need) and ``--max-model-len 4096`` (the tiny model's limit), with
 ``VLLM_SERVER_DEV_MODE=1`` so that ``/server_info`` shows its scheduler config.
 """
 
@@ -19,7 +19,7 @@ import pytest
 
 from .vllm_server import VLLMServer, missing_setup
 
-SESSION_SERVER_OPTIONS = dict(max_num_seqs=4, max_model_len=2048, dev_mode=True)
+SESSION_SERVER_OPTIONS = dict(max_num_seqs=4, max_model_len=4096, dev_mode=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

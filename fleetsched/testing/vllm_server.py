@@ -33,6 +33,25 @@ DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-model"
 DEFAULT_MODEL_NAME = "fleetsched-tiny"
 
 
+# Runs `python -m MODULE ARGS` after starting a thread that ends the server's process group when
+# the process that started it is gone (the test runner killed by a timeout would otherwise leave
+# the server and its engine behind, each holding a core). A parent-death signal would not do: it
+# fires when the *thread* that forked exits, and restarts happen from worker threads.
+_ORPHAN_GUARD = """
+import os, runpy, signal, sys, threading, time
+parent = int(sys.argv[1])
+def guard():
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.killpg(0, signal.SIGTERM)
+    time.sleep(15.0)
+    os.killpg(0, signal.SIGKILL)
+threading.Thread(target=guard, name="fleetsched-orphan-guard", daemon=True).start()
+sys.argv = [sys.argv[2], *sys.argv[3:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
 class VLLMServerError(RuntimeError):
     """The vLLM server process could not be started (the message carries its log tail)."""
 
@@ -105,7 +124,8 @@ class VLLMServer:
 
     def command(self) -> list[str]:
         args = [
-            str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            str(self.venv / "bin" / "python"), "-c", _ORPHAN_GUARD, str(os.getpid()),
+            "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir),
             "--served-model-name", self.model,
             "--scheduling-policy", self.scheduling_policy,

@@ -1,0 +1,54 @@
+"""Smoke check of the in-process vLLM backend, run with a python that has vLLM and fleetsched:
+
+    .venv-vllm/bin/python -m fleetsched.testing.engine_smoke .cache/tiny-model
+
+Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunks and usage, leaves
+a second call early and checks that nothing is left in flight. Prints one JSON line; exits 1 on
+failure. It is a script rather than a test because vLLM is not installed in the main virtualenv.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import aclosing
+
+import anyio
+
+from fleetsched.backends.base import collect_chat
+from fleetsched.backends.vllm_engine import VLLMEngineBackend
+
+
+async def check(model_dir: str) -> dict:
+    began = anyio.current_time()
+    backend = VLLMEngineBackend(
+        model_dir, served_model_name="fleetsched-tiny", max_num_seqs=4, max_num_batched_tokens=1024,
+        max_model_len=1024, dtype="float32",
+    )  # fmt: skip
+    async with backend:
+        started_s = anyio.current_time() - began
+        request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "ignore_eos": True}
+        chunks = [c async for c in backend.stream_chat({**request, "priority": -1})]
+        folded = collect_chat(chunks)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant", chunks[0]
+        assert chunks[-1]["usage"]["completion_tokens"] == 12, chunks[-1]
+        assert folded["choices"][0]["finish_reason"] == "length", folded
+        async with aclosing(backend.stream_chat({**request, "max_tokens": 900})) as stream:
+            async for _ in stream:
+                break
+        assert (await backend.signals()).running == 0
+    return {"ok": True, "engine_start_s": round(started_s, 1), "usage": folded["usage"]}
+
+
+def main() -> int:
+    try:
+        result = anyio.run(check, sys.argv[1])
+    except Exception as exc:  # report, don't traceback: the caller reads one JSON line
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process, which re-imports __main__
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The in-process vLLM backend, run in the vLLM virtualenv (vLLM is not in the main one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from fleetsched.testing.fixtures import require_vllm_setup
+from fleetsched.testing.vllm_server import REPO_ROOT, model_path, venv_path
+
+
+@pytest.mark.vllm
+def test_engine_backend_streams_and_aborts_in_process():
+    require_vllm_setup()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run(
+        [str(venv_path() / "bin" / "python"), "-m", "fleetsched.testing.engine_smoke", str(model_path())],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300,
+    )  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    result = json.loads(lines[-1])
+    assert result["ok"], f"{result}\n{proc.stderr[-3000:]}"
+    assert result["usage"]["completion_tokens"] == 12

@@ -1,0 +1,276 @@
+"""The vLLM server backend against a real CPU vLLM server (the session's `vllm_server` fixture).
+
+Real time on asyncio: these talk to another process. The session server runs the priority policy
+with 4 sequences at once (see fleetsched.testing.fixtures). The restart test comes last: it stops
+and starts the shared server (same port) while a call is being retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+
+import anyio
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetsched.backends.base import collect_chat
+from fleetsched.backends.metrics import parse_vllm_metrics
+from fleetsched.backends.vllm_server import VLLMServerBackend
+from fleetsched.errors import BackendError, BackendUnavailable
+from fleetsched.testing.vllm_server import VLLMServer, free_port
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "fleetsched-tiny"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def body(max_tokens: int, priority: int = 0, content: str = "Tell me about schedulers.", **extra) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,  # the random model may sample EOS early; lengths must be what we ask
+        "priority": priority,
+        **extra,
+    }
+
+
+async def metrics(server: VLLMServer):
+    async with httpx.AsyncClient() as client:
+        return parse_vllm_metrics((await client.get(server.metrics_url)).text)
+
+
+async def wait_for(predicate, server: VLLMServer, within_s: float):
+    """Poll /metrics until `predicate(page)` holds; return the page (fail after `within_s`)."""
+    seen: list[tuple[float, int | None, int | None]] = []
+    began = time.perf_counter()
+    with anyio.move_on_after(within_s):
+        while True:
+            page = await metrics(server)
+            if predicate(page):
+                return page
+            seen.append((round(time.perf_counter() - began, 2), page.signals.running, page.signals.waiting))
+            await anyio.sleep(0.05)
+    pytest.fail(f"/metrics did not show the state within {within_s} s; (t, running, waiting): {seen[:8]} ... {seen[-3:]}")
+
+
+@pytest.mark.vllm
+async def test_metrics_and_policy_on_the_live_server(vllm_server):
+    async with VLLMServerBackend(vllm_server.url) as backend:
+        signals = await backend.signals()
+        assert signals.running == 0 and signals.waiting == 0
+        assert signals.kv_cache_usage is not None and 0.0 <= signals.kv_cache_usage <= 1.0
+        assert signals.prefix_cache_queries_total is not None and signals.prefix_cache_hits_total is not None
+        assert signals.preemptions_total is not None
+        # /server_info (dev mode) shows the scheduler config; /metrics does not in vLLM 0.32.
+        assert await backend.scheduling_policy() == "priority"
+    page = await metrics(vllm_server)
+    assert page.model_names == {MODEL}
+    assert int(page.cache_config["kv_cache_size_tokens"]) > 0
+
+
+@pytest.mark.vllm
+async def test_streams_chunks_with_usage_last(vllm_server):
+    arrivals: list[float] = []
+    async with VLLMServerBackend(vllm_server.url) as backend:
+        chunks = []
+        async for chunk in backend.stream_chat(body(48)):
+            arrivals.append(time.perf_counter())
+            chunks.append(chunk)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 48
+    assert chunks[-1]["usage"]["prompt_tokens"] > 0
+    content_chunks = [c for c in chunks if c.get("choices") and c["choices"][0]["delta"].get("content")]
+    assert len(content_chunks) >= 24  # streamed token by token, not in one piece
+    assert arrivals[-1] - arrivals[0] > 0  # the first chunk came before the last one
+    folded = collect_chat(chunks)
+    assert folded["choices"][0]["finish_reason"] == "length" and folded["usage"]["completion_tokens"] == 48
+
+
+@pytest.mark.vllm
+async def test_chat_template_renders_tools_and_tool_turns(vllm_server):
+    tools = [{"type": "function", "function": {"name": "search", "description": "Search the web",
+              "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]  # fmt: skip
+    history = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"query": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]  # fmt: skip
+    async with VLLMServerBackend(vllm_server.url) as backend:
+        plain = [c async for c in backend.stream_chat(body(4, messages=history[:2]))]
+        with_tools = [c async for c in backend.stream_chat(body(4, messages=history, tools=tools, tool_choice="none"))]
+    assert with_tools[-1]["usage"]["prompt_tokens"] > plain[-1]["usage"]["prompt_tokens"] + 20
+
+
+def queued_longer_than(page_text: str, seconds: float) -> float:
+    """How many requests waited in the engine's queue longer than `seconds` (from the histogram)."""
+    count = within = 0.0
+    for family in text_string_to_metric_families(page_text):
+        for sample in family.samples:
+            if sample.name == "vllm:request_queue_time_seconds_count":
+                count += sample.value
+            elif sample.name == "vllm:request_queue_time_seconds_bucket" and float(sample.labels["le"]) == seconds:
+                within += sample.value
+    return count - within
+
+
+@pytest.mark.vllm
+async def test_priority_reaches_the_engine(vllm_server):
+    """8 long normal calls fill the 4 slots and 4 queue; a short priority -10 call sent a moment
+    later, through the backend, jumps the queue.
+
+    Under fcfs it would start only after every call queued before it, and at most a tie of 3
+    normal calls could finish after it. Under priority it takes the first free slot and, being
+    short, finishes before the calls still queued.
+
+    The normal calls are plain non-streamed POSTs: thousands of streamed chunks would make the API
+    server the bottleneck, and the order in which streams end would say more about chunk delivery
+    than about scheduling. Nor does the test watch /metrics for the queue to form: under that load
+    one scrape can take longer than the whole run on 2 cores. It waits a fixed moment, and checks
+    afterwards, from the queue-time histogram, that the normal calls did queue.
+    """
+    async with httpx.AsyncClient(timeout=240) as client:
+        queued_before = queued_longer_than((await client.get(vllm_server.metrics_url)).text, 1.0)
+    finished: list[str] = []
+
+    async def low(client: httpx.AsyncClient, name: str) -> None:
+        response = await client.post(f"{vllm_server.base_url}/chat/completions", json=body(4000))
+        assert response.json()["usage"]["completion_tokens"] == 4000
+        finished.append(name)
+
+    async def high(backend: VLLMServerBackend) -> None:
+        chunks = [c async for c in backend.stream_chat(body(16, priority=-10))]
+        assert chunks[-1]["usage"]["completion_tokens"] == 16
+        finished.append("high")
+
+    async with httpx.AsyncClient(timeout=240) as client, VLLMServerBackend(vllm_server.url) as backend:
+        # Warm the client first: its first call imports and builds much of the SDK, which on 2 busy
+        # cores takes longer than a batch, and the high call would reach the engine late.
+        _ = [c async for c in backend.stream_chat(body(1))]
+        with anyio.fail_after(240):
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(low, client, f"low{i}")
+                await anyio.sleep(1.0)  # the API server hands them to the engine; 4 run, 4 queue
+                tg.start_soon(high, backend)
+        page_text = (await client.get(vllm_server.metrics_url)).text
+    assert queued_longer_than(page_text, 1.0) - queued_before >= 4, "the normal calls did not queue"
+    after_high = len(finished) - 1 - finished.index("high")
+    assert after_high >= 3, f"finish order {finished}"
+
+
+@pytest.mark.vllm
+async def test_cancellation_aborts_the_request_at_the_engine(vllm_server):
+    """A call asked for 4,000 tokens; once its consumer leaves, the engine stops generating it.
+
+    vLLM 0.32 does not count disconnect aborts in ``request_success``; the evidence is that the
+    request leaves the running batch at once, never finishes by length, and that the engine
+    generated far fewer tokens than were asked.
+    """
+    long_call = body(4000)
+
+    async def settled_after(before) -> None:
+        await wait_for(lambda p: p.signals.running == 0, vllm_server, within_s=10)
+        await anyio.sleep(1.0)  # had it kept running, it would have generated hundreds more tokens
+        page = await metrics(vllm_server)
+        assert page.signals.running == 0
+        generated = page.generation_tokens_total - before.generation_tokens_total
+        assert generated < 2000, f"{generated} tokens generated"
+        assert page.finished.get("length", 0.0) == before.finished.get("length", 0.0)
+
+    async with VLLMServerBackend(vllm_server.url) as backend:
+        # 1. The consumer leaves the iteration at the first chunk. (Cancel early: on an idle
+        # machine the engine generates faster than the API server streams, so "5 chunks in" can
+        # already be the end of generation.)
+        before = await metrics(vllm_server)
+        async with aclosing(backend.stream_chat(long_call)) as stream:
+            async for _ in stream:
+                break
+        await settled_after(before)
+
+        # 2. The consumer is cancelled while it waits for the next chunk.
+        before = await metrics(vllm_server)
+        with anyio.CancelScope() as scope:
+            async with aclosing(backend.stream_chat(long_call)) as stream:
+                async for _ in stream:
+                    scope.cancel()
+        assert scope.cancelled_caught
+        await settled_after(before)
+        assert backend.replicas["r0"].in_flight == 0
+
+
+@pytest.mark.vllm
+async def test_client_errors_are_not_retried(vllm_server, caplog):
+    caplog.set_level(logging.DEBUG, logger="fleetsched.backends.vllm_server")
+    async with VLLMServerBackend(vllm_server.url, retry_attempts=5) as backend:
+        with pytest.raises(BackendError) as info:
+            _ = [c async for c in backend.stream_chat(body(5000))]  # beyond --max-model-len (4096)
+    assert not isinstance(info.value, BackendUnavailable) and "400" in str(info.value)
+    assert "retrying" not in caplog.text
+
+
+async def test_circuit_breaker_opens_against_a_dead_port():
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with VLLMServerBackend(
+        dead, retry_attempts=2, retry_initial_s=0.01, retry_max_s=0.02, breaker_failures=3, breaker_reset_s=0.5
+    ) as backend:
+        breaker = backend.replicas["r0"].breaker
+        for _ in range(3):
+            with pytest.raises(BackendUnavailable, match="cannot reach") as info:
+                _ = [c async for c in backend.stream_chat(body(4))]
+            assert info.value.__cause__ is not None
+        assert breaker.state(anyio.current_time()) == "open"
+        with pytest.raises(BackendUnavailable, match="circuit open"):
+            _ = [c async for c in backend.stream_chat(body(4))]
+        with pytest.raises(BackendUnavailable, match="no vLLM replica answered"):
+            await backend.signals()
+        await anyio.sleep(0.6)
+        assert breaker.state(anyio.current_time()) == "half-open"
+        with pytest.raises(BackendUnavailable, match="cannot reach"):  # the probe went through, and failed
+            _ = [c async for c in backend.stream_chat(body(4))]
+        assert breaker.state(anyio.current_time()) == "open"
+
+
+@pytest.mark.vllm
+async def test_named_replica_routing_with_a_dead_replica(vllm_server):
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with VLLMServerBackend({"live": vllm_server.url, "dead": dead}, retry_attempts=1, breaker_failures=1) as backend:
+        with pytest.raises(BackendUnavailable):
+            _ = [c async for c in backend.stream_chat(body(4, fleetsched_replica="dead"))]
+        chunks = [c async for c in backend.stream_chat(body(4))]  # least loaded, breaker not open
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+        signals = await backend.signals()  # the live replica alone answers
+        assert signals.running == 0
+
+
+@pytest.mark.vllm
+async def test_call_is_retried_across_a_server_restart(vllm_server, caplog):
+    caplog.set_level(logging.DEBUG, logger="fleetsched.backends.vllm_server")
+    outcome: dict[str, object] = {}
+    async with VLLMServerBackend(
+        vllm_server.url, retry_attempts=60, retry_initial_s=0.5, retry_max_s=3.0, breaker_failures=1
+    ) as backend:
+        await anyio.to_thread.run_sync(vllm_server.stop)
+
+        async def call() -> None:
+            outcome["chunks"] = [c async for c in backend.stream_chat(body(8))]
+
+        with anyio.fail_after(300):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await anyio.sleep(1.5)
+                assert "retrying" in caplog.text  # it is failing and backing off now
+                await anyio.to_thread.run_sync(vllm_server.start)
+        assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
+    assert outcome["chunks"][-1]["usage"]["completion_tokens"] == 8  # type: ignore[index]
+    assert caplog.text.count("retrying") >= 2
