@@ -238,7 +238,8 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
         task = asyncio.ensure_future(one(i >= warm))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-    if pending:
+    while pending:  # every request answered (or failed) before the figures are taken
+        done.clear()
         await done.wait()
     measured_end = time.perf_counter()  # wall-clock ok
     for _, writer in idle:
