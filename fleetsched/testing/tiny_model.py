@@ -51,12 +51,15 @@ CHAT_TEMPLATE = (
     "{{- '<|eot|>' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- set content = message['content'] if message['content'] is string else '' %}"
+    # A namespace, because a plain `set` inside the inner loop would not outlive it (Jinja
+    # scoping), and vLLM passes content as a list of parts by default.
+    "{%- set c = namespace(text=(message['content'] if message['content'] is string else '')) %}"
     "{%- if message['content'] is not string and message['content'] %}"
     "{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{%- set content = content + part['text'] %}{%- endif %}"
+    "{%- if part['type'] == 'text' %}{%- set c.text = c.text + part['text'] %}{%- endif %}"
     "{%- endfor %}"
     "{%- endif %}"
+    "{%- set content = c.text %}"
     "{%- if message['role'] == 'tool' %}"
     "{{- '<|start_header|>tool<|end_header|>\\n' }}"
     "{%- if message['tool_call_id'] is defined and message['tool_call_id'] %}"
