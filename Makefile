@@ -1,11 +1,12 @@
 # The quick start is two commands on a fresh machine:
 #   make run    sets up .venv and runs `fleetsched run examples/quickstart.toml` (embedded sim backend)
-#   make test   sets up .venv and the CPU vLLM (.venv-vllm + a generated tiny model), runs every test
+#   make test   sets up .venv, the CPU vLLM (.venv-vllm + a generated tiny model) and Redis,
+#               then runs every test
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test setup setup-vllm bench clean
+.PHONY: run test setup setup-vllm setup-redis bench clean
 
 $(BIN)/fleetsched: pyproject.toml
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
@@ -21,7 +22,11 @@ run: setup
 setup-vllm:
 	scripts/setup-vllm.sh
 
-test: setup setup-vllm
+# The gateway's shared-state tests start a real Redis on loopback (Debian's redis-server).
+setup-redis:
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+
+test: setup setup-vllm setup-redis
 	$(BIN)/python -m pytest
 
 bench: setup
