@@ -39,7 +39,12 @@ PROMPT = "Summarise the state of the fleet in one paragraph, with the numbers th
 
 
 class Tally:
-    """Per-call outcomes of one mode: TTFTs by tier, tokens by tenant, finished tokens."""
+    """Per-call outcomes of one mode, counted as tokens stream in (not only for calls that end
+    inside the window, which would keep the slowest calls out of the figures).
+
+    A call still waiting for its first token when the load stops adds its wait so far: a lower
+    bound of its TTFT, so the percentiles are not flattered by the calls that never started.
+    """
 
     def __init__(self) -> None:
         self.ttft: dict[str, list[float]] = defaultdict(list)
@@ -47,10 +52,19 @@ class Tally:
         self.tokens = 0
         self.errors = 0
 
-    def add(self, tier: str, tenant: str, ttft: float, prompt: int, completion: int) -> None:
+    def first_token(self, tier: str, tenant: str, ttft: float, prompt_tokens: int) -> None:
         self.ttft[tier].append(ttft)
-        self.service[tenant] += prompt + 2 * completion
-        self.tokens += completion
+        self.service[tenant] += prompt_tokens
+
+    def token(self, tenant: str) -> None:
+        self.service[tenant] += 2
+        self.tokens += 1
+
+    def never_started(self, tier: str, waited: float) -> None:
+        self.ttft[tier].append(waited)
+
+
+PROMPT_TOKENS = 40  # the prompt's size as the engine counts it, for the service figures
 
 
 def body(max_tokens: int) -> dict[str, Any]:
@@ -69,39 +83,41 @@ async def direct_call(client: AsyncOpenAI, tally: Tally, tier: Tier, tenant: str
     if priority:
         extra["priority"] = int(tier)
     start = anyio.current_time()
-    first = math.nan
-    usage = None
+    started = False
     try:
-        stream = await client.chat.completions.create(
-            **request, stream=True, stream_options={"include_usage": True}, extra_body=extra
-        )
+        stream = await client.chat.completions.create(**request, stream=True, extra_body=extra)
         async for chunk in stream:
-            if math.isnan(first) and chunk.choices:
-                first = anyio.current_time()
-            if chunk.usage:
-                usage = chunk.usage
+            if chunk.choices and chunk.choices[0].delta.content:
+                if not started:
+                    started = True
+                    tally.first_token(str(tier), tenant, anyio.current_time() - start, PROMPT_TOKENS)
+                tally.token(tenant)
+    except anyio.get_cancelled_exc_class():
+        if not started:
+            tally.never_started(str(tier), anyio.current_time() - start)
+        raise
     except Exception:
         tally.errors += 1
-        return
-    if usage is not None:
-        tally.add(str(tier), tenant, first - start, usage.prompt_tokens, usage.completion_tokens)
 
 
 async def fleetsched_call(scheduler: Scheduler, tally: Tally, tier: Tier, tenant: str, max_tokens: int) -> None:
     start = anyio.current_time()
+    started = False
     try:
         async with scheduler.dispatcher.stream(body(max_tokens), tenant=tenant, tier=int(tier)) as chunks:
-            first = math.nan
-            usage: dict[str, int] = {}
             async for chunk in chunks:
-                if math.isnan(first) and chunk.get("choices"):
-                    first = anyio.current_time()
-                usage = chunk.get("usage") or usage
+                choices = chunk.get("choices")
+                if choices and choices[0].get("delta", {}).get("content"):
+                    if not started:
+                        started = True
+                        tally.first_token(str(tier), tenant, anyio.current_time() - start, PROMPT_TOKENS)
+                    tally.token(tenant)
+    except anyio.get_cancelled_exc_class():
+        if not started:
+            tally.never_started(str(tier), anyio.current_time() - start)
+        raise
     except Exception:
         tally.errors += 1
-        return
-    if usage:
-        tally.add(str(tier), tenant, first - start, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
 
 
 async def offered_load(call, *, rate: float, duration: float, max_tokens: int) -> None:
@@ -192,7 +208,7 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
 def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> None:
     """Add the fairness figures and the targets' ratios to `result`."""
     service = [tally.service[t] for t in BATCH_TENANTS]
-    largest_request = len(PROMPT) // 4 + 2 * args.max_tokens
+    largest_request = PROMPT_TOKENS + 2 * args.max_tokens
     result["fairness_gap_tokens"] = max(service) - min(service)
     result["vtc_bound_tokens"] = 2 * largest_request
     ours = result["modes"]["fleetsched"]
@@ -211,6 +227,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--overload", type=float, default=2.5, help="offered load over the saturated rate")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--window", type=int, default=32, help="fleetsched's initial in-flight window")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="the engine's running batch (servers it starts)")
     parser.add_argument("--batch-min-share", type=float, default=0.05)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -240,10 +257,13 @@ def main(argv: list[str]) -> int:
             print(f"fleetsched bench qos: {'; '.join(missing)} missing (run scripts/setup-vllm.sh)", file=sys.stderr)
             return 2
         # One server at a time: on a small machine two engines would compete for the cores.
-        with VLLMServer(scheduling_policy="fcfs") as fcfs:
+        # A batch of max_num_seqs: beyond it calls wait in the engine's own queue, where the
+        # QoS problem shows (vLLM never preempts a running request for a waiting one).
+        with VLLMServer(scheduling_policy="fcfs", max_num_seqs=args.max_num_seqs) as fcfs:
             result = first_half(fcfs.url)
-        with VLLMServer(scheduling_policy="priority") as priority:
+        with VLLMServer(scheduling_policy="priority", max_num_seqs=args.max_num_seqs) as priority:
             second_half(priority.url, result)
+        result["max_num_seqs"] = args.max_num_seqs
     result["wall_s"] = round(time.perf_counter() - start, 1)  # wall-clock ok
     if args.json:
         print(json.dumps(result, indent=2))
