@@ -181,7 +181,7 @@ class Gateway:
     async def _sync_fair_share(self) -> None:
         """Charge this instance's fair-share counters with the service its peers gave."""
         assert self.scheduler is not None
-        queue = self.scheduler.dispatcher._queue  # hook wanted: Dispatcher.charge_external()
+        dispatcher = self.scheduler.dispatcher
         last = await self.state.usage()
         while True:
             await anyio.sleep(FAIR_SHARE_SYNC_S)
@@ -193,7 +193,7 @@ class Gateway:
             for tenant, total in totals.items():
                 peers = total - last.get(tenant, 0.0) - self._local_usage.pop(tenant, 0.0)
                 if peers > 0 and tenant in self.settings.tenants:
-                    queue.charge(tenant, peers)
+                    dispatcher.charge_external(tenant, peers)
             last = totals
 
     # -- ASGI ------------------------------------------------------------------------------------

@@ -251,6 +251,11 @@ class Dispatcher:
             self._rate = rate if self._rate is None else 0.5 * self._rate + 0.5 * rate
             self._rate_since, self._rate_served = now, 0.0
 
+    def charge_external(self, tenant: str, cost: float) -> None:
+        """Count service `tenant` received elsewhere (another gateway instance, say) in its
+        fair-share counter, so that its share is fair across the whole deployment."""
+        self._queue.charge(tenant, cost)
+
     def predicted_wait_s(self) -> float:
         """Seconds a call arriving now would wait for a place: the queued work over the recent
         service rate (0 while the window has room or nothing has been measured yet)."""
