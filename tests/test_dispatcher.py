@@ -135,3 +135,36 @@ async def test_call_after_the_session_deadline_is_refused():
 def test_invalid_window():
     with pytest.raises(ValueError, match="window must be >= 1"):
         Dispatcher(SlowBackend(), window=0)
+
+
+class Replicated(SlowBackend):
+    """Two named replicas; 'down' refuses every call like an unreachable server."""
+
+    replicas = {"r0": None, "r1": None, "down": None}
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.served_by: list[str | None] = []
+
+    async def stream_chat(self, body):
+        replica = body.get("fleetsched_replica")
+        if replica == "down":
+            from fleetsched.errors import BackendUnavailable
+
+            raise BackendUnavailable("replica down")
+        self.served_by.append(replica)
+        async for chunk in super().stream_chat(body):
+            yield chunk
+
+
+async def test_calls_follow_their_replica_and_fall_back_when_it_is_down():
+    backend = Replicated()
+    dispatcher = Dispatcher(backend, window=4)
+    await dispatcher.chat(body("a"), tenant="t", tier=1, replica="r1")
+    await dispatcher.chat(body("b"), tenant="t", tier=1, replica="down")
+    await dispatcher.chat(body("c"), tenant="t", tier=1, replica="gpu-not-a-replica")
+    async with dispatcher.stream(body("d"), tenant="t", tier=1, replica="r0") as chunks:
+        assert len([c async for c in chunks]) == 2
+    # r1 by affinity; 'down' fell back to the backend's own choice; an unknown name is ignored.
+    assert backend.served_by == ["r1", None, None, "r0"]
+    assert dispatcher.statistics().in_flight == 0

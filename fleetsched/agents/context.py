@@ -106,6 +106,7 @@ class SessionContext:
                 session=handle.id,
                 due=self._due(),
                 deadline=handle.deadline,
+                replica=self._replica(),
             )
         finally:
             handle.activity = Activity.THINKING
@@ -136,6 +137,7 @@ class SessionContext:
                 session=handle.id,
                 due=self._due(),
                 deadline=handle.deadline,
+                replica=self._replica(),
             ) as chunks:
                 yield counted(chunks)
         finally:
@@ -174,6 +176,11 @@ class SessionContext:
             if self._pace is not None:
                 await self._pace.tool_finished(handle, name, seconds)
             handle.activity = Activity.THINKING
+
+    def _replica(self) -> str | None:
+        """The replica the session's memory is placed on: its calls go there (affinity)."""
+        reservation = self._handle.reservation
+        return reservation.device if reservation is not None else None
 
     def _due(self) -> float:
         """When this call's first token is due under the tenant's TTFT objective (inf: none)."""

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from ..backends.base import Backend, ChatBody, Chunk, collect_chat, estimate_prompt_tokens, requested_max_tokens
-from ..errors import DeadlineExceeded, Overloaded, RateLimited
+from ..errors import BackendUnavailable, DeadlineExceeded, Overloaded, RateLimited
 from ..policies.fair_queue import Entry, FairQueue
 from ..policies.tiers import Tier
 from ..resources.ratelimit import TenantRateLimits
@@ -31,6 +31,8 @@ from .records import CallRecord, Recorder, percentile
 #: VTC weights: a prompt token costs 1, a generated token 2.
 INPUT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
+#: Body key that routes a call to a named replica (the vllm-server backend removes it).
+REPLICA_KEY = "fleetsched_replica"
 #: The service rate (for predicted waits) is measured over periods at least this long.
 RATE_PERIOD_S = 2.0
 
@@ -95,11 +97,22 @@ class Dispatcher:
         self._rate_since: float | None = None
         self._rate_served = 0.0
         self._engine_ttfts: list[float] = []
+        #: Replica names of a multi-replica backend (calls may be routed to one by affinity).
+        replicas = getattr(backend, "replicas", None)
+        self.replicas = frozenset(replicas) if isinstance(replicas, (Mapping, frozenset, set)) else frozenset()
 
     # -- the call path ---------------------------------------------------------------------------
 
     async def chat(
-        self, body: ChatBody, *, tenant: str, tier: int, session: int = 0, due: float = math.inf, deadline: float = math.inf
+        self,
+        body: ChatBody,
+        *,
+        tenant: str,
+        tier: int,
+        session: int = 0,
+        due: float = math.inf,
+        deadline: float = math.inf,
+        replica: str | None = None,
     ) -> dict[str, Any]:
         """Make one call and return the whole ``chat.completion`` response dict.
 
@@ -108,7 +121,7 @@ class Dispatcher:
         """
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
         chunks: list[Chunk] = []
-        upstream = self.backend.stream_chat({**body, "priority": tier})
+        upstream = self._upstream({**body, "priority": tier}, replica)
         try:
             async for chunk in upstream:
                 _note(chunk, record)
@@ -123,16 +136,25 @@ class Dispatcher:
 
     @asynccontextmanager
     async def stream(
-        self, body: ChatBody, *, tenant: str, tier: int, session: int = 0, due: float = math.inf, deadline: float = math.inf
+        self,
+        body: ChatBody,
+        *,
+        tenant: str,
+        tier: int,
+        session: int = 0,
+        due: float = math.inf,
+        deadline: float = math.inf,
+        replica: str | None = None,
     ) -> AsyncIterator[AsyncIterator[Chunk]]:
         """``async with dispatcher.stream(body, ...) as chunks: async for chunk in chunks: ...``
 
         `due` orders calls within a tenant (earliest first); `deadline` is the session's: a call
         made after it raises `DeadlineExceeded` without reaching the backend. Leaving the block
-        early aborts the call at the engine.
+        early aborts the call at the engine. `replica` (the session's placement) routes the call to
+        that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
-        upstream = self.backend.stream_chat({**body, "priority": tier})
+        upstream = self._upstream({**body, "priority": tier}, replica)
 
         async def observed() -> AsyncIterator[Chunk]:
             async for chunk in upstream:
@@ -147,6 +169,30 @@ class Dispatcher:
         finally:
             await _abort(upstream)
             self._end(record, estimate)
+
+    def _upstream(self, request: dict[str, Any], replica: str | None) -> AsyncIterator[Chunk]:
+        if replica is None or replica not in self.replicas:
+            return self.backend.stream_chat(request)
+        return self._routed(request, replica)
+
+    async def _routed(self, request: dict[str, Any], replica: str) -> AsyncIterator[Chunk]:
+        """The call on its session's replica (affinity keeps its prefix cached there); if that
+        replica is down before the first chunk, on the least loaded one instead."""
+        upstream = self.backend.stream_chat({**request, REPLICA_KEY: replica})
+        try:
+            try:
+                first = await upstream.__anext__()
+            except BackendUnavailable:
+                await upstream.aclose()  # type: ignore[attr-defined]
+                upstream = self.backend.stream_chat(request)
+                first = await upstream.__anext__()
+            yield first
+            async for chunk in upstream:
+                yield chunk
+        except StopAsyncIteration:
+            return
+        finally:
+            await _abort(upstream)
 
     async def _begin(
         self, body: ChatBody, tenant: str, tier: int, session: int, due: float, deadline: float
