@@ -12,6 +12,10 @@ The same workload, concurrency and memory budget in two modes:
 
 It runs on the sim backend in virtual time (trio's MockClock): `--hours` of traffic take seconds.
 Sessions arrive faster than either mode can serve, so sessions per hour measures capacity.
+
+``--backend vllm-server`` runs it on a real vLLM in real time instead (shorter: `--seconds` per
+mode, tool times scaled by `--time-scale`), and reports the engine's prefix-cache hit rate per
+mode from its ``/metrics`` counters.
 """
 
 from __future__ import annotations
@@ -35,13 +39,27 @@ KINDS = ("chatty", "long-tool", "summariser")
 MODES = ("baseline", "fleetsched", "fleetsched-keep")
 
 
-def mixed_pace_settings(mode: str, *, sessions: int, arrival_rate: float, max_sessions: int) -> Settings:
+def mixed_pace_settings(
+    mode: str,
+    *,
+    sessions: int,
+    arrival_rate: float,
+    max_sessions: int,
+    backend: dict[str, Any] | None = None,
+    time_scale: float = 1.0,
+    prompt_scale: float = 1.0,
+) -> Settings:
     """The benchmark's workload: a third of each kind; one tenant per kind except in baseline."""
     per_kind = sessions // 3
+    t = time_scale
+
+    def p(tokens: int) -> int:
+        return max(16, int(tokens * prompt_scale))
+
     tenant = {kind: ("fleet" if mode == "baseline" else name) for kind, name in
               (("chatty", "chat"), ("long-tool", "agents"), ("summariser", "batch"))}
     return Settings(
-        backend={"kind": "sim", "max_in_flight": 128, "sim": {"stream_interval": 8}},
+        backend=backend or {"kind": "sim", "max_in_flight": 128, "sim": {"stream_interval": 8}},
         scheduler={
             "max_sessions": max_sessions,
             "tool_policy": "adaptive" if mode == "fleetsched" else "keep",
@@ -58,12 +76,12 @@ def mixed_pace_settings(mode: str, *, sessions: int, arrival_rate: float, max_se
             "arrival_rate": arrival_rate,
             "seed": 11,
             "agents": [
-                {"tenant": tenant["chatty"], "kind": "chatty", "count": per_kind, "session_memory": "1GB", "turns": 6, "prompt_tokens": 300,
-                 "max_tokens": 48, "tool_s": 0.2, "tool_s_max": 1.0, "tool_dist": "uniform", "tool_name": "calculator",
-                 "think_s": 0.5},
-                {"tenant": tenant["long-tool"], "kind": "long-tool", "count": per_kind, "session_memory": "2GB", "turns": 4, "prompt_tokens": 1200,
-                 "max_tokens": 96, "tool_s": 5, "tool_s_max": 60, "tool_dist": "uniform", "tool_name": "code-run"},
-                {"tenant": tenant["summariser"], "kind": "summariser", "count": per_kind, "session_memory": "2GB", "turns": 1, "prompt_tokens": 3000,
+                {"tenant": tenant["chatty"], "kind": "chatty", "count": per_kind, "session_memory": "1GB", "turns": 6, "prompt_tokens": p(300),
+                 "max_tokens": 48, "tool_s": 0.2 * t, "tool_s_max": 1.0 * t, "tool_dist": "uniform",
+                 "tool_name": "calculator", "think_s": 0.5 * t},
+                {"tenant": tenant["long-tool"], "kind": "long-tool", "count": per_kind, "session_memory": "2GB", "turns": 4, "prompt_tokens": p(1200),
+                 "max_tokens": 96, "tool_s": 5 * t, "tool_s_max": 60 * t, "tool_dist": "uniform", "tool_name": "code-run"},
+                {"tenant": tenant["summariser"], "kind": "summariser", "count": per_kind, "session_memory": "2GB", "turns": 1, "prompt_tokens": p(3000),
                  "max_tokens": 256},
             ],
         },
@@ -73,11 +91,47 @@ def mixed_pace_settings(mode: str, *, sessions: int, arrival_rate: float, max_se
 async def run_mode(settings: Settings, hours: float) -> dict[str, Any]:
     duration = hours * 3600
     async with Scheduler(settings) as scheduler:
+        start = anyio.current_time()
         with anyio.move_on_after(duration):
             await run_workload(scheduler, settings.workload)
         end = anyio.current_time()
         engine = scheduler.backend.statistics()  # type: ignore[attr-defined]
-    done = [s for s in scheduler.recorder.sessions if s.state == "done" and s.finished <= end]
+    return figures(scheduler, start, end, hours, engine.busy_fraction) | {"generated_tokens": engine.generated_tokens}
+
+
+async def run_mode_real(settings: Settings, seconds: float) -> dict[str, Any]:
+    """One mode against a real vLLM: busy fraction sampled from its running count, and the
+    prefix-cache hit rate from its counters over the mode's run."""
+    async with Scheduler(settings) as scheduler:
+        backend = scheduler.backend
+        before = await backend.signals()
+        busy = samples = 0
+
+        async def sample() -> None:
+            nonlocal busy, samples
+            while True:
+                await anyio.sleep(0.5)
+                signals = await backend.signals()
+                samples += 1
+                busy += bool(signals.running)
+
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sample)
+            with anyio.move_on_after(seconds):
+                await run_workload(scheduler, settings.workload)
+            tg.cancel_scope.cancel()
+        end = anyio.current_time()
+        after = await backend.signals()
+    queries = (after.prefix_cache_queries_total or 0) - (before.prefix_cache_queries_total or 0)
+    hits = (after.prefix_cache_hits_total or 0) - (before.prefix_cache_hits_total or 0)
+    result = figures(scheduler, start, end, seconds / 3600, busy / samples if samples else 0.0)
+    result["prefix_cache_hit_rate"] = round(hits / queries, 3) if queries else None
+    return result
+
+
+def figures(scheduler: Scheduler, start: float, end: float, hours: float, busy_fraction: float) -> dict[str, Any]:
+    done = [s for s in scheduler.recorder.sessions if s.state == "done" and start <= s.finished <= end]
     jct: dict[str, dict[str, float | None]] = {}
     for kind in KINDS:
         times = [s.finished - s.submitted for s in done if s.kind == kind]
@@ -86,31 +140,33 @@ async def run_mode(settings: Settings, hours: float) -> dict[str, Any]:
             "p95": round(percentile(times, 95), 2) if times else None,
             "done": len(times),
         }
-    return {
-        "sessions_per_hour": round(len(done) / hours, 1),
-        "jct_s": jct,
-        "engine_busy_frac": round(engine.busy_fraction, 3),
-        "generated_tokens": engine.generated_tokens,
-    }
+    return {"sessions_per_hour": round(len(done) / hours, 1), "jct_s": jct, "engine_busy_frac": round(busy_fraction, 3)}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench mixed-pace", description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["sim"], default="sim", help="sim (virtual time); a real vLLM run is not built yet")
+    parser.add_argument("--backend", choices=["sim", "vllm-server"], default="sim", help="sim (virtual time) or a real vLLM")
+    parser.add_argument("--url", help="vllm-server: a running server (default: start one)")
+    parser.add_argument("--seconds", type=float, default=90.0, help="vllm-server: real seconds per mode")
+    parser.add_argument("--time-scale", type=float, default=0.1, help="vllm-server: tool and think times scaled by this")
     parser.add_argument("--hours", type=float, default=0.5, help="simulated hours per mode")
     parser.add_argument("--max-sessions", type=int, default=48, help="concurrent sessions (the same in both modes)")
     parser.add_argument("--arrival-rate", type=float, default=3.0, help="sessions submitted per second")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    sessions = int(args.arrival_rate * args.hours * 3600 * 1.2) + 3
-    result: dict[str, Any] = {"backend": args.backend, "hours": args.hours, "max_sessions": args.max_sessions, "modes": {}}
-    for mode in MODES:
-        settings = mixed_pace_settings(mode, sessions=sessions, arrival_rate=args.arrival_rate, max_sessions=args.max_sessions)
-        start = time.perf_counter()  # wall-clock ok
-        clock = trio.testing.MockClock(autojump_threshold=0)
-        figures = anyio.run(run_mode, settings, args.hours, backend="trio", backend_options={"clock": clock})
-        figures["wall_s"] = round(time.perf_counter() - start, 1)  # wall-clock ok
-        result["modes"][mode] = figures
+    result: dict[str, Any] = {"backend": args.backend, "max_sessions": args.max_sessions, "modes": {}}
+    if args.backend == "vllm-server":
+        real_modes(args, result)
+    else:
+        result["hours"] = args.hours
+        sessions = int(args.arrival_rate * args.hours * 3600 * 1.2) + 3
+        for mode in MODES:
+            settings = mixed_pace_settings(mode, sessions=sessions, arrival_rate=args.arrival_rate, max_sessions=args.max_sessions)
+            start = time.perf_counter()  # wall-clock ok
+            clock = trio.testing.MockClock(autojump_threshold=0)
+            measured = anyio.run(run_mode, settings, args.hours, backend="trio", backend_options={"clock": clock})
+            measured["wall_s"] = round(time.perf_counter() - start, 1)  # wall-clock ok
+            result["modes"][mode] = measured
     base, ours = result["modes"]["baseline"], result["modes"]["fleetsched"]
     result["sessions_per_hour_ratio"] = round(ours["sessions_per_hour"] / base["sessions_per_hour"], 2) if base["sessions_per_hour"] else None
     result["chatty_p95_jct_ratio"] = (
@@ -124,8 +180,9 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"fleetsched bench mixed-pace: {args.hours} h simulated, {args.max_sessions} concurrent sessions")
-    for column in ("mode", "sessions/h", "engine busy", *(f"{k} JCT p50/p95 s" for k in KINDS), "wall s"):
+    span = f"{args.hours} h simulated" if args.backend == "sim" else f"{args.seconds:g} s on a real vLLM"
+    table = Table(title=f"fleetsched bench mixed-pace: {span}, {args.max_sessions} concurrent sessions")
+    for column in ("mode", "sessions/h", "engine busy", *(f"{k} JCT p50/p95 s" for k in KINDS), "prefix hits", "wall s"):
         table.add_column(column, justify="right")
     for mode, f in result["modes"].items():
         table.add_row(
@@ -133,12 +190,33 @@ def main(argv: list[str]) -> int:
             f"{f['sessions_per_hour']:,}",
             f"{f['engine_busy_frac']:.0%}",
             *(f"{f['jct_s'][k]['p50']} / {f['jct_s'][k]['p95']}" for k in KINDS),
-            str(f["wall_s"]),
+            str(f.get("prefix_cache_hit_rate", "-")),
+            str(f.get("wall_s", "-")),
         )
     Console().print(table)
     print(f"sessions per hour, fleetsched / baseline: {result['sessions_per_hour_ratio']}x; "
           f"chatty p95 JCT ratio: {result['chatty_p95_jct_ratio']}")
     return 0
+
+
+def real_modes(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Each mode for `args.seconds` against one real vLLM server (started here unless --url)."""
+    import contextlib
+
+    from ..testing.vllm_server import VLLMServer
+
+    result.update(seconds=args.seconds, time_scale=args.time_scale, prompt_scale=0.25)
+    sessions = int(args.arrival_rate * args.seconds * 1.2) + 3
+    with contextlib.ExitStack() as stack:
+        server = VLLMServer(scheduling_policy="priority", max_num_seqs=32, max_model_len=4096)
+        url = args.url or stack.enter_context(server).url
+        backend = {"kind": "vllm-server", "urls": [url], "max_in_flight": 32}
+        for mode in ("baseline", "fleetsched"):
+            settings = mixed_pace_settings(
+                mode, sessions=sessions, arrival_rate=args.arrival_rate, max_sessions=args.max_sessions,
+                backend=backend, time_scale=args.time_scale, prompt_scale=0.25,  # the tiny model's context
+            )
+            result["modes"][mode] = anyio.run(run_mode_real, settings, args.seconds)
 
 
 if __name__ == "__main__":
