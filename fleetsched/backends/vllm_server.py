@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
+import anyio.lowlevel
 import httpx
 import openai
 from openai import AsyncOpenAI
@@ -275,6 +276,9 @@ class VLLMServerBackend(Backend):
                     saw_usage = saw_usage or bool(chunk.get("usage"))
                     completion_chunks += bool(chunk.get("choices"))
                     yield chunk
+                    # When the server is ahead, every read is served from the socket buffer and
+                    # never suspends, so a cancelled consumer would read the whole answer first.
+                    await anyio.lowlevel.checkpoint_if_cancelled()
                     chunk = await self._next_chunk(stream)
             except Exception as exc:
                 if isinstance(exc, BackendError):
