@@ -31,8 +31,11 @@ def _load(path: str, backend: str | None) -> Settings:
         except ValueError as exc:
             raise ConfigError("--backend", str(exc).splitlines()[-1].strip()) from None
         settings = settings.model_copy(update={"backend": section})
-    if not settings.workload.agents:
-        raise ConfigError("workload.agents", "the config describes no agents to run")
+    if not settings.workload.agents and settings.workload.trace is None:
+        raise ConfigError("workload.agents", "the config describes no agents to run (nor a workload.trace)")
+    from .agents.workload import plan
+
+    plan(settings.workload, settings.tenants)  # a bad trace is a config error, found before the run
     return settings
 
 

@@ -329,6 +329,10 @@ class WorkloadSettings(_Section):
     """Sessions submitted per second (Poisson); None submits all at once."""
     seed: int = 0
     agents: list[AgentMix] = Field(default_factory=list)
+    trace: Path | None = None
+    """A JSONL trace to replay: one session a line, an `AgentMix` without `count` plus `at`
+    (seconds from the start), e.g. ``{"at": 1.5, "tenant": "acme", "turns": 3, "tool_s": 4}``.
+    A relative path is read from the working directory."""
 
 
 class Settings(BaseSettings):

@@ -131,3 +131,20 @@ async def test_cancel_while_parked_or_waiting_to_return():
         await blocker
     assert returning.state is SessionState.CANCELLED
     check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_an_agent_that_sleeps_without_ctx_tool_keeps_its_slot_until_its_deadline():
+    """The scheduler cannot tell such a sleep from thinking: the session keeps its slot (it is
+    never parked), and its deadline is what bounds it."""
+    log: list = []
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "adaptive", "drain_grace_s": 1000})
+    async with Scheduler(s) as scheduler:
+        sleepy = await scheduler.submit(sleeper(100, log, "sleepy"), tenant="acme", deadline_s=10)
+        await scheduler.submit(sleeper(1, log, "B"), tenant="acme")
+        with pytest.raises(SessionFailed):
+            await sleepy
+    assert sleepy.parked_count == 0
+    assert type(sleepy.error).__name__ == "DeadlineExceeded"
+    assert ("B", "start", 10.0) in log
+    check_released(scheduler)

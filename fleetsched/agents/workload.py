@@ -10,14 +10,17 @@ arrive all at once, or as a Poisson process of `arrival_rate` per second.
 from __future__ import annotations
 
 import functools
+import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
+from pydantic import ValidationError
 
-from ..errors import FleetschedError
+from ..errors import ConfigError, FleetschedError
 from ..scheduler import Scheduler, SessionHandle
 from ..scheduler.session import Agent
 from ..settings import AgentMix, WorkloadSettings
@@ -82,8 +85,39 @@ class PlannedSession:
     agent: Agent
 
 
-def plan(workload: WorkloadSettings) -> list[PlannedSession]:
-    """Every session of the workload with its arrival offset (seconds), in arrival order."""
+def read_trace(path: Path) -> list[tuple[float, AgentMix]]:
+    """The sessions of a JSONL trace as (arrival offset, agent mix of one). Raises `ConfigError`
+    naming the line and the field that is wrong."""
+    sessions = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError("workload.trace", f"cannot read {path}: {exc.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        key = f"workload.trace line {number}"
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("a line must be a JSON object")
+            at = float(record.pop("at", 0.0))
+            if not at >= 0:
+                raise ValueError(f"at must be >= 0 seconds, got {at}")
+            mix = AgentMix.model_validate({"count": 1, **record})
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            field = ".".join(str(p) for p in error["loc"])
+            raise ConfigError(f"{key}: {field}", error["msg"]) from None
+        except ValueError as exc:  # JSON syntax, or `at`
+            raise ConfigError(key, str(exc)) from None
+        sessions.append((at, mix))
+    return sessions
+
+
+def plan(workload: WorkloadSettings, tenants: Iterable[str] | None = None) -> list[PlannedSession]:
+    """Every session of the workload, generated and replayed, with its arrival offset (seconds),
+    in arrival order. With `tenants`, a trace naming another tenant is a `ConfigError`."""
     rng = random.Random(workload.seed)
     kinds = []
     for index, mix in enumerate(workload.agents):
@@ -96,6 +130,13 @@ def plan(workload: WorkloadSettings) -> list[PlannedSession]:
         if workload.arrival_rate:
             at += rng.expovariate(workload.arrival_rate)
         sessions.append(PlannedSession(at, kind, mix, scripted_chat_agent(mix, rng)))
+    if workload.trace is not None:
+        known = set(tenants) if tenants is not None else None
+        for number, (offset, mix) in enumerate(read_trace(workload.trace), 1):
+            if known is not None and mix.tenant not in known:
+                raise ConfigError(f"workload.trace session {number}: tenant", f"{mix.tenant!r} is not a declared tenant")
+            sessions.append(PlannedSession(offset, mix.kind or mix.tenant, mix, scripted_chat_agent(mix, rng)))
+        sessions.sort(key=lambda planned: planned.at)
     return sessions
 
 
@@ -110,7 +151,7 @@ async def run_workload(
     """
     start = anyio.current_time()
     handles: list[SessionHandle] = []
-    for planned in plan(workload):
+    for planned in plan(workload, scheduler.settings.tenants):
         delay = start + planned.at - anyio.current_time()
         if delay > 0:
             await anyio.sleep(delay)

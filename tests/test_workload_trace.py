@@ -1,0 +1,77 @@
+"""Replaying a JSONL trace: sessions arrive at their recorded times; bad lines are named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fleetsched import Scheduler, SessionState
+from fleetsched.agents.workload import plan, run_workload
+from fleetsched.errors import ConfigError
+from fleetsched.settings import WorkloadSettings
+
+from .helpers import check_released, settings
+
+
+def write(path, *records):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+@pytest.mark.anyio
+async def test_trace_sessions_arrive_at_their_times(tmp_path):
+    trace = write(
+        tmp_path / "t.jsonl",
+        {"at": 5, "tenant": "acme", "kind": "late", "turns": 2, "tool_s": 3},
+        {"at": 0, "tenant": "acme", "kind": "early", "turns": 1},
+        "",
+        {"at": 2.5, "tenant": "acme", "turns": 1, "max_tokens": 8},
+    )
+    s = settings(workload={"trace": str(trace)})
+    async with Scheduler(s) as scheduler:
+        handles = await run_workload(scheduler, s.workload)
+    submitted = sorted((h.timestamps[SessionState.QUEUED], h.kind) for h in handles)
+    assert submitted == [(0.0, "early"), (2.5, "acme"), (5.0, "late")]
+    late = [h for h in handles if h.kind == "late"][0]
+    assert late.counters.calls == 2 and late.counters.tool_s == 3.0
+    assert all(h.state is SessionState.DONE for h in handles)
+    check_released(scheduler)
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ("{not json", "workload.trace line 2"),
+        ('{"at": 1}', "workload.trace line 2: tenant"),
+        ('{"at": -1, "tenant": "acme"}', "workload.trace line 2"),
+        ('{"tenant": "acme", "turns": 0}', "workload.trace line 2: turns"),
+        ("[1, 2]", "workload.trace line 2"),
+    ],
+)
+def test_bad_trace_lines_are_named(tmp_path, line, key):
+    trace = write(tmp_path / "t.jsonl", {"tenant": "acme"}, line)
+    with pytest.raises(ConfigError) as info:
+        plan(WorkloadSettings(trace=trace), ["acme"])
+    assert info.value.key == key
+
+
+def test_unknown_tenant_and_missing_trace(tmp_path):
+    trace = write(tmp_path / "t.jsonl", {"tenant": "ghost"})
+    with pytest.raises(ConfigError, match="'ghost' is not a declared tenant"):
+        plan(WorkloadSettings(trace=trace), ["acme"])
+    with pytest.raises(ConfigError, match="cannot read"):
+        plan(WorkloadSettings(trace=tmp_path / "missing.jsonl"))
+
+
+def test_cli_runs_a_trace_and_refuses_a_bad_one(tmp_path):
+    trace = write(tmp_path / "t.jsonl", {"at": 0, "tenant": "acme", "turns": 1}, {"at": 0.2, "tenant": "acme"})
+    config = tmp_path / "c.toml"
+    config.write_text(f'[backend]\nkind = "instant"\n[tenants.acme]\n[workload]\ntrace = "{trace}"\n')
+    done = subprocess.run([sys.executable, "-m", "fleetsched.cli", "run", str(config), "--no-live"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    write(trace, {"tenant": "acme"}, "{oops")
+    done = subprocess.run([sys.executable, "-m", "fleetsched.cli", "run", str(config), "--no-live"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "workload.trace line 2" in done.stderr
