@@ -84,6 +84,7 @@ def test_refusals_are_4xx_never_500(gateway_url):
         c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"top_k": "many"})
 
 
+@pytest.mark.flaky(reruns=2)  # timing on 2 shared cores: the engine can outrun the stream or the queue form late
 def test_client_disconnect_aborts_at_the_engine(gateway_url, vllm_server):
     """A 1,900-token stream dropped at its first event: the engine stops generating it, and it
     never finishes by length (vLLM 0.32 does not count disconnect aborts in request_success)."""
