@@ -146,3 +146,15 @@ def flush(url: str) -> None:
 
     with redis.Redis.from_url(url) as r:
         r.flushdb()
+
+
+def test_unreachable_redis_is_a_503_not_a_500():
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    s = gateway_settings(gateway={"redis_url": f"redis://127.0.0.1:{port}/0"})
+    with serve_in_thread(s) as (_, url):
+        with pytest.raises(openai.APIStatusError) as caught:
+            client(url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+    assert caught.value.status_code == 503
+    assert caught.value.response.headers["retry-after"] == "1"

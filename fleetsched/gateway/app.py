@@ -305,7 +305,17 @@ class Gateway:
                     code="context_length_exceeded",
                 ),
             )
-        wait = await self.state.take(tenant, prompt + requested_max_tokens(body))
+        try:
+            wait = await self.state.take(tenant, prompt + requested_max_tokens(body))
+        except Exception as exc:  # the shared state (Redis) is unreachable: a 503, not our 500
+            logger.warning("shared state unavailable for tenant %r: %r", tenant, exc)
+            return await _error(
+                send,
+                error_response(
+                    503, "the gateway's shared state (Redis) is unavailable; retry shortly", "state_unavailable",
+                    retry_after_s=1.0,
+                ),
+            )
         if wait > 0:
             return await _error(
                 send,
