@@ -149,11 +149,17 @@ def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
 
 
 def estimate_prompt_tokens(body: ChatBody) -> int:
-    """A cheap estimate of a request's prompt tokens (about 4 characters a token).
+    """A cheap estimate of a request's prompt tokens (about 4 characters a token), for a chat
+    body (``messages``) or a completions body (``prompt``).
 
     Used for ordering and fair-share accounting before the engine has counted; the engine's
     own ``usage`` replaces it once the call completes.
     """
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return max(1, len(prompt) // 4)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return max(1, len(prompt[0]) // 4)
     chars = 0
     for message in body.get("messages") or ():
         content = message.get("content")

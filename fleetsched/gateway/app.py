@@ -37,7 +37,7 @@ import httpx
 
 from ..agents.transport import error_response, response_for
 from ..backends import create_backend
-from ..backends.base import Backend, requested_max_tokens
+from ..backends.base import Backend, estimate_prompt_tokens, requested_max_tokens
 from ..backends.vllm_server import REPLICA_KEY
 from ..errors import BackendError, FleetschedError, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit
@@ -50,7 +50,7 @@ from .backend import ENDPOINT_KEY, GatewayBackend, collect_completion
 from .metrics import GatewayMetrics
 from .sessions import SESSION_ID, SessionTable
 from .state import SharedState, create_state
-from .validate import Invalid, check_chat, check_completion, prompt_chars
+from .validate import Invalid, check_chat, check_completion
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class Gateway:
         streaming = bool(body.pop("stream", False))
         for private in (REPLICA_KEY, ENDPOINT_KEY, "priority"):
             body.pop(private, None)
-        prompt = max(1, prompt_chars(body) // 4)
+        prompt = estimate_prompt_tokens(body)
         max_tokens = requested_max_tokens(body, default=0)
         if self.max_context is not None and prompt + max_tokens > self.max_context:
             return await _error(

@@ -112,19 +112,3 @@ def check_completion(body: Any) -> dict[str, Any]:
         raise Invalid("prompt", "must be a non-empty string")
     _common(body)
     return body
-
-
-def prompt_chars(body: Mapping[str, Any]) -> int:
-    """Characters of prompt text in a checked chat or completion body."""
-    prompt = body.get("prompt")
-    if prompt is not None:
-        return len(prompt[0] if isinstance(prompt, list) else prompt)
-    chars = 0
-    for message in body.get("messages") or ():
-        content = message.get("content")
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(p.get("text", "")) for p in content if isinstance(p.get("text", ""), str))
-        chars += 16
-    return chars
