@@ -232,7 +232,7 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
         target = start + i / rate
         delay = target - time.perf_counter()  # wall-clock ok
         if delay > 0:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # wall-clock ok: the load generator paces real requests
         if i == warm:
             measured_start = time.perf_counter()  # wall-clock ok
         task = asyncio.ensure_future(one(i >= warm))

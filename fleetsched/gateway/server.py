@@ -86,7 +86,7 @@ def serve_in_thread(settings: Settings, *, host: str = "127.0.0.1", port: int = 
     thread.start()
     deadline = time.monotonic() + 30  # wall-clock ok: waits on another thread
     while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
+        if not thread.is_alive() or time.monotonic() > deadline:  # wall-clock ok: waiting for a server thread
             raise RuntimeError("the gateway did not start")
         time.sleep(0.01)  # wall-clock ok
     bound = server.servers[0].sockets[0].getsockname()

@@ -42,9 +42,9 @@ import os, runpy, signal, sys, threading, time
 parent = int(sys.argv[1])
 def guard():
     while os.getppid() == parent:
-        time.sleep(1.0)
+        time.sleep(1.0)  # wall-clock ok
     os.killpg(0, signal.SIGTERM)
-    time.sleep(15.0)
+    time.sleep(15.0)  # wall-clock ok
     os.killpg(0, signal.SIGKILL)
 threading.Thread(target=guard, name="fleetsched-orphan-guard", daemon=True).start()
 sys.argv = [sys.argv[2], *sys.argv[3:]]

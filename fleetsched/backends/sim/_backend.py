@@ -237,7 +237,7 @@ class SimBackend(Backend):
         engine, park = self.engine, self._park
         request = engine.new_request(spec.prompt_tokens, spec.max_tokens, spec.hashes, spec.priority)
         self._kick()
-        cid, created = new_completion_id(), int(time.time())
+        cid, created = new_completion_id(), int(time.time())  # wall-clock ok: the Unix timestamp of the response
         try:
             while True:
                 if request.num_output == request.delivered:
