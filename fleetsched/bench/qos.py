@@ -64,6 +64,25 @@ class Tally:
         self.ttft[tier].append(waited)
 
 
+class CallTally:
+    """One call's share of a `Tally`: its first token, its tokens, or its wait if it never started."""
+
+    def __init__(self, tally: Tally, tier: Tier, tenant: str) -> None:
+        self.tally, self.tier, self.tenant = tally, str(tier), tenant
+        self.start = anyio.current_time()
+        self.started = False
+
+    def token(self) -> None:
+        if not self.started:
+            self.started = True
+            self.tally.first_token(self.tier, self.tenant, anyio.current_time() - self.start, PROMPT_TOKENS)
+        self.tally.token(self.tenant)
+
+    def cancelled(self) -> None:
+        if not self.started:
+            self.tally.never_started(self.tier, anyio.current_time() - self.start)
+
+
 PROMPT_TOKENS = 40  # the prompt's size as the engine counts it, for the service figures
 
 
@@ -84,8 +103,7 @@ async def direct_call(client: httpx.AsyncClient, tally: Tally, tier: Tier, tenan
     request["stream"] = True
     if priority:
         request["priority"] = int(tier)
-    start = anyio.current_time()
-    started = False
+    call = CallTally(tally, tier, tenant)
     try:
         async with client.stream("POST", "/v1/chat/completions", json=request) as response:
             if response.status_code != 200:
@@ -93,13 +111,9 @@ async def direct_call(client: httpx.AsyncClient, tally: Tally, tier: Tier, tenan
                 return
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                    if not started:
-                        started = True
-                        tally.first_token(str(tier), tenant, anyio.current_time() - start, PROMPT_TOKENS)
-                    tally.token(tenant)
+                    call.token()
     except anyio.get_cancelled_exc_class():
-        if not started:
-            tally.never_started(str(tier), anyio.current_time() - start)
+        call.cancelled()
         raise
     except httpx.HTTPError:
         tally.errors += 1
@@ -111,20 +125,15 @@ def direct_client(url: str) -> httpx.AsyncClient:
 
 
 async def fleetsched_call(scheduler: Scheduler, tally: Tally, tier: Tier, tenant: str, max_tokens: int) -> None:
-    start = anyio.current_time()
-    started = False
+    call = CallTally(tally, tier, tenant)
     try:
         async with scheduler.dispatcher.stream(body(max_tokens), tenant=tenant, tier=int(tier)) as chunks:
             async for chunk in chunks:
                 choices = chunk.get("choices")
                 if choices and choices[0].get("delta", {}).get("content"):
-                    if not started:
-                        started = True
-                        tally.first_token(str(tier), tenant, anyio.current_time() - start, PROMPT_TOKENS)
-                    tally.token(tenant)
+                    call.token()
     except anyio.get_cancelled_exc_class():
-        if not started:
-            tally.never_started(str(tier), anyio.current_time() - start)
+        call.cancelled()
         raise
     except Exception:
         tally.errors += 1
