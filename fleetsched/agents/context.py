@@ -99,15 +99,7 @@ class SessionContext:
         handle = self._handle
         handle.activity = Activity.MODEL_CALL
         try:
-            response = await self._dispatcher.chat(
-                request,
-                tenant=handle.tenant,
-                tier=handle.tier,
-                session=handle.id,
-                due=self._due(),
-                deadline=handle.deadline,
-                replica=self._replica(),
-            )
+            response = await self._dispatcher.chat(request, **self._route())
         finally:
             handle.activity = Activity.THINKING
         self._count(response.get("usage") or {})
@@ -130,15 +122,7 @@ class SessionContext:
                 yield chunk
 
         try:
-            async with self._dispatcher.stream(
-                request,
-                tenant=handle.tenant,
-                tier=handle.tier,
-                session=handle.id,
-                due=self._due(),
-                deadline=handle.deadline,
-                replica=self._replica(),
-            ) as chunks:
+            async with self._dispatcher.stream(request, **self._route()) as chunks:
                 yield counted(chunks)
         finally:
             handle.activity = Activity.THINKING
@@ -177,14 +161,22 @@ class SessionContext:
                 await self._pace.tool_finished(handle, name, seconds)
             handle.activity = Activity.THINKING
 
-    def _replica(self) -> str | None:
-        """The replica the session's memory is placed on: its calls go there (affinity)."""
-        reservation = self._handle.reservation
-        return reservation.device if reservation is not None else None
+    def _route(self) -> dict[str, Any]:
+        """The dispatcher's arguments for a call of this session: who, how urgent, where.
 
-    def _due(self) -> float:
-        """When this call's first token is due under the tenant's TTFT objective (inf: none)."""
-        return anyio.current_time() + self._ttft_slo_s if self._ttft_slo_s != math.inf else math.inf
+        `due` is when the first token is due under the tenant's TTFT objective (inf: none);
+        `replica` is the one the session's memory is placed on (affinity).
+        """
+        handle = self._handle
+        reservation = handle.reservation
+        return {
+            "tenant": handle.tenant,
+            "tier": handle.tier,
+            "session": handle.id,
+            "due": anyio.current_time() + self._ttft_slo_s if self._ttft_slo_s != math.inf else math.inf,
+            "deadline": handle.deadline,
+            "replica": reservation.device if reservation is not None else None,
+        }
 
     def _count(self, usage: Mapping[str, int]) -> None:
         counters = self._handle.counters
