@@ -1,9 +1,11 @@
 """On-demand compaction (`plan_hole`, `ExtentPool` placing by moving) and compaction past a threshold."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetsched.errors import WouldBlock
-from fleetsched.resources import DeviceLayout, DeviceSpec, ExtentPool, ExtentView, create_pool, plan_hole
+from fleetsched.resources import AddressSpace, DeviceLayout, DeviceSpec, ExtentPool, ExtentView, create_pool, plan_hole
 from fleetsched.settings import ResourceSettings
 
 PAGE = 1 << 20
@@ -47,6 +49,91 @@ def test_plan_hole_is_none_when_a_hole_already_fits_or_too_little_is_free():
     assert plan_hole(lay, free_of(lay), 8) is None  # 16 contiguous free already
     lay = layout(("a", 0, 10, True), ("b", 12, 7, True))
     assert plan_hole(lay, free_of(lay), 4) is None  # 3 pages free in all
+
+
+def test_plan_hole_slides_a_stretch_together_when_no_free_run_takes_the_window_s_extents():
+    # [a:0-1 pinned][free 1-3][b:3-6 movable][free 6-8][c:8-11 movable][free 11-13][d:13-20 pinned]
+    # 6 pages are free but in runs of 2: no window of 5 can be emptied into a free run, yet
+    # sliding b and c down to page 1 gathers the six free pages at 7-13.
+    lay = layout(("a", 0, 1, False), ("b", 3, 3, True), ("c", 8, 3, True), ("d", 13, 7, False))
+    plan = plan_hole(lay, free_of(lay), 5)
+    assert plan is not None and plan.length == 5
+    apply_moves(lay, plan)
+    assert sorted(m.key for m in plan.moves) == ["b", "c"]
+
+
+def test_plan_hole_sends_what_does_not_fit_below_the_window_to_another_stretch():
+    # [free 0-2][b 2-3][free 3-4] p:4-5 [free 5-6][c 6-9][free 9-10][d 10-11][free 11-13]
+    # 7 pages free, none in a run of 3. Opening 6 at the top of the right stretch keeps d
+    # (slid down) and sends c left, into the room that sliding b down makes there.
+    lay = layout(("b", 2, 1, True), ("p", 4, 1, False), ("c", 6, 3, True), ("d", 10, 1, True), pages=13)
+    plan = plan_hole(lay, free_of(lay), 6)
+    assert plan is not None and plan.offset == 7
+    apply_moves(lay, plan)
+    assert [(m.key, m.dst) for m in plan.moves] == [("b", 0), ("c", 1), ("d", 5)]
+
+
+def apply_moves(lay: DeviceLayout, plan) -> AddressSpace:
+    """Carry out `plan` in order on a fresh address space; each destination must be free then."""
+    space = AddressSpace(lay.pages)
+    where = {}
+    movable = {e.key: e.movable for e in lay.extents}
+    for e in lay.extents:
+        space.allocate(e.offset, e.length)
+        where[e.key] = e.offset
+    for m in plan.moves:
+        assert movable[m.key], f"moved the unmovable {m.key!r}"
+        assert where[m.key] == m.src
+        space.release(m.src)
+        space.allocate(m.dst, m.length)  # raises if not free
+        where[m.key] = m.dst
+        assert not (plan.offset < m.dst + m.length and m.dst < plan.offset + plan.length), "moved into the window"
+    space.check()
+    hole = space.free_extent_containing(plan.offset)
+    assert hole is not None and plan.offset + plan.length <= hole[0] + hole[1], "the window is not free"
+    return space
+
+
+@st.composite
+def layouts(draw) -> DeviceLayout:
+    """A random device of up to 40 pages, tiled by extents (movable or not) and holes."""
+    pages = draw(st.integers(4, 40))
+    extents, cursor, k = [], 0, 0
+    while cursor < pages:
+        length = draw(st.integers(1, min(8, pages - cursor)))
+        kind = draw(st.sampled_from(["free", "movable", "pinned"]))
+        if kind != "free":
+            extents.append(ExtentView(f"e{k}", cursor, length, kind == "movable"))
+            k += 1
+        cursor += length
+    return DeviceLayout("gpu0", pages, tuple(extents))
+
+
+@given(lay=layouts(), n=st.integers(1, 40))
+@settings(max_examples=400, deadline=None)
+def test_plan_hole_moves_only_movable_extents_out_of_a_window_it_then_leaves_free(lay, n):
+    free = free_of(lay)
+    plan = plan_hole(lay, free, n)
+    if plan is None:
+        return
+    assert max((length for _, length in free), default=0) < n <= sum(length for _, length in free)
+    assert 0 <= plan.offset and plan.offset + n <= lay.pages and plan.length == n
+    apply_moves(lay, plan)
+
+
+@given(lay=layouts())
+@settings(max_examples=300, deadline=None)
+def test_plan_hole_finds_a_plan_whenever_one_stretch_alone_can_be_slid_open(lay):
+    # Between two unmovable extents, if the free pages add up to n, sliding that stretch's
+    # extents down opens n pages with no help from elsewhere: the planner must not miss it.
+    free = free_of(lay)
+    pinned = sorted((e.offset, e.offset + e.length) for e in lay.extents if not e.movable)
+    stretches = zip([0] + [end for _, end in pinned], [start for start, _ in pinned] + [lay.pages])
+    roomiest = max(
+        hi - lo - sum(e.length for e in lay.extents if e.movable and lo <= e.offset < hi) for lo, hi in stretches
+    )
+    for n in range(max((length for _, length in free), default=0) + 1, roomiest + 1):
+        assert plan_hole(lay, free, n) is not None, n
 
 
 def fragmented(**options) -> tuple[ExtentPool, list]:

@@ -13,7 +13,8 @@ Compaction, over reservations flagged `Reservation.movable` only, in three ways:
 
 - on demand (``compact=True``, the default): a request that fits nowhere contiguously although a
   device has enough free pages in total is not refused at once; `defrag.plan_hole` looks for the
-  cheapest window to empty by moving movable reservations elsewhere, and the request is placed
+  cheapest window to empty by moving movable reservations elsewhere (into free runs, or by
+  sliding the reservations between two unmovable ones together), and the request is placed
   there. Only when no such window exists is it a fragmentation failure.
 - past a threshold (``compact_threshold``): after memory comes free, every device whose
   fragmentation rate exceeds it is compacted with `defrag.plan_compaction`.

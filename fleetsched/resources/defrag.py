@@ -181,9 +181,13 @@ def plan_hole(layout: DeviceLayout, free: Sequence[tuple[int, int]], n: int) -> 
     window of `n` pages (starting at a hole, ending at a hole's end, or starting at a movable
     extent) that no unmovable extent overlaps; its price is the pages of the extents it overlaps.
     Windows are tried cheapest first: each overlapped extent, largest first, goes to the
-    smallest free run outside the window that holds it. Moves never overlap each other or the
-    window, so they may run in any order. Returns None when no window of the `_HOLE_TRIES`
-    cheapest can be emptied that way, or when `n` pages already lie free in one run.
+    smallest free run outside the window that holds it. When no window can be emptied that way
+    (the free runs outside are too small for what the window holds, which is the common case
+    once memory is tight), a stretch between unmovable extents is slid together instead, so
+    its free pages gather at one end: see `_gather`. That moves more pages, so it comes second.
+    Moves are valid in the order given (a move's destination is free once the moves before it
+    are made, save for its own source). Returns None when neither way finds room, or when `n`
+    pages already lie free in one run.
     """
     if any(length >= n for _, length in free) or sum(length for _, length in free) < n or n > layout.pages:
         return None
@@ -215,7 +219,13 @@ def plan_hole(layout: DeviceLayout, free: Sequence[tuple[int, int]], n: int) -> 
         moves = _evict(layout.name, by_size, a, a + n, over)
         if moves is not None:
             return HolePlan(layout.name, a, n, tuple(moves))
-    return None
+    top = _gather(layout, extents, n)
+    mirrored = _mirror(layout)
+    bottom = _gather(mirrored, list(mirrored.extents), n)
+    if bottom is not None and (top is None or bottom[0] < top[0]):
+        cost, window, moves = bottom
+        return HolePlan(layout.name, layout.pages - window - n, n, tuple(_unmirror(layout.pages, m) for m in moves))
+    return None if top is None else HolePlan(layout.name, top[1], n, tuple(top[2]))
 
 
 def _evict(device: str, by_size: list[tuple[int, int]], lo: int, hi: int, over: list[ExtentView]) -> list[Move] | None:
@@ -238,3 +248,135 @@ def _evict(device: str, by_size: list[tuple[int, int]], lo: int, hi: int, over: 
         else:
             return None
     return moves
+
+
+@dataclass(slots=True)
+class _Stretch:
+    """Pages between two unmovable extents (or a device end): movable extents and free runs."""
+
+    start: int
+    end: int
+    held: list[ExtentView]  #: the movable extents in it, in address order
+    runs: list[list[int]]  #: its free runs, [offset, length], shrinking from the low end as used
+    #: Once repacked (its extents slid down to `start`): the first free page, the rest being free.
+    packed: int | None = None
+    #: Whether an extent was sent into one of its free runs (then it cannot be repacked: the
+    #: plan's slides would have to move that extent too).
+    filled: bool = False
+
+    @property
+    def free(self) -> int:
+        return self.end - self.packed if self.packed is not None else sum(length for _, length in self.runs)
+
+
+def _stretches(pages: int, extents: list[ExtentView]) -> list[_Stretch]:
+    """Split a device (extents in address order) at its unmovable extents."""
+    out: list[_Stretch] = []
+    start, held = 0, []
+    for e in [*extents, ExtentView(None, pages, 0, False)]:
+        if e.movable:
+            held.append(e)
+            continue
+        runs, cursor = [], start
+        for h in held:
+            if h.offset > cursor:
+                runs.append([cursor, h.offset - cursor])
+            cursor = h.offset + h.length
+        if e.offset > cursor:
+            runs.append([cursor, e.offset - cursor])
+        if e.offset > start:
+            out.append(_Stretch(start, e.offset, held, runs))
+        start, held = e.offset + e.length, []
+    return out
+
+
+def _gather(layout: DeviceLayout, extents: list[ExtentView], n: int) -> tuple[int, int, list[Move]] | None:
+    """Open `n` pages at the top of one stretch by sliding its extents down: (cost, offset, moves).
+
+    Extents of the stretch that no longer fit below the window move to other stretches: into a
+    free run that holds them, else to the top of another stretch, itself slid down first. Only
+    the `_HOLE_TRIES` stretches with the most free pages are tried; the cheapest plan (pages
+    moved) wins. Moves are valid in the order given: the other stretches' slides, then the
+    extents leaving, then this stretch's slide.
+    """
+    stretches = _stretches(layout.pages, extents)
+    tall = [s for s in stretches if s.end - s.start >= n]
+    best: tuple[int, int, list[Move]] | None = None
+    for target in sorted(tall, key=lambda s: -s.free)[:_HOLE_TRIES]:
+        window = target.end - n
+        # Keep the largest extents that fit below the window: the small ones find room elsewhere.
+        room, staying = window - target.start, set()
+        for e in sorted(target.held, key=lambda e: -e.length):
+            if e.length <= room:
+                staying.add(id(e))
+                room -= e.length
+        slides, leaving, cursor = [], [], target.start
+        for e in target.held:
+            if id(e) in staying:
+                if e.offset != cursor:
+                    slides.append(Move(e.key, layout.name, e.offset, cursor, e.length))
+                cursor += e.length
+            else:
+                leaving.append(e)
+        others = [_Stretch(s.start, s.end, s.held, [list(r) for r in s.runs]) for s in stretches if s is not target]
+        moves = _send_away(layout.name, others, leaving)
+        if moves is None:
+            continue
+        moves += slides
+        cost = sum(m.length for m in moves)
+        if best is None or cost < best[0]:
+            best = (cost, window, moves)
+    return best
+
+
+def _send_away(device: str, stretches: list[_Stretch], leaving: list[ExtentView]) -> list[Move] | None:
+    """Place `leaving` (largest first) in `stretches`; return the moves, or None if one has no room.
+
+    Each goes to the smallest free run that holds it; failing that, to the stretch with enough
+    free pages that is cheapest to repack (one already repacked costs nothing more).
+    """
+    slides: list[Move] = []
+    arrivals: list[Move] = []
+    for e in sorted(leaving, key=lambda e: -e.length):
+        runs = [(r[1], k, r) for k, s in enumerate(stretches) if s.packed is None for r in s.runs if r[1] >= e.length]
+        if runs:
+            _, k, run = min(runs, key=lambda x: (x[0], x[1]))
+            arrivals.append(Move(e.key, device, e.offset, run[0], e.length))
+            run[0] += e.length
+            run[1] -= e.length
+            stretches[k].filled = True
+            continue
+        roomy = [s for s in stretches if s.free >= e.length and not s.filled]
+        if not roomy:
+            return None
+        s = min(roomy, key=lambda s: (0 if s.packed is not None else _slide_cost(s.start, s.held), s.free))
+        if s.packed is None:
+            cursor = s.start
+            for h in s.held:
+                if h.offset != cursor:
+                    slides.append(Move(h.key, device, h.offset, cursor, h.length))
+                cursor += h.length
+            s.packed = cursor
+        arrivals.append(Move(e.key, device, e.offset, s.packed, e.length))
+        s.packed += e.length
+    return slides + arrivals
+
+
+def _mirror(layout: DeviceLayout) -> DeviceLayout:
+    """The device seen upside down: an extent at `offset` lies at ``pages - offset - length``."""
+    flipped = (ExtentView(e.key, layout.pages - e.offset - e.length, e.length, e.movable) for e in layout.extents)
+    return DeviceLayout(layout.name, layout.pages, tuple(sorted(flipped, key=lambda e: e.offset)))
+
+
+def _unmirror(pages: int, move: Move) -> Move:
+    return Move(move.key, move.device, pages - move.src - move.length, pages - move.dst - move.length, move.length)
+
+
+def _slide_cost(start: int, held: list[ExtentView]) -> int:
+    """Pages moved by sliding `held` (address order) down to `start`."""
+    moved, cursor = 0, start
+    for e in held:
+        if e.offset != cursor:
+            moved += e.length
+        cursor += e.length
+    return moved
