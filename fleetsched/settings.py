@@ -193,7 +193,8 @@ class ResourceSettings(_Section):
     compact_threshold: float | None = Field(None, ge=0.0, le=1.0)
     """Compact a device whenever its fragmentation rate, (free - largest free) / free, passes this
     after memory comes free (None: never). Moves only movable reservations. In the allocator bench
-    0.3 cut fragmentation failures by a further ~40 % but moved 0.3-2 bytes per byte granted."""
+    0.3 cut fragmentation failures by a further ~12 % over on-demand compaction alone, but moved
+    0.9 bytes per byte granted instead of 0.2."""
 
     @field_validator("page_size")
     @classmethod
