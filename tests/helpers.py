@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
+import httpx
+
+from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
 from fleetsched.settings import Settings
 
 
@@ -22,3 +28,57 @@ def check_released(scheduler: Any) -> None:
     assert stats.queued_total == 0 and stats.running_total == 0
     assert not scheduler.pool.reservations()
     assert stats.dispatcher.in_flight == 0
+
+
+class EngineLoad:
+    """Long non-streamed calls, sent straight to a vLLM server from threads, that hold its slots.
+
+    The fragile way to see a scheduling effect on 2 shared cores is to fire calls and sleep a
+    moment: there the API server, not the engine, is the bottleneck (it feeds requests to the engine
+    late and streams tokens late), and the test process itself can stall for seconds while the
+    engine runs (measured: up to 9 s). Whether a queue forms in time is then luck. Instead a test
+    queues several waves of these calls (each wave holds the engine's slots for about 7 s) and
+    watches ``/metrics`` until the engine reports the state it needs (`wait_until`); the waves still
+    queued are its margin.
+
+    One `httpx.Client` serves all the threads: a client per request builds an SSL context each
+    time, which holds the GIL long enough on a busy machine to stall the test's own event loop.
+    """
+
+    def __init__(self, server: Any, calls: int, max_tokens: int = 4000) -> None:
+        self.server = server
+        self.body = {
+            "model": "fleetsched-tiny",
+            "messages": [{"role": "user", "content": "Tell me about schedulers."}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        }
+        self.finished: list[str] = []
+        self.client = httpx.Client(timeout=300)
+        self.threads = [threading.Thread(target=self._call, args=(f"low{i}",)) for i in range(calls)]
+
+    def _call(self, name: str) -> None:
+        response = self.client.post(f"{self.server.base_url}/chat/completions", json=self.body)
+        assert response.json()["usage"]["completion_tokens"] == self.body["max_tokens"]
+        self.finished.append(name)
+
+    def start(self, first: int = 0, count: int | None = None) -> None:
+        for thread in self.threads[first : None if count is None else first + count]:
+            thread.start()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            if thread.is_alive():
+                thread.join(timeout=300)
+        self.client.close()
+
+    def wait_until(self, predicate: Callable[[VLLMMetrics], bool], within_s: float = 60) -> VLLMMetrics:
+        """Poll ``/metrics`` until `predicate` holds (and fail after `within_s`)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            page = parse_vllm_metrics(self.client.get(self.server.metrics_url).text)
+            if predicate(page):
+                return page
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine state not reached in {within_s} s: {page.signals}")
+            time.sleep(0.05)

@@ -14,13 +14,14 @@ from contextlib import aclosing
 import anyio
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from fleetsched.backends.base import collect_chat
-from fleetsched.backends.metrics import parse_vllm_metrics
+from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
 from fleetsched.backends.vllm_server import VLLMServerBackend
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.testing.vllm_server import VLLMServer, free_port
+
+from .helpers import EngineLoad
 
 pytestmark = pytest.mark.anyio
 
@@ -112,104 +113,63 @@ async def test_chat_template_renders_tools_and_tool_turns(vllm_server):
     assert with_tools[-1]["usage"]["prompt_tokens"] > plain[-1]["usage"]["prompt_tokens"] + 20
 
 
-def queued_longer_than(page_text: str, seconds: float) -> float:
-    """How many requests waited in the engine's queue longer than `seconds` (from the histogram)."""
-    count = within = 0.0
-    for family in text_string_to_metric_families(page_text):
-        for sample in family.samples:
-            if sample.name == "vllm:request_queue_time_seconds_count":
-                count += sample.value
-            elif sample.name == "vllm:request_queue_time_seconds_bucket" and float(sample.labels["le"]) == seconds:
-                within += sample.value
-    return count - within
-
-
 @pytest.mark.vllm
-@pytest.mark.flaky(reruns=2)  # timing on 2 shared cores: the engine can outrun the stream or the queue form late
 async def test_priority_reaches_the_engine(vllm_server):
-    """12 long normal calls fill the 4 slots and 8 queue; a short priority -10 call sent a moment
-    later, through the backend, jumps the queue.
-
-    Under fcfs it would start only after every call queued before it, and at most a tie of 3
-    normal calls could finish after it. Under priority it takes the first free slot and, being
-    short, finishes before the calls still queued. (Twelve, not eight: on a quiet machine the
-    first four can finish within a second, and the second four would barely queue.)
-
-    The normal calls are plain non-streamed POSTs: thousands of streamed chunks would make the API
-    server the bottleneck, and the order in which streams end would say more about chunk delivery
-    than about scheduling. Nor does the test watch /metrics for the queue to form: under that load
-    one scrape can take longer than the whole run on 2 cores. It waits a fixed moment, and checks
-    afterwards, from the queue-time histogram, that the normal calls did queue.
+    """With 16 long normal calls at the engine (4 running, the rest waiting), a short priority -10
+    call sent through the backend jumps the queue: it takes the first free slot and finishes before
+    the calls still waiting. Under fcfs it would start after all of them, and at most the 3
+    others of the last wave could finish after it.
     """
-    async with httpx.AsyncClient(timeout=240) as client:
-        queued_before = queued_longer_than((await client.get(vllm_server.metrics_url)).text, 0.5)
-    finished: list[str] = []
-
-    async def low(client: httpx.AsyncClient, name: str) -> None:
-        response = await client.post(f"{vllm_server.base_url}/chat/completions", json=body(4000))
-        assert response.json()["usage"]["completion_tokens"] == 4000
-        finished.append(name)
-
-    async def high(backend: VLLMServerBackend) -> None:
-        chunks = [c async for c in backend.stream_chat(body(16, priority=-10))]
-        assert chunks[-1]["usage"]["completion_tokens"] == 16
-        finished.append("high")
-
-    async with httpx.AsyncClient(timeout=240) as client, VLLMServerBackend(vllm_server.url) as backend:
-        # Warm the client first: its first call imports and builds much of the SDK, which on 2 busy
-        # cores takes longer than a batch, and the high call would reach the engine late.
+    load = EngineLoad(vllm_server, calls=16)
+    async with VLLMServerBackend(vllm_server.url) as backend:
+        # Warm the client first: its first call imports and builds much of the SDK.
         _ = [c async for c in backend.stream_chat(body(1))]
-        with anyio.fail_after(240):
-            async with anyio.create_task_group() as tg:
-                for i in range(12):
-                    tg.start_soon(low, client, f"low{i}")
-                await anyio.sleep(1.0)  # the API server hands them to the engine; 4 run, 8 queue
-                tg.start_soon(high, backend)
-        page_text = (await client.get(vllm_server.metrics_url)).text
-    assert queued_longer_than(page_text, 0.5) - queued_before >= 4, "the normal calls did not queue"
-    after_high = len(finished) - 1 - finished.index("high")
-    assert after_high >= 3, f"finish order {finished}"
+        load.start()
+        await anyio.to_thread.run_sync(load.wait_until, lambda page: page.signals.waiting >= 8)
+        chunks = [c async for c in backend.stream_chat(body(16, priority=-10))]
+        finished_after_high = 16 - len(load.finished)
+    await anyio.to_thread.run_sync(load.join)
+    assert chunks[-1]["usage"]["completion_tokens"] == 16
+    assert len(load.finished) == 16
+    assert finished_after_high >= 4, f"only {finished_after_high} normal calls finished after the priority call"
 
 
 @pytest.mark.vllm
-@pytest.mark.flaky(reruns=2)  # timing on 2 shared cores: the engine can outrun the stream or the queue form late
 async def test_cancellation_aborts_the_request_at_the_engine(vllm_server):
-    """A call asked for 4,000 tokens; once its consumer leaves, the engine stops generating it.
+    """A call waiting at the engine is aborted there when its consumer is cancelled: it never
+    generates a token, though the engine's slots free up for it later.
 
-    vLLM 0.32 does not count disconnect aborts in ``request_success``; the evidence is that the
-    request leaves the running batch at once, never finishes by length, and that the engine
-    generated far fewer tokens than were asked.
+    It waits behind 12 long calls (3 waves of the engine's 4 slots). (Cancelling mid-stream takes
+    the same path, closing the response; but on 2 shared cores the API server streams so late that
+    the engine has often generated all of a call before its first chunk arrives, so a test of it
+    would be luck.)
     """
-    long_call = body(4000)
-
-    async def settled_after(before) -> None:
-        await wait_for(lambda p: p.signals.running == 0, vllm_server, within_s=10)
-        await anyio.sleep(1.0)  # had it kept running, it would have generated hundreds more tokens
-        page = await metrics(vllm_server)
-        assert page.signals.running == 0
-        generated = page.generation_tokens_total - before.generation_tokens_total
-        assert generated < 2000, f"{generated} tokens generated"
-        assert page.finished.get("length", 0.0) == before.finished.get("length", 0.0)
-
+    load = EngineLoad(vllm_server, calls=12)
+    before = await metrics(vllm_server)
     async with VLLMServerBackend(vllm_server.url) as backend:
-        # 1. The consumer leaves the iteration at the first chunk. (Cancel early: on an idle
-        # machine the engine generates faster than the API server streams, so "5 chunks in" can
-        # already be the end of generation.)
-        before = await metrics(vllm_server)
-        async with aclosing(backend.stream_chat(long_call)) as stream:
-            async for _ in stream:
-                break
-        await settled_after(before)
+        _ = [c async for c in backend.stream_chat(body(1))]  # warm the client
+        load.start()
+        await anyio.to_thread.run_sync(load.wait_until, lambda page: page.signals.waiting == 8)
 
-        # 2. The consumer is cancelled while it waits for the next chunk.
-        before = await metrics(vllm_server)
-        with anyio.CancelScope() as scope:
-            async with aclosing(backend.stream_chat(long_call)) as stream:
-                async for _ in stream:
-                    scope.cancel()
-        assert scope.cancelled_caught
-        await settled_after(before)
+        def victim_waits(page: VLLMMetrics) -> bool:  # the engine holds one request more than the load
+            return page.signals.running + page.signals.waiting == 12 - len(load.finished) + 1
+
+        async with anyio.create_task_group() as tg:
+
+            async def victim() -> None:
+                async with aclosing(backend.stream_chat(body(4000))) as stream:
+                    async for _ in stream:
+                        pytest.fail("the call ran: it was meant to wait behind the load")
+
+            tg.start_soon(victim)
+            await anyio.to_thread.run_sync(load.wait_until, victim_waits)
+            tg.cancel_scope.cancel()
         assert backend.replicas["r0"].in_flight == 0
+    await anyio.to_thread.run_sync(load.join)
+    after = await metrics(vllm_server)
+    assert len(load.finished) == 12
+    assert after.generation_tokens_total - before.generation_tokens_total == 12 * 4000 + 1  # the load and the warm-up
+    assert after.finished.get("length", 0.0) - before.finished.get("length", 0.0) == 12 + 1
 
 
 @pytest.mark.vllm

@@ -7,7 +7,9 @@ pass as green.
 
 The session server runs ``--scheduling-policy priority`` with ``--max-num-seqs 4`` (so that a
 handful of calls already queue, which the priority tests need) and ``--max-model-len 4096`` (the tiny model's limit), with
-``VLLM_SERVER_DEV_MODE=1`` so that ``/server_info`` shows its scheduler config.
+``VLLM_SERVER_DEV_MODE=1`` so that ``/server_info`` shows its scheduler config. Its engine runs at
+nice 19, so that the API server (and the tests) keep the CPU they need on 2 cores (see
+`VLLMServer.engine_nice`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from .vllm_server import VLLMServer, missing_setup
 
-SESSION_SERVER_OPTIONS = dict(max_num_seqs=4, max_model_len=4096, dev_mode=True)
+SESSION_SERVER_OPTIONS = dict(max_num_seqs=4, max_model_len=4096, dev_mode=True, engine_nice=19)
 
 
 def pytest_configure(config: pytest.Config) -> None:
