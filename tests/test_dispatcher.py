@@ -168,3 +168,23 @@ async def test_calls_follow_their_replica_and_fall_back_when_it_is_down():
     # r1 by affinity; 'down' fell back to the backend's own choice; an unknown name is ignored.
     assert backend.served_by == ["r1", None, None, "r0"]
     assert dispatcher.statistics().in_flight == 0
+
+
+class Refusing(SlowBackend):
+    """Refuses every body when the stream is made, as the sim backend refuses a context too long."""
+
+    def stream_chat(self, body):
+        raise ValueError("context too long")
+
+
+async def test_call_the_backend_refuses_at_once_gives_its_place_back():
+    dispatcher = Dispatcher(Refusing(), window=1)
+    with anyio.fail_after(60):  # with the place kept, the second call would wait for ever
+        for _ in range(3):
+            with pytest.raises(ValueError, match="too long"):
+                await dispatcher.chat(body("x"), tenant="a", tier=1)
+            with pytest.raises(ValueError, match="too long"):
+                async with dispatcher.stream(body("y"), tenant="a", tier=1):
+                    pass
+    assert dispatcher.statistics().in_flight == 0
+    assert [r.error for r in dispatcher.recorder.calls] == ["ValueError"] * 6

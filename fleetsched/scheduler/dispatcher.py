@@ -121,14 +121,18 @@ class Dispatcher:
         """
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
         chunks: list[Chunk] = []
-        upstream = self._upstream({**body, "priority": tier}, replica)
+        upstream = None
         try:
+            # Inside the try: a backend refuses a body (ContextTooLong) when the stream is made,
+            # and that call must still give its place in the window back.
+            upstream = self._upstream({**body, "priority": tier}, replica)
             async for chunk in upstream:
                 _note(chunk, record)
                 chunks.append(chunk)
         except BaseException as exc:
             record.error = type(exc).__name__
-            await _abort(upstream)
+            if upstream is not None:
+                await _abort(upstream)
             raise
         finally:
             self._end(record, estimate)
@@ -154,7 +158,12 @@ class Dispatcher:
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
-        upstream = self._upstream({**body, "priority": tier}, replica)
+        try:
+            upstream = self._upstream({**body, "priority": tier}, replica)
+        except BaseException as exc:  # refused by the backend: the place goes back all the same
+            record.error = type(exc).__name__
+            self._end(record, estimate)
+            raise
 
         async def observed() -> AsyncIterator[Chunk]:
             async for chunk in upstream:
