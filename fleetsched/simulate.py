@@ -16,7 +16,8 @@ no failed calls), one virtual-time run per probe.
 
 Cost: one engine step per generated token wakes a stream only every ``stream_interval`` tokens;
 simulate sets it to 8 (vLLM's own knob; the first token always comes at once) unless the config or
-``--stream-interval`` says otherwise.
+``--stream-interval`` says otherwise. A call that collects its whole answer (``ctx.chat``) is woken
+only for its first token and at its end, whatever the interval.
 """
 
 from __future__ import annotations

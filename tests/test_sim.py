@@ -273,3 +273,24 @@ async def test_stream_interval_groups_tokens_into_chunks():
             if content:
                 sizes.append(len(content) // len(" tok"))
     assert sizes == [1, 4, 4, 1]  # the first token at once, then every 4, the rest at the end
+
+
+async def test_a_collected_answer_wakes_its_consumer_for_the_first_token_and_the_end():
+    async with SimBackend(flat(stream_interval=4)) as backend:
+        streamed, collected = {}, {}
+        sizes = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_one, backend, body(16, 10, text="a"), streamed, "a")
+
+            async def collect() -> None:
+                first = None
+                async for chunk in backend.stream_chat({**body(16, 10, text="b"), "stream": False}):
+                    first = first if first is not None else anyio.current_time()
+                    content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                    if content:
+                        sizes.append(len(content) // len(" tok"))
+                collected["b"] = (first, anyio.current_time())
+
+            tg.start_soon(collect)
+    assert sizes == [1, 9]  # the first token at once, the rest at the end
+    assert collected["b"] == streamed["a"]  # same first-token and end times as a streamed call

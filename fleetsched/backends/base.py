@@ -46,6 +46,9 @@ class Backend(ABC):
 
         Yields ``chat.completion.chunk`` dicts; the final one has ``usage`` set. Raises
         `fleetsched.errors.BackendError` subclasses for failures of the backend itself.
+        ``"stream": False`` in `body` says the caller collects the whole answer and looks only at
+        when the first chunk and the last arrive (the dispatcher's `chat`): a backend may then send
+        the tokens after the first in fewer chunks. Without it, stream as the engine produces.
         """
 
     async def signals(self) -> EngineSignals:

@@ -125,7 +125,8 @@ class Dispatcher:
         try:
             # Inside the try: a backend refuses a body (ContextTooLong) when the stream is made,
             # and that call must still give its place in the window back.
-            upstream = self._upstream({**body, "priority": tier}, replica)
+            # "stream": False: only the first chunk's time and the whole answer matter here.
+            upstream = self._upstream({**body, "priority": tier, "stream": False}, replica)
             async for chunk in upstream:
                 _note(chunk, record)
                 chunks.append(chunk)

@@ -33,7 +33,7 @@ class SimRequest:
 
     __slots__ = (
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "num_computed",
-        "num_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered",
+        "num_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -50,6 +50,7 @@ class SimRequest:
         self.num_preemptions = 0
         self.waiter = None  # the consumer's wake-up Event while it waits for tokens
         self.delivered = 0  # tokens the consumer has already been handed
+        self.wake_every = 1  # new tokens that wake a waiting consumer (besides the first and the end)
 
     @property
     def waiting(self) -> bool:
