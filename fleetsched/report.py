@@ -18,7 +18,7 @@ from .errors import ReportSchemaError
 from .observability.sla import OBJECTIVES, QUANTILE, REASON_TEXT, REASONS, evaluate
 from .policies.tiers import Tier
 from .scheduler import Scheduler, summarise
-from .scheduler.records import percentile
+from .scheduler.records import sorted_percentile
 
 SCHEMA = "fleetsched.run/2"
 #: Breach events kept in the report (the counts cover all of them).
@@ -34,7 +34,7 @@ def _quantiles(values: list[float]) -> list[float] | None:
     data = sorted(v for v in values if not math.isnan(v))
     if not data:
         return None
-    return [round(percentile(data, q), 6) for q in range(101)]
+    return [round(sorted_percentile(data, q), 6) for q in range(101)]
 
 
 def _sla_section(scheduler: Scheduler, start: float) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

@@ -229,6 +229,7 @@ class SlaTracker:
         self.window_s = window_s
         self.goals = {name: targets(t.sla) for name, t in tenants.items()}
         self._events: dict[tuple[str, str], deque[tuple[float, bool]]] = {}
+        self._met: dict[tuple[str, str], int] = {}  # met events in each deque: attainment in O(1)
         self._served: dict[str, deque[tuple[float, float, int]]] = {}  # submitted, finished, tokens
         self.breaches: dict[tuple[str, str, str], int] = {}
         """Breaches so far per (tenant, objective, reason)."""
@@ -249,9 +250,10 @@ class SlaTracker:
                     for objective, met, breach in call_events(record, goals):
                         self._note(record.tenant, objective, record.finished, met, breach, new)
                     if "min_tokens_per_s" in goals and record.error is None:
-                        self._served.setdefault(record.tenant, deque()).append(
-                            (record.submitted, record.finished, record.completion_tokens)
-                        )
+                        served = self._served.get(record.tenant)
+                        if served is None:
+                            served = self._served[record.tenant] = deque()
+                        served.append((record.submitted, record.finished, record.completion_tokens))
                 else:
                     event = session_event(record, goals)
                     if event is not None:
@@ -259,7 +261,13 @@ class SlaTracker:
         return new
 
     def _note(self, tenant: str, objective: str, at: float, met: bool, breach: Breach | None, new: list[Breach]) -> None:
-        self._events.setdefault((tenant, objective), deque()).append((at, met))
+        key = (tenant, objective)
+        events = self._events.get(key)
+        if events is None:
+            events = self._events[key] = deque()
+            self._met[key] = 0
+        events.append((at, met))
+        self._met[key] += met
         if breach is not None:
             key = (tenant, objective, breach.reason)
             self.breaches[key] = self.breaches.get(key, 0) + 1
@@ -279,12 +287,13 @@ class SlaTracker:
             busy = busy_time(((s, f) for s, f, _ in served), lo, self._now)
             tokens = sum(n for _, f, n in served if f >= lo)
             return (1.0 if tokens / busy >= target else 0.0) if busy > 0 else None
-        events = self._events.get((tenant, objective))
+        key = (tenant, objective)
+        events = self._events.get(key)
         while events and events[0][0] < lo:
-            events.popleft()
+            self._met[key] -= events.popleft()[1]
         if not events:
             return None
-        return sum(met for _, met in events) / len(events)
+        return self._met[key] / len(events)
 
     def tenant_attainment(self, tenant: str) -> float | None:
         """The lowest attainment over the tenant's objectives in the window (None: no events)."""

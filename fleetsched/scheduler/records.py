@@ -77,7 +77,11 @@ class Recorder:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation; nan for no values."""
-    data = sorted(v for v in values if not math.isnan(v))
+    return sorted_percentile(sorted(v for v in values if not math.isnan(v)), q)
+
+
+def sorted_percentile(data: Sequence[float], q: float) -> float:
+    """`percentile` of values already sorted and free of nan: many quantiles of one sort."""
     if not data:
         return math.nan
     pos = (len(data) - 1) * q / 100
