@@ -277,20 +277,16 @@ async def test_stream_interval_groups_tokens_into_chunks():
 
 async def test_a_collected_answer_wakes_its_consumer_for_the_first_token_and_the_end():
     async with SimBackend(flat(stream_interval=4)) as backend:
-        streamed, collected = {}, {}
-        sizes = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run_one, backend, body(16, 10, text="a"), streamed, "a")
-
-            async def collect() -> None:
-                first = None
-                async for chunk in backend.stream_chat({**body(16, 10, text="b"), "stream": False}):
-                    first = first if first is not None else anyio.current_time()
-                    content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-                    if content:
-                        sizes.append(len(content) // len(" tok"))
-                collected["b"] = (first, anyio.current_time())
-
-            tg.start_soon(collect)
+        start = anyio.current_time()
+        streamed: dict = {}
+        await run_one(backend, body(16, 10, text="a"), streamed, "a")
+        streamed_times = tuple(t - start for t in streamed["a"])
+        start, first, sizes = anyio.current_time(), None, []
+        async for chunk in backend.stream_chat({**body(16, 10, text="b"), "stream": False}):
+            first = first if first is not None else anyio.current_time() - start
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if content:
+                sizes.append(len(content) // len(" tok"))
+        collected_times = (first, anyio.current_time() - start)
     assert sizes == [1, 9]  # the first token at once, the rest at the end
-    assert collected["b"] == streamed["a"]  # same first-token and end times as a streamed call
+    assert collected_times == pytest.approx(streamed_times)  # the same first-token and end times
