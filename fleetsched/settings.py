@@ -146,6 +146,25 @@ class DispatchSettings(_Section):
     window_interval_s: float = Field(0.5, gt=0)
     waiting_target: int = Field(2, ge=0)
     """Calls waiting inside the engine tolerated before the window shrinks."""
+    critical_reserve: int = Field(0, ge=0)
+    """Places of the in-flight window only critical-tier calls may take (lower tiers use at most
+    window - reserve, and at least 1). With max_window at the engine's max_num_seqs, a critical call
+    then finds a free slot in the engine's running batch at once instead of waiting for a call to
+    end: vLLM never preempts a running request for a waiting one. Costs lower tiers that many
+    places of the batch."""
+    stream_interval: dict[str, int] = Field(default_factory=dict)
+    """Tokens per streamed chunk asked of vLLM per tier (its per-request ``stream_interval``; the
+    first token always comes at once), e.g. ``{batch = 16}``: lower tiers streamed coarser leave
+    the API server and this process more time for the calls whose every token is awaited."""
+
+    @field_validator("stream_interval")
+    @classmethod
+    def _intervals(cls, value: dict[str, int]) -> dict[str, int]:
+        for tier, tokens in value.items():
+            Tier.parse(tier)
+            if tokens < 1:
+                raise ValueError(f"stream interval of {tier!r} must be >= 1, got {tokens}")
+        return value
     shed_batch: bool = True
     """Refuse batch-tier calls with Overloaded when their predicted wait exceeds the tenant's TTFT SLA."""
 

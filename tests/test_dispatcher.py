@@ -188,3 +188,44 @@ async def test_call_the_backend_refuses_at_once_gives_its_place_back():
                     pass
     assert dispatcher.statistics().in_flight == 0
     assert [r.error for r in dispatcher.recorder.calls] == ["ValueError"] * 6
+
+
+async def test_critical_reserve_keeps_places_for_critical_calls():
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=3, critical_reserve=1)
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(partial(dispatcher.chat, body(f"batch{i}"), tenant="bulk", tier=Tier.BATCH))
+        await anyio.sleep(0.1)
+        stats = dispatcher.statistics()
+        assert stats.in_flight == 2 and stats.queued == 1  # the third place is kept
+        tg.start_soon(partial(dispatcher.chat, body("critical"), tenant="vip", tier=Tier.CRITICAL))
+        await anyio.sleep(0.1)
+        assert dispatcher.statistics().in_flight == 3  # it took the kept place at once
+    assert backend.started[2] == "critical" and len(backend.started) == 4  # the waiting batch call last
+    finished = {r.tenant: r.finished for r in dispatcher.recorder.calls if r.tenant == "vip"}
+    assert finished == {"vip": 1.1}
+
+
+async def test_output_is_charged_as_it_streams():
+    """A tenant's counter grows with each chunk its call receives, before the call ends; the
+    usage at the end corrects it to the exact count."""
+
+    class Streaming(SlowBackend):
+        async def stream_chat(self, body):
+            for _ in range(5):
+                await anyio.sleep(1.0)
+                yield make_chunk("c", "m", 0, content="x")
+            yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(10, 7))
+
+    dispatcher = Dispatcher(Streaming(), window=1)
+    queue = dispatcher._queue
+    async with dispatcher.stream(body("x"), tenant="a", tier=Tier.BATCH) as chunks:
+        start = queue.counter("a")
+        seen = 0
+        async for chunk in chunks:
+            if chunk["choices"][0]["delta"].get("content"):
+                seen += 1
+                assert queue.counter("a") == start + 2.0 * seen
+    # The prompt estimate corrected to the 10 tokens of the usage; 7 output tokens, not the 5 chunks.
+    assert queue.counter("a") == 10 * 1.0 + 7 * 2.0

@@ -95,6 +95,17 @@ def test_remove_and_eligibility():
     assert len(q) == 0
 
 
+def test_max_tier_leaves_lower_tiers_in_place():
+    q = FairQueue(aging_s=10)
+    q.push(Entry("a", Tier.BATCH, 0, "b1"))
+    q.push(Entry("b", Tier.STANDARD, 0, "s1"))
+    assert q.pick(100, max_tier=Tier.CRITICAL) is None  # aged to band 0, but still not critical
+    q.push(Entry("c", Tier.CRITICAL, 1, "c1"))
+    assert q.pick(100, max_tier=Tier.CRITICAL).item == "c1"
+    assert q.pick(100, max_tier=Tier.STANDARD).item == "s1"
+    assert len(q) == 1 and q.pick(100).item == "b1"
+
+
 def test_invalid_weight():
     with pytest.raises(ValueError, match="weight"):
         FairQueue().set_weight("a", 0)

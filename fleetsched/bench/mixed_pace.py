@@ -152,6 +152,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hours", type=float, default=0.5, help="simulated hours per mode")
     parser.add_argument("--max-sessions", type=int, default=48, help="concurrent sessions (the same in both modes)")
     parser.add_argument("--arrival-rate", type=float, default=3.0, help="sessions submitted per second")
+    parser.add_argument("--engine-nice", type=int, default=19,
+                        help="vllm-server: niceness of the engine processes of the server it starts (see VLLMServer.engine_nice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"backend": args.backend, "max_sessions": args.max_sessions, "modes": {}}
@@ -205,10 +207,10 @@ def real_modes(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
     from ..testing.vllm_server import VLLMServer
 
-    result.update(seconds=args.seconds, time_scale=args.time_scale, prompt_scale=0.25)
+    result.update(seconds=args.seconds, time_scale=args.time_scale, prompt_scale=0.25, engine_nice=args.engine_nice)
     sessions = int(args.arrival_rate * args.seconds * 1.2) + 3
     with contextlib.ExitStack() as stack:
-        server = VLLMServer(scheduling_policy="priority", max_num_seqs=32, max_model_len=4096)
+        server = VLLMServer(scheduling_policy="priority", max_num_seqs=32, max_model_len=4096, engine_nice=args.engine_nice)
         url = args.url or stack.enter_context(server).url
         backend = {"kind": "vllm-server", "urls": [url], "max_in_flight": 32}
         for mode in ("baseline", "fleetsched"):

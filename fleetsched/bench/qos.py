@@ -126,12 +126,18 @@ def direct_client(url: str) -> httpx.AsyncClient:
 
 async def fleetsched_call(scheduler: Scheduler, tally: Tally, tier: Tier, tenant: str, max_tokens: int) -> None:
     call = CallTally(tally, tier, tenant)
+    # Usage on every chunk: batch calls stream several tokens a chunk (--batch-stream-interval),
+    # so tokens are counted from the engine's running count, not from chunks.
+    request = {**body(max_tokens), "stream_options": {"continuous_usage_stats": True}}
+    counted = 0
     try:
-        async with scheduler.dispatcher.stream(body(max_tokens), tenant=tenant, tier=int(tier)) as chunks:
+        async with scheduler.dispatcher.stream(request, tenant=tenant, tier=int(tier)) as chunks:
             async for chunk in chunks:
-                choices = chunk.get("choices")
-                if choices and choices[0].get("delta", {}).get("content"):
-                    call.token()
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens", 0) > counted:
+                    for _ in range(usage["completion_tokens"] - counted):
+                        call.token()
+                    counted = usage["completion_tokens"]
     except anyio.get_cancelled_exc_class():
         call.cancelled()
         raise
@@ -180,18 +186,25 @@ async def measure_engine(url: str, max_tokens: int) -> dict[str, Any]:
     unloaded = Tally()
     for _ in range(20):
         await direct_call(client, unloaded, Tier.CRITICAL, "probe", 8, priority=False)
+
+    async def saturate(seconds: float, tally: Tally) -> float:
+        start = anyio.current_time()
+        with anyio.move_on_after(seconds):
+            async with anyio.create_task_group() as tg:
+
+                async def worker() -> None:
+                    while True:
+                        await direct_call(client, tally, Tier.BATCH, "probe", max_tokens, priority=False)
+
+                for _ in range(128):
+                    tg.start_soon(worker)
+        return anyio.current_time() - start
+
+    # A fresh CPU engine runs its first full batches slower (measured: ~30% below the rate the
+    # overloaded modes reach later), so a discarded warm-up comes first.
+    await saturate(8, Tally())
     saturated = Tally()
-    start = anyio.current_time()
-    with anyio.move_on_after(20):
-        async with anyio.create_task_group() as tg:
-
-            async def worker() -> None:
-                while True:
-                    await direct_call(client, saturated, Tier.BATCH, "probe", max_tokens, priority=False)
-
-            for _ in range(128):
-                tg.start_soon(worker)
-    elapsed = anyio.current_time() - start
+    elapsed = await saturate(20, saturated)
     ttfts = unloaded.ttft[str(Tier.CRITICAL)]
     return {
         "unloaded_ttft_s": {"p50": round(percentile(ttfts, 50), 4), "p99": round(percentile(ttfts, 99), 4)},
@@ -213,8 +226,15 @@ async def run_direct(url: str, mode: str, rate: float, args: argparse.Namespace)
 
 async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tuple[dict[str, Any], Tally]:
     settings = Settings(
-        backend={"kind": "vllm-server", "urls": [url], "max_in_flight": args.window},
-        dispatch={"min_share": {"batch": args.batch_min_share}},
+        backend={"kind": "vllm-server", "urls": [url], "max_in_flight": min(args.window, args.max_num_seqs)},
+        # The window never beyond the engine's batch, and some of it kept for critical calls:
+        # then a critical call finds a free slot at the engine at once.
+        dispatch={
+            "min_share": {"batch": args.batch_min_share},
+            "max_window": args.max_num_seqs,
+            "critical_reserve": args.critical_reserve,
+            "stream_interval": {"batch": args.batch_stream_interval},
+        },
         tenants={"critical": {"tier": "critical"}, **{t: {"tier": "batch"} for t in BATCH_TENANTS}},
     )
     tally = Tally()
@@ -225,11 +245,27 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
 
         await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
         window = scheduler.dispatcher.window
-    return {**summarise(tally, args.duration), "final_window": window}, tally
+    critical = [r for r in scheduler.recorder.calls if r.tier == Tier.CRITICAL]
+    # Where a critical call's first token waited: for a place in the window, or after it (the
+    # engine, the API server and this process's own event loop).
+    breakdown = {
+        "queue_s_p99": round(percentile([r.queue_s for r in critical], 99), 4),
+        "after_queue_ttft_s_p99": round(percentile([r.first_token - r.started for r in critical], 99), 4),
+    }
+    result = {**summarise(tally, args.duration), "final_window": window, "critical_reserve": args.critical_reserve,
+              "batch_stream_interval": args.batch_stream_interval}
+    return result | {"critical_breakdown": breakdown}, tally
 
 
 def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> None:
     """Add the fairness figures and the targets' ratios to `result`."""
+    # The engine's saturated rate: the probe's, or what a direct mode (also saturated, 2-3x
+    # overloaded) reached if more, so that the throughput target is never measured against a
+    # low baseline.
+    result["saturation_probe_tok_s"] = result["saturation_tok_s"]
+    result["saturation_tok_s"] = max(
+        result["saturation_tok_s"], *(result["modes"][m]["throughput_tok_s"] for m in ("direct-fcfs", "direct-priority"))
+    )
     service = [tally.service[t] for t in BATCH_TENANTS]
     largest_request = PROMPT_TOKENS + 2 * args.max_tokens
     result["fairness_gap_tokens"] = max(service) - min(service)
@@ -250,8 +286,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--overload", type=float, default=2.5, help="offered load over the saturated rate")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--window", type=int, default=32, help="fleetsched's initial in-flight window")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="the engine's running batch (servers it starts)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="the engine's running batch (of the servers it starts, or the one at --url)")
+    parser.add_argument("--batch-stream-interval", type=int, default=16, help="tokens per streamed chunk fleetsched asks for batch calls")
+    parser.add_argument("--critical-reserve", type=int, default=CRITICAL_AGENTS, help="places of fleetsched's window kept for critical calls")
     parser.add_argument("--batch-min-share", type=float, default=0.05)
+    parser.add_argument("--engine-nice", type=int, default=19,
+                        help="niceness of the engine processes of servers it starts (0: as they come; see VLLMServer.engine_nice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     start = time.perf_counter()  # wall-clock ok
@@ -282,11 +322,14 @@ def main(argv: list[str]) -> int:
         # One server at a time: on a small machine two engines would compete for the cores.
         # A batch of max_num_seqs: beyond it calls wait in the engine's own queue, where the
         # QoS problem shows (vLLM never preempts a running request for a waiting one).
-        with VLLMServer(scheduling_policy="fcfs", max_num_seqs=args.max_num_seqs) as fcfs:
+        # The engine at nice 19 by default: on 2 cores its busy loops otherwise starve the API
+        # server, whose late streaming then decides every mode's TTFT (all modes share this).
+        options = dict(max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice)
+        with VLLMServer(scheduling_policy="fcfs", **options) as fcfs:
             result = first_half(fcfs.url)
-        with VLLMServer(scheduling_policy="priority", max_num_seqs=args.max_num_seqs) as priority:
+        with VLLMServer(scheduling_policy="priority", **options) as priority:
             second_half(priority.url, result)
-        result["max_num_seqs"] = args.max_num_seqs
+        result.update(max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice)
     result["wall_s"] = round(time.perf_counter() - start, 1)  # wall-clock ok
     if args.json:
         print(json.dumps(result, indent=2))

@@ -163,24 +163,31 @@ class FairQueue:
         self.charge(tenant, cost, tier)
         self._last_served[tier] = self.counter(tenant)
 
-    def pick(self, now: float, eligible: Callable[[str], bool] | None = None) -> Entry | None:
+    def pick(
+        self, now: float, eligible: Callable[[str], bool] | None = None, max_tier: int | None = None
+    ) -> Entry | None:
         """Remove and return the next entry, charging its cost; None if nothing eligible waits.
 
         `eligible(tenant)` lets the caller skip tenants that cannot proceed now (at their
-        concurrency cap, say) without disturbing their place.
+        concurrency cap, say) without disturbing their place. `max_tier` leaves out the entries
+        of lower tiers (greater values): places kept for the critical tier are handed out so.
         """
-        entry = self.peek(now, eligible)
+        entry = self.peek(now, eligible, max_tier)
         if entry is not None:
             self._pop(entry)
             self.charge(entry.tenant, entry.cost, entry.tier)
             self._last_served[entry.tier] = self.counter(entry.tenant)
         return entry
 
-    def peek(self, now: float, eligible: Callable[[str], bool] | None = None) -> Entry | None:
+    def peek(
+        self, now: float, eligible: Callable[[str], bool] | None = None, max_tier: int | None = None
+    ) -> Entry | None:
         """The entry `pick` would return, left in place and uncharged."""
         best: dict[int, tuple[tuple[int, float, float, int], Entry]] = {}  # per tier
         for (tenant, tier), queue in self._queues.items():
             if not queue.live or (eligible is not None and not eligible(tenant)):
+                continue
+            if max_tier is not None and tier > max_tier:
                 continue
             head = queue.head()
             assert head is not None

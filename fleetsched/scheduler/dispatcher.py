@@ -68,6 +68,8 @@ class Dispatcher:
         backend: Backend,
         *,
         window: int,
+        critical_reserve: int = 0,
+        stream_interval: Mapping[int, int] | None = None,
         weights: Mapping[str, float] | None = None,
         aging_s: float | None = None,
         min_share: Mapping[int, float] | None = None,
@@ -77,11 +79,18 @@ class Dispatcher:
         recorder: Recorder | None = None,
     ) -> None:
         """`shed_after_s` maps a tenant to the predicted wait past which its calls of a tier in
-        `shed_tiers` are refused (its TTFT objective)."""
+        `shed_tiers` are refused (its TTFT objective). `critical_reserve` places of the window are
+        for critical-tier calls only. `stream_interval` maps a tier to the tokens per chunk its
+        streamed calls ask vLLM for (its per-request ``stream_interval``: the first token at once,
+        then every that many)."""
         if window < 1:
             raise ValueError(f"in-flight window must be >= 1, got {window}")
+        if critical_reserve < 0:
+            raise ValueError(f"critical reserve must be >= 0, got {critical_reserve}")
         self.backend = backend
         self.window = window
+        self.critical_reserve = critical_reserve
+        self._stream_interval = {tier: n for tier, n in (stream_interval or {}).items() if n > 1}
         self.recorder = recorder if recorder is not None else Recorder()
         self._queue = FairQueue(weights, aging_s=aging_s, min_share=min_share)
         self._limits = rate_limits
@@ -159,8 +168,14 @@ class Dispatcher:
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
+        request = {**body, "priority": tier}
+        # Coarser streaming for lower tiers: fewer chunks for the engine's API server and for this
+        # process to handle, so the calls that need every token at once get it sooner.
+        tokens_per_chunk = self._stream_interval.get(tier, 1)
+        if tokens_per_chunk > 1:
+            request.setdefault("stream_interval", tokens_per_chunk)
         try:
-            upstream = self._upstream({**body, "priority": tier}, replica)
+            upstream = self._upstream(request, replica)
         except BaseException as exc:  # refused by the backend: the place goes back all the same
             record.error = type(exc).__name__
             self._end(record, estimate)
@@ -169,6 +184,11 @@ class Dispatcher:
         async def observed() -> AsyncIterator[Chunk]:
             async for chunk in upstream:
                 _note(chunk, record)
+                if chunk.get("choices"):
+                    # Output is charged as it streams, not when the call ends: a tenant's
+                    # counter then counts the tokens its calls in flight already received.
+                    record.streamed += tokens_per_chunk
+                    self._queue.charge(record.tenant, tokens_per_chunk * OUTPUT_WEIGHT, record.tier)
                 yield chunk
 
         try:
@@ -246,11 +266,13 @@ class Dispatcher:
         # Measured in the units of the queue's costs (prompt estimates), so queued cost over rate
         # is a wait in seconds.
         self._measure_rate(now, estimate * INPUT_WEIGHT)
-        # Correct the prompt estimate and charge the output, now that both are known.
+        # Correct the prompt estimate and the output charged chunk by chunk, now that the usage
+        # tells both. (A call cut short has no usage: what it streamed stays charged.)
         if record.prompt_tokens or record.completion_tokens:
             self._queue.charge(
                 record.tenant,
-                (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT,
+                (record.prompt_tokens - estimate) * INPUT_WEIGHT
+                + (record.completion_tokens - record.streamed) * OUTPUT_WEIGHT,
                 record.tier,
             )
         self.recorder.add_call(record)
@@ -265,13 +287,14 @@ class Dispatcher:
 
     async def _acquire(self, tenant: str, tier: int, cost: float, due: float, now: float) -> bool:
         """Take a place in the window; returns whether the call had to wait for it."""
-        if self._in_flight < self.window and not self._queue:
+        if not self._queue and self._in_flight < self._places(tier):
             self._in_flight += 1
             self._started += 1
             self._queue.serve_direct(tenant, tier, cost)
             return False
         waiter = _Waiter()
         entry = self._queue.push(Entry(tenant, tier, now, waiter, cost, due))
+        self._grant()  # a critical call may pass lower-tier calls held back by the reserve
         try:
             await waiter.event.wait()
         except BaseException:
@@ -287,11 +310,21 @@ class Dispatcher:
         self._in_flight -= 1
         self._grant()
 
+    def _places(self, tier: int) -> int:
+        """Places of the window a call of `tier` may fill: all for critical, else all but the reserve."""
+        if tier <= Tier.CRITICAL:
+            return self.window
+        return max(1, self.window - self.critical_reserve)
+
     def _grant(self) -> None:
         now = anyio.current_time() if self._queue else 0.0
         while self._in_flight < self.window and self._queue:
-            entry = self._queue.pick(now)
-            assert entry is not None
+            if self._in_flight < self._places(Tier.STANDARD):
+                entry = self._queue.pick(now)
+            else:  # only the reserve is left: critical calls alone may take it
+                entry = self._queue.pick(now, max_tier=Tier.CRITICAL)
+            if entry is None:
+                break
             self._in_flight += 1
             self._started += 1
             entry.item.granted = True

@@ -22,6 +22,8 @@ class CallRecord:
     completion_tokens: int = 0
     backend_s: float = math.nan
     max_tokens: int = 0
+    streamed: int = 0
+    """Output tokens charged so far as chunks arrived (the tokens a chunk carries, as asked)."""
     error: str | None = None
 
     @property

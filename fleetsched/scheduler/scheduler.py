@@ -110,6 +110,8 @@ class Scheduler:
         self.dispatcher = Dispatcher(
             self.backend,
             window=self.settings.backend.max_in_flight,
+            critical_reserve=dispatch.critical_reserve,
+            stream_interval={int(Tier.parse(tier)): n for tier, n in dispatch.stream_interval.items()},
             weights=weights,
             aging_s=self.settings.scheduler.aging_s,
             min_share={int(Tier.parse(tier)): share for tier, share in dispatch.min_share.items()},
