@@ -229,3 +229,33 @@ async def test_output_is_charged_as_it_streams():
                 assert queue.counter("a") == start + 2.0 * seen
     # The prompt estimate corrected to the 10 tokens of the usage; 7 output tokens, not the 5 chunks.
     assert queue.counter("a") == 10 * 1.0 + 7 * 2.0
+
+
+async def test_a_finished_call_is_charged_before_its_place_is_handed_on():
+    """Chunks that carry many tokens are charged as one each until the usage at the end corrects
+    the count. The correction must land before the freed place is handed on: otherwise the
+    tenant whose call just ended looks cheaper than it is and keeps winning the place."""
+
+    class Bulky(SlowBackend):
+        async def stream_chat(self, body):
+            self.started.append(body["messages"][0]["content"])
+            await anyio.sleep(1.0)
+            yield make_chunk("c", "m", 0, content="many tokens in one chunk")
+            yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(10, 50))
+
+    backend = Bulky()
+    dispatcher = Dispatcher(backend, window=1)
+
+    async def call(tenant: str, i: int) -> None:
+        async with dispatcher.stream(body(f"{tenant}{i}"), tenant=tenant, tier=Tier.BATCH) as chunks:
+            async for _ in chunks:
+                pass
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(call, "a", i)
+            await anyio.sleep(0.01)
+            tg.start_soon(call, "b", i)
+            await anyio.sleep(0.01)
+    tenants = [label[0] for label in backend.started]
+    assert tenants == ["a", "b", "a", "b", "a", "b"]

@@ -258,7 +258,6 @@ class Dispatcher:
     def _end(self, record: CallRecord, estimate: int) -> None:
         now = record.finished = anyio.current_time()
         record.backend_s = now - record.started
-        self._release()
         if record.first_token == record.first_token:  # not nan
             self._engine_ttfts.append(record.first_token - record.started)
         if self._limits is not None and record.error is None:
@@ -275,6 +274,9 @@ class Dispatcher:
                 + (record.completion_tokens - record.streamed) * OUTPUT_WEIGHT,
                 record.tier,
             )
+        # The place goes back only now: the next pick must see this call's tenant charged in
+        # full, or a tenant whose call just ended looks cheaper than it is and wins the place.
+        self._release()
         self.recorder.add_call(record)
 
     def _refuse(self, tenant: str, tier: int, session: int, now: float, reason: str, error: str) -> None:
