@@ -12,7 +12,7 @@ from functools import partial
 import anyio
 import pytest
 
-from fleetsched.backends.base import Backend, make_chunk, usage_dict
+from fleetsched.backends.base import Backend, estimate_prompt_tokens, make_chunk, usage_dict
 from fleetsched.errors import DeadlineExceeded
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import Dispatcher
@@ -259,3 +259,30 @@ async def test_a_finished_call_is_charged_before_its_place_is_handed_on():
             await anyio.sleep(0.01)
     tenants = [label[0] for label in backend.started]
     assert tenants == ["a", "b", "a", "b", "a", "b"]
+
+
+async def test_a_call_is_charged_its_tenants_mean_output_when_it_takes_its_place():
+    """VTC with length prediction: after a call of 7 output tokens, the tenant's next call is
+    charged 7 up front, so its calls in flight count in its counter; chunks within the
+    prediction add nothing, and the end corrects to what the call used."""
+
+    class Streaming(SlowBackend):
+        async def stream_chat(self, body):
+            for _ in range(3):
+                await anyio.sleep(1.0)
+                yield make_chunk("c", "m", 0, content="x")
+            yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(10, 3 if self.started else 7))
+            self.started.append("done")
+
+    dispatcher = Dispatcher(Streaming(), window=1)
+    queue = dispatcher._queue
+    async with dispatcher.stream(body("x", max_tokens=100), tenant="a", tier=Tier.BATCH) as chunks:
+        _ = [c async for c in chunks]
+    assert queue.counter("a") == 10 + 7 * 2.0
+    async with dispatcher.stream(body("x", max_tokens=100), tenant="a", tier=Tier.BATCH) as chunks:
+        taken = queue.counter("a") - (10 + 7 * 2.0)
+        estimate = estimate_prompt_tokens(body("x"))
+        assert taken == estimate * 1.0 + 7 * 2.0  # the prompt estimate and the predicted 7
+        _ = [c async for c in chunks]
+        assert queue.counter("a") == 10 + 7 * 2.0 + taken  # 3 chunks, all within the prediction
+    assert queue.counter("a") == 2 * 10 + (7 + 3) * 2.0  # corrected: 3 tokens used, not 7

@@ -140,8 +140,9 @@ class FairQueue:
     def charge(self, tenant: str, cost: float, tier: int | None = None) -> None:
         """Add `cost` (weighted by the tenant's weight) to the tenant's counter.
 
-        Dispatch charges the prompt estimate at pick time and the output tokens when they are
-        known; a negative cost corrects an over-estimate. With `tier`, the band's service (for
+        Dispatch charges a call's prompt estimate and predicted output at pick time, output beyond
+        the prediction as it streams, and corrects both when the call ends (a negative cost
+        corrects an over-estimate). With `tier`, the band's service (for
         minimum shares) is charged too.
         """
         self._counters[tenant] = self.counter(tenant) + cost / self.weight(tenant)

@@ -106,6 +106,9 @@ class Dispatcher:
         self._rate_since: float | None = None
         self._rate_served = 0.0
         self._engine_ttfts: list[float] = []
+        #: Per tenant, a running mean of its calls' output tokens: the output a call is charged
+        #: when it takes its place (VTC with length prediction).
+        self._mean_output: dict[str, float] = {}
         #: Replica names of a multi-replica backend (calls may be routed to one by affinity).
         replicas = getattr(backend, "replicas", None)
         self.replicas = frozenset(replicas) if isinstance(replicas, (Mapping, frozenset, set)) else frozenset()
@@ -185,10 +188,12 @@ class Dispatcher:
             async for chunk in upstream:
                 _note(chunk, record)
                 if chunk.get("choices"):
-                    # Output is charged as it streams, not when the call ends: a tenant's
-                    # counter then counts the tokens its calls in flight already received.
+                    # Output beyond the prediction is charged as it streams, not when the call
+                    # ends: a tenant's counter then counts what its calls in flight received.
+                    before = max(record.predicted_output, record.streamed)
                     record.streamed += tokens_per_chunk
-                    self._queue.charge(record.tenant, tokens_per_chunk * OUTPUT_WEIGHT, record.tier)
+                    if record.streamed > before:
+                        self._queue.charge(record.tenant, (record.streamed - before) * OUTPUT_WEIGHT, record.tier)
                 yield chunk
 
         try:
@@ -249,7 +254,8 @@ class Dispatcher:
                 raise RateLimited(f"tenant {tenant!r} is over its requests or tokens per minute", retry_after_s=wait)
         record = CallRecord(tenant, tier, session, now)
         record.max_tokens = requested_max_tokens(body)
-        if await self._acquire(tenant, tier, estimate * INPUT_WEIGHT, due, now):
+        record.predicted_output = self._predict_output(tenant, record.max_tokens)
+        if await self._acquire(tenant, tier, self._cost(estimate, record), due, now):
             record.started = anyio.current_time()
         else:
             record.started = now
@@ -262,22 +268,36 @@ class Dispatcher:
             self._engine_ttfts.append(record.first_token - record.started)
         if self._limits is not None and record.error is None:
             self._limits.refund(record.tenant, record.max_tokens - record.completion_tokens)
-        # Measured in the units of the queue's costs (prompt estimates), so queued cost over rate
-        # is a wait in seconds.
-        self._measure_rate(now, estimate * INPUT_WEIGHT)
-        # Correct the prompt estimate and the output charged chunk by chunk, now that the usage
-        # tells both. (A call cut short has no usage: what it streamed stays charged.)
+        # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.
+        self._measure_rate(now, self._cost(estimate, record))
+        # Correct what was charged (the prompt estimate, and the larger of the predicted output
+        # and the output streamed) to what the call used: the usage's counts, or for a call cut
+        # short, the output it received.
+        charged_output = max(record.predicted_output, record.streamed)
         if record.prompt_tokens or record.completion_tokens:
-            self._queue.charge(
-                record.tenant,
-                (record.prompt_tokens - estimate) * INPUT_WEIGHT
-                + (record.completion_tokens - record.streamed) * OUTPUT_WEIGHT,
-                record.tier,
-            )
+            used = (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT
+            mean = self._mean_output.get(record.tenant)
+            self._mean_output[record.tenant] = record.completion_tokens if mean is None else 0.8 * mean + 0.2 * record.completion_tokens
+        else:
+            used = record.streamed * OUTPUT_WEIGHT
+        self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
         # The place goes back only now: the next pick must see this call's tenant charged in
         # full, or a tenant whose call just ended looks cheaper than it is and wins the place.
         self._release()
         self.recorder.add_call(record)
+
+    def _predict_output(self, tenant: str, max_tokens: int) -> int:
+        """The output a call of `tenant` is charged up front: its recent mean, at most `max_tokens`
+        (0 before its first call ends). Charging it when the call takes its place, not as its
+        tokens arrive, counts the calls in flight in the tenant's counter; the next picks then
+        balance the tenants' calls in flight, not only their finished ones."""
+        mean = self._mean_output.get(tenant)
+        return 0 if mean is None else min(max_tokens, round(mean))
+
+    @staticmethod
+    def _cost(estimate: int, record: CallRecord) -> float:
+        """A call's cost when it takes its place: its prompt estimate and predicted output."""
+        return estimate * INPUT_WEIGHT + record.predicted_output * OUTPUT_WEIGHT
 
     def _refuse(self, tenant: str, tier: int, session: int, now: float, reason: str, error: str) -> None:
         """Count and record a refused call (off the hot path: only refusals come here)."""

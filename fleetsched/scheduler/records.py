@@ -22,8 +22,10 @@ class CallRecord:
     completion_tokens: int = 0
     backend_s: float = math.nan
     max_tokens: int = 0
+    predicted_output: int = 0
+    """Output tokens the dispatcher charged for this call when it took its place (a prediction)."""
     streamed: int = 0
-    """Output tokens charged so far as chunks arrived (the tokens a chunk carries, as asked)."""
+    """Output tokens received so far, counted as chunks arrive (the tokens a chunk carries, as asked)."""
     error: str | None = None
 
     @property
