@@ -167,6 +167,11 @@ class _EventStream:
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
+                # Read the body to its end: a response closed before that takes its connection
+                # down with it, and every call would open a new one (measured: a quarter of the
+                # calls under load, each an accept and a handshake for the API server too).
+                async for _ in self._lines:
+                    pass
                 return None
             chunk = json.loads(data)
             if "error" in chunk and "choices" not in chunk:  # vLLM reports a failure mid-stream so
