@@ -286,3 +286,22 @@ async def test_a_call_is_charged_its_tenants_mean_output_when_it_takes_its_place
         _ = [c async for c in chunks]
         assert queue.counter("a") == 10 + 7 * 2.0 + taken  # 3 chunks, all within the prediction
     assert queue.counter("a") == 2 * 10 + (7 + 3) * 2.0  # corrected: 3 tokens used, not 7
+
+
+async def test_the_critical_reserve_holds_when_the_window_shrinks():
+    """The window shrinks below the calls in flight (the engine queues): lower tiers wait until
+    enough calls end, but critical calls still take the reserve at once."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=5, critical_reserve=1)
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(partial(dispatcher.chat, body(f"batch{i}"), tenant="bulk", tier=Tier.BATCH))
+        await anyio.sleep(0.1)
+        dispatcher.resize(3)
+        tg.start_soon(partial(dispatcher.chat, body("late batch"), tenant="bulk", tier=Tier.BATCH))
+        tg.start_soon(partial(dispatcher.chat, body("critical"), tenant="vip", tier=Tier.CRITICAL))
+        await anyio.sleep(0.1)
+        assert backend.started[4:] == ["critical"]  # the batch call waits; the critical one is in
+        assert dispatcher.statistics().in_flight == 5
+    started = {r.tenant + ":" + str(r.started) for r in dispatcher.recorder.calls if r.tenant == "vip"}
+    assert started == {"vip:0.1"}

@@ -97,6 +97,7 @@ class Dispatcher:
         self._shed_after_s = dict(shed_after_s or {})
         self._shed_tiers = shed_tiers
         self._in_flight = 0
+        self._critical_in_flight = 0
         self._started = 0
         self._shed = 0
         self._rate_limited = 0
@@ -283,7 +284,7 @@ class Dispatcher:
         self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
         # The place goes back only now: the next pick must see this call's tenant charged in
         # full, or a tenant whose call just ended looks cheaper than it is and wins the place.
-        self._release()
+        self._release(record.tier)
         self.recorder.add_call(record)
 
     def _predict_output(self, tenant: str, max_tokens: int) -> int:
@@ -309,9 +310,8 @@ class Dispatcher:
 
     async def _acquire(self, tenant: str, tier: int, cost: float, due: float, now: float) -> bool:
         """Take a place in the window; returns whether the call had to wait for it."""
-        if not self._queue and self._in_flight < self._places(tier):
-            self._in_flight += 1
-            self._started += 1
+        if not self._queue and self._has_place(tier):
+            self._take_place(tier)
             self._queue.serve_direct(tenant, tier, cost)
             return False
         waiter = _Waiter()
@@ -321,34 +321,47 @@ class Dispatcher:
             await waiter.event.wait()
         except BaseException:
             if waiter.granted:
-                self._release()
+                self._release(tier)
             else:
                 self._queue.remove(entry)
             raise
         return True
 
-    def _release(self) -> None:
+    def _release(self, tier: int) -> None:
         """Give a place back and hand it to the next waiting call in policy order."""
         self._in_flight -= 1
+        if tier <= Tier.CRITICAL:
+            self._critical_in_flight -= 1
         self._grant()
 
-    def _places(self, tier: int) -> int:
-        """Places of the window a call of `tier` may fill: all for critical, else all but the reserve."""
+    def _has_place(self, tier: int) -> bool:
+        """Whether a call of `tier` may take a place now.
+
+        Lower tiers fill the window but its reserve; critical calls fill the whole window, and
+        the reserve besides: when the window shrinks below the calls in flight, up to
+        `critical_reserve` critical calls still go through at once."""
         if tier <= Tier.CRITICAL:
-            return self.window
-        return max(1, self.window - self.critical_reserve)
+            return self._in_flight < self.window or self._critical_in_flight < self.critical_reserve
+        return self._in_flight < max(1, self.window - self.critical_reserve)
+
+    def _take_place(self, tier: int) -> None:
+        self._in_flight += 1
+        self._started += 1
+        if tier <= Tier.CRITICAL:
+            self._critical_in_flight += 1
 
     def _grant(self) -> None:
         now = anyio.current_time() if self._queue else 0.0
-        while self._in_flight < self.window and self._queue:
-            if self._in_flight < self._places(Tier.STANDARD):
+        while self._queue:
+            if self._has_place(Tier.STANDARD):
                 entry = self._queue.pick(now)
-            else:  # only the reserve is left: critical calls alone may take it
+            elif self._has_place(Tier.CRITICAL):  # only the reserve is left: critical calls alone
                 entry = self._queue.pick(now, max_tier=Tier.CRITICAL)
+            else:
+                break
             if entry is None:
                 break
-            self._in_flight += 1
-            self._started += 1
+            self._take_place(entry.tier)
             entry.item.granted = True
             entry.item.event.set()
 
