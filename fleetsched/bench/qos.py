@@ -6,7 +6,9 @@ The same offered load in three modes, one run:
 - ``direct-priority``: straight to a vLLM server running ``--scheduling-policy priority``, with
   the tier passed as the request's priority;
 - ``fleetsched``: through fleetsched's dispatcher (tier bands, VTC fair share, minimum shares,
-  the adaptive in-flight window) to the priority server.
+  the adaptive in-flight window capped at the engine's ``max_num_seqs`` with a reserve of it for
+  critical calls, batch calls streamed `--batch-stream-interval` tokens a chunk) to the priority
+  server.
 
 Load: three batch-tier tenants of equal weight submit calls open-loop at `overload` times the
 engine's saturated request rate, while a few critical-tier agents each make a call, wait for
