@@ -72,13 +72,25 @@ class EngineLoad:
                 thread.join(timeout=300)
         self.client.close()
 
+    def admitted(self, page: VLLMMetrics) -> bool:
+        """Whether every call of the load has reached the engine (running, waiting or finished).
+
+        A call's response can reach `finished` a moment after the engine let it go, so this
+        may answer False for a moment too long, never True too early."""
+        in_engine = (page.signals.running or 0) + (page.signals.waiting or 0)
+        return in_engine + len(self.finished) >= len(self.threads)
+
     def wait_until(self, predicate: Callable[[VLLMMetrics], bool], within_s: float = 60) -> VLLMMetrics:
         """Poll ``/metrics`` until `predicate` holds (and fail after `within_s`)."""
-        deadline = time.monotonic() + within_s
+        began = time.monotonic()
+        seen: list[tuple[float, int | None, int | None, int]] = []  # (s, running, waiting, finished)
         while True:
             page = parse_vllm_metrics(self.client.get(self.server.metrics_url).text)
             if predicate(page):
                 return page
-            if time.monotonic() > deadline:
-                raise AssertionError(f"engine state not reached in {within_s} s: {page.signals}")
+            state = (page.signals.running, page.signals.waiting, len(self.finished))
+            if not seen or seen[-1][1:] != state:
+                seen.append((round(time.monotonic() - began, 2), *state))
+            if time.monotonic() - began > within_s:
+                raise AssertionError(f"engine state not reached in {within_s} s; (s, running, waiting, finished): {seen}")
             time.sleep(0.05)

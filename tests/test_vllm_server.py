@@ -125,7 +125,7 @@ async def test_priority_reaches_the_engine(vllm_server):
         # Warm the client first: its first call imports and builds much of the SDK.
         _ = [c async for c in backend.stream_chat(body(1))]
         load.start()
-        await anyio.to_thread.run_sync(load.wait_until, lambda page: page.signals.waiting >= 8)
+        await anyio.to_thread.run_sync(load.wait_until, lambda page: load.admitted(page) and page.signals.waiting >= 4)
         chunks = [c async for c in backend.stream_chat(body(16, priority=-10))]
         finished_after_high = 16 - len(load.finished)
     await anyio.to_thread.run_sync(load.join)
@@ -139,7 +139,8 @@ async def test_cancellation_aborts_the_request_at_the_engine(vllm_server):
     """A call waiting at the engine is aborted there when its consumer is cancelled: it never
     generates a token, though the engine's slots free up for it later.
 
-    It waits behind 12 long calls (3 waves of the engine's 4 slots). (Cancelling mid-stream takes
+    It waits behind 12 long calls (3 waves of the engine's 4 slots), sent once they all reached
+    the engine and at least a wave of them still waits. (Cancelling mid-stream takes
     the same path, closing the response; but on 2 shared cores the API server streams so late that
     the engine has often generated all of a call before its first chunk arrives, so a test of it
     would be luck.)
@@ -149,7 +150,7 @@ async def test_cancellation_aborts_the_request_at_the_engine(vllm_server):
     async with VLLMServerBackend(vllm_server.url) as backend:
         _ = [c async for c in backend.stream_chat(body(1))]  # warm the client
         load.start()
-        await anyio.to_thread.run_sync(load.wait_until, lambda page: page.signals.waiting == 8)
+        await anyio.to_thread.run_sync(load.wait_until, lambda page: load.admitted(page) and page.signals.waiting >= 4)
 
         def victim_waits(page: VLLMMetrics) -> bool:  # the engine holds one request more than the load
             return page.signals.running + page.signals.waiting == 12 - len(load.finished) + 1
