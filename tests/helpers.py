@@ -36,13 +36,14 @@ class EngineLoad:
     The fragile way to see a scheduling effect on 2 shared cores is to fire calls and sleep a
     moment: there the API server, not the engine, is the bottleneck (it feeds requests to the engine
     late and streams tokens late), and the test process itself can stall for seconds while the
-    engine runs (measured: up to 9 s). Whether a queue forms in time is then luck. Instead a test
+    engine runs (measured with the engine at nice 0: up to 9 s). Whether a queue forms in time is
+    then luck. Instead a test
     queues several waves of these calls (each wave holds the engine's slots for about 7 s) and
     watches ``/metrics`` until the engine reports the state it needs (`wait_until`); the waves still
     queued are its margin.
 
-    One `httpx.Client` serves all the threads: a client per request builds an SSL context each
-    time, which holds the GIL long enough on a busy machine to stall the test's own event loop.
+    One `httpx.Client` serves all the threads (a client per request would build an SSL context
+    each time: CPU, under the GIL, that the test does not need).
     """
 
     def __init__(self, server: Any, calls: int, max_tokens: int = 4000) -> None:
@@ -62,8 +63,8 @@ class EngineLoad:
         assert response.json()["usage"]["completion_tokens"] == self.body["max_tokens"]
         self.finished.append(name)
 
-    def start(self, first: int = 0, count: int | None = None) -> None:
-        for thread in self.threads[first : None if count is None else first + count]:
+    def start(self) -> None:
+        for thread in self.threads:
             thread.start()
 
     def join(self) -> None:
@@ -80,7 +81,7 @@ class EngineLoad:
         in_engine = (page.signals.running or 0) + (page.signals.waiting or 0)
         return in_engine + len(self.finished) >= len(self.threads)
 
-    def wait_until(self, predicate: Callable[[VLLMMetrics], bool], within_s: float = 60) -> VLLMMetrics:
+    def wait_until(self, predicate: Callable[[VLLMMetrics], bool], within_s: float = 120) -> VLLMMetrics:
         """Poll ``/metrics`` until `predicate` holds (and fail after `within_s`)."""
         began = time.monotonic()
         seen: list[tuple[float, int | None, int | None, int]] = []  # (s, running, waiting, finished)

@@ -86,7 +86,7 @@ def test_refusals_are_4xx_never_500(gateway_url):
 
 
 def test_client_disconnect_aborts_at_the_engine(gateway_url, vllm_server):
-    """A stream whose client leaves while its call waits at the engine (behind 12 long calls, three
+    """A stream whose client leaves while its call waits at the engine (behind 16 long calls, four
     waves of the engine's 4 slots) is aborted there: it never generates a token, though the
     engine's slots free up for it later. (A stream dropped mid-generation takes the same path; on 2
     shared cores the engine often finishes a call before its first event is out, so that is not
@@ -95,7 +95,7 @@ def test_client_disconnect_aborts_at_the_engine(gateway_url, vllm_server):
     headers = {"authorization": f"Bearer {ACME}"}
     body = {"model": "fleetsched-tiny", "messages": MSG, "max_tokens": 1900, "ignore_eos": True, "stream": True}
     generated_before, length_before = engine_counts(vllm_server)
-    load = EngineLoad(vllm_server, calls=12)
+    load = EngineLoad(vllm_server, calls=16)
     load.start()
     load.wait_until(lambda page: load.admitted(page) and page.signals.waiting >= 4)
     left: list[Exception] = []
@@ -112,11 +112,11 @@ def test_client_disconnect_aborts_at_the_engine(gateway_url, vllm_server):
     victim = threading.Thread(target=client_that_leaves)
     victim.start()
     # The engine holds one request more than the load: the victim, waiting.
-    load.wait_until(lambda page: page.signals.running + page.signals.waiting == 12 - len(load.finished) + 1)
+    load.wait_until(lambda page: page.signals.running + page.signals.waiting == 16 - len(load.finished) + 1)
     victim.join(timeout=60)
     load.join()
     assert left, "the client was meant to give up while its call waited"
-    assert len(load.finished) == 12
+    assert len(load.finished) == 16
     generated, by_length = engine_counts(vllm_server)
-    assert generated - generated_before == 12 * 4000
-    assert by_length - length_before == 12
+    assert generated - generated_before == 16 * 4000
+    assert by_length - length_before == 16

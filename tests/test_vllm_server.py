@@ -115,22 +115,22 @@ async def test_chat_template_renders_tools_and_tool_turns(vllm_server):
 
 @pytest.mark.vllm
 async def test_priority_reaches_the_engine(vllm_server):
-    """With 16 long normal calls at the engine (4 running, the rest waiting), a short priority -10
+    """With 20 long normal calls at the engine (4 running, the rest waiting), a short priority -10
     call sent through the backend jumps the queue: it takes the first free slot and finishes before
     the calls still waiting. Under fcfs it would start after all of them, and at most the 3
     others of the last wave could finish after it.
     """
-    load = EngineLoad(vllm_server, calls=16)
+    load = EngineLoad(vllm_server, calls=20)
     async with VLLMServerBackend(vllm_server.url) as backend:
         # Warm the client first: its first call imports and builds much of the SDK.
         _ = [c async for c in backend.stream_chat(body(1))]
         load.start()
         await anyio.to_thread.run_sync(load.wait_until, lambda page: load.admitted(page) and page.signals.waiting >= 4)
         chunks = [c async for c in backend.stream_chat(body(16, priority=-10))]
-        finished_after_high = 16 - len(load.finished)
+        finished_after_high = 20 - len(load.finished)
     await anyio.to_thread.run_sync(load.join)
     assert chunks[-1]["usage"]["completion_tokens"] == 16
-    assert len(load.finished) == 16
+    assert len(load.finished) == 20
     assert finished_after_high >= 4, f"only {finished_after_high} normal calls finished after the priority call"
 
 
@@ -139,13 +139,13 @@ async def test_cancellation_aborts_the_request_at_the_engine(vllm_server):
     """A call waiting at the engine is aborted there when its consumer is cancelled: it never
     generates a token, though the engine's slots free up for it later.
 
-    It waits behind 12 long calls (3 waves of the engine's 4 slots), sent once they all reached
+    It waits behind 16 long calls (4 waves of the engine's 4 slots), sent once they all reached
     the engine and at least a wave of them still waits. (Cancelling mid-stream takes
     the same path, closing the response; but on 2 shared cores the API server streams so late that
     the engine has often generated all of a call before its first chunk arrives, so a test of it
     would be luck.)
     """
-    load = EngineLoad(vllm_server, calls=12)
+    load = EngineLoad(vllm_server, calls=16)
     before = await metrics(vllm_server)
     async with VLLMServerBackend(vllm_server.url) as backend:
         _ = [c async for c in backend.stream_chat(body(1))]  # warm the client
@@ -153,7 +153,7 @@ async def test_cancellation_aborts_the_request_at_the_engine(vllm_server):
         await anyio.to_thread.run_sync(load.wait_until, lambda page: load.admitted(page) and page.signals.waiting >= 4)
 
         def victim_waits(page: VLLMMetrics) -> bool:  # the engine holds one request more than the load
-            return page.signals.running + page.signals.waiting == 12 - len(load.finished) + 1
+            return page.signals.running + page.signals.waiting == 16 - len(load.finished) + 1
 
         async with anyio.create_task_group() as tg:
 
@@ -168,9 +168,9 @@ async def test_cancellation_aborts_the_request_at_the_engine(vllm_server):
         assert backend.replicas["r0"].in_flight == 0
     await anyio.to_thread.run_sync(load.join)
     after = await metrics(vllm_server)
-    assert len(load.finished) == 12
-    assert after.generation_tokens_total - before.generation_tokens_total == 12 * 4000 + 1  # the load and the warm-up
-    assert after.finished.get("length", 0.0) - before.finished.get("length", 0.0) == 12 + 1
+    assert len(load.finished) == 16
+    assert after.generation_tokens_total - before.generation_tokens_total == 16 * 4000 + 1  # the load and the warm-up
+    assert after.finished.get("length", 0.0) - before.finished.get("length", 0.0) == 16 + 1
 
 
 @pytest.mark.vllm
