@@ -55,12 +55,17 @@ class EngineLoad:
             "ignore_eos": True,
         }
         self.finished: list[str] = []
+        self.failed: list[BaseException] = []
         self.client = httpx.Client(timeout=300)
         self.threads = [threading.Thread(target=self._call, args=(f"low{i}",)) for i in range(calls)]
 
     def _call(self, name: str) -> None:
-        response = self.client.post(f"{self.server.base_url}/chat/completions", json=self.body)
-        assert response.json()["usage"]["completion_tokens"] == self.body["max_tokens"]
+        try:
+            response = self.client.post(f"{self.server.base_url}/chat/completions", json=self.body)
+            assert response.json()["usage"]["completion_tokens"] == self.body["max_tokens"], response.text[:300]
+        except BaseException as exc:  # kept for `wait_until` to report: a thread's error is otherwise lost
+            self.failed.append(exc)
+            raise
         self.finished.append(name)
 
     def start(self) -> None:
@@ -86,6 +91,8 @@ class EngineLoad:
         began = time.monotonic()
         seen: list[tuple[float, int | None, int | None, int]] = []  # (s, running, waiting, finished)
         while True:
+            if self.failed:
+                raise AssertionError(f"a call of the load failed: {self.failed[0]!r}")
             page = parse_vllm_metrics(self.client.get(self.server.metrics_url).text)
             if predicate(page):
                 return page
