@@ -1,8 +1,9 @@
 """``fleetsched simulate CONFIG --duration 2h``: the real scheduler on the sim backend, in virtual time.
 
-The same `Scheduler`, dispatcher and agents as ``fleetsched run``, on the `sim` backend under trio's
-``MockClock(autojump_threshold=0)``: whenever every task waits, the clock jumps to the next
-deadline, so hours of fleet traffic take seconds of wall time. Needs trio (``pip install trio``).
+The same `Scheduler`, dispatcher and agents as ``fleetsched run``, on the `sim` backend in virtual
+time (`fleetsched.virtual_time`): whenever every task waits, the clock jumps to the next deadline,
+so hours of fleet traffic take seconds of wall time. ``--loop trio`` runs it under trio's
+``MockClock(autojump_threshold=0)`` instead of the (faster) virtual-time asyncio loop.
 
 With ``--duration``, the workload is a fleet held for that long: each ``workload.agents`` entry keeps
 ``count`` sessions running at once (a session that ends is replaced by a new one of its kind, each
@@ -35,6 +36,7 @@ import anyio
 
 from .errors import ConfigError, FleetschedError
 from .settings import AgentMix, Settings, load_settings
+from .virtual_time import LOOPS, Loop, run_virtual
 
 SIMULATE_STREAM_INTERVAL = 8
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
@@ -126,19 +128,15 @@ async def _simulate(settings: Settings, duration_s: float | None) -> tuple[dict[
     return report, scheduler
 
 
-def simulate(settings: Settings, duration_s: float | None = None) -> tuple[dict[str, Any], Any]:
+def simulate(settings: Settings, duration_s: float | None = None, loop: Loop = "asyncio") -> tuple[dict[str, Any], Any]:
     """Run `settings` (already on the sim backend) in virtual time; (report, scheduler).
+
+    `loop` is the event loop under the virtual clock (`run_virtual`): asyncio's is the faster.
 
     The report is `build_report`'s plus ``sim`` (engine figures) and ``wall_s``.
     """
-    try:
-        import trio.testing
-    except ImportError as exc:  # trio is a dev dependency
-        raise ConfigError("simulate", "virtual time needs trio: pip install trio") from exc
     began = time.perf_counter()  # wall-clock ok
-    result = anyio.run(
-        _simulate, settings, duration_s, backend="trio", backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)}
-    )
+    result = run_virtual(_simulate, settings, duration_s, loop=loop)
     result[0]["wall_s"] = round(time.perf_counter() - began, 3)  # wall-clock ok
     return result
 
@@ -184,14 +182,16 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
     return checks
 
 
-def find_max_sessions(settings: Settings, duration_s: float, echo: Any = print, limit: int = 1 << 16) -> dict[str, Any]:
+def find_max_sessions(
+    settings: Settings, duration_s: float, echo: Any = print, limit: int = 1 << 16, loop: Loop = "asyncio"
+) -> dict[str, Any]:
     """The largest fleet (total sessions, tier mix kept) whose run meets every tenant's SLA."""
     agents = settings.workload.agents
     probes: dict[int, bool] = {}
 
     def meets(total: int) -> bool:
         scaled = settings.model_copy(update={"workload": settings.workload.model_copy(update={"agents": scale_fleet(agents, total)})})
-        report, scheduler = simulate(scaled, duration_s)
+        report, scheduler = simulate(scaled, duration_s, loop)
         checks = sla_checks(scheduler, scaled, report["duration_s"])
         failed = [c for c in checks if not c.ok]
         probes[total] = not failed
@@ -226,6 +226,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile", help="sim profile: a shipped name or a TOML file (default: the config's)")
     parser.add_argument("--stream-interval", type=int, help=f"tokens per streamed chunk (default {SIMULATE_STREAM_INTERVAL})")
     parser.add_argument("--find-max-sessions", action="store_true", help="search the largest fleet that meets every SLA")
+    parser.add_argument("--loop", choices=LOOPS, default="asyncio", help="event loop under the virtual clock (default asyncio)")
     parser.add_argument("--report", metavar="FILE.json", help="write the report (or the search's result) as JSON")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
@@ -241,12 +242,13 @@ def main(argv: list[str]) -> int:
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2
     if args.find_max_sessions:
-        result = find_max_sessions(settings, duration, echo=(lambda _: None) if args.json else print)  # type: ignore[arg-type]
+        echo = (lambda _: None) if args.json else print
+        result = find_max_sessions(settings, duration, echo=echo, loop=args.loop)  # type: ignore[arg-type]
         result["probes"] = {str(k): v for k, v in sorted(result["probes"].items())}
         text = json.dumps(result, indent=2)
         print(text if args.json else f"largest fleet meeting every SLA: {result['max_sessions']} sessions {result['agents']}")
     else:
-        report, _ = simulate(settings, duration)
+        report, _ = simulate(settings, duration, args.loop)
         text = json.dumps(report, indent=2)
         if args.json:
             print(text)

@@ -72,19 +72,19 @@ def test_queue_policies_order_and_victims():
 
 
 def test_running_requests_go_first_and_prefill_is_chunked():
-    engine = SimEngine(SimSettings(max_num_batched_tokens=64, block_size=16, kv_cache_tokens=4096))
+    engine = SimEngine(SimSettings(max_num_batched_tokens=64, block_size=16, kv_cache_tokens=4096), coast=False)
     a = engine.new_request(10, 5, [])
     step = engine.schedule()
-    assert step is not None and step[1] == [10]
-    engine.complete(*step)
+    assert step is not None and step.counts == [10]
+    engine.complete(step)
     assert a.num_output == 1
     b = engine.new_request(200, 5, [])
     counts = []
     while b.num_output == 0:
         step = engine.schedule()
         assert step is not None
-        counts.append(step[1])
-        engine.complete(*step)
+        counts.append(step.counts)
+        engine.complete(step)
     # a decodes 1 token a step (until it finishes); b's prompt fills the rest of the budget.
     assert counts == [[1, 63], [1, 63], [1, 63], [1, 11]]
     assert engine.prompt_computed == 210
@@ -98,7 +98,7 @@ def test_preempted_request_recomputes_prompt_and_output():
     while engine.has_work:
         step = engine.schedule()
         assert step is not None
-        engine.complete(*step)
+        engine.complete(step)
     assert a.num_output == b.num_output == 20
     assert engine.preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
     assert engine.pool.usage == 0.0
@@ -138,10 +138,9 @@ def test_random_workloads_keep_invariants_and_finish(policy, kv_blocks, budget, 
                     break
         planned = engine.schedule()
         if planned is not None:
-            requests_, counts, _ = planned
-            assert sum(counts) <= budget and len(engine.running) <= max_seqs
-            assert len(set(requests_)) == len(requests_)
-            engine.complete(*planned)
+            assert planned.tokens <= budget and len(engine.running) <= max_seqs
+            assert len(set(planned.requests)) == len(planned.requests)
+            engine.complete(planned)
         engine.pool.check()
         step += 1
         assert step < 10_000
@@ -150,3 +149,92 @@ def test_random_workloads_keep_invariants_and_finish(policy, kv_blocks, budget, 
         if request.status == FINISHED:
             assert request.num_output == request.max_tokens
     assert engine.pool.usage == 0.0
+
+
+def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_every, lag):
+    """Drive an engine as the backend does, with consumers that wait, wake and lag; record everything."""
+    bs = 8
+    engine = SimEngine(
+        SimSettings(policy=policy, block_size=bs, kv_cache_tokens=kv_blocks * bs, max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+        coast=coast,
+    )
+    pending = [r for r in requests if -(-(r[0] + r[1]) // bs) <= kv_blocks]
+    live: list = []
+    waking: dict = {}  # request -> steps before its consumer runs again
+    events = []
+    n = 0
+    while pending or engine.has_work:
+        if pending and n % 3 == 0:
+            prompt, out, priority, prefix, abort = pending.pop()
+            request = engine.new_request(prompt, out, [prefix * 1000 + i for i in range(prompt // bs)], priority)
+            request.wake_every = wake_every
+            request.waiter = "parked"
+            live.append((request, abort))
+        if n % 7 == 5:
+            for request, abort in live:
+                if abort and not request.done:
+                    engine.abort(request)
+                    events.append((n, "abort", request.seq, request.num_output))
+                    break
+        step = engine.schedule()
+        if step is None:
+            n += 1
+            continue
+        events.append((n, "step", step.tokens, step.seqs, step.context, round(step.duration, 12)))
+        # Consumers run while the step is under way.
+        for request in list(waking):
+            waking[request] -= 1
+            if waking[request] < 0:
+                del waking[request]
+                request.delivered = request.num_output
+                if not request.done:
+                    engine.watch(request)
+                    request.waiter = "parked"
+        for request in engine.complete(step):
+            if request.waiter is not None and (
+                request.num_output - request.delivered >= request.wake_every or request.delivered == 0 or request.status == FINISHED
+            ):
+                request.waiter = None
+                waking[request] = lag
+                events.append((n, "wake", request.seq, request.num_output, request.status))
+        n += 1
+        assert n < 20_000
+    counters = (engine.generated_tokens, engine.computed_tokens, engine.prompt_computed, engine.preemptions, engine.prefix_hits, engine.finished, engine.aborted)
+    engine.pool.check()
+    return events, counters
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    policy=st.sampled_from(["fcfs", "priority"]),
+    kv_blocks=st.integers(6, 60),
+    budget=st.integers(8, 160),
+    max_seqs=st.integers(1, 10),
+    requests=st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 40), st.integers(-2, 2), st.integers(0, 3), st.booleans()),
+        min_size=1,
+        max_size=14,
+    ),
+    wake_every=st.integers(1, 12),
+    lag=st.integers(0, 3),
+)
+def test_coasting_changes_nothing_but_the_work(policy, kv_blocks, budget, max_seqs, requests, wake_every, lag):
+    """Coasting requests are not looked at every step, yet every step, wake-up and counter is the same."""
+    reference = _trace(False, policy, kv_blocks, budget, max_seqs, requests, wake_every, lag)
+    coasting = _trace(True, policy, kv_blocks, budget, max_seqs, requests, wake_every, lag)
+    assert coasting == reference
+
+
+def test_coasting_looks_at_few_requests_a_step():
+    """A batch of long decodes: most steps look at only the requests that need something."""
+    engine = SimEngine(SimSettings(block_size=16, kv_cache_tokens=1 << 16, max_num_seqs=64, max_num_batched_tokens=4096))
+    for i in range(64):
+        engine.new_request(32, 200, [], 0)
+    looked_at = []
+    while (step := engine.schedule()) is not None:
+        looked_at.append(len(step.requests))
+        engine.complete(step)
+    assert engine.finished == 64 and engine.generated_tokens == 64 * 200
+    # Each request is looked at when it needs a block (every 16 tokens), at its last token and in prefill.
+    assert sum(looked_at) <= 64 * (200 // 16 + 4)
+    assert sum(looked_at) < len(looked_at) * 64 / 8

@@ -26,6 +26,7 @@ import anyio
 from fleetsched.backends.sim._fit import LoopFeatures, Workload, closed_loop, theta_of
 from fleetsched.backends.sim._profiles import load_profile
 from fleetsched.settings import SimSettings
+from fleetsched.virtual_time import Loop
 
 HERMES = "hermes3-70b-4xa100"
 HERMES_TABLE = {1: 45, 4: 142, 8: 248, 16: 398, 32: 587, 64: 743, 128: 821}
@@ -159,17 +160,18 @@ def speed_settings(sessions: int = 1000) -> Any:
     )
 
 
-def speed(sessions: int = 1000, duration_s: float = 3600.0) -> dict[str, Any]:
+def speed(sessions: int = 1000, duration_s: float = 3600.0, loop: Loop = "asyncio") -> dict[str, Any]:
     """Simulate `speed_settings(sessions)` for `duration_s` of virtual time; wall and CPU seconds."""
     import time
 
     from fleetsched.simulate import simulate
 
     cpu = time.process_time()
-    report, _ = simulate(speed_settings(sessions), duration_s)
+    report, _ = simulate(speed_settings(sessions), duration_s, loop)
     cpu = time.process_time() - cpu
     return {
         "sessions": sessions,
+        "loop": loop,
         "simulated_s": report["duration_s"],
         "wall_s": report["wall_s"],
         "cpu_s": round(cpu, 1),

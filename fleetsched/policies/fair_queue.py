@@ -76,6 +76,9 @@ class FairQueue:
             raise ValueError(f"minimum shares must add up to less than 1, got {self._min_share}")
         self._served: dict[int, float] = {}
         self._queues: dict[tuple[str, int], _SubQueue] = {}
+        # Live entries per tenant and per band: "is it backlogged?" in O(1) on every push.
+        self._live_by_tenant: dict[str, int] = {}
+        self._live_by_band: dict[int, int] = {}
         self._counters: dict[str, float] = {}
         self._last_served: dict[int, float] = {}
         self._seq = itertools.count()
@@ -119,9 +122,7 @@ class FairQueue:
         entry.seq = next(self._seq)
         entry.removed = False
         heapq.heappush(queue.heap, (entry.deadline, entry.seq, entry))
-        queue.live += 1
-        self._len += 1
-        self.queued_cost += entry.cost
+        self._count(entry, queue, 1)
         return entry
 
     def remove(self, entry: Entry) -> bool:
@@ -132,9 +133,7 @@ class FairQueue:
         if queue is None or not queue.live:
             return False
         entry.removed = True
-        queue.live -= 1
-        self._len -= 1
-        self.queued_cost -= entry.cost
+        self._count(entry, queue, -1)
         return True
 
     def charge(self, tenant: str, cost: float, tier: int | None = None) -> None:
@@ -226,15 +225,21 @@ class FairQueue:
         top = heapq.heappop(queue.heap)[2]
         assert top is entry
         entry.removed = True
-        queue.live -= 1
-        self._len -= 1
-        self.queued_cost -= entry.cost
+        self._count(entry, queue, -1)
+
+    def _count(self, entry: Entry, queue: _SubQueue, delta: int) -> None:
+        """Add `delta` (1 or -1) to every live count `entry` is part of."""
+        queue.live += delta
+        self._len += delta
+        self.queued_cost += delta * entry.cost
+        self._live_by_tenant[entry.tenant] = self._live_by_tenant.get(entry.tenant, 0) + delta
+        self._live_by_band[entry.tier] = self._live_by_band.get(entry.tier, 0) + delta
 
     def _tenant_backlogged(self, tenant: str) -> bool:
-        return any(q.live for (t, _), q in self._queues.items() if t == tenant)
+        return self._live_by_tenant.get(tenant, 0) > 0
 
     def _band_backlogged(self, tier: int) -> bool:
-        return any(q.live for (_, band), q in self._queues.items() if band == tier)
+        return self._live_by_band.get(tier, 0) > 0
 
     def _lift_band(self, tier: int) -> None:
         """A band returning from idle starts exactly at its share: no credit for idle time."""

@@ -162,11 +162,10 @@ class SimBackend(Backend):
                 self._wake = anyio.Event()
                 await self._wake.wait()
                 continue
-            requests, counts, duration = step
             self._step_started = anyio.current_time()
-            await anyio.sleep(duration)
+            await anyio.sleep(step.duration)
             self._step_started = None
-            for request in engine.complete(requests, counts, duration):
+            for request in engine.complete(step):
                 if request.waiter is not None and (
                     request.num_output - request.delivered >= request.wake_every
                     or request.delivered == 0
@@ -251,6 +250,7 @@ class SimBackend(Backend):
                 if request.num_output == request.delivered:
                     if request.status > FINISHED:  # aborted by shutdown
                         raise BackendUnavailable("the sim backend stopped while this request was in flight")
+                    engine.watch(request)
                     await park(request)
                     continue
                 count = request.num_output - request.delivered

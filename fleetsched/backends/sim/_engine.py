@@ -1,8 +1,9 @@
 """The synchronous core of the simulated engine: vLLM v1's scheduler over a `BlockPool`.
 
-No awaits and no clock here: `schedule()` picks the next step's work and returns its duration
-from the profile, the async loop sleeps that long, then `complete()` applies it. Requests that
-arrive or are aborted while a step runs take effect at the next `schedule()`, as in vLLM.
+No awaits and no clock here: `schedule()` picks the next step's work and returns it with its
+duration from the profile, the async loop sleeps that long, then `complete()` applies it.
+Requests that arrive or are aborted while a step runs take effect at the next `schedule()`, as
+in vLLM.
 
 Scheduling follows ``vllm/v1/core/sched/scheduler.py``:
 
@@ -14,6 +15,16 @@ Scheduling follows ``vllm/v1/core/sched/scheduler.py``:
 2. Then, only if nothing was preempted in this step, waiting requests in policy order while a
    running slot (``max_num_seqs``) and budget remain: prefix cache lookup, allocation, admit.
    The first that does not fit stops admission.
+
+**Coasting.** Most running requests, most of the time, decode one token a step and need nothing
+else: their last block has room, they are not about to finish, and nobody is owed a wake-up. Such
+a request *coasts*: the engine stops looking at it and counts its tokens from the number of steps
+since it began (``num_computed`` and ``num_output`` are read through properties). It is entered
+in a calendar at the step where it next needs attention (a new block, its last token, or the
+token that wakes its consumer: see `watch`), and is looked at again from then on. A step thus
+costs the requests that need something, not all of them. When a step could run short of budget or
+blocks, every request is looked at and the step is scheduled exactly as above. ``coast=False``
+turns coasting off (the reference the tests compare against).
 """
 
 from __future__ import annotations
@@ -32,8 +43,9 @@ class SimRequest:
     """One request's state in the engine. Token counts only; no token objects."""
 
     __slots__ = (
-        "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "num_computed",
-        "num_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
+        "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
+        "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
+        "engine", "coasting_since", "run_order",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -43,14 +55,33 @@ class SimRequest:
         self.max_tokens = max_tokens
         self.hashes = hashes
         self.status = WAITING
-        self.num_computed = 0
-        self.num_output = 0
+        self._computed = 0  # tokens in the KV cache when last looked at
+        self._output = 0  # tokens generated when last looked at
         self.num_hashed = 0
         self.blocks: list[int] = []
         self.num_preemptions = 0
-        self.waiter = None  # the consumer's wake-up Event while it waits for tokens
+        self.waiter = None  # the consumer's wake-up handle while it waits for tokens
         self.delivered = 0  # tokens the consumer has already been handed
         self.wake_every = 1  # new tokens that wake a waiting consumer (besides the first and the end)
+        self.engine: SimEngine | None = None
+        self.coasting_since = -1  # the engine step it began coasting at, or -1
+        self.run_order = 0  # position in the running order (admission order)
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens in the KV cache (prompt and output)."""
+        if self.coasting_since < 0:
+            return self._computed
+        assert self.engine is not None
+        return self._computed + self.engine.steps - self.coasting_since
+
+    @property
+    def num_output(self) -> int:
+        """Tokens generated so far."""
+        if self.coasting_since < 0:
+            return self._output
+        assert self.engine is not None
+        return self._output + self.engine.steps - self.coasting_since
 
     @property
     def waiting(self) -> bool:
@@ -67,16 +98,44 @@ class SimRequest:
         )
 
 
+class Step:
+    """One scheduled step: the requests looked at and their token counts, plus the coasting ones."""
+
+    __slots__ = ("requests", "counts", "coasting", "tokens", "context", "duration")
+
+    def __init__(self, requests: list[SimRequest], counts: list[int], coasting: int, context: int, duration: float) -> None:
+        self.requests = requests
+        self.counts = counts
+        self.coasting = coasting  # requests decoding one token each without being looked at
+        self.tokens = sum(counts) + coasting
+        self.context = context  # tokens attended to: the step's tokens plus what each has cached
+        self.duration = duration
+
+    @property
+    def seqs(self) -> int:
+        return len(self.requests) + self.coasting
+
+
 class SimEngine:
     """vLLM v1's scheduler and KV cache manager, as a synchronous state machine."""
 
-    def __init__(self, settings: SimSettings) -> None:
+    def __init__(self, settings: SimSettings, coast: bool = True) -> None:
         self.settings = settings
         self.block_size = settings.block_size
+        self.coast = coast
         self.pool = BlockPool(settings.kv_cache_tokens // settings.block_size, settings.block_size)
         self.queue = make_queue(settings.policy)
-        self.running: list[SimRequest] = []
+        #: Running requests in running order (a dict: ordered, with O(1) removal).
+        self.running: dict[SimRequest, None] = {}
         self._seq = 0
+        self._run_order = 0
+        # Coasting: the running requests looked at every step, the number coasting and the sum of
+        # their cached tokens, and per step the coasting requests due to be looked at again.
+        self._attended: dict[SimRequest, None] = {}
+        self._coasting = 0
+        self._coasting_context = 0
+        self._calendar: dict[int, list[SimRequest]] = {}
+        self._watch_now: list[SimRequest] = []
         # Counters, monotonic.
         self.steps = 0
         self.busy_s = 0.0
@@ -93,6 +152,7 @@ class SimEngine:
         """Queue a request (already validated to fit the cache); the next `schedule()` sees it."""
         self._seq += 1
         request = SimRequest(self._seq, prompt_tokens, max_tokens, hashes, priority)
+        request.engine = self
         self.queue.add(request)
         return request
 
@@ -105,7 +165,9 @@ class SimEngine:
         if request.status == WAITING:
             self.queue.discard(request)
         elif request.status == RUNNING:
-            self.running.remove(request)
+            self._attend(request)
+            del self.running[request]
+            del self._attended[request]
             self.pool.free(request.blocks)
             request.blocks = []
         else:
@@ -113,10 +175,64 @@ class SimEngine:
         request.status = ABORTED
         self.aborted += 1
 
+    def watch(self, request: SimRequest) -> None:
+        """A consumer is about to wait on `request`: have `complete()` return it when it owes a wake-up.
+
+        Call with a step under way (consumers run while the engine loop sleeps). A request looked
+        at every step needs nothing; a coasting one is put in the calendar for the step that
+        produces the token that wakes its consumer.
+        """
+        if request.coasting_since < 0:
+            return
+        steps = request.delivered + request.wake_every - request.num_output  # steps until that token
+        if steps <= 1:
+            self._watch_now.append(request)  # the step under way produces it
+        else:
+            self._calendar.setdefault(self.steps + steps - 1, []).append(request)
+
+    # -- coasting --------------------------------------------------------------------------------
+
+    def _coast(self, request: SimRequest) -> None:
+        """Let a running request coast, if it needs nothing for at least one step."""
+        if (
+            request._output == 0  # its first token is still to come
+            or request._computed != request.prompt_tokens + request._output - 1  # prefilling or recomputing
+            or request.num_hashed != len(request.hashes)  # prompt blocks left to hash
+        ):
+            return
+        steps = min(
+            len(request.blocks) * self.block_size - request._computed,  # room left in its last block
+            request.max_tokens - request._output - 1,  # the step of its last token is looked at
+        )
+        if request.waiter is not None:  # a consumer waits: the step of the token that wakes it is looked at
+            steps = min(steps, request.delivered + request.wake_every - request._output - 1)
+        if steps <= 0:
+            return
+        del self._attended[request]
+        request.coasting_since = self.steps
+        self._coasting += 1
+        self._coasting_context += request._computed
+        self._calendar.setdefault(self.steps + steps, []).append(request)
+
+    def _attend(self, request: SimRequest) -> None:
+        """Stop `request` coasting: bring its counts up to date and look at it every step."""
+        since = request.coasting_since
+        if since < 0:
+            return
+        advanced = self.steps - since
+        request._computed += advanced
+        request._output += advanced
+        request.coasting_since = -1
+        self._coasting -= 1
+        self._coasting_context -= request._computed
+        self._attended[request] = None
+
+    # -- scheduling --------------------------------------------------------------------------------
+
     def _allocate(self, request: SimRequest, num_new: int) -> bool:
         """Give `request` the blocks for `num_new` more tokens; False when the pool is short."""
         bs = self.block_size
-        end = request.num_computed + num_new
+        end = request._computed + num_new
         need = -(-end // bs) - len(request.blocks)
         if need > 0:
             if need > self.pool.num_free:
@@ -132,30 +248,67 @@ class SimEngine:
         return True
 
     def _preempt(self, request: SimRequest) -> None:
+        del self.running[request]
+        del self._attended[request]
         self.pool.free(request.blocks)
         request.blocks = []
-        request.num_computed = 0
+        request._computed = 0  # its output so far is recomputed as part of the prompt
         request.num_hashed = 0
         request.status = WAITING
         request.num_preemptions += 1
         self.preemptions += 1
         self.queue.add_preempted(request)
 
-    def schedule(self) -> tuple[list[SimRequest], list[int], float] | None:
-        """Choose the next step: (requests, tokens each, duration in seconds), or None if idle."""
+    def schedule(self) -> Step | None:
+        """Choose the next step, or None if idle."""
+        for request in self._calendar.pop(self.steps, ()):
+            self._attend(request)
         budget = self.settings.max_num_batched_tokens
-        running = self.running
         scheduled: dict[SimRequest, int] = {}
+        if self.coast and self._fits(scheduled, budget):
+            budget -= self._coasting + sum(scheduled.values())
+            preempted = False
+        else:
+            for request in [r for r in self.running if r.coasting_since >= 0]:
+                self._attend(request)
+            budget, preempted = self._schedule_running(scheduled, budget)
+        if not preempted:
+            self._admit(scheduled, budget)
+        if not scheduled and not self._coasting:
+            return None
+        return self._plan(scheduled)
+
+    def _fits(self, scheduled: dict[SimRequest, int], budget: int) -> bool:
+        """Schedule the attended requests if the step has budget and blocks for every running one."""
+        bs = self.block_size
+        demand = self._coasting
+        blocks = 0
+        wants = []
+        for request in sorted(self._attended, key=_by_run_order):
+            num_new = request.prompt_tokens + request._output - request._computed
+            demand += num_new
+            blocks += max(0, -(-(request._computed + num_new) // bs) - len(request.blocks))
+            wants.append((request, num_new))
+        if demand > budget or blocks > self.pool.num_free:
+            return False
+        for request, num_new in wants:
+            self._allocate(request, num_new)
+            scheduled[request] = num_new
+        return True
+
+    def _schedule_running(self, scheduled: dict[SimRequest, int], budget: int) -> tuple[int, bool]:
+        """Every running request, in running order, as vLLM schedules them; (budget left, preempted)."""
+        running = list(self.running)
         preempted = False
         bs = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = request.prompt_tokens + request.num_output - request.num_computed
+            num_new = request.prompt_tokens + request._output - request._computed
             if num_new > budget:
                 num_new = budget
             if (
-                request.num_computed + num_new <= len(request.blocks) * bs
+                request._computed + num_new <= len(request.blocks) * bs
                 and request.num_hashed == len(request.hashes)
             ):  # the common decode: its last block has room, nothing to hash
                 scheduled[request] = num_new
@@ -179,12 +332,7 @@ class SimEngine:
                 i += 1
                 continue
             break
-
-        if not preempted:
-            self._admit(scheduled, budget)
-        if not scheduled:
-            return None
-        return self._plan(scheduled)
+        return budget, preempted
 
     def _admit(self, scheduled: dict[SimRequest, int], budget: int) -> None:
         queue, pool, running, bs = self.queue, self.pool, self.running, self.block_size
@@ -193,7 +341,7 @@ class SimEngine:
             request = queue.peek()
             if request is None:
                 break
-            num_tokens = request.prompt_tokens + request.num_output
+            num_tokens = request.prompt_tokens + request._output
             # At least one token is always computed, so a full hit leaves the last block out.
             hits = pool.lookup(request.hashes, (num_tokens - 1) // bs)
             num_computed = len(hits) * bs
@@ -205,55 +353,76 @@ class SimEngine:
             pool.touch(hits)
             request.blocks = hits
             request.num_hashed = len(hits)
-            request.num_computed = num_computed
+            request._computed = num_computed
             self._allocate(request, num_new)
             self.prefix_queries += num_tokens
             self.prefix_hits += num_computed
             request.status = RUNNING
-            running.append(request)
+            self._run_order += 1
+            request.run_order = self._run_order
+            running[request] = None
+            self._attended[request] = None
             scheduled[request] = num_new
             budget -= num_new
 
-    def _plan(self, scheduled: dict[SimRequest, int]) -> tuple[list[SimRequest], list[int], float]:
+    def _plan(self, scheduled: dict[SimRequest, int]) -> Step:
         requests = list(scheduled)
         counts = list(scheduled.values())
-        tokens = sum(counts)
-        context = tokens + sum(r.num_computed for r in requests)
+        coasting = self._coasting
+        tokens = sum(counts) + coasting
+        context = tokens + self._coasting_context + sum(r._computed for r in requests)
         s = self.settings
         duration = (
             s.step_base_s
             + s.step_per_token_s * tokens
             + s.step_per_context_token_s * context
-            + s.step_per_seq_s * len(requests)
+            + s.step_per_seq_s * (len(requests) + coasting)
         )
-        return requests, counts, duration
+        return Step(requests, counts, coasting, context, duration)
 
-    def complete(self, requests: Sequence[SimRequest], counts: Sequence[int], duration: float) -> list[SimRequest]:
-        """Apply a finished step; returns the requests that produced a token (some finished)."""
+    def complete(self, step: Step) -> list[SimRequest]:
+        """Apply a finished step; returns the requests a waiting consumer may need to hear about.
+
+        Those are the looked-at requests that produced a token (some finished) and the coasting
+        ones `watch` named for this step; the caller checks each one's consumer.
+        """
         self.steps += 1
-        self.busy_s += duration
+        self.busy_s += step.duration
+        # Coasting requests decoded a token each (those aborted meanwhile no longer count).
+        coasting = self._coasting
+        self._coasting_context += coasting
         emitted: list[SimRequest] = []
-        any_finished = False
-        computed = decoded = 0
-        for request, n in zip(requests, counts):
+        computed = decoded = coasting
+        for request, n in zip(step.requests, step.counts):
             if request.status != RUNNING:  # aborted while the step ran
                 continue
             computed += n
-            if n == 1 and request.num_output and request.num_computed >= request.prompt_tokens:
+            if n == 1 and request._output and request._computed >= request.prompt_tokens:
                 decoded += 1
-            request.num_computed += n
-            if request.num_computed == request.prompt_tokens + request.num_output:
-                request.num_output += 1
+            request._computed += n
+            if request._computed == request.prompt_tokens + request._output:
+                request._output += 1
                 emitted.append(request)
-                if request.num_output >= request.max_tokens:
+                if request._output >= request.max_tokens:
                     request.status = FINISHED
                     self.pool.free(request.blocks)
                     request.blocks = []
-                    any_finished = True
+                    del self.running[request]
+                    del self._attended[request]
+                    self.finished += 1
         self.computed_tokens += computed
         self.prompt_computed += computed - decoded
-        self.generated_tokens += len(emitted)
-        if any_finished:
-            self.running = [r for r in self.running if r.status == RUNNING]
-            self.finished += sum(1 for r in emitted if r.status == FINISHED)
+        self.generated_tokens += len(emitted) + coasting
+        if self.coast:
+            for request in step.requests:
+                if request.status == RUNNING and request.coasting_since < 0:
+                    self._coast(request)
+        if self._watch_now:  # in running order, as if they had been looked at
+            emitted.extend(self._watch_now)
+            emitted.sort(key=_by_run_order)
+            self._watch_now = []
         return emitted
+
+
+def _by_run_order(request: SimRequest) -> int:
+    return request.run_order

@@ -109,13 +109,11 @@ def closed_loop(settings: SimSettings, workload: Workload) -> LoopFeatures:
         send(client)
     total = out.total
     while (step := engine.schedule()) is not None:
-        requests, counts, _ = step
-        tokens = sum(counts)
         total[0] += 1
-        total[1] += tokens
-        total[2] += tokens + sum(r.num_computed for r in requests)
-        total[3] += len(requests)
-        for request in engine.complete(requests, counts, 0.0):
+        total[1] += step.tokens
+        total[2] += step.context
+        total[3] += step.seqs
+        for request in engine.complete(step):
             if request.num_output == 1 and request in arrived:
                 start = arrived.pop(request)
                 out.ttft.append([now - then for now, then in zip(total, start)])

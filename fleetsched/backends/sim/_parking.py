@@ -1,8 +1,9 @@
 """Park a consumer task until the engine has tokens for it; the engine unparks it with no await.
 
-This is the one hot wake-up path of the simulator (once per streamed chunk), so under trio it
-parks the task itself (``wait_task_rescheduled`` / ``reschedule``: no event object per token);
-elsewhere it uses one `anyio.Event` per wait. The handle lives in ``request.waiter``; whoever
+This is the one hot wake-up path of the simulator (once per streamed chunk), so it uses the
+cheapest wait of the running library: under trio the task parks itself (``wait_task_rescheduled``
+/ ``reschedule``: no event object per token), under asyncio it awaits a bare future; elsewhere it
+uses one `anyio.Event` per wait. The handle lives in ``request.waiter``; whoever
 unparks clears it first, so a task is never rescheduled twice.
 """
 
@@ -36,7 +37,10 @@ def unpark_event(request: Any) -> None:
 
 def parking_for_current_library() -> tuple[Park, Unpark]:
     """The (park, unpark) pair for the running async library."""
-    if sniffio.current_async_library() != "trio":
+    library = sniffio.current_async_library()
+    if library == "asyncio":
+        return _asyncio_parking()
+    if library != "trio":
         return park_event, unpark_event
 
     from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
@@ -55,5 +59,26 @@ def parking_for_current_library() -> tuple[Park, Unpark]:
         if task is not None:
             request.waiter = None
             reschedule(task)
+
+    return park, unpark
+
+
+def _asyncio_parking() -> tuple[Park, Unpark]:
+    import asyncio
+
+    async def park(request: Any) -> None:
+        future = request.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await future
+        finally:
+            if request.waiter is future:
+                request.waiter = None
+
+    def unpark(request: Any) -> None:
+        future = request.waiter
+        if future is not None:
+            request.waiter = None
+            if not future.done():
+                future.set_result(None)
 
     return park, unpark
