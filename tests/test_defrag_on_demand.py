@@ -137,7 +137,8 @@ def test_plan_hole_finds_a_plan_whenever_one_stretch_alone_can_be_slid_open(lay)
 
 
 def fragmented(**options) -> tuple[ExtentPool, list]:
-    """A 10-page device: [r0 2][free 2][r2 2][free 2][r4 2] (r1, r3 released)."""
+    """A 10-page device: [r0 2][free 2][r2 2][free 2][r4 2] (r1, r3 released); settling off."""
+    options.setdefault("settle", False)
     pool = ExtentPool([DeviceSpec("gpu0", 10 * PAGE)], strategy="first-fit", page_size=PAGE, **options)
     held = [pool.reserve_nowait(2 * PAGE, owner=f"r{i}") for i in range(5)]
     held[1].release()

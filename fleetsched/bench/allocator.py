@@ -54,7 +54,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import WouldBlock
-from ..resources import DEFAULT_STRATEGY, STRATEGIES, CountingPool, DeviceSpec, ExtentPool, MemoryPool, session_bytes
+from ..resources import (
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    CountingPool,
+    DeviceSpec,
+    ExtentPool,
+    ExtentView,
+    MemoryPool,
+    Reservation,
+    session_bytes,
+)
 
 GB = 10**9
 BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3-8B, bf16: 128 KiB
@@ -79,6 +89,16 @@ class Session:
         if self.idle_share <= 0.0:
             return False
         return ((t - self.arrival) / self.cycle + self.phase) % 1.0 >= 1.0 - self.idle_share
+
+    def next_change(self, t: float) -> tuple[float, bool]:
+        """The first edge of the cycle after `t`: (its time, idle from then on); never: inf."""
+        if not 0.0 < self.idle_share < 1.0:
+            return math.inf, False
+        u = (t - self.arrival) / self.cycle + self.phase
+        busy_end = math.floor(u) + 1.0 - self.idle_share
+        if u < busy_end:
+            return self.arrival + (busy_end - self.phase) * self.cycle, True
+        return self.arrival + (math.floor(u) + 1.0 - self.phase) * self.cycle, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,78 +191,110 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def replay(trace: Trace, strategy: str, *, compact: bool = True, threshold: float | None = None) -> dict[str, float]:
+def replay(
+    trace: Trace, strategy: str, *, compact: bool = True, settle: bool | None = None, threshold: float | None = None
+) -> dict[str, float]:
     """Run `trace` through an `ExtentPool` with `strategy`; return its figures.
 
-    `compact` and `threshold` are the pool's on-demand compaction and `compact_threshold`. Before
-    every operation each live session is marked movable when it is idle at that moment (its
-    cycle, `Session.movable_at`), as the scheduler marks a session in a tool call. Operations
-    that moved reservations are timed apart (``compaction_op_us_*``) from the rest. Strategy
+    `compact`, `settle` and `threshold` are the pool's on-demand compaction, settling (None: as
+    `compact`) and `compact_threshold`. Events run in time order: departures, then pin changes,
+    then arrivals at one instant. A pin change is a session turning idle (movable, as the
+    scheduler marks a session in a tool call) or busy again, at the edges of its cycle
+    (`Session.movable_at`); when settling moved something then, waiting sessions are retried, as
+    after a release. Pin changes are replayed only for a pool that may move reservations
+    (nothing else reads the flag). Reserve and release calls that searched for moves are timed
+    apart (``compaction_op_us_*``) from the rest (``op_us_*``, settling set off by a release
+    included); pin changes that settled something are timed as ``settle_op_us_*``. Strategy
     "counting" replays through a `CountingPool`: the same queue without fragmentation.
     """
     pool: MemoryPool
     if strategy == "counting":
         pool = CountingPool(trace.devices)
     else:
-        pool = ExtentPool(trace.devices, strategy=strategy, compact=compact, compact_threshold=threshold)
+        pool = ExtentPool(trace.devices, strategy=strategy, compact=compact, settle=settle, compact_threshold=threshold)
+    moving = isinstance(pool, ExtentPool) and (pool.compact or pool.settle or threshold is not None)
     capacity = sum(d.total for d in pool.statistics().devices)
-    departures: list[tuple[float, int, object]] = []
-    pending: deque[tuple[int, Session]] = deque()
-    live: dict[int, tuple[Session, object]] = {}
+    depart, pin, arrive = 0, 1, 2  # the order of events at one instant
+    # (time, kind, session, idle from then on: pin changes only)
+    events = [(s.arrival, arrive, i, False) for i, s in enumerate(trace.sessions)]
+    heapq.heapify(events)
+    pending: deque[int] = deque()
+    live: dict[int, tuple[Reservation, float]] = {}  # session -> (reservation, departure time)
     frag: list[float] = []
     ops: list[float] = []
     compaction_ops: list[float] = []
+    settle_ops: list[float] = []
     waits: list[float] = []
-    peak = granted = 0
+    peak = granted = no_room = 0
 
-    def mark(now: float) -> None:
-        for s, r in live.values():
-            r.movable = s.movable_at(now)  # type: ignore[attr-defined]
+    def settles() -> int:
+        return getattr(pool, "settles", 0)
 
-    def timed(op: Callable[[], object]) -> object:
-        before = getattr(pool, "compaction_searches", 0)
+    def timed(op: Callable[[], object], *, pin_change: bool = False) -> object:
+        searches, settled = getattr(pool, "compaction_searches", 0), settles()
         start = time.perf_counter()  # wall-clock ok
         try:
             return op()
         finally:
             elapsed = time.perf_counter() - start  # wall-clock ok
-            (compaction_ops if getattr(pool, "compaction_searches", 0) != before else ops).append(elapsed)
+            if getattr(pool, "compaction_searches", 0) != searches:
+                compaction_ops.append(elapsed)
+            elif pin_change:
+                if settles() != settled:
+                    settle_ops.append(elapsed)
+            else:
+                ops.append(elapsed)
 
-    def admit(i: int, s: Session, now: float) -> bool:
-        nonlocal peak, granted
-        mark(now)
+    def next_pin(i: int, at: float, idle: bool) -> None:
+        if at < live[i][1]:
+            heapq.heappush(events, (at, pin, i, idle))
+
+    def admit(i: int, now: float) -> bool:
+        nonlocal peak, granted, no_room
+        s = trace.sessions[i]
+        failures = pool.fragmentation_failures
         try:
             r = timed(lambda: pool.reserve_nowait(s.nbytes, owner=i, device=s.device))
         except WouldBlock:
+            if pool.fragmentation_failures != failures and isinstance(pool, ExtentPool):
+                no_room += not _room_by_moving(pool, s.nbytes)
             return False
-        live[i] = (s, r)
-        heapq.heappush(departures, (now + s.lifetime, i, r))
+        assert isinstance(r, Reservation)
+        live[i] = (r, now + s.lifetime)
+        heapq.heappush(events, (now + s.lifetime, depart, i, False))
+        if moving:
+            r.movable = s.movable_at(now)
+            next_pin(i, *s.next_change(now))
         waits.append(now - s.arrival)
         granted += s.nbytes
         peak = max(peak, pool.statistics().allocated)
         return True
 
-    def depart_until(limit: float) -> None:
-        while departures and departures[0][0] <= limit:
-            now, i, r = heapq.heappop(departures)
-            del live[i]
-            mark(now)
-            timed(r.release)  # type: ignore[attr-defined]
-            while pending and admit(*pending[0], now):
-                pending.popleft()
+    def drain(now: float) -> None:
+        while pending and admit(pending[0], now):
+            pending.popleft()
 
-    for i, s in enumerate(trace.sessions):
-        depart_until(s.arrival)
-        devices = pool.statistics().devices
-        frag.append(statistics.fmean(d.fragmentation for d in devices))
-        if pending or not admit(i, s, s.arrival):
-            pending.append((i, s))
-    depart_until(math.inf)
+    while events:
+        now, kind, i, idle = heapq.heappop(events)
+        if kind == arrive:
+            frag.append(statistics.fmean(d.fragmentation for d in pool.statistics().devices))
+            if pending or not admit(i, now):
+                pending.append(i)
+        elif kind == depart:
+            timed(live.pop(i)[0].release)
+            drain(now)
+        elif i in live:
+            r, s, settled = live[i][0], trace.sessions[i], settles()
+            timed(lambda: setattr(r, "movable", idle), pin_change=True)
+            next_pin(i, now + s.cycle * (s.idle_share if idle else 1.0 - s.idle_share), not idle)
+            if settles() != settled:
+                drain(now)
     stats = pool.statistics()
     return {
         "frag_mean": statistics.fmean(frag),
         "frag_p95": _pct(frag, 0.95),
         "frag_failures": pool.fragmentation_failures,
+        "failures_no_room": no_room,
         "peak_util": peak / capacity,
         "wait_mean": statistics.fmean(waits),
         "op_us_p50": _pct(ops, 0.50) * 1e6,
@@ -251,6 +303,9 @@ def replay(trace: Trace, strategy: str, *, compact: bool = True, threshold: floa
         "compaction_ops": len(compaction_ops),
         "compaction_op_us_p50": _pct(compaction_ops, 0.50) * 1e6,
         "compaction_op_us_p99": _pct(compaction_ops, 0.99) * 1e6,
+        "settles": settles(),
+        "settle_op_us_p50": _pct(settle_ops, 0.50) * 1e6,
+        "settle_op_us_p99": _pct(settle_ops, 0.99) * 1e6,
         "moves": stats.moves,
         "moved_gb": stats.moved_bytes / GB,
         "moved_bytes_per_op": stats.moved_bytes / max(1, len(ops) + len(compaction_ops)),
@@ -258,11 +313,52 @@ def replay(trace: Trace, strategy: str, *, compact: bool = True, threshold: floa
     }
 
 
+def _room_by_moving(pool: ExtentPool, nbytes: int) -> bool:
+    """Whether any rearrangement of the movable reservations would open room for `nbytes`.
+
+    The unmovable reservations cut each device into stretches. A window in a stretch at least
+    the request's size can be opened when the stretch's movable reservations fit in what the
+    window leaves of it and in the free pages of the other stretches (each repacked as needed),
+    packed first-fit decreasing. A diagnostic: it says which failures no compaction of movable
+    sessions could have avoided at that moment (first-fit decreasing may miss a rare packing).
+    """
+    for layout in pool.layouts():
+        space = pool.space(layout.name)
+        n = pool.strategy.round(-(-nbytes // pool.page_size), space)
+        stretches: list[tuple[int, list[int]]] = []  # (pages, lengths of its movable extents)
+        cursor, held = 0, []
+        for e in [*sorted(layout.extents, key=lambda e: e.offset), ExtentView(None, layout.pages, 0, False)]:
+            if e.movable:
+                held.append(e.length)
+                continue
+            stretches.append((e.offset - cursor, held))
+            cursor, held = e.offset + e.length, []
+        free = [pages - sum(held) for pages, held in stretches]
+        for k, (pages, held) in enumerate(stretches):
+            if pages >= n and _packs(held, [pages - n, *free[:k], *free[k + 1 :]]):
+                return True
+    return False
+
+
+def _packs(items: list[int], bins: list[int]) -> bool:
+    """First-fit decreasing: do `items` fit in `bins`?"""
+    bins = sorted(bins)
+    for item in sorted(items, reverse=True):
+        for k, room in enumerate(bins):
+            if room >= item:
+                bins[k] -= item
+                break
+        else:
+            return False
+    return True
+
+
 def live_timing(strategy: str, live: int = 10_000, churn: int = 20_000, seed: int = 0, movable: float = 0.0) -> dict[str, float]:
     """Op wall time with `live` reservations of 1-5 pages held on one 80 GB device, under churn.
 
-    A share `movable` of the reservations is movable (on-demand compaction then runs when a
-    request finds no hole); operations that searched for moves are timed apart.
+    A share `movable` of the reservations is marked movable when placed: settling may then run
+    on that mark (timed as a settle op) and on releases, and on-demand compaction when a request
+    finds no hole; reserve/release calls that searched for moves are timed apart.
     """
     rng = random.Random(seed)
     pool = ExtentPool([DeviceSpec("gpu0", 80 * GB)], strategy=strategy)
@@ -276,25 +372,35 @@ def live_timing(strategy: str, live: int = 10_000, churn: int = 20_000, seed: in
         pass
     ops: list[float] = []
     compaction_ops: list[float] = []
+    settle_ops: list[float] = []
 
-    def timed(op: Callable[[], object]) -> object:
-        before = pool.compaction_searches
+    def timed(op: Callable[[], object], *, pin_change: bool = False) -> object:
+        searches, settles = pool.compaction_searches, pool.settles
         start = time.perf_counter()  # wall-clock ok
         try:
             return op()
         finally:
             elapsed = time.perf_counter() - start  # wall-clock ok
-            (compaction_ops if pool.compaction_searches != before else ops).append(elapsed)
+            if pool.compaction_searches != searches:
+                compaction_ops.append(elapsed)
+            elif pin_change:
+                if pool.settles != settles:
+                    settle_ops.append(elapsed)
+            else:
+                ops.append(elapsed)
 
     for _ in range(churn):
         victim = held.pop(rng.randrange(len(held)))
         timed(victim.release)
         nbytes = rng.randint(1, 5) * page - rng.randint(0, page - 1)
         try:
-            held.append(timed(lambda: pool.reserve_nowait(nbytes)))  # type: ignore[arg-type]
-            held[-1].movable = rng.random() < movable
+            r = timed(lambda: pool.reserve_nowait(nbytes))
         except WouldBlock:
-            pass
+            continue
+        assert isinstance(r, Reservation)
+        held.append(r)
+        if rng.random() < movable:
+            timed(lambda: setattr(r, "movable", True), pin_change=True)
     return {
         "live": len(held),
         "op_us_p50": _pct(ops, 0.5) * 1e6,
@@ -302,6 +408,9 @@ def live_timing(strategy: str, live: int = 10_000, churn: int = 20_000, seed: in
         "compaction_ops": len(compaction_ops),
         "compaction_op_us_p50": _pct(compaction_ops, 0.5) * 1e6,
         "compaction_op_us_p99": _pct(compaction_ops, 0.99) * 1e6,
+        "settle_ops": len(settle_ops),
+        "settle_op_us_p99": _pct(settle_ops, 0.99) * 1e6,
+        "all_op_us_p99": _pct(ops + compaction_ops + settle_ops, 0.99) * 1e6,
         "moved_bytes_per_op": pool.moved_bytes / max(1, len(ops) + len(compaction_ops)),
     }
 
@@ -345,12 +454,15 @@ def _aggregate(rows: list[dict[str, float]]) -> dict[str, float]:
         "frag_mean": statistics.fmean(r["frag_mean"] for r in rows),
         "frag_p95": max(r["frag_p95"] for r in rows),
         "frag_failures": sum(int(r["frag_failures"]) for r in rows),
+        "failures_no_room": sum(int(r["failures_no_room"]) for r in rows),
         "peak_util": statistics.fmean(r["peak_util"] for r in rows),
         "wait_mean": statistics.fmean(r["wait_mean"] for r in rows),
         "op_us_p50": statistics.median(r["op_us_p50"] for r in rows),
         "op_us_p99": max(r["op_us_p99"] for r in rows),
         "compaction_ops": sum(int(r["compaction_ops"]) for r in rows),
         "compaction_op_us_p99": max(r["compaction_op_us_p99"] for r in rows),
+        "settles": sum(int(r["settles"]) for r in rows),
+        "settle_op_us_p99": max(r["settle_op_us_p99"] for r in rows),
         "moves": sum(int(r["moves"]) for r in rows),
         "moved_gb": sum(r["moved_gb"] for r in rows),
         "moved_gb_per_gb_granted": sum(r["moved_gb"] for r in rows) / sum(granted) if granted else 0.0,
@@ -370,6 +482,7 @@ def main(argv: list[str]) -> int:
     names = [n for n in args.strategies.split(",") if n]
     generated = traces(args.sessions, args.seed, args.load, args.idle_scale)
     shipped = {t.name: {n: replay(t, n) for n in names} for t in generated}
+    on_demand = {t.name: {n: replay(t, n, settle=False) for n in names} for t in generated}
     placement = {t.name: {n: replay(t, n, compact=False) for n in names} for t in generated}
     threshold = {t.name: replay(t, DEFAULT_STRATEGY, threshold=args.threshold) for t in generated}
     reference = {t.name: replay(t, "counting") for t in generated}
@@ -379,13 +492,16 @@ def main(argv: list[str]) -> int:
         "sessions_per_trace": args.sessions,
         "seed": args.seed,
         "idle_scale": args.idle_scale,
-        # Every strategy in the pool as shipped: on-demand compaction of movable sessions.
+        # Every strategy in the pool as shipped: settling and on-demand compaction.
         "strategies": {n: _aggregate([shipped[t][n] for t in shipped]) for n in names},
+        # On-demand compaction alone (no settling): the pool as it was before settling.
+        "on_demand_only": {n: _aggregate([on_demand[t][n] for t in on_demand]) for n in names},
         # The same without any compaction: placement alone.
         "placement_only": {n: _aggregate([placement[t][n] for t in placement]) for n in names},
         f"default_threshold_{args.threshold}": _aggregate(list(threshold.values())),
         "traces": {
-            t: {"shipped": shipped[t], "placement_only": placement[t], "threshold": threshold[t],
+            t: {"shipped": shipped[t], "on_demand_only": on_demand[t], "placement_only": placement[t],
+                "threshold": threshold[t],
                 "no_fragmentation": {k: reference[t][k] for k in ("wait_mean", "peak_util")},
                 "lifetime_mean": statistics.fmean(s.lifetime for s in trace.sessions)}  # fmt: skip
             for t, trace in zip(shipped, generated)
@@ -395,15 +511,17 @@ def main(argv: list[str]) -> int:
         "defrag": {"snapshot": defrag_gain(args.seed)},
     }
     if "first-fit" in names and DEFAULT_STRATEGY in names:
-        result["targets"] = _targets(shipped, placement, threshold)
+        result["targets"] = _targets(shipped, on_demand, placement, threshold)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    columns = ["frag_mean", "frag_p95", "frag_failures", "peak_util", "wait_mean", "op_us_p50", "op_us_p99",
-               "compaction_op_us_p99", "moved_gb_per_gb_granted"]  # fmt: skip
-    tables = [("all traces, as shipped (on-demand compaction)", result["strategies"]),
+    columns = ["frag_mean", "frag_p95", "frag_failures", "failures_no_room", "wait_mean", "op_us_p99",
+               "settle_op_us_p99", "compaction_op_us_p99", "moved_gb_per_gb_granted"]  # fmt: skip
+    tables = [("all traces, as shipped (settling, on-demand compaction)", result["strategies"]),
+              ("all traces, on-demand compaction only", result["on_demand_only"]),
               ("all traces, placement only", result["placement_only"])]  # fmt: skip
-    tables += [(f"{t}, as shipped", shipped[t]) for t in shipped] + [(f"{t}, placement only", placement[t]) for t in shipped]
+    for title, rows in (("as shipped", shipped), ("on-demand compaction only", on_demand), ("placement only", placement)):
+        tables += [(f"{t}, {title}", rows[t]) for t in rows]
     for title, table in tables:
         print(f"\n== {title} ==")
         print(f"{'strategy':<12}" + "".join(f"{c[:14]:>15}" for c in columns))
@@ -414,7 +532,9 @@ def main(argv: list[str]) -> int:
     print("\n== 10,000 live reservations, churn ==")
     for n, row in {**result["live_10k"], f"{DEFAULT_STRATEGY} (half movable)": result["live_10k_half_movable"]}.items():  # type: ignore[dict-item]
         print(f"{n:<28} live={row['live']:>6}  op p50={row['op_us_p50']:.1f} us  p99={row['op_us_p99']:.1f} us  "
-              f"compaction ops {row['compaction_ops']} p99={row['compaction_op_us_p99']:.0f} us")  # fmt: skip
+              f"compaction ops {row['compaction_ops']} p99={row['compaction_op_us_p99']:.0f} us  "
+              f"settle ops {row['settle_ops']} p99={row['settle_op_us_p99']:.0f} us  "
+              f"all ops p99={row['all_op_us_p99']:.1f} us")  # fmt: skip
     d = result["defrag"]["snapshot"]  # type: ignore[index]
     print(
         f"\n== compaction on a fragmented 80 GB device ==\nlargest free {d['largest_free_gb_before']:.1f} -> "
@@ -427,21 +547,28 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _targets(shipped: dict, placement: dict, threshold: dict) -> dict[str, object]:
+def _targets(shipped: dict, on_demand: dict, placement: dict, threshold: dict) -> dict[str, object]:
     """Default vs first-fit failures per trace, like for like and against first-fit that never moves."""
     out: dict[str, object] = {}
     for t in shipped:
         ff = placement[t]["first-fit"]["frag_failures"] or 1
+        default, first_fit = shipped[t][DEFAULT_STRATEGY], shipped[t]["first-fit"]
         out[t] = {
             "first_fit_placement_only": placement[t]["first-fit"]["frag_failures"],
-            "default_over_first_fit_shipped": round(
-                shipped[t][DEFAULT_STRATEGY]["frag_failures"] / (shipped[t]["first-fit"]["frag_failures"] or 1), 3
+            "default_shipped": default["frag_failures"],
+            "first_fit_shipped": first_fit["frag_failures"],
+            "default_over_first_fit_shipped": round(default["frag_failures"] / (first_fit["frag_failures"] or 1), 3),
+            "default_over_first_fit_on_demand_only": round(
+                on_demand[t][DEFAULT_STRATEGY]["frag_failures"] / (on_demand[t]["first-fit"]["frag_failures"] or 1), 3
             ),
             "default_shipped_over_first_fit": round(shipped[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
             "default_placement_only_over_first_fit": round(placement[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
             "first_fit_with_compaction_over_first_fit": round(shipped[t]["first-fit"]["frag_failures"] / ff, 3),
             "default_threshold_over_first_fit": round(threshold[t]["frag_failures"] / ff, 3),
+            "default_on_demand_only_over_first_fit": round(on_demand[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
+            "default_frag_mean_shipped": round(default["frag_mean"], 3),
             "best_shipped": min(shipped[t], key=lambda n: shipped[t][n]["frag_failures"]),
+            "best_frag_mean_shipped": min(shipped[t], key=lambda n: shipped[t][n]["frag_mean"]),
             "best_placement_only": min(placement[t], key=lambda n: placement[t][n]["frag_failures"]),
         }
     return out

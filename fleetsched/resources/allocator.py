@@ -9,8 +9,14 @@ otherwise every device's strategy proposes an offset and the pool keeps the devi
 placement leaves the lowest fragmentation rate, then the least free memory (pack, so whole
 devices stay free for large requests), then the device listed first.
 
-Compaction, over reservations flagged `Reservation.movable` only, in three ways:
+Compaction, over reservations flagged `Reservation.movable` only, in four ways:
 
+- settling (``settle``, on by default with ``compact``): whenever memory comes free away from the
+  largest free run (a hole), or a reservation next to a hole becomes movable (its session went
+  idle), the movable reservations between the hole and the largest free run slide across the
+  hole, one extent at a time, until it joins that run (`settle.plan_slide`). Sessions alternate
+  between model calls (pinned) and tool calls (movable), so holes stopped by a pinned session
+  move on at its next tool call, and the device stays compact with no bulk compaction.
 - on demand (``compact=True``, the default): a request that fits nowhere contiguously although a
   device has enough free pages in total is not refused at once; `defrag.plan_hole` looks for the
   cheapest window to empty by moving movable reservations elsewhere (into free runs, or by
@@ -26,12 +32,14 @@ so its owner can copy the data; `statistics()` counts compactions, moves and byt
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .defrag import CompactionPlan, DeviceLayout, ExtentView, HolePlan, Move, plan_compaction, plan_hole
 from .extents import AddressSpace
 from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation
+from .settle import Neighbour, plan_slide
 from .strategies import DEFAULT_STRATEGY, PlacementStrategy, make_strategy
 
 DEFAULT_PAGE_SIZE = 2 << 20
@@ -59,6 +67,8 @@ class ExtentPool(MemoryPool):
         quotas: Mapping[str, int] | None = None,
         compact: bool = True,
         compact_threshold: float | None = None,
+        settle: bool | None = None,
+        settle_moves: int | None = 2,
         move_callback: Callable[[Reservation, Move], None] | None = None,
     ) -> None:
         super().__init__(devices, quotas=quotas)
@@ -66,6 +76,16 @@ class ExtentPool(MemoryPool):
             raise ValueError(f"compact_threshold must lie in [0, 1], got {compact_threshold}")
         self.compact = compact
         self.compact_threshold = compact_threshold
+        #: Settle holes as they appear (see the module docstring); None: as `compact`.
+        self.settle = compact if settle is None else settle
+        #: Times settling moved something (its moves count in `moves` and `moved_bytes` too).
+        self.settles = 0
+        if settle_moves is not None and settle_moves < 1:
+            raise ValueError(f"settle_moves must be >= 1 or None, got {settle_moves}")
+        #: Moves one call (a release, a reservation turning movable) makes at most to settle;
+        #: a hole left halfway waits for the next call. None: no limit.
+        self.settle_moves = settle_moves
+        self._holes: deque[tuple[str, int]] = deque()  # (device, a page of the hole) to settle
         self._move_callback = move_callback
         self._compacting = False
         #: Times the pool looked for moves (to place a request, or past its threshold), moving or not.
@@ -82,6 +102,9 @@ class ExtentPool(MemoryPool):
             self._spaces[d.name] = AddressSpace(pages, address_index=self.strategy.address_index)
         self._internal: dict[str, int] = {d.name: 0 for d in self.devices}
         self._count: dict[str, int] = {d.name: 0 for d in self.devices}
+        # Live reservations by their first page and by the page after their last, per device.
+        self._starting: dict[str, dict[int, Reservation]] = {d.name: {} for d in self.devices}
+        self._ending: dict[str, dict[int, Reservation]] = {d.name: {} for d in self.devices}
 
     def space(self, device: str) -> AddressSpace:
         """The address space of `device` (read it; change it only through the pool)."""
@@ -178,10 +201,9 @@ class ExtentPool(MemoryPool):
             r = move.key
             assert isinstance(r, Reservation)
             space = self._spaces[move.device]
-            space.release(move.src)
-            space.allocate(move.dst, move.length)
+            space.move(move.src, move.dst)
             self._notify_move(r, move, space)
-            r.offset = move.dst * self.page_size
+            self._set_offset(r, move.dst)
             self.moves += 1
             self.moved_bytes += move.length * self.page_size
 
@@ -191,13 +213,125 @@ class ExtentPool(MemoryPool):
         try:
             self._move_callback(r, move)
         except BaseException:
-            space.release(move.dst)
-            space.allocate(move.src, move.length)
+            space.move(move.dst, move.src)
             raise
 
+    # -- the index of live extents and settling ------------------------------------------------
+
+    def _try_place(
+        self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object = None
+    ) -> Reservation | None:
+        reservation = super()._try_place(nbytes, owner, tenant, priority, device, key=key)
+        if reservation is not None:
+            self._index(reservation)
+        return reservation
+
+    def resize_nowait(self, reservation: Reservation, nbytes: int) -> bool:
+        live = reservation.pool is self and not reservation.released
+        if live:
+            self._unindex(reservation)
+        try:
+            return super().resize_nowait(reservation, nbytes)
+        finally:
+            if live and not reservation.released:
+                self._index(reservation)
+
+    def _index(self, r: Reservation) -> None:
+        start = r.offset // self.page_size
+        self._starting[r.device][start] = r
+        self._ending[r.device][start + r.size // self.page_size] = r
+
+    def _unindex(self, r: Reservation) -> None:
+        start = r.offset // self.page_size
+        end = start + r.size // self.page_size
+        if self._starting[r.device].get(start) is r:
+            del self._starting[r.device][start]
+        if self._ending[r.device].get(end) is r:
+            del self._ending[r.device][end]
+
+    def _set_offset(self, r: Reservation, page: int) -> None:
+        self._unindex(r)
+        r.offset = page * self.page_size
+        self._index(r)
+
+    def _neighbour(self, r: Reservation | None) -> Neighbour | None:
+        if r is None:
+            return None
+        return Neighbour(r, r.offset // self.page_size, r.size // self.page_size, r.movable)
+
+    def _movable_changed(self, reservation: Reservation, movable: bool) -> None:
+        super()._movable_changed(reservation, movable)
+        if not (movable and self.settle) or self._compacting:
+            return
+        page = self._hole_beside(reservation)
+        if page is not None:
+            self._holes.appendleft((reservation.device, page))
+        if self._settle_holes():
+            super()._released_memory()  # larger free runs: serve waiters, tell listeners
+
+    def _hole_beside(self, r: Reservation) -> int | None:
+        """A page of the free run on the far side of `r` from its device's largest free run."""
+        space = self._spaces[r.device]
+        gap = space.largest_free_extent()
+        start = r.offset // self.page_size
+        if gap is None:
+            return None
+        if start < gap[0]:  # below the gap: the hole under r rises past it
+            return start - 1 if space.free_length_before(start) else None
+        end = start + r.size // self.page_size  # above it: the hole over r sinks past it
+        return end if space.free_length_at(end) else None
+
+    def _settle_holes(self) -> bool:
+        """Slide movable extents across the queued holes, at most `settle_moves` of them in all.
+
+        A hole whose slide stops at an unmovable extent leaves the queue (that extent turning
+        movable brings it back); one stopped by the budget goes back to the front. True if
+        anything moved.
+        """
+        budget = self.settle_moves
+        moved = False
+        while self._holes and (budget is None or budget > 0):
+            name, page = self._holes.popleft()
+            space = self._spaces[name]
+            hole = space.free_extent_containing(page)
+            gap = space.largest_free_extent()
+            if hole is None or gap is None or hole[0] == gap[0]:
+                continue
+            starting, ending = self._starting[name], self._ending[name]
+            moves = plan_slide(
+                name,
+                hole,
+                gap,
+                free_at=space.free_length_at,
+                free_ending_at=space.free_length_before,
+                starting_at=lambda page: self._neighbour(starting.get(page)),
+                ending_at=lambda page: self._neighbour(ending.get(page)),
+                max_moves=budget,
+            )
+            if not moves:
+                continue
+            self._compacting = True
+            try:
+                self._carry_out(tuple(moves))
+            finally:
+                self._compacting = False
+            self.settles += 1
+            moved = True
+            if budget is not None:
+                budget -= len(moves)
+                if budget == 0:  # perhaps stopped halfway: resume there next time
+                    last = moves[-1]
+                    self._holes.appendleft((name, last.dst + last.length if last.dst < last.src else last.src))
+        return moved
+
     def _released_memory(self) -> None:
-        if self.compact_threshold is not None and not self._compacting:
-            self._compact_over_threshold()
+        if not self._compacting:
+            if self.settle:
+                self._settle_holes()
+            else:
+                self._holes.clear()
+            if self.compact_threshold is not None:
+                self._compact_over_threshold()
         super()._released_memory()
 
     def _compact_over_threshold(self) -> None:
@@ -229,7 +363,9 @@ class ExtentPool(MemoryPool):
         return DeviceLayout(name, self._spaces[name].pages, views)
 
     def _unplace(self, reservation: Reservation) -> None:
+        self._unindex(reservation)
         self._spaces[reservation.device].release(reservation.offset // self.page_size)
+        self._holes.append((reservation.device, reservation.offset // self.page_size))
         self._internal[reservation.device] -= reservation.size - reservation.nbytes
         self._count[reservation.device] -= 1
 
@@ -241,6 +377,7 @@ class ExtentPool(MemoryPool):
         offset = start
         if n < old:
             space.truncate(start, n)
+            self._holes.append((reservation.device, start + n))
         elif n > old and not space.try_extend(start, n):
             # Move: free the old extent first so the new one may reuse (overlap) it.
             space.release(start)
@@ -330,7 +467,7 @@ class ExtentPool(MemoryPool):
                     space.release(move.dst)
                     space.allocate(move.src, move.length)
                     raise
-                r.offset = move.dst * self.page_size
+                self._set_offset(r, move.dst)
                 applied += 1
                 moved += move.length * self.page_size
         finally:

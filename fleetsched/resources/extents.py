@@ -122,6 +122,18 @@ class AddressSpace:
         """Length of the free extent that starts exactly at `offset`, else 0."""
         return self._free.get(offset, 0)
 
+    def free_length_before(self, page: int) -> int:
+        """Length of the free extent that ends exactly at `page` (its last page is page - 1), else 0."""
+        hole = self.free_extent_containing(page - 1) if page > 0 else None
+        return hole[1] if hole is not None and hole[0] + hole[1] == page else 0
+
+    def largest_free_extent(self) -> tuple[int, int] | None:
+        """(offset, length) of the largest free extent (the highest-addressed on ties), or None."""
+        if not self._by_size:
+            return None
+        length, offset = self._by_size[-1]
+        return offset, length
+
     def free_extent_containing(self, page: int) -> tuple[int, int] | None:
         i = self._free.bisect_right(page) - 1
         if i < 0:
@@ -181,6 +193,32 @@ class AddressSpace:
         length = self._used.pop(offset)
         self._give_back(offset, length)
         return length
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the used extent at `src` to start at `dst`, over free pages or its own.
+
+        Sliding across the one free extent next to it (what compaction mostly does) costs a
+        couple of index updates; any other move is a release and an allocate.
+        """
+        length = self._used[src]
+        end = src + length
+        if dst < src and self._free.get(dst) == src - dst:  # down, across the free run below
+            self._remove_free(dst, src - dst)
+            del self._used[src]
+            self._used[dst] = length
+            self._give_back(dst + length, src - dst)
+        elif dst > src and self._free.get(end) == dst - src:  # up, across the free run above
+            self._remove_free(end, dst - src)
+            del self._used[src]
+            self._used[dst] = length
+            self._give_back(src, dst - src)
+        elif dst != src:
+            self.release(src)
+            try:
+                self.allocate(dst, length)
+            except ValueError:
+                self.allocate(src, length)
+                raise
 
     def try_extend(self, offset: int, length: int) -> bool:
         """Grow the used extent at `offset` to `length` pages in place, if the pages after it are free."""
