@@ -1,7 +1,9 @@
-"""Random reserve / grow / shrink / release / compact sequences, for every strategy.
+"""Random reserve / grow / shrink / release / pin / compact sequences, for every strategy.
 
 After every step: no two live extents overlap, allocated + free == total, free neighbours are
 coalesced, and every reported metric equals a brute-force recount from the live reservations.
+Settling runs on its own (releases, reservations turning movable); every move, settling's, on-
+demand compaction's or a plan's, must be of a movable reservation.
 """
 
 import math
@@ -35,6 +37,7 @@ def recount(pool: ExtentPool) -> None:
             free_runs.append(pages - cursor)
         space = pool.space(name)
         space.check()  # its own indexes agree, and free extents never touch
+        pool.check_invariants()
         assert sorted(n for _, n in space.free_extents()) == sorted(free_runs)
         (dev,) = [d for d in pool.statistics().devices if d.name == name]
         free = sum(free_runs) * PAGE
@@ -57,6 +60,13 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool = ExtentPool([DeviceSpec(n, p * PAGE) for n, p in DEVICES], strategy=self.strategy, page_size=PAGE)
+        self.pool.set_move_callback(self.moved)
+        self.moves = 0
+
+    def moved(self, r, move):
+        assert r.movable and not r.released, f"moved {r!r}, which may not move"
+        assert r.offset == move.src * PAGE and r.size == move.length * PAGE
+        self.moves += 1
 
     @rule(target=held, nbytes=st.integers(1, 20 * PAGE), device=st.sampled_from([None, "a", "b"]))
     def reserve(self, nbytes, device):
@@ -82,6 +92,15 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         assert r.nbytes == nbytes and r.size >= nbytes
 
+    @rule(r=held, movable=st.booleans())
+    def pin(self, r, movable):
+        """The session goes idle (movable: settling may move it or its neighbours) or busy."""
+        if r is None or r.released:
+            return
+        pinned = {x: x.offset for x in self.pool.reservations() if not x.movable and x is not r}
+        r.movable = movable
+        assert all(x.offset == offset for x, offset in pinned.items())
+
     @rule(r=consumes(held))
     def release(self, r):
         if r is not None:
@@ -96,7 +115,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         moved = []
         if flip and plan.moves:  # a move made stale in between is skipped, not applied
             plan.moves[0].key.movable = False
-        result = self.pool.apply_plan(plan, lambda r, m: moved.append((r, m)))
+        result = self.pool.apply_plan(plan, lambda r, m: moved.append((r, m)) or self.moved(r, m))
         assert result.applied == len(moved)
         assert all(r.movable and r.offset == m.dst * PAGE for r, m in moved if r.offset == m.dst * PAGE)
 

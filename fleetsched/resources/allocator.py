@@ -266,7 +266,12 @@ class ExtentPool(MemoryPool):
         page = self._hole_beside(reservation)
         if page is not None:
             self._holes.appendleft((reservation.device, page))
-        if self._settle_holes():
+        try:
+            moved = self._settle_holes()
+        except BaseException:  # a move callback raised: the moves before it still count
+            super()._released_memory()
+            raise
+        if moved:
             super()._released_memory()  # larger free runs: serve waiters, tell listeners
 
     def _hole_beside(self, r: Reservation) -> int | None:
@@ -325,14 +330,16 @@ class ExtentPool(MemoryPool):
         return moved
 
     def _released_memory(self) -> None:
-        if not self._compacting:
-            if self.settle:
-                self._settle_holes()
-            else:
-                self._holes.clear()
-            if self.compact_threshold is not None:
-                self._compact_over_threshold()
-        super()._released_memory()
+        try:
+            if not self._compacting:
+                if self.settle:
+                    self._settle_holes()
+                else:
+                    self._holes.clear()
+                if self.compact_threshold is not None:
+                    self._compact_over_threshold()
+        finally:  # a move callback that raised stops the moves, not the waiters
+            super()._released_memory()
 
     def _compact_over_threshold(self) -> None:
         threshold = self.compact_threshold
@@ -474,6 +481,21 @@ class ExtentPool(MemoryPool):
             if applied and _wake:
                 self._released_memory()
         return ApplyResult(applied, skipped, moved)
+
+    def check_invariants(self) -> None:
+        """Recount every device and raise AssertionError on a broken invariant.
+
+        Each address space checks itself; its used extents must be exactly the live
+        reservations', and the index of extents by first and last page must agree with them.
+        """
+        page = self.page_size
+        for name, space in self._spaces.items():
+            space.check()
+            live = [r for r in self._live if r.device == name]
+            assert sorted(space.used_extents()) == sorted((r.offset // page, r.size // page) for r in live)
+            assert self._starting[name] == {r.offset // page: r for r in live}, f"{name}: index by first page"
+            assert self._ending[name] == {(r.offset + r.size) // page: r for r in live}, f"{name}: index by end"
+            assert self._movable_count[name] == sum(r.movable for r in live)
 
     def _movable_as_planned(self, r: Reservation, move: Move) -> bool:
         return (
