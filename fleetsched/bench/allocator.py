@@ -11,33 +11,46 @@ Each trace is a stream of sessions (arrival time, KV bytes, lifetime) generated 
 
 Sizes are Llama-3-8B KV bytes (128 KiB a token, `session_bytes`, 16-token blocks); the offered
 load (arrival rate x mean bytes x mean lifetime) is the same fraction of capacity for every
-strategy. A session that does not fit waits in FIFO order and is retried on every release (like
-the scheduler), so a request refused several times counts once. Each session cycles busy (a model
-call: pinned) then idle (a tool call or the user's turn: movable), the idle share per workload
-being an assumption (`CHAT_IDLE`, ...; ``--idle-scale`` scales them).
+strategy (``offered_load`` per trace measures it on the generated sessions: 0.69-0.73 for
+``LOAD`` 0.7, the sampling noise of the arrival gaps). A session that does not fit waits in FIFO order and is retried on every release
+(like the scheduler), so a request refused several times counts once. Each session cycles busy
+(a model call: pinned) then idle (a tool call or the user's turn: movable), the idle share per
+workload being an assumption (`CHAT_IDLE`, ...; ``--idle-scale`` scales them); the replay turns
+each session movable and pinned again at the edges of its cycle, as the scheduler does around a
+tool call.
 
-Every strategy runs three ways: as shipped (``strategies``: on-demand compaction of movable
-sessions before a fragmentation refusal), placement only (``placement_only``: no compaction), and
-the default strategy with ``compact_threshold`` (``default_threshold_X``). Figures:
+Every strategy runs three ways: as shipped (``strategies``: settling, which slides movable
+sessions across holes as memory comes free and as sessions go idle, and on-demand compaction
+before a fragmentation refusal), on-demand compaction only (``on_demand_only``: the pool before
+settling), placement only (``placement_only``: nothing moves); and the default strategy with
+``compact_threshold`` (``default_threshold_X``). Figures:
 
-``frag_mean`` / ``frag_p95``  the seeds' fragmentation rate, sampled at every arrival;
+``frag_mean`` / ``frag_p95``  the seeds' fragmentation rate, (free - largest free) / free, sampled
+                              at every arrival (the mean over devices), as before settling;
 ``frag_failures``             requests refused while their device(s) had enough free bytes;
+``failures_no_room``          of those, the ones no rearrangement of the sessions movable at that
+                              moment could have avoided (`_room_by_moving`): caused by where the
+                              pinned sessions lie, not by how the movable ones are packed;
 ``peak_util``                 the most bytes held at once, over capacity (rounding included);
 ``wait_mean``                 mean wait of a session for its memory, in units of trace time;
-``op_us_p50`` / ``op_us_p99`` wall time of reserve/release calls that did not search for moves;
-``compaction_op_us_*``        the same for those that did (rare);
-``moved_gb_per_gb_granted``   the price of compaction: bytes copied per byte reserved.
+``op_us_p50`` / ``op_us_p99`` wall time of reserve/release calls that did not search for moves
+                              (the settling a release sets off included);
+``settle_op_us_*``            wall time of pin changes that settled something;
+``compaction_op_us_*``        reserve/release calls that searched for moves (rare);
+``moved_gb_per_gb_granted``   the price of moving: bytes copied per byte reserved.
 
 ``targets`` gives, per trace, the default's failures over first-fit's: like for like (both as
-shipped, ``default_over_first_fit_shipped``; both placement only,
-``default_placement_only_over_first_fit``) and against the classic first-fit allocator that never
-moves anything (``default_shipped_over_first_fit``, the other ratios' denominator too), and which
-strategy wins. On-demand compaction is the pool's, so every strategy gets it: like for like is
-the comparison of placements. ``no_fragmentation`` replays each trace through a pool that counts
-bytes only (no address space): its ``wait_mean`` is what queueing alone costs, so a trace where
-even it waits longer than a session lives is overloaded whatever the placement.
-Separately: op timing with 10,000 live reservations of 1-5 pages under churn, and the gain of a
-compaction plan on a fragmented snapshot (half the sessions movable).
+shipped, ``default_over_first_fit_shipped``; both with on-demand compaction only; both placement
+only, ``default_placement_only_over_first_fit``) and against the classic first-fit allocator that
+never moves anything (``default_shipped_over_first_fit``, the other ``_over_first_fit`` ratios'
+denominator too), and which strategy wins. Settling and on-demand compaction are the pool's, so
+every strategy gets them: like for like is the comparison of placements. ``no_fragmentation``
+replays each trace through a pool that counts bytes only (no address space): its ``wait_mean``
+is what queueing alone costs, so a trace where even it waits longer than a session lives is
+overloaded whatever the placement (``batch``: its bursts of 8 jobs hold 100 GB on average).
+Separately: op timing with 10,000 live reservations of 1-5 pages under churn (none movable, and
+half movable: settling then runs), and the gain of a compaction plan on a fragmented snapshot
+(half the sessions movable).
 """
 
 from __future__ import annotations
@@ -184,6 +197,13 @@ def traces(count: int, seed: int, load: float = LOAD, idle_scale: float = 1.0) -
     ]
 
 
+def offered_load(trace: Trace) -> float:
+    """Bytes x lifetime offered per unit of time, over capacity: what `LOAD` asks for."""
+    span = trace.sessions[-1].arrival - trace.sessions[0].arrival
+    capacity = sum(d.capacity for d in trace.devices)
+    return sum(s.nbytes * s.lifetime for s in trace.sessions) / (capacity * span) if span > 0 else math.inf
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -201,8 +221,7 @@ def replay(
     then arrivals at one instant. A pin change is a session turning idle (movable, as the
     scheduler marks a session in a tool call) or busy again, at the edges of its cycle
     (`Session.movable_at`); when settling moved something then, waiting sessions are retried, as
-    after a release. Pin changes are replayed only for a pool that may move reservations
-    (nothing else reads the flag). Reserve and release calls that searched for moves are timed
+    after a release. Reserve and release calls that searched for moves are timed
     apart (``compaction_op_us_*``) from the rest (``op_us_*``, settling set off by a release
     included); pin changes that settled something are timed as ``settle_op_us_*``. Strategy
     "counting" replays through a `CountingPool`: the same queue without fragmentation.
@@ -212,7 +231,8 @@ def replay(
         pool = CountingPool(trace.devices)
     else:
         pool = ExtentPool(trace.devices, strategy=strategy, compact=compact, settle=settle, compact_threshold=threshold)
-    moving = isinstance(pool, ExtentPool) and (pool.compact or pool.settle or threshold is not None)
+    # Only moves read the pins, and `failures_no_room`: a counting pool needs none.
+    moving = isinstance(pool, ExtentPool)
     capacity = sum(d.total for d in pool.statistics().devices)
     depart, pin, arrive = 0, 1, 2  # the order of events at one instant
     # (time, kind, session, idle from then on: pin changes only)
@@ -416,9 +436,36 @@ def live_timing(strategy: str, live: int = 10_000, churn: int = 20_000, seed: in
 
 
 def defrag_gain(seed: int = 0) -> dict[str, float]:
-    """Fragment an 80 GB device with mixed sessions (half movable), then plan and apply a compaction."""
+    """Fragment an 80 GB device with mixed sessions (half movable), then plan and apply a compaction.
+
+    The snapshot is built with settling off, so that the plan has the fragmentation to remove;
+    ``settled_*`` is what settling alone makes of the same snapshot as its sessions turn movable.
+    """
+    pool = _fragmented(seed, settle=False)
+    before = pool.statistics()
+    start = time.perf_counter()  # wall-clock ok
+    plan = pool.plan_compaction(threshold=0.0)
+    plan_ms = (time.perf_counter() - start) * 1e3  # wall-clock ok
+    result = pool.apply_plan(plan)
+    after = pool.statistics()
+    settled = _fragmented(seed, settle=True).statistics()
+    return {
+        "largest_free_gb_before": before.largest_free / GB,
+        "largest_free_gb_after": after.largest_free / GB,
+        "frag_before": before.fragmentation,
+        "frag_after": after.fragmentation,
+        "moves": result.applied,
+        "moved_gb": result.moved_bytes / GB,
+        "plan_ms": plan_ms,
+        "settled_largest_free_gb": settled.largest_free / GB,
+        "settled_frag": settled.fragmentation,
+        "settled_moved_gb": settled.moved_bytes / GB,
+    }
+
+
+def _fragmented(seed: int, *, settle: bool) -> ExtentPool:
     rng = random.Random(f"{seed}:defrag")
-    pool = ExtentPool([DeviceSpec("gpu0", 80 * GB)], strategy=DEFAULT_STRATEGY)
+    pool = ExtentPool([DeviceSpec("gpu0", 80 * GB)], strategy=DEFAULT_STRATEGY, settle=settle, settle_moves=None)
     held = []
     while True:  # fill, then free a random 40 %
         nbytes = _mixed(rng)[0]
@@ -431,21 +478,7 @@ def defrag_gain(seed: int = 0) -> dict[str, float]:
         r.release()
     for r in held[len(held) * 2 // 5 :]:
         r.movable = rng.random() < 0.5
-    before = pool.statistics()
-    start = time.perf_counter()  # wall-clock ok
-    plan = pool.plan_compaction(threshold=0.0)
-    plan_ms = (time.perf_counter() - start) * 1e3  # wall-clock ok
-    result = pool.apply_plan(plan)
-    after = pool.statistics()
-    return {
-        "largest_free_gb_before": before.largest_free / GB,
-        "largest_free_gb_after": after.largest_free / GB,
-        "frag_before": before.fragmentation,
-        "frag_after": after.fragmentation,
-        "moves": result.applied,
-        "moved_gb": result.moved_bytes / GB,
-        "plan_ms": plan_ms,
-    }
+    return pool
 
 
 def _aggregate(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -503,7 +536,8 @@ def main(argv: list[str]) -> int:
             t: {"shipped": shipped[t], "on_demand_only": on_demand[t], "placement_only": placement[t],
                 "threshold": threshold[t],
                 "no_fragmentation": {k: reference[t][k] for k in ("wait_mean", "peak_util")},
-                "lifetime_mean": statistics.fmean(s.lifetime for s in trace.sessions)}  # fmt: skip
+                "lifetime_mean": statistics.fmean(s.lifetime for s in trace.sessions),
+                "offered_load": offered_load(trace)}  # fmt: skip
             for t, trace in zip(shipped, generated)
         },
         "live_10k": {n: live_timing(n, seed=args.seed) for n in names},
@@ -539,7 +573,9 @@ def main(argv: list[str]) -> int:
     print(
         f"\n== compaction on a fragmented 80 GB device ==\nlargest free {d['largest_free_gb_before']:.1f} -> "
         f"{d['largest_free_gb_after']:.1f} GB, fragmentation {d['frag_before']:.2f} -> {d['frag_after']:.2f}, "
-        f"{d['moves']} moves ({d['moved_gb']:.1f} GB), planned in {d['plan_ms']:.1f} ms"
+        f"{d['moves']} moves ({d['moved_gb']:.1f} GB), planned in {d['plan_ms']:.1f} ms; settling the same "
+        f"snapshot: largest free {d['settled_largest_free_gb']:.1f} GB, fragmentation {d['settled_frag']:.2f}, "
+        f"{d['settled_moved_gb']:.1f} GB moved"
     )
     if "targets" in result:
         print("\n== targets ==")
