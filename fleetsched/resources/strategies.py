@@ -112,6 +112,11 @@ class FragAware(PlacementStrategy):
       small chats, so they gather at the top of memory and the chats at the bottom; a chat's exit
       then frees memory beside other chats, where it coalesces, instead of leaving a hole
       between two long-lived sessions.
+    - With the pool's settling (extents below the largest free run slide down, those above it
+      slide up) a device keeps two stacks, small sessions at the bottom and large ones at the
+      top, with the free memory between them; a new session lands at a stack's inner end, so the
+      youngest sessions (under heavy-tailed lifetimes the likeliest to leave) lie next to the
+      free memory, where their exit joins it at once.
     - Across devices, the pool keeps the device where this placement leaves the lowest
       fragmentation rate.
     """
