@@ -152,7 +152,12 @@ def test_random_workloads_keep_invariants_and_finish(policy, kv_blocks, budget, 
 
 
 def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_every, lag):
-    """Drive an engine as the backend does, with consumers that wait, wake and lag; record everything."""
+    """Drive an engine as the backend does, with consumers that wait, wake and lag; record everything.
+
+    A glide is gone through step by step as the backend's `_settle` would: the steps done are
+    applied (`advance`) before anything happens in it, and anything that happens ends it at the
+    step under way (an arrival or abort at a step boundary, a consumer's `watch`).
+    """
     bs = 8
     engine = SimEngine(
         SimSettings(policy=policy, block_size=bs, kv_cache_tokens=kv_blocks * bs, max_num_batched_tokens=budget, max_num_seqs=max_seqs),
@@ -163,6 +168,10 @@ def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_ever
     waking: dict = {}  # request -> steps before its consumer runs again
     events = []
     n = 0
+
+    def happens_at(m: int) -> bool:  # an arrival or an abort comes before step m
+        return (bool(pending) and m % 3 == 0) or m % 7 == 5
+
     while pending or engine.has_work:
         if pending and n % 3 == 0:
             prompt, out, priority, prefix, abort = pending.pop()
@@ -180,16 +189,28 @@ def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_ever
         if step is None:
             n += 1
             continue
-        events.append((n, "step", step.tokens, step.seqs, step.context, round(step.duration, 12)))
-        # Consumers run while the step is under way.
-        for request in list(waking):
-            waking[request] -= 1
-            if waking[request] < 0:
-                del waking[request]
-                request.delivered = request.num_output
-                if not request.done:
-                    engine.watch(request)
-                    request.waiter = "parked"
+        assert coast or step.repeat == 1
+        first = engine.steps
+        end = step.repeat  # steps of this glide (1: a plain step)
+        i = 0
+        while True:
+            events.append((n, "step", step.tokens, step.seqs, step.context, round(step.duration, 9)))
+            # Consumers run while the step is under way.
+            for request in list(waking):
+                waking[request] -= 1
+                if waking[request] < 0:
+                    del waking[request]
+                    request.delivered = request.num_output
+                    if not request.done:
+                        until = engine.watch(request)
+                        if until is not None:
+                            end = min(end, until - first)
+                        request.waiter = "parked"
+            if i + 1 >= end or happens_at(n + 1):
+                break
+            engine.advance(step, 1)
+            i += 1
+            n += 1
         for request in engine.complete(step):
             if request.waiter is not None and (
                 request.num_output - request.delivered >= request.wake_every or request.delivered == 0 or request.status == FINISHED
@@ -204,7 +225,7 @@ def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_ever
     return events, counters
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     policy=st.sampled_from(["fcfs", "priority"]),
     kv_blocks=st.integers(6, 60),
@@ -219,7 +240,8 @@ def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_ever
     lag=st.integers(0, 3),
 )
 def test_coasting_changes_nothing_but_the_work(policy, kv_blocks, budget, max_seqs, requests, wake_every, lag):
-    """Coasting requests are not looked at every step, yet every step, wake-up and counter is the same."""
+    """Coasting requests are not looked at every step and glides are slept through at once, yet every
+    step, wake-up and counter is the same."""
     reference = _trace(False, policy, kv_blocks, budget, max_seqs, requests, wake_every, lag)
     coasting = _trace(True, policy, kv_blocks, budget, max_seqs, requests, wake_every, lag)
     assert coasting == reference
@@ -231,10 +253,14 @@ def test_coasting_looks_at_few_requests_a_step():
     for i in range(64):
         engine.new_request(32, 200, [], 0)
     looked_at = []
+    schedules = 0
     while (step := engine.schedule()) is not None:
+        schedules += 1
         looked_at.append(len(step.requests))
-        engine.complete(step)
+        engine.complete(step, step.repeat)
     assert engine.finished == 64 and engine.generated_tokens == 64 * 200
     # Each request is looked at when it needs a block (every 16 tokens), at its last token and in prefill.
     assert sum(looked_at) <= 64 * (200 // 16 + 4)
-    assert sum(looked_at) < len(looked_at) * 64 / 8
+    assert sum(looked_at) < engine.steps * 64 / 8
+    # The steps in between are glided through: one schedule covers many steps.
+    assert schedules < engine.steps / 2

@@ -3,7 +3,12 @@
 One engine-loop task, owned by the backend's task group, drives `SimEngine`: schedule a step,
 ``await anyio.sleep(duration)``, apply it, wake the consumers that have new tokens. With nothing
 to do it waits on an event (no polling). Because time is read only through anyio, the same code
-runs on real time (asyncio or trio) and on virtual time (trio's MockClock).
+runs on real time (asyncio or trio) and on virtual time (`fleetsched.virtual_time`).
+
+A glide (steps of coasting requests only, see `_engine`) is one sleep for all its steps. Whatever
+happens during it first applies the steps done by then (`_settle`), so it sees the engine as it
+would between steps: an arrival or an abort then ends the glide at the step under way, and a
+consumer that starts waiting ends it at the step that will wake it (`_cut`).
 
 Consumers never block the engine: tokens are counters on the request, and a consumer that falls
 behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
@@ -22,13 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
 from ..base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, make_chunk, new_completion_id, usage_dict
-from ._engine import FINISHED, SimEngine, SimRequest
+from ._engine import FINISHED, SimEngine, SimRequest, Step
 from ._kv_cache import block_hashes, prompt_text
 from ._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
 
@@ -109,6 +114,11 @@ class SimBackend(Backend):
         self._started_at = 0.0
         self._stopped_at: float | None = None
         self._step_started: float | None = None
+        # A glide under way (see `_engine`): the step, the step count it ends at, and the event
+        # that wakes the loop when something cuts it short.
+        self._gliding: Step | None = None
+        self._glide_until = 0
+        self._glide_cut: anyio.Event | None = None
 
     async def __aenter__(self) -> SimBackend:
         if self._task_group is not None or self._closed:
@@ -117,7 +127,9 @@ class SimBackend(Backend):
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._started_at = anyio.current_time()
-        self._task_group.start_soon(self._run, name="sim-engine-loop")
+        # Started, not just spawned: the loop is waiting for work when this returns, so requests
+        # made together reach the same first step whatever order the tasks run in.
+        await self._task_group.start(self._run, name="sim-engine-loop")
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -147,9 +159,10 @@ class SimBackend(Backend):
 
     # -- the engine loop -----------------------------------------------------------------------
 
-    async def _run(self) -> None:
+    async def _run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         engine = self.engine
         unpark = self._unpark
+        task_status.started()  # the loop runs on to its first wait before the starter resumes
         try:
             await self._loop(engine, unpark)
         finally:
@@ -163,9 +176,13 @@ class SimBackend(Backend):
                 await self._wake.wait()
                 continue
             self._step_started = anyio.current_time()
-            await anyio.sleep(step.duration)
+            if step.repeat == 1:
+                await anyio.sleep(step.duration)
+                n = 1
+            else:
+                n = await self._glide(step)
             self._step_started = None
-            for request in engine.complete(step):
+            for request in engine.complete(step, n):
                 if request.waiter is not None and (
                     request.num_output - request.delivered >= request.wake_every
                     or request.delivered == 0
@@ -173,10 +190,51 @@ class SimBackend(Backend):
                 ):
                     unpark(request)
 
+    async def _glide(self, step: Step) -> int:
+        """Sleep through a glide, or until something cuts it short; returns the steps left to complete."""
+        engine = self.engine
+        self._gliding = step
+        self._glide_until = engine.steps + step.repeat
+        try:
+            while True:
+                cut = self._glide_cut = anyio.Event()
+                left = self._glide_until - engine.steps  # `_settle` may have applied some
+                assert self._step_started is not None
+                with anyio.move_on_after(self._step_started + step.time_for(left) - anyio.current_time()):
+                    await cut.wait()
+                if not cut.is_set():
+                    return self._glide_until - engine.steps  # what is left after any `_settle`
+        finally:
+            self._gliding = self._glide_cut = None
+
+    def _settle(self) -> None:
+        """Apply the steps of the glide under way that are done by now (before anything changes)."""
+        step = self._gliding
+        if step is None:
+            return
+        assert self._step_started is not None
+        done = min(step.steps_by(anyio.current_time() - self._step_started), self._glide_until - self.engine.steps - 1)
+        if done > 0:
+            self._step_started += step.time_for(done)
+            self.engine.advance(step, done)
+
+    def _cut(self, until: int) -> None:
+        """End the glide under way by step count `until` (never before the step under way ends)."""
+        if self._gliding is None:
+            return
+        until = max(until, self.engine.steps + 1)
+        if until < self._glide_until:
+            self._glide_until = until
+            assert self._glide_cut is not None
+            self._glide_cut.set()
+
     def _kick(self) -> None:
+        """Something changed for the scheduler (an arrival, an abort): it looks at it next step."""
         if self._wake is not None:
             self._wake.set()
             self._wake = None
+        self._settle()
+        self._cut(self.engine.steps + 1)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -247,10 +305,14 @@ class SimBackend(Backend):
         cid, created = new_completion_id(), int(time.time())  # wall-clock ok: the Unix timestamp of the response
         try:
             while True:
+                if self._gliding is not None:
+                    self._settle()  # the tokens of the glide's steps done so far
                 if request.num_output == request.delivered:
                     if request.status > FINISHED:  # aborted by shutdown
                         raise BackendUnavailable("the sim backend stopped while this request was in flight")
-                    engine.watch(request)
+                    until = engine.watch(request)
+                    if until is not None:
+                        self._cut(until)
                     await park(request)
                     continue
                 count = request.num_output - request.delivered
@@ -264,12 +326,14 @@ class SimBackend(Backend):
         finally:
             request.waiter = None
             if not request.done:
+                self._settle()  # the tokens it had count
                 engine.abort(request)
                 self._kick()
 
     # -- what the engine says about itself -----------------------------------------------------
 
     async def signals(self) -> EngineSignals:
+        self._settle()
         engine = self.engine
         return EngineSignals(
             running=len(engine.running),
@@ -282,6 +346,8 @@ class SimBackend(Backend):
 
     def statistics(self) -> SimStatistics:
         """Counters so far; `busy_fraction` compares step time with time since entering."""
+        if self._stopped_at is None:
+            self._settle()
         engine = self.engine
         now = self._stopped_at if self._stopped_at is not None else anyio.current_time()
         busy = engine.busy_s

@@ -25,10 +25,18 @@ token that wakes its consumer: see `watch`), and is looked at again from then on
 costs the requests that need something, not all of them. When a step could run short of budget or
 blocks, every request is looked at and the step is scheduled exactly as above. ``coast=False``
 turns coasting off (the reference the tests compare against).
+
+**Gliding.** When every running request coasts and no waiting request can be admitted, the steps
+up to the next calendar entry are all alike but for their context, which grows by one token per
+request a step: `schedule()` returns them as one `Step` with ``repeat`` > 1, and the loop sleeps
+once for all of them (`Step.time_for`). Anything that happens meanwhile (an arrival, an abort, a
+consumer that starts waiting) ends the glide at the step under way: `complete(step, n)` applies
+the first ``n`` steps.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from fleetsched.settings import SimSettings
@@ -99,9 +107,14 @@ class SimRequest:
 
 
 class Step:
-    """One scheduled step: the requests looked at and their token counts, plus the coasting ones."""
+    """One scheduled step: the requests looked at and their token counts, plus the coasting ones.
 
-    __slots__ = ("requests", "counts", "coasting", "tokens", "context", "duration")
+    With ``repeat`` > 1, a glide: that many steps of coasting requests only, each one's context
+    ``coasting`` tokens longer than the one before, so each takes ``growth`` seconds longer.
+    ``context`` and ``duration`` are the first step's.
+    """
+
+    __slots__ = ("requests", "counts", "coasting", "tokens", "context", "duration", "repeat", "growth")
 
     def __init__(self, requests: list[SimRequest], counts: list[int], coasting: int, context: int, duration: float) -> None:
         self.requests = requests
@@ -110,10 +123,33 @@ class Step:
         self.tokens = sum(counts) + coasting
         self.context = context  # tokens attended to: the step's tokens plus what each has cached
         self.duration = duration
+        self.repeat = 1
+        self.growth = 0.0
 
     @property
     def seqs(self) -> int:
         return len(self.requests) + self.coasting
+
+    def time_for(self, n: int) -> float:
+        """Seconds the first `n` steps take."""
+        return n * self.duration + self.growth * n * (n - 1) / 2
+
+    def steps_by(self, elapsed: float) -> int:
+        """How many whole steps are done `elapsed` seconds in (at most ``repeat``)."""
+        lo, hi = 0, self.repeat
+        while lo < hi:  # the largest n with time_for(n) <= elapsed
+            mid = (lo + hi + 1) // 2
+            if self.time_for(mid) <= elapsed:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _advance(self, n: int) -> None:
+        """Drop the first `n` steps of a glide: what is left starts with step n."""
+        self.repeat -= n
+        self.context += n * self.coasting
+        self.duration += n * self.growth
 
 
 class SimEngine:
@@ -135,6 +171,7 @@ class SimEngine:
         self._coasting = 0
         self._coasting_context = 0
         self._calendar: dict[int, list[SimRequest]] = {}
+        self._calendar_steps: list[int] = []  # the calendar's steps, a heap
         self._watch_now: list[SimRequest] = []
         # Counters, monotonic.
         self.steps = 0
@@ -175,20 +212,31 @@ class SimEngine:
         request.status = ABORTED
         self.aborted += 1
 
-    def watch(self, request: SimRequest) -> None:
+    def watch(self, request: SimRequest) -> int | None:
         """A consumer is about to wait on `request`: have `complete()` return it when it owes a wake-up.
 
         Call with a step under way (consumers run while the engine loop sleeps). A request looked
         at every step needs nothing; a coasting one is put in the calendar for the step that
-        produces the token that wakes its consumer.
+        produces the token that wakes its consumer. Returns the step count a glide must not go
+        past (`steps` when it ends), or None.
         """
         if request.coasting_since < 0:
-            return
+            return None
         steps = request.delivered + request.wake_every - request.num_output  # steps until that token
         if steps <= 1:
             self._watch_now.append(request)  # the step under way produces it
+            return self.steps + 1
+        self._remind(self.steps + steps - 1, request)
+        return self.steps + steps - 1
+
+    def _remind(self, step: int, request: SimRequest) -> None:
+        """Look at `request` again in step number `step`."""
+        due = self._calendar.get(step)
+        if due is None:
+            self._calendar[step] = [request]
+            heapq.heappush(self._calendar_steps, step)
         else:
-            self._calendar.setdefault(self.steps + steps - 1, []).append(request)
+            due.append(request)
 
     # -- coasting --------------------------------------------------------------------------------
 
@@ -212,7 +260,7 @@ class SimEngine:
         request.coasting_since = self.steps
         self._coasting += 1
         self._coasting_context += request._computed
-        self._calendar.setdefault(self.steps + steps, []).append(request)
+        self._remind(self.steps + steps, request)
 
     def _attend(self, request: SimRequest) -> None:
         """Stop `request` coasting: bring its counts up to date and look at it every step."""
@@ -260,9 +308,11 @@ class SimEngine:
         self.queue.add_preempted(request)
 
     def schedule(self) -> Step | None:
-        """Choose the next step, or None if idle."""
-        for request in self._calendar.pop(self.steps, ()):
-            self._attend(request)
+        """Choose the next step (or glide: see `Step`), or None if idle."""
+        ticks = self._calendar_steps
+        while ticks and ticks[0] <= self.steps:
+            for request in self._calendar.pop(heapq.heappop(ticks)):
+                self._attend(request)
         budget = self.settings.max_num_batched_tokens
         scheduled: dict[SimRequest, int] = {}
         if self.coast and self._fits(scheduled, budget):
@@ -276,7 +326,12 @@ class SimEngine:
             self._admit(scheduled, budget)
         if not scheduled and not self._coasting:
             return None
-        return self._plan(scheduled)
+        step = self._plan(scheduled)
+        if not self._attended and (len(self.queue) == 0 or len(self.running) >= self.settings.max_num_seqs):
+            # Coasting requests alone, and nobody to admit until one of them needs something.
+            step.repeat = ticks[0] - self.steps
+            step.growth = self.settings.step_per_context_token_s * step.coasting
+        return step
 
     def _fits(self, scheduled: dict[SimRequest, int], budget: int) -> bool:
         """Schedule the attended requests if the step has budget and blocks for every running one."""
@@ -380,12 +435,17 @@ class SimEngine:
         )
         return Step(requests, counts, coasting, context, duration)
 
-    def complete(self, step: Step) -> list[SimRequest]:
-        """Apply a finished step; returns the requests a waiting consumer may need to hear about.
+    def complete(self, step: Step, n: int = 1) -> list[SimRequest]:
+        """Apply the first `n` steps of `step` (n > 1: of a glide, which then starts after them);
+        returns the requests a waiting consumer may need to hear about.
 
         Those are the looked-at requests that produced a token (some finished) and the coasting
         ones `watch` named for this step; the caller checks each one's consumer.
         """
+        if n != 1:
+            if not 1 <= n <= step.repeat or step.requests:
+                raise ValueError(f"a step of {step.repeat} can complete 1..{step.repeat} steps at once, not {n}")
+            self._glide(step, n - 1)
         self.steps += 1
         self.busy_s += step.duration
         # Coasting requests decoded a token each (those aborted meanwhile no longer count).
@@ -421,7 +481,30 @@ class SimEngine:
             emitted.extend(self._watch_now)
             emitted.sort(key=_by_run_order)
             self._watch_now = []
+        step._advance(1)
         return emitted
+
+    def advance(self, step: Step, n: int) -> None:
+        """Apply the first `n` steps of a glide that goes on (something is about to happen in it)."""
+        if not 0 <= n < step.repeat or step.requests:
+            raise ValueError(f"a glide of {step.repeat} steps can advance 0..{step.repeat - 1} steps, not {n}")
+        if n:
+            self._glide(step, n)
+
+    def _glide(self, step: Step, n: int) -> None:
+        """Apply `n` steps of a glide at once: its coasting requests decode a token each a step."""
+        coasting = self._coasting
+        self.busy_s += step.time_for(n)
+        self.steps += n
+        self._coasting_context += n * coasting
+        self.computed_tokens += n * coasting
+        self.generated_tokens += n * coasting
+        step._advance(n)
+
+    @property
+    def next_reminder(self) -> int | None:
+        """The step number of the calendar's next entry (a glide ends there), or None."""
+        return self._calendar_steps[0] if self._calendar_steps else None
 
 
 def _by_run_order(request: SimRequest) -> int:

@@ -1,0 +1,73 @@
+"""`fleetsched.virtual_time`: anyio code on a clock that jumps whenever every task waits."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from fleetsched.virtual_time import VirtualTimeLoop, run_virtual
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_sleeps_take_no_wall_time_and_keep_their_order(loop):
+    async def main() -> tuple[float, list[str]]:
+        start = anyio.current_time()
+        order: list[str] = []
+
+        async def sleeper(name: str, seconds: float) -> None:
+            await anyio.sleep(seconds)
+            order.append(f"{name}@{anyio.current_time() - start:g}")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sleeper, "slow", 3600)
+            tg.start_soon(sleeper, "fast", 0.5)
+            tg.start_soon(sleeper, "mid", 60)
+        return anyio.current_time() - start, order
+
+    began = time.perf_counter()
+    elapsed, order = run_virtual(main, loop=loop)
+    assert time.perf_counter() - began < 5
+    assert elapsed == pytest.approx(3600)
+    assert order == ["fast@0.5", "mid@60", "slow@3600"]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_timeouts_fire_at_their_virtual_deadline(loop):
+    async def main() -> tuple[bool, float]:
+        start = anyio.current_time()
+        with anyio.move_on_after(90) as scope:
+            await anyio.Event().wait()  # never set
+        return scope.cancelled_caught, anyio.current_time() - start
+
+    cancelled, elapsed = run_virtual(main, loop=loop)
+    assert cancelled and elapsed == pytest.approx(90)
+
+
+def test_a_worker_thread_still_wakes_the_loop():
+    """With no timer left the loop blocks for real until the thread's result arrives."""
+
+    async def main() -> str:
+        return await anyio.to_thread.run_sync(lambda: time.sleep(0.05) or "done")
+
+    assert run_virtual(main) == "done"
+
+
+def test_the_clock_starts_at_zero_and_never_goes_back():
+    loop = VirtualTimeLoop()
+    try:
+        assert loop.time() == 0.0
+        loop.advance(2.5)
+        assert loop.time() == 2.5
+        with pytest.raises(ValueError, match="forward"):
+            loop.advance(-1)
+    finally:
+        loop.close()
+
+
+def test_an_unknown_loop_is_named():
+    async def main() -> None: ...
+
+    with pytest.raises(ValueError, match="curio"):
+        run_virtual(main, loop="curio")  # type: ignore[arg-type]
