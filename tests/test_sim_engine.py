@@ -163,6 +163,7 @@ def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_ever
         SimSettings(policy=policy, block_size=bs, kv_cache_tokens=kv_blocks * bs, max_num_batched_tokens=budget, max_num_seqs=max_seqs),
         coast=coast,
     )
+    engine.MIN_GLIDE = 2  # glide whenever it can
     pending = [r for r in requests if -(-(r[0] + r[1]) // bs) <= kv_blocks]
     live: list = []
     waking: dict = {}  # request -> steps before its consumer runs again

@@ -155,6 +155,9 @@ class Step:
 class SimEngine:
     """vLLM v1's scheduler and KV cache manager, as a synchronous state machine."""
 
+    #: The fewest steps worth a glide (a glide costs the loop more than a plain step's sleep).
+    MIN_GLIDE = 4
+
     def __init__(self, settings: SimSettings, coast: bool = True) -> None:
         self.settings = settings
         self.block_size = settings.block_size
@@ -327,8 +330,11 @@ class SimEngine:
         if not scheduled and not self._coasting:
             return None
         step = self._plan(scheduled)
-        if not self._attended and (len(self.queue) == 0 or len(self.running) >= self.settings.max_num_seqs):
-            # Coasting requests alone, and nobody to admit until one of them needs something.
+        if (
+            not self._attended
+            and ticks[0] - self.steps >= self.MIN_GLIDE
+            and (len(self.queue) == 0 or len(self.running) >= self.settings.max_num_seqs)
+        ):  # coasting requests alone, and nobody to admit until one of them needs something
             step.repeat = ticks[0] - self.steps
             step.growth = self.settings.step_per_context_token_s * step.coasting
         return step
