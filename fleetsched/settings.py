@@ -207,8 +207,12 @@ class ResourceSettings(_Section):
     """Granule of the allocators' address space; reservations round up to whole pages."""
     devices: list[DeviceSettings] = Field(default_factory=lambda: [DeviceSettings(name="gpu0", memory=ByteSize(80 * 10**9))])
     compact: bool = True
-    """Before refusing a request for fragmentation, move movable reservations (sessions idle or in
-    a tool call) to open a hole for it. Address-space strategies only."""
+    """Move movable reservations (sessions idle or in a tool call) to keep memory in one piece:
+    before refusing a request for fragmentation, open a hole for it; and as memory comes free or
+    a session next to a hole goes idle, slide sessions across the hole towards the largest free
+    run (settling, at most 2 moves a call). Address-space strategies only. In the allocator bench
+    settling took the mean fragmentation rate from 0.38 to 0.16, at 1.6 bytes copied per byte
+    granted (0.2 with on-demand compaction alone)."""
     compact_threshold: float | None = Field(None, ge=0.0, le=1.0)
     """Compact a device whenever its fragmentation rate, (free - largest free) / free, passes this
     after memory comes free (None: never). Moves only movable reservations. In the allocator bench

@@ -84,20 +84,43 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def renice_children(group: int, nice: int) -> None:
-    """Set `nice` on every thread of every process in process group `group` but its leader."""
+def _group_threads(group: int) -> list[tuple[int, str, int]]:
+    """(process id, command name, thread id) of every thread of the processes in process group `group`."""
+    threads = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == group:
+        if not entry.name.isdigit():
             continue
         try:
             # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces, so split after ")".
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != group:
+            head, tail = (entry / "stat").read_text().rsplit(")", 1)
+            if int(tail.split()[2]) != group:
                 continue
-            for task in (entry / "task").iterdir():  # niceness is per thread on Linux
-                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+            comm = head.split("(", 1)[1]
+            threads.extend((int(entry.name), comm, int(task.name)) for task in (entry / "task").iterdir())
         except (FileNotFoundError, ProcessLookupError):
             continue  # it ended meanwhile
+    return threads
+
+
+def renice_children(group: int, nice: int) -> None:
+    """Set `nice` on every thread of every process in process group `group` but its leader."""
+    for pid, _, thread in _group_threads(group):
+        if pid != group:
+            try:
+                os.setpriority(os.PRIO_PROCESS, thread, nice)  # niceness is per thread on Linux
+            except ProcessLookupError:
+                continue
+
+
+def pin_engine(group: int, cpus: set[int]) -> None:
+    """Pin the engine's processes (named ``VLLM::...``) of process group `group` to `cpus`, and
+    every other process of it (the API server) to this machine's other CPUs."""
+    others = (os.sched_getaffinity(0) - cpus) or cpus
+    for _, comm, thread in _group_threads(group):
+        try:
+            os.sched_setaffinity(thread, cpus if comm.startswith("VLLM::") else others)
+        except ProcessLookupError:
+            continue
 
 
 @dataclass
@@ -126,6 +149,10 @@ class VLLMServer:
     with few cores the engine's busy loops take the CPU that the API server needs to admit requests
     and stream tokens: on 2 cores, with it at 0, the API server answered nothing for seconds while
     the engine generated. On a GPU the engine's work is not on the CPU; 19 comes closest to that."""
+    engine_cpus: frozenset[int] = frozenset()
+    """CPUs the engine processes run on, and the API server on the others (empty: no pinning).
+    On 2 cores, engine on CPU 1: the engine's steps no longer wait for the API server and the
+    client, and theirs not for it, which comes closer still to a GPU host (see bench qos)."""
     process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     start_seconds: float | None = field(default=None, init=False)
     """How long the last `start` took until ``/health`` answered."""
@@ -217,6 +244,8 @@ class VLLMServer:
         self.start_seconds = time.monotonic() - began  # wall-clock ok
         if self.engine_nice:
             renice_children(self.process.pid, self.engine_nice)
+        if self.engine_cpus:
+            pin_engine(self.process.pid, set(self.engine_cpus))
         return self
 
     def _wait_healthy(self, began: float) -> None:
