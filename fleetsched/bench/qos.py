@@ -15,7 +15,9 @@ engine's saturated request rate, while a few critical-tier agents each make a ca
 it, think for a second, and call again. Every call generates exactly `max_tokens` tokens
 (vLLM's ``ignore_eos``). The engine's saturated throughput and its unloaded TTFT are measured
 first, in the same run. Without ``--url`` the benchmark starts its own servers (the CPU vLLM
-from ``scripts/setup-vllm.sh``).
+from ``scripts/setup-vllm.sh``), one at a time, with the engine processes at nice 19 and pinned
+to the last CPU (``--engine-nice``, ``--engine-cpus``): on a CPU-only machine that is the closest
+to a GPU host, where the engine's work does not compete with the API server and the client.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -322,6 +325,22 @@ def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> N
     }
 
 
+def _cpus(text: str) -> frozenset[int]:
+    return frozenset() if text == "none" else frozenset(int(c) for c in text.split(","))
+
+
+def _default_engine_cpus() -> frozenset[int]:
+    """The last CPU for the engine, the others for the API server and this process.
+
+    On a GPU host the engine's work is not on the CPU, so it never delays the API server or the
+    client, nor they it. On a CPU-only machine pinning comes closest to that: on 2 cores, with the
+    engine pinned, the critical TTFT p99 under fleetsched fell from 0.336 s to 0.135 s and
+    fleetsched's throughput rose from 0.89 to 0.99 of saturation (one run each).
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return frozenset(cpus[-1:]) if len(cpus) >= 2 else frozenset()
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench qos", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running vLLM with --scheduling-policy priority (all modes use it; direct-fcfs then sends no priority)")
@@ -335,8 +354,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-min-share", type=float, default=0.05)
     parser.add_argument("--engine-nice", type=int, default=19,
                         help="niceness of the engine processes of servers it starts (0: as they come; see VLLMServer.engine_nice)")
-    parser.add_argument("--engine-cpus", type=lambda text: frozenset(int(c) for c in text.split(",")), default=frozenset(),
-                        help="pin the engine processes of servers it starts to these CPUs (comma-separated), the API server to the others")
+    parser.add_argument("--engine-cpus", type=_cpus, default=_default_engine_cpus(),
+                        help="pin the engine processes of servers it starts to these CPUs (comma-separated; 'none': no pinning), "
+                        "the API server to the others (default: the last CPU, if there are 2 or more)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     start = time.perf_counter()  # wall-clock ok
