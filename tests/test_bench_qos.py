@@ -1,0 +1,59 @@
+"""`fleetsched bench qos`: the pieces that need no server (the bench itself runs for minutes)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from fleetsched.bench.qos import DirectClients, _cpus, _default_engine_cpus, verdict
+
+
+def test_engine_cpus_parse_and_default():
+    assert _cpus("none") == frozenset()
+    assert _cpus("1,3") == frozenset({1, 3})
+    cpus = sorted(os.sched_getaffinity(0))
+    assert _default_engine_cpus() == (frozenset({cpus[-1]}) if len(cpus) >= 2 else frozenset())
+
+
+@pytest.mark.anyio
+async def test_direct_clients_take_turns():
+    clients = DirectClients("http://127.0.0.1:9", shards=3, per_shard=4)
+    try:
+        picked = [clients.pick() for _ in range(6)]
+        assert len(set(map(id, picked))) == 3 and picked[:3] == picked[3:]
+    finally:
+        await clients.aclose()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def test_verdict_reports_the_effective_overload_against_the_best_rate():
+    """A probe that read half the engine's rate: the load offered at 2.5x its rate was 1.25x."""
+
+    def mode(tok_s: float, critical_p99: float = 1.0) -> dict:
+        return {"throughput_tok_s": tok_s, "ttft_s": {"critical": {"p50": 0.1, "p99": critical_p99}}}
+
+    result = {
+        "saturation_tok_s": 1000.0,
+        "offered_calls_per_s": 2500.0 / 64,
+        "unloaded_ttft_s": {"p50": 0.01, "p99": 0.02},
+        "modes": {"direct-fcfs": mode(2000.0), "direct-priority": mode(1800.0), "fleetsched": mode(1900.0, 0.05)},
+    }
+
+    class Tally:
+        service = {"batch-a": 100, "batch-b": 90, "batch-c": 95}
+
+    verdict(result, Tally(), argparse.Namespace(max_tokens=64))  # type: ignore[arg-type]
+    assert result["saturation_probe_tok_s"] == 1000.0 and result["saturation_tok_s"] == 2000.0
+    assert result["effective_overload"] == 1.25
+    assert result["targets"] == {
+        "critical_ttft_p99_over_unloaded": 2.5,
+        "throughput_over_saturation": 0.95,
+        "fairness_within_vtc_bound": True,
+    }
+    assert result["fairness_gap_tokens"] == 10
