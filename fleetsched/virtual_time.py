@@ -6,9 +6,10 @@ loops give the same semantics (trio's ``MockClock(autojump_threshold=0)``):
 - ``"asyncio"`` (the default): `VirtualTimeLoop`, an asyncio loop whose ``time()`` is virtual.
   When nothing is ready to run, asyncio asks its selector to wait until the next timer; the
   loop's `_JumpSelector` moves the clock there instead of blocking. A timer costs asyncio a heap
-  entry and a future: a simulated hour of a 1,000-agent fleet runs about twice as fast as on trio.
+  entry and a future (a sleep: 5-8 us on this project's machine).
 - ``"trio"``: trio with ``MockClock(autojump_threshold=0)``. Every sleep is a cancel scope whose
-  deadline expires by raising ``Cancelled``, which costs about five times an asyncio timer.
+  deadline expires by raising ``Cancelled`` (18-26 us). A simulated hour of a 1,000-agent fleet
+  took 126.6 s of wall time here, against 94.0 s on the asyncio loop.
 
 Library code never sees the difference: it reads time with ``anyio.current_time()`` and waits with
 ``anyio.sleep()``. While a worker thread runs, the clock still jumps (as trio's autojump does), so
