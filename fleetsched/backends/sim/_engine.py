@@ -116,11 +116,13 @@ class Step:
 
     __slots__ = ("requests", "counts", "coasting", "tokens", "context", "duration", "repeat", "growth")
 
-    def __init__(self, requests: list[SimRequest], counts: list[int], coasting: int, context: int, duration: float) -> None:
+    def __init__(
+        self, requests: list[SimRequest], counts: list[int], coasting: int, tokens: int, context: int, duration: float
+    ) -> None:
         self.requests = requests
         self.counts = counts
         self.coasting = coasting  # requests decoding one token each without being looked at
-        self.tokens = sum(counts) + coasting
+        self.tokens = tokens  # sum(counts) + coasting
         self.context = context  # tokens attended to: the step's tokens plus what each has cached
         self.duration = duration
         self.repeat = 1
@@ -318,9 +320,9 @@ class SimEngine:
                 self._attend(request)
         budget = self.settings.max_num_batched_tokens
         scheduled: dict[SimRequest, int] = {}
-        if self.coast and self._fits(scheduled, budget):
-            budget -= self._coasting + sum(scheduled.values())
-            preempted = False
+        left = self._fits(scheduled, budget) if self.coast else None
+        if left is not None:
+            budget, preempted = left, False
         else:
             for request in [r for r in self.running if r.coasting_since >= 0]:
                 self._attend(request)
@@ -339,8 +341,9 @@ class SimEngine:
             step.growth = self.settings.step_per_context_token_s * step.coasting
         return step
 
-    def _fits(self, scheduled: dict[SimRequest, int], budget: int) -> bool:
-        """Schedule the attended requests if the step has budget and blocks for every running one."""
+    def _fits(self, scheduled: dict[SimRequest, int], budget: int) -> int | None:
+        """Schedule the attended requests if the step has budget and blocks for every running one;
+        the budget left, or None (nothing scheduled) if it has not."""
         bs = self.block_size
         demand = self._coasting
         blocks = 0
@@ -351,11 +354,11 @@ class SimEngine:
             blocks += max(0, -(-(request._computed + num_new) // bs) - len(request.blocks))
             wants.append((request, num_new))
         if demand > budget or blocks > self.pool.num_free:
-            return False
+            return None
         for request, num_new in wants:
             self._allocate(request, num_new)
             scheduled[request] = num_new
-        return True
+        return budget - demand
 
     def _schedule_running(self, scheduled: dict[SimRequest, int], budget: int) -> tuple[int, bool]:
         """Every running request, in running order, as vLLM schedules them; (budget left, preempted)."""
@@ -439,7 +442,7 @@ class SimEngine:
             + s.step_per_context_token_s * context
             + s.step_per_seq_s * (len(requests) + coasting)
         )
-        return Step(requests, counts, coasting, context, duration)
+        return Step(requests, counts, coasting, tokens, context, duration)
 
     def complete(self, step: Step, n: int = 1) -> list[SimRequest]:
         """Apply the first `n` steps of `step` (n > 1: of a glide, which then starts after them);
