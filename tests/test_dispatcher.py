@@ -11,13 +11,23 @@ from functools import partial
 
 import anyio
 import pytest
+import trio.testing
 
 from fleetsched.backends.base import Backend, estimate_prompt_tokens, make_chunk, usage_dict
 from fleetsched.errors import DeadlineExceeded
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import Dispatcher
+from fleetsched.virtual_time import VirtualTimeLoop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    """Both loops on virtual time: a waiting call parks differently on each (see `_parking`)."""
+    if request.param == "asyncio":
+        return ("asyncio", {"loop_factory": VirtualTimeLoop})
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
 
 
 class SlowBackend(Backend):

@@ -91,6 +91,11 @@ class FairQueue:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def ages(self) -> bool:
+        """Whether waiting promotes entries (aging is on): only then does `pick` need the time."""
+        return self._aging_s is not None
+
     def counter(self, tenant: str) -> float:
         """The tenant's virtual counter (weighted service received)."""
         return self._counters.get(tenant, 0.0)

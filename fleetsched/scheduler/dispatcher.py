@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from ..backends.base import Backend, ChatBody, Chunk, collect_chat, estimate_prompt_tokens, requested_max_tokens
+from .._parking import Park, Unpark, parking_for_current_library
 from ..errors import BackendUnavailable, DeadlineExceeded, Overloaded, RateLimited
 from ..policies.fair_queue import Entry, FairQueue
 from ..policies.tiers import Tier
@@ -53,10 +55,12 @@ class DispatcherStatistics:
 
 
 class _Waiter:
-    __slots__ = ("event", "granted")
+    """A call waiting for its place: parked (see `_parking`) until `_grant` hands it one."""
+
+    __slots__ = ("waiter", "granted")
 
     def __init__(self) -> None:
-        self.event = anyio.Event()
+        self.waiter: Any = None
         self.granted = False
 
 
@@ -98,6 +102,7 @@ class Dispatcher:
         self._shed_tiers = shed_tiers
         self._in_flight = 0
         self._critical_in_flight = 0
+        self._parking: tuple[Park, Unpark] | None = None  # taken on the first wait, in the event loop
         self._started = 0
         self._shed = 0
         self._rate_limited = 0
@@ -314,11 +319,16 @@ class Dispatcher:
             self._take_place(tier)
             self._queue.serve_direct(tenant, tier, cost)
             return False
+        if self._parking is None:
+            self._parking = parking_for_current_library()
         waiter = _Waiter()
         entry = self._queue.push(Entry(tenant, tier, now, waiter, cost, due))
         self._grant()  # a critical call may pass lower-tier calls held back by the reserve
         try:
-            await waiter.event.wait()
+            if waiter.granted:
+                await anyio.lowlevel.checkpoint()
+            else:
+                await self._parking[0](waiter)
         except BaseException:
             if waiter.granted:
                 self._release(tier)
@@ -351,7 +361,7 @@ class Dispatcher:
             self._critical_in_flight += 1
 
     def _grant(self) -> None:
-        now = anyio.current_time() if self._queue else 0.0
+        now = anyio.current_time() if self._queue and self._queue.ages else 0.0  # the time matters to aging only
         while self._queue:
             if self._has_place(Tier.STANDARD):
                 entry = self._queue.pick(now)
@@ -363,7 +373,8 @@ class Dispatcher:
                 break
             self._take_place(entry.tier)
             entry.item.granted = True
-            entry.item.event.set()
+            assert self._parking is not None  # set by the call that queued the entry
+            self._parking[1](entry.item)
 
     def _measure_rate(self, now: float, served: float) -> None:
         if self._rate_since is None:

@@ -32,10 +32,10 @@ from anyio.abc import TaskGroup, TaskStatus
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
-from ..base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, make_chunk, new_completion_id, usage_dict
+from ..base import Backend, ChatBody, Chunk, EngineSignals, make_chunk, new_completion_id, usage_dict
 from ._engine import FINISHED, SimEngine, SimRequest, Step
-from ._kv_cache import block_hashes, prompt_text
-from ._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
+from ._kv_cache import CHARS_PER_TOKEN, block_hashes, prompt_text
+from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
 
 #: Text of one simulated output token (4 characters: one token by `estimate_prompt_tokens`).
 TOKEN_TEXT = " tok"
@@ -255,7 +255,8 @@ class SimBackend(Backend):
         if self.settings.policy == "fcfs":
             priority = 0  # vLLM ignores it under fcfs
         s = self.settings
-        prompt = estimate_prompt_tokens(body)
+        text = prompt_text(messages)
+        prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
         given = body.get("max_completion_tokens")
         if given is None:
             given = body.get("max_tokens")
@@ -278,7 +279,7 @@ class SimBackend(Backend):
                 f"the request needs {total} tokens of KV cache ({prompt} prompt + {max_tokens} "
                 f"completion) but the whole cache holds {capacity}; shorten it or enlarge kv_cache_tokens"
             )
-        hashes = block_hashes(prompt_text(messages), s.block_size, prompt)
+        hashes = block_hashes(text, s.block_size, prompt)
         spec = SimRequest(0, prompt, max_tokens, hashes, priority)
         spec.wake_every = max_tokens if body.get("stream") is False else s.stream_interval
         return spec
