@@ -456,17 +456,17 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStatistics:
         queued = {(t, str(Tier(tier))): n for (t, tier), n in self._queue.queued_by().items()}
-        running: dict[tuple[str, str], int] = {}
+        by_tier: dict[tuple[str, int], int] = {}
         parked = 0
         for handle in self._running.values():
             if not handle._holds_slot:
                 parked += 1
                 continue
-            key = (handle.tenant, str(handle.tier))
-            running[key] = running.get(key, 0) + 1
+            key = (handle.tenant, handle.tier)
+            by_tier[key] = by_tier.get(key, 0) + 1
         return SchedulerStatistics(
             queued=queued,
-            running=running,
+            running={(tenant, str(Tier(tier))): n for (tenant, tier), n in by_tier.items()},
             parked=parked,
             finished=dict(self._finished),
             slots_in_use=self.slots.in_use,
