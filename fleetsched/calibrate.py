@@ -3,7 +3,8 @@
 Sweeps closed loops (N clients sending requests back to back, ``ignore_eos`` so every request
 generates exactly ``max_tokens``) over concurrency and prompt / answer lengths, measures output
 throughput and time to first token, and fits the step costs of `SimSettings` by non-negative
-least squares on relative errors (`fleetsched.backends.sim._fit`). Prints the fit's error per
+least squares on relative errors (`fleetsched.backends.sim._fit`), with the time each request
+spends outside the engine (the API server's share) as a fifth cost. Prints the fit's error per
 point and writes the profile as TOML (load it with ``backend.sim.profile = "profile.toml"``).
 
 The engine's shape (max_num_seqs, token budget, block size, KV cache) is not measured: pass the
@@ -176,8 +177,9 @@ def profile_document(base: SimSettings, samples: list[Sample], fit: Fit, url: st
     info = {
         "description": description,
         "source": f"fleetsched calibrate --url {url}: closed loops, ignore_eos, unique prompts",
-        "assumptions": "Step cost t = a + b*tokens + c*context + d*sequences, fitted by non-negative least squares "
-        "on relative errors of throughput and mean TTFT. Engine shape given on the command line, not measured.",
+        "assumptions": "Step cost t = a + b*tokens + c*context + d*sequences, and e outside the engine per request "
+        "(API server, tokenising, the way back), fitted by non-negative least squares on relative errors of "
+        "throughput and mean TTFT. Engine shape given on the command line, not measured.",
     }
     ttft_err = fit.max_ttft_rel_err
     record = {

@@ -262,6 +262,11 @@ class SimSettings(_Section):
     """Cost per token of context attended in the step (c); a guess, not fitted."""
     step_per_seq_s: float = Field(0.000085, ge=0)
     """Cost per sequence in the step, whatever its token count (d: sampling, bookkeeping)."""
+    request_overhead_s: float = Field(0.0, ge=0)
+    """Time a request spends outside the engine (e): the API server's parsing, tokenising and
+    hand-off to the engine before it is scheduled, and its last answer's way back to the
+    client. The sim delays each request's arrival at the engine by it, so it adds to the time to
+    first token and to every request's turn-around, but costs the engine nothing."""
     policy: Literal["fcfs", "priority"] = "priority"
     """Waiting-queue order (vLLM's --scheduling-policy): "priority" honours the body's `priority`."""
     max_model_len: int = Field(8192, ge=1)

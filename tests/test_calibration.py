@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
+
+import anyio
 import pytest
 
 from fleetsched.backends.sim._fit import PARAMS, Measurement, Workload, closed_loop, fit_profile, nnls, theta_of
+from fleetsched.backends.sim import SimBackend
 from fleetsched.calibrate import main as calibrate_main
 from fleetsched.settings import SimSettings
 
@@ -22,7 +26,7 @@ def test_features_predict_the_duration_for_any_profile():
 
 
 def test_fit_recovers_a_known_profile_from_its_own_measurements():
-    truth = SimSettings(step_base_s=0.004, step_per_token_s=3e-5, step_per_context_token_s=1e-7, step_per_seq_s=2e-4)
+    truth = SimSettings(step_base_s=0.004, step_per_token_s=3e-5, step_per_context_token_s=1e-7, step_per_seq_s=2e-4, request_overhead_s=0.03)
     theta = theta_of(truth)
     measurements = []
     for workload in SWEEP:
@@ -55,3 +59,44 @@ def test_calibrate_reports_an_unreachable_server(tmp_path, capsys):
     assert calibrate_main(["--url", "http://127.0.0.1:9", "--out", str(out), "--concurrency", "1"]) == 1
     assert "127.0.0.1:9" in capsys.readouterr().err
     assert not out.exists()
+
+
+async def _backend_closed_loop(settings: SimSettings, workload: Workload) -> tuple[float, float]:
+    """`workload` on the async backend in virtual time: (output tokens per second, TTFT p50)."""
+    tokens, ttfts = 0, []
+    # 16 characters of chat framing and 4 a token: a prompt of exactly `prompt_tokens`.
+    length = workload.prompt_tokens * 4 - 16
+
+    async with SimBackend(settings) as backend:
+        start = anyio.current_time()
+
+        async def client(i: int) -> None:
+            nonlocal tokens
+            for r in range(workload.rounds):
+                body = {"messages": [{"role": "user", "content": f"{i} {r} ".ljust(length, "x")}], "max_tokens": workload.max_tokens}
+                sent = anyio.current_time()
+                async for chunk in backend.stream_chat(body):
+                    if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("role"):
+                        ttfts.append(anyio.current_time() - sent)
+                    if chunk.get("usage"):
+                        tokens += chunk["usage"]["completion_tokens"]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(workload.concurrency):
+                tg.start_soon(client, i)
+        elapsed = anyio.current_time() - start
+    return tokens / elapsed, statistics.median(ttfts)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+async def test_the_overhead_features_agree_with_the_backend_on_virtual_time(concurrency: int):
+    """The fit's account of the request overhead (an idle engine while requests are on their
+    way) against the backend, which delays each request's arrival at the engine."""
+    settings = SimSettings(profile="tiny-cpu-vllm", request_overhead_s=0.04)
+    workload = Workload(concurrency, 200, 64, rounds=3)
+    loop = closed_loop(settings, workload)
+    theta = theta_of(settings)
+    throughput, ttft = await _backend_closed_loop(settings, workload)
+    assert throughput == pytest.approx(loop.throughput(theta), rel=0.05)
+    assert ttft == pytest.approx(loop.ttft_p50_s(theta), rel=0.05)

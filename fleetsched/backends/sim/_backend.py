@@ -297,6 +297,9 @@ class SimBackend(Backend):
         return self._stream(spec, str(body.get("model") or self.model))
 
     async def _stream(self, spec: SimRequest, model: str) -> AsyncIterator[Chunk]:
+        if self.settings.request_overhead_s:
+            # The API server's part (parsing, tokenising, the hand-off): the engine sees it later.
+            await anyio.sleep(self.settings.request_overhead_s)
         if self._closed:
             raise BackendUnavailable("the sim backend stopped before this request reached it")
         engine, park = self.engine, self._park

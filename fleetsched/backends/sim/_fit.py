@@ -1,12 +1,20 @@
 """Fitting a step-cost profile: closed loops on the synchronous engine, then non-negative least squares.
 
-A step costs ``t = a + b*tokens + c*context + d*sequences``, linear in the profile
-``theta = (a, b, c, d)``. In a closed loop with no client delay (each client sends its next
-request the moment the last one finishes) the engine's decisions depend on token counts only,
-never on time, so one run of the engine gives feature sums that hold for every ``theta``:
+A step costs ``t = a + b*tokens + c*context + d*sequences``, and each request spends ``e`` (the
+request overhead: API server, tokenising, the way back) outside the engine; the profile is
+``theta = (a, b, c, d, e)``. In a closed loop (each client sends its next request the moment the
+last one comes back) the engine's decisions depend on token counts only, never on time, so one
+run of the engine gives feature sums that hold for every ``theta``:
 
-- total time = ``F_total . theta``, where ``F_total`` sums ``(1, tokens, context, seqs)`` over steps;
-- a request's time to first token = ``F_ttft . theta``, the same sum over the steps it waited for.
+- total time = ``F_total . theta``, where ``F_total`` sums ``(1, tokens, context, seqs)`` over
+  steps, and its last entry is the requests each client sends one after another (each waits
+  ``e`` more);
+- a request's time to first token = ``F_ttft . theta``: the same sums over the steps it waited
+  for, and 1 for its own overhead.
+
+The overhead's share is exact for one client and an approximation for many: the engine is taken
+to idle while the clients' requests are on their way, as it does when they move in step (they
+start together and share every step, which is how a closed loop of one request shape runs).
 
 Matching a measured throughput or mean TTFT is then one linear equation in ``theta``, and a sweep
 of measurements is solved by non-negative least squares on relative errors. Pure Python, no
@@ -24,9 +32,9 @@ from fleetsched.settings import SimSettings
 from ._engine import FINISHED, SimEngine
 
 #: The profile's fields, in the order of the feature vectors.
-PARAMS = ("step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s")
+PARAMS = ("step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s", "request_overhead_s")
 
-Vector = tuple[float, float, float, float]
+Vector = tuple[float, float, float, float, float]
 
 
 def _dot(features: Sequence[float], theta: Sequence[float]) -> float:
@@ -56,7 +64,7 @@ class Workload:
 class LoopFeatures:
     """What one run of a closed loop costs, as feature sums (see the module docstring)."""
 
-    total: list[float] = field(default_factory=lambda: [0.0] * 4)
+    total: list[float] = field(default_factory=lambda: [0.0] * len(PARAMS))
     ttft: list[list[float]] = field(default_factory=list)
     """One feature vector per request: the steps from its arrival to its first token."""
     generated_tokens: int = 0
@@ -79,11 +87,11 @@ class LoopFeatures:
 
     def mean_ttft_features(self) -> list[float]:
         n = len(self.ttft)
-        return [sum(f[i] for f in self.ttft) / n for i in range(4)]
+        return [sum(f[i] for f in self.ttft) / n for i in range(len(PARAMS))]
 
 
 def closed_loop(settings: SimSettings, workload: Workload) -> LoopFeatures:
-    """Run `workload` on a fresh `SimEngine` with no client delay; feature sums of the run.
+    """Run `workload` on a fresh `SimEngine`; feature sums of the run (see the module docstring).
 
     Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
     `max_tokens`.
@@ -100,7 +108,7 @@ def closed_loop(settings: SimSettings, workload: Workload) -> LoopFeatures:
         shared = workload.shared_prefix_tokens // settings.block_size if workload.prefix_caching else 0
         hashes = [hash(("fit", 0 if i < shared else n, i)) for i in range(blocks)]
         request = engine.new_request(workload.prompt_tokens, workload.max_tokens, hashes)
-        arrived[request] = list(out.total)
+        arrived[request] = out.total[:4]
         left[request] = client
 
     remaining = [workload.rounds] * workload.concurrency
@@ -116,13 +124,14 @@ def closed_loop(settings: SimSettings, workload: Workload) -> LoopFeatures:
         for request in engine.complete(step):
             if request.num_output == 1 and request in arrived:
                 start = arrived.pop(request)
-                out.ttft.append([now - then for now, then in zip(total, start)])
+                out.ttft.append([now - then for now, then in zip(total[:4], start)] + [1.0])
             if request.status == FINISHED:
                 out.requests += 1
                 client = left.pop(request)
                 if remaining[client]:
                     remaining[client] -= 1
                     send(client)
+    total[4] = workload.rounds  # each client's requests, one after another, each waits its overhead
     out.generated_tokens = engine.generated_tokens
     out.preemptions = engine.preemptions
     return out
@@ -176,7 +185,7 @@ class Fit:
         return base.model_copy(update=dict(zip(PARAMS, self.theta)))
 
 
-def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float], free: Sequence[bool] = (True,) * 4) -> list[float]:
+def nnls(rows: Sequence[Sequence[float]], targets: Sequence[float], free: Sequence[bool] = (True,) * len(PARAMS)) -> list[float]:
     """Least squares ``rows . x = targets`` with ``x >= 0``, by trying every active set.
 
     Only for a handful of unknowns (2^n subsets). Parameters with ``free[i] == False`` stay 0.
