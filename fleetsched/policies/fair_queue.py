@@ -149,7 +149,7 @@ class FairQueue:
         corrects an over-estimate). With `tier`, the band's service (for
         minimum shares) is charged too.
         """
-        self._counters[tenant] = self.counter(tenant) + cost / self.weight(tenant)
+        self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / self._weights.get(tenant, 1.0)
         if tier is not None:
             self._served[tier] = self._served.get(tier, 0.0) + cost
 
@@ -189,6 +189,7 @@ class FairQueue:
     ) -> Entry | None:
         """The entry `pick` would return, left in place and uncharged."""
         best: dict[int, tuple[tuple[int, float, float, int], Entry]] = {}  # per tier
+        counters = self._counters
         for (tenant, tier), queue in self._queues.items():
             if not queue.live or (eligible is not None and not eligible(tenant)):
                 continue
@@ -196,7 +197,8 @@ class FairQueue:
                 continue
             head = queue.head()
             assert head is not None
-            rank = (self._band(head, now), self.counter(tenant), head.deadline, head.seq)
+            band = tier if self._aging_s is None else self._band(head, now)
+            rank = (band, counters.get(tenant, 0.0), head.deadline, head.seq)
             if tier not in best or rank < best[tier][0]:
                 best[tier] = (rank, head)
         if not best:
