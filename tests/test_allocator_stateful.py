@@ -2,8 +2,9 @@
 
 After every step: no two live extents overlap, allocated + free == total, free neighbours are
 coalesced, and every reported metric equals a brute-force recount from the live reservations.
-Settling runs on its own (releases, reservations turning movable); every move, settling's, on-
-demand compaction's or a plan's, must be of a movable reservation.
+Settling runs on its own (releases, reservations turning movable) and never shrinks a device's
+largest free run; every move, settling's, on-demand compaction's or a plan's, must be of a
+movable reservation.
 """
 
 import math
@@ -98,14 +99,22 @@ class AllocatorMachine(RuleBasedStateMachine):
         if r is None or r.released:
             return
         pinned = {x: x.offset for x in self.pool.reservations() if not x.movable and x is not r}
+        largest = self.largest_free()
         r.movable = movable
         assert all(x.offset == offset for x, offset in pinned.items())
+        # Settling (slides and fills) only ever grows a device's largest free run.
+        assert all(after >= before for before, after in zip(largest, self.largest_free()))
+
+    def largest_free(self) -> list[int]:
+        return [d.largest_free for d in self.pool.statistics().devices]
 
     @rule(r=consumes(held))
     def release(self, r):
         if r is not None:
+            largest = self.largest_free()
             r.release()
             r.release()
+            assert all(after >= before for before, after in zip(largest, self.largest_free()))
 
     @rule(threshold=st.sampled_from([0.0, 0.3]), flip=st.booleans())
     def compact(self, threshold, flip):

@@ -1,11 +1,12 @@
-"""Settling: holes slide towards the largest free run through movable reservations only."""
+"""Settling: holes slide towards the largest free run through movable reservations only, and
+holes they cannot slide out of are filled from the edges of that run."""
 
 import anyio
 import pytest
 
 from fleetsched.resources import DeviceSpec, ExtentPool, Move
 from fleetsched.resources.extents import AddressSpace
-from fleetsched.resources.settle import Neighbour, plan_slide
+from fleetsched.resources.settle import Neighbour, plan_fill, plan_slide
 
 PAGE = 1 << 20
 
@@ -96,6 +97,74 @@ def test_address_space_move_slides_and_falls_back():
     space.check()
 
 
+def smallest_hole_but(space: AddressSpace, gap: tuple[int, int]):
+    """plan_fill's lookup: the smallest free run of >= n pages other than `gap`."""
+
+    def smallest_hole(n: int):
+        return next(((o, length) for length, o in space.fits(n) if o != gap[0]), None)
+
+    return smallest_hole
+
+
+def test_plan_fill_takes_the_best_fit_and_leaves_the_rest_against_the_blocker():
+    # [a 2][hole 3][pin 1][hole 2][pin 1][gap 7][d 2 movable][e 2]: d fits both holes below the
+    # gap; the exact one wins.
+    space = AddressSpace(20)
+    for offset, n in ((0, 2), (5, 1), (8, 1), (16, 2), (18, 2)):
+        space.allocate(offset, n)
+    gap = (9, 7)
+    d = Neighbour("d", 16, 2, True)
+    edges = [Neighbour("pin", 8, 1, False), d]
+    assert plan_fill("gpu0", gap, edges, smallest_hole=smallest_hole_but(space, gap)) == Move("d", "gpu0", 16, 6, 2)
+    space.allocate(6, 2)  # that hole taken, d goes to the 3-page one, at its end away from the
+    # gap: the page left stays against the pinned extent that stopped the hole's slide
+    assert plan_fill("gpu0", gap, edges, smallest_hole=smallest_hole_but(space, gap)) == Move("d", "gpu0", 16, 2, 2)
+
+
+def test_plan_fill_above_the_gap_goes_to_the_holes_top():
+    # [b 3 movable][gap 5][pin 1][hole 4][pin 2][hole 3][c 2]
+    space = AddressSpace(20)
+    for offset, n in ((0, 3), (8, 1), (13, 2), (18, 2)):
+        space.allocate(offset, n)
+    gap = (3, 5)
+    lookup = smallest_hole_but(space, gap)
+    b = Neighbour("b", 0, 3, True)
+    assert plan_fill("gpu0", gap, [b, None], smallest_hole=lookup) == Move("b", "gpu0", 0, 15, 3)
+    two = Neighbour("two", 0, 2, True)  # a 2-page edge: the smallest hole that fits, at its top
+    assert plan_fill("gpu0", gap, [two], smallest_hole=lookup) == Move("two", "gpu0", 0, 16, 2)
+
+
+def test_plan_fill_prefers_the_longer_of_two_exact_fits():
+    # [lo 3][gap 6][hi 2][pin 1][hole 2][pin 1][hole 3][pin 2]: both edges fit a hole exactly
+    space = AddressSpace(20)
+    for offset, n in ((0, 3), (9, 2), (11, 1), (14, 1), (18, 2)):
+        space.allocate(offset, n)
+    gap = (3, 6)
+    edges = [Neighbour("lo", 0, 3, True), Neighbour("hi", 9, 2, True)]
+    assert plan_fill("gpu0", gap, edges, smallest_hole=smallest_hole_but(space, gap)) == Move("lo", "gpu0", 0, 15, 3)
+
+
+def test_plan_fill_needs_a_movable_edge_and_a_hole_it_fits():
+    space = AddressSpace(12)
+    for offset, n in ((0, 2), (3, 1), (10, 2)):
+        space.allocate(offset, n)
+    gap = (4, 6)  # the one other hole is 1 page
+    lookup = smallest_hole_but(space, gap)
+    assert plan_fill("gpu0", gap, [Neighbour("p", 3, 1, False), None], smallest_hole=lookup) is None
+    assert plan_fill("gpu0", gap, [None, Neighbour("big", 10, 2, True)], smallest_hole=lookup) is None
+    assert plan_fill("gpu0", gap, [Neighbour("one", 3, 1, True)], smallest_hole=lookup) == Move("one", "gpu0", 3, 2, 1)
+
+
+def test_smallest_fit_can_pass_over_one_extent():
+    space = AddressSpace(20)
+    for offset, n in ((2, 1), (6, 1), (11, 1)):
+        space.allocate(offset, n)  # free: 0-1 (2), 3-5 (3), 7-10 (4), 12-19 (8)
+    assert space.smallest_fit(3) == (3, 3)
+    assert space.smallest_fit(3, skip=3) == (4, 7)
+    assert space.smallest_fit(5, skip=12) is None  # only the skipped one is large enough
+    assert space.smallest_fit(1, skip=12) == (2, 0)  # skip passes over that one extent only
+
+
 # -- the pool --------------------------------------------------------------------------------------
 
 
@@ -116,13 +185,16 @@ def test_a_freed_hole_rises_to_the_gap_through_movable_reservations():
 
 def test_a_pinned_reservation_holds_the_hole_until_it_turns_movable():
     pool, (r0, r1, r2, r3, r4) = row()
-    r2.movable = r4.movable = True
+    r2.movable = True
     r1.release()
     assert pages(r0, r2, r3, r4) == [0, 2, 6, 8]  # r2 slid; r3 is pinned, so the hole waits under it
-    assert free_runs(pool) == [(4, 2), (10, 4)]
+    assert free_runs(pool) == [(4, 2), (10, 4)]  # (r4, at the gap's edge, is pinned too: no fill)
     r3.movable = True
+    assert pages(r0, r2, r3, r4) == [0, 2, 4, 8]  # on to the next pinned one
+    assert free_runs(pool) == [(6, 2), (10, 4)]
+    r4.movable = True
     assert pages(r0, r2, r3, r4) == [0, 2, 4, 6]
-    assert free_runs(pool) == [(8, 6)]
+    assert free_runs(pool) == [(8, 6)] and pool.fills == 0
     pool.check_invariants()
 
 
@@ -197,19 +269,70 @@ def test_resize_keeps_the_index_and_a_shrink_settles():
 
 @pytest.mark.anyio
 async def test_a_waiter_is_served_when_settling_opens_room():
-    pool, (r0, r1, r2, r3, r4) = row(settle=True, compact=False)
+    pool, (r0, r1, r2, r3) = row(count=4, settle=True, compact=False)
+    r4 = pool.reserve_nowait(3 * PAGE, owner="r4")  # pages 8-10: too long to fill a 2-page hole
     r3.movable = r4.movable = True
-    r1.release()  # hole at pages 2-3 under pinned r2; 6 pages free, 4 in one run
+    r1.release()  # hole at pages 2-3 under pinned r2; 5 pages free, 3 in one run
     got = []
 
-    async def wait_for_six():
-        got.append(await pool.acquire(6 * PAGE, owner="six"))
+    async def wait_for_five():
+        got.append(await pool.acquire(5 * PAGE, owner="five"))
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(wait_for_six)
+        tg.start_soon(wait_for_five)
         await anyio.sleep(1)
         assert not got
-        r2.movable = True  # the session goes idle: r2, r3, r4 slide down, 6 pages in one run
+        r2.movable = True  # the session goes idle: r2, r3, r4 slide down, 5 pages in one run
         await anyio.sleep(1)
-    assert got and got[0].offset == 8 * PAGE
+    assert got and got[0].offset == 9 * PAGE
     pool.check_invariants()
+
+
+def test_a_hole_stuck_under_a_pinned_reservation_is_filled_from_the_gaps_edge():
+    pool, (r0, r1, r2, r3, r4) = row()
+    r4.movable = True  # at the gap's lower edge; nothing to fill yet
+    assert pool.moves == 0
+    r1.release()  # the hole at 2-3 cannot rise (r2 is pinned): r4 fills it, the gap grows to 6
+    assert pages(r0, r2, r3, r4) == [0, 4, 6, 2]
+    assert free_runs(pool) == [(8, 6)]
+    assert (pool.fills, pool.settles, pool.moves) == (1, 1, 1)
+    pool.check_invariants()
+
+
+def test_a_gap_edge_turning_movable_fills_a_hole():
+    pool, (r0, r1, r2, r3, r4) = row()
+    r1.release()  # a hole at 2-3 under pinned r2; r4, at the gap's edge, is pinned too
+    assert pool.moves == 0 and free_runs(pool) == [(2, 2), (10, 4)]
+    r4.movable = True  # no hole beside r4 to slide across, but it fits the one at 2-3
+    assert pages(r0, r2, r3, r4) == [0, 4, 6, 2] and free_runs(pool) == [(8, 6)]
+    assert pool.fills == 1
+    pool.check_invariants()
+
+
+def test_a_slide_then_a_fill_in_one_call():
+    pool, (r0, r1, r2, r3, r4) = row()
+    r1.release()
+    r3.release()  # holes at 2-3 and 6-7 under pinned r2 and r4; the gap is 10-13
+    r4.movable = True  # r4 slides down across the hole under it, then, the gap's edge, fills 2-3
+    assert pages(r0, r2, r4) == [0, 4, 2] and free_runs(pool) == [(6, 8)]
+    assert (pool.settles, pool.fills, pool.moves) == (2, 1, 2)
+    pool.check_invariants()
+
+
+def test_fills_share_the_move_budget():
+    pool, (r0, r1, r2, r3, r4) = row(settle_moves=1)
+    r2.movable = r4.movable = True
+    r1.release()  # the one move slides r2 down; the hole, now under pinned r3, waits for a fill
+    assert pages(r2, r4) == [2, 8] and pool.fills == 0
+    r0.movable = True  # the next call has a move to spend: r4 fills the hole at 4-5
+    assert pages(r2, r4) == [2, 4] and pool.fills == 1
+    assert free_runs(pool) == [(8, 6)]
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("options", [{"settle": False}, {"compact": False}])
+def test_no_fill_without_settling(options):
+    pool, (r0, r1, r2, r3, r4) = row(**options)
+    r4.movable = True
+    r1.release()
+    assert pages(r4) == [8] and pool.moves == 0 and pool.fills == 0

@@ -16,7 +16,9 @@ Compaction, over reservations flagged `Reservation.movable` only, in four ways:
   idle), the movable reservations between the hole and the largest free run slide across the
   hole, one extent at a time, until it joins that run (`settle.plan_slide`). Sessions alternate
   between model calls (pinned) and tool calls (movable), so holes stopped by a pinned session
-  move on at its next tool call, and the device stays compact with no bulk compaction.
+  move on at its next tool call, and the device stays compact with no bulk compaction. A hole
+  that stays stopped is filled from the other side when it can be: a movable reservation at an
+  edge of the largest free run moves into the best-fitting hole (`settle.plan_fill`).
 - on demand (``compact=True``, the default): a request that fits nowhere contiguously although a
   device has enough free pages in total is not refused at once; `defrag.plan_hole` looks for the
   cheapest window to empty by moving movable reservations elsewhere (into free runs, or by
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from .defrag import CompactionPlan, DeviceLayout, ExtentView, HolePlan, Move, plan_compaction, plan_hole
 from .extents import AddressSpace
 from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation
-from .settle import Neighbour, plan_slide
+from .settle import Neighbour, plan_fill, plan_slide
 from .strategies import DEFAULT_STRATEGY, PlacementStrategy, make_strategy
 
 DEFAULT_PAGE_SIZE = 2 << 20
@@ -80,6 +82,8 @@ class ExtentPool(MemoryPool):
         self.settle = compact if settle is None else settle
         #: Times settling moved something (its moves count in `moves` and `moved_bytes` too).
         self.settles = 0
+        #: Of those, fills: a reservation at an edge of the largest free run moved into a hole.
+        self.fills = 0
         if settle_moves is not None and settle_moves < 1:
             raise ValueError(f"settle_moves must be >= 1 or None, got {settle_moves}")
         #: Moves one call (a release, a reservation turning movable) makes at most to settle;
@@ -267,7 +271,7 @@ class ExtentPool(MemoryPool):
         if page is not None:
             self._holes.appendleft((reservation.device, page))
         try:
-            moved = self._settle_holes()
+            moved = self._settle_holes(reservation.device)
         except BaseException:  # a move callback raised: the moves before it still count
             super()._released_memory()
             raise
@@ -286,17 +290,21 @@ class ExtentPool(MemoryPool):
         end = start + r.size // self.page_size  # above it: the hole over r sinks past it
         return end if space.free_length_at(end) else None
 
-    def _settle_holes(self) -> bool:
-        """Slide movable extents across the queued holes, at most `settle_moves` of them in all.
+    def _settle_holes(self, device: str | None = None) -> bool:
+        """Slide movable extents across the queued holes, then fill, `settle_moves` moves in all.
 
         A hole whose slide stops at an unmovable extent leaves the queue (that extent turning
-        movable brings it back); one stopped by the budget goes back to the front. True if
-        anything moved.
+        movable brings it back); one stopped by the budget goes back to the front. Then, on
+        `device` and on every device a queued hole was on, movable extents at the edges of the
+        largest free run fill holes while the budget lasts. True if anything moved.
         """
         budget = self.settle_moves
+        touched = [] if device is None else [device]
         moved = False
         while self._holes and (budget is None or budget > 0):
             name, page = self._holes.popleft()
+            if name not in touched:
+                touched.append(name)
             space = self._spaces[name]
             hole = space.free_extent_containing(page)
             gap = space.largest_free_extent()
@@ -315,19 +323,56 @@ class ExtentPool(MemoryPool):
             )
             if not moves:
                 continue
-            self._compacting = True
-            try:
-                self._carry_out(tuple(moves))
-            finally:
-                self._compacting = False
-            self.settles += 1
+            self._settle_moves(moves)
             moved = True
             if budget is not None:
                 budget -= len(moves)
                 if budget == 0:  # perhaps stopped halfway: resume there next time
                     last = moves[-1]
                     self._holes.appendleft((name, last.dst + last.length if last.dst < last.src else last.src))
+        for name in touched:
+            while budget is None or budget > 0:
+                move = self._plan_fill(name)
+                if move is None:
+                    break
+                self._settle_moves([move])
+                self.fills += 1
+                moved = True
+                if budget is not None:
+                    budget -= 1
         return moved
+
+    def _plan_fill(self, name: str) -> Move | None:
+        space = self._spaces[name]
+        if space.free_extent_count < 2:
+            return None
+        gap = space.largest_free_extent()
+        assert gap is not None
+        start, length = gap
+        room = space.largest_other_than(start, length) * self.page_size
+        # Checked here, as it is on almost every call (a release, a session going idle), so
+        # that the common case, no movable edge that fits a hole, costs a few lookups.
+        edges = [
+            r
+            for r in (self._ending[name].get(start), self._starting[name].get(start + length))
+            if r is not None and r.movable and r.size <= room
+        ]
+        if not edges:
+            return None
+
+        def smallest_hole(n: int) -> tuple[int, int] | None:
+            fit = space.smallest_fit(n, skip=start)
+            return None if fit is None else (fit[1], fit[0])
+
+        return plan_fill(name, gap, map(self._neighbour, edges), smallest_hole=smallest_hole)
+
+    def _settle_moves(self, moves: list[Move]) -> None:
+        self._compacting = True
+        try:
+            self._carry_out(tuple(moves))
+        finally:
+            self._compacting = False
+        self.settles += 1
 
     def _released_memory(self) -> None:
         try:

@@ -147,10 +147,16 @@ class AddressSpace:
         i = self._by_size.bisect_left((n, -1))
         return self._by_size.islice(i + start)
 
-    def smallest_fit(self, n: int) -> tuple[int, int] | None:
-        """(length, offset) of the smallest free extent of >= n pages, lowest offset on ties."""
-        i = self._by_size.bisect_left((n, -1))
-        return self._by_size[i] if i < len(self._by_size) else None
+    def smallest_fit(self, n: int, *, skip: int | None = None) -> tuple[int, int] | None:
+        """(length, offset) of the smallest free extent of >= n pages, lowest offset on ties.
+
+        `skip`: the offset of a free extent to pass over (the largest, when filling the others).
+        """
+        by_size = self._by_size
+        i = by_size.bisect_left((n, -1))
+        if i < len(by_size) and by_size[i][1] == skip:
+            i += 1
+        return by_size[i] if i < len(by_size) else None
 
     def largest_other_than(self, offset: int, length: int) -> int:
         """The largest free extent other than the one at `offset` (of `length`)."""

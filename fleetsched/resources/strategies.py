@@ -116,7 +116,8 @@ class FragAware(PlacementStrategy):
       slide up) a device keeps two stacks, small sessions at the bottom and large ones at the
       top, with the free memory between them; a new session lands at a stack's inner end, so the
       youngest sessions (under heavy-tailed lifetimes the likeliest to leave) lie next to the
-      free memory, where their exit joins it at once.
+      free memory, where their exit joins it at once. Settling's fills may carry a session from
+      one stack's inner end into a hole of the other, so the split by size is a tendency only.
     - Across devices, the pool keeps the device where this placement leaves the lowest
       fragmentation rate.
     """
