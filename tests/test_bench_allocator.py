@@ -4,7 +4,16 @@ import math
 
 import pytest
 
-from fleetsched.bench.allocator import LOAD, Session, _room_by_moving, offered_load, replay, traces
+from fleetsched.bench.allocator import (
+    LOAD,
+    Session,
+    _pinned_floor,
+    _room_by_moving,
+    _unpacked,
+    offered_load,
+    replay,
+    traces,
+)
 from fleetsched.resources import DeviceSpec, ExtentPool
 
 PAGE = 1 << 20
@@ -43,11 +52,16 @@ def test_replay_figures_hold_together(small):
     assert shipped["moves"] > 0 and shipped["settles"] > 0
     assert counting["frag_failures"] == 0 and counting["frag_mean"] == 0
     assert 0 <= shipped["frag_mean"] <= shipped["frag_p95"] <= 1
+    # A repacking of the movable sessions never leaves more fragmentation than there is.
+    for row in (shipped, still):
+        assert 0 <= row["frag_pinned_floor"] <= row["frag_mean"]
+    assert still["frag_pinned_floor"] < still["frag_mean"]  # placement only leaves packing undone
 
 
 def test_batch_sessions_never_move(small):
     row = replay(small["batch"], "frag-aware")
     assert row["moves"] == 0  # a batch job generates without pause: never movable
+    assert row["frag_pinned_floor"] == pytest.approx(row["frag_mean"])  # so no repacking helps
 
 
 def test_room_by_moving_sees_what_pinned_sessions_allow():
@@ -59,3 +73,22 @@ def test_room_by_moving_sees_what_pinned_sessions_allow():
     held[2].movable = True
     assert _room_by_moving(pool, 4 * PAGE)  # r2 slides down: 4 pages at 4-7
     assert not _room_by_moving(pool, 5 * PAGE)
+
+
+def test_pinned_floor_is_what_repacking_the_movable_sessions_leaves():
+    pool = ExtentPool([DeviceSpec("gpu0", 10 * PAGE)], strategy="first-fit", page_size=PAGE, compact=False)
+    held = [pool.reserve_nowait(2 * PAGE) for _ in range(5)]
+    held[1].release()
+    held[3].release()  # [r0][ ][r2][ ][r4]: 4 pages free in two runs
+    assert _pinned_floor(pool) == pytest.approx(0.5)  # all pinned: as fragmented as it is
+    held[2].movable = True
+    assert _pinned_floor(pool) == 0.0  # r2 could slide down: one run of 4
+    held[2].movable = False
+    held[4].movable = True  # r4 fits the hole at 2-3: the run 6-9 could be whole
+    assert _pinned_floor(pool) == 0.0
+
+
+def test_unpacked_counts_what_first_fit_decreasing_leaves_out():
+    assert _unpacked([3, 2, 2], [4, 3]) == 0
+    assert _unpacked([3, 3], [4, 2]) == 3
+    assert _unpacked([], []) == 0
