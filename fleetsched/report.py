@@ -124,14 +124,14 @@ def build_report(
     distributions: dict[str, Any] = {}
     for metric, attr in (("ttft_s", "ttft_s"), ("latency_s", "latency_s")):
         by_tenant: dict[str, list[float]] = {}
-        by_tier: dict[str, list[float]] = {}
+        by_tier: dict[int, list[float]] = {}
         for c in ok:
             value = getattr(c, attr)
             by_tenant.setdefault(c.tenant, []).append(value)
-            by_tier.setdefault(str(Tier(c.tier)), []).append(value)
+            by_tier.setdefault(c.tier, []).append(value)
         distributions[metric] = {
             "tenant": {k: _quantiles(v) for k, v in by_tenant.items()},
-            "tier": {k: _quantiles(v) for k, v in by_tier.items()},
+            "tier": {str(Tier(k)): _quantiles(v) for k, v in by_tier.items()},
         }
     completion = sum(t["completion_tokens"] for t in tenants)
     sla["feasibility"] = dict(feasibility) if feasibility is not None else None

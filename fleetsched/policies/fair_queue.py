@@ -189,28 +189,30 @@ class FairQueue:
     ) -> Entry | None:
         """The entry `pick` would return, left in place and uncharged."""
         best: dict[int, tuple[tuple[int, float, float, int], Entry]] = {}  # per tier
+        winner: tuple[tuple[int, float, float, int], Entry] | None = None
         counters = self._counters
         for (tenant, tier), queue in self._queues.items():
-            if not queue.live or (eligible is not None and not eligible(tenant)):
+            if not queue.live or (max_tier is not None and tier > max_tier):
                 continue
-            if max_tier is not None and tier > max_tier:
+            if eligible is not None and not eligible(tenant):
                 continue
             head = queue.head()
             assert head is not None
             band = tier if self._aging_s is None else self._band(head, now)
-            rank = (band, counters.get(tenant, 0.0), head.deadline, head.seq)
-            if tier not in best or rank < best[tier][0]:
-                best[tier] = (rank, head)
-        if not best:
+            ranked = ((band, counters.get(tenant, 0.0), head.deadline, head.seq), head)
+            if tier not in best or ranked[0] < best[tier][0]:
+                best[tier] = ranked
+            if winner is None or ranked[0] < winner[0]:
+                winner = ranked
+        if winner is None:
             return None
-        winner = min(best.values(), key=lambda pair: pair[0])[1]
         if len(best) > 1 and self._min_share:
             total = sum(self._served.values())
             for tier in sorted(best):
                 share = self._min_share.get(tier, 0.0)
-                if tier != winner.tier and self.served(tier) < share * total:
+                if tier != winner[1].tier and self.served(tier) < share * total:
                     return best[tier][1]  # the band is owed its minimum share
-        return winner
+        return winner[1]
 
     def __iter__(self) -> Iterator[Entry]:
         """Live entries in no particular order."""

@@ -114,10 +114,18 @@ class TenantSummary:
 def summarise(recorder: Recorder, tenants: Iterable[str]) -> list[TenantSummary]:
     """Per-tenant figures over everything recorded."""
     rows = []
+    calls_of: dict[str, list[CallRecord]] = {}
+    for call in recorder.calls:
+        calls_of.setdefault(call.tenant, []).append(call)
+    sessions_of: dict[str, list[SessionRecord]] = {}
+    for session in recorder.sessions:
+        sessions_of.setdefault(session.tenant, []).append(session)
     for tenant in tenants:
-        calls = [c for c in recorder.calls if c.tenant == tenant]
+        calls = calls_of.get(tenant, [])
         ok = [c for c in calls if c.error is None]
-        sessions = [s for s in recorder.sessions if s.tenant == tenant]
+        sessions = sessions_of.get(tenant, [])
+        ttft = sorted(v for c in ok if not math.isnan(v := c.ttft_s))
+        latency = sorted(v for c in ok if not math.isnan(v := c.latency_s))
         rows.append(
             TenantSummary(
                 tenant=tenant,
@@ -126,10 +134,10 @@ def summarise(recorder: Recorder, tenants: Iterable[str]) -> list[TenantSummary]
                 sessions_cancelled=sum(s.state == "cancelled" for s in sessions),
                 calls=len(calls),
                 call_errors=len(calls) - len(ok),
-                ttft_p50_s=percentile([c.ttft_s for c in ok], 50),
-                ttft_p99_s=percentile([c.ttft_s for c in ok], 99),
-                latency_p50_s=percentile([c.latency_s for c in ok], 50),
-                latency_p99_s=percentile([c.latency_s for c in ok], 99),
+                ttft_p50_s=sorted_percentile(ttft, 50),
+                ttft_p99_s=sorted_percentile(ttft, 99),
+                latency_p50_s=sorted_percentile(latency, 50),
+                latency_p99_s=sorted_percentile(latency, 99),
                 queue_p50_s=percentile([c.queue_s for c in ok], 50),
                 prompt_tokens=sum(c.prompt_tokens for c in calls),
                 completion_tokens=sum(c.completion_tokens for c in calls),
