@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fleetsched.testing.vllm_server import _group_threads, pin_engine, renice_children
+from fleetsched.testing.vllm_server import _group_threads, off_cpus, pin_engine, renice_children
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -53,3 +53,13 @@ def test_pin_engine_puts_other_processes_on_the_other_cpus(group):
     for _, comm, thread in _group_threads(group):
         assert not comm.startswith("VLLM::")
         assert os.sched_getaffinity(thread) == os.sched_getaffinity(0) - {cpu}
+
+
+def test_the_load_generator_keeps_off_the_engine_cpus_for_the_block_only():
+    before = os.sched_getaffinity(0)
+    engine = frozenset(sorted(before)[-1:]) if len(before) >= 2 else frozenset()
+    with off_cpus(engine):
+        assert os.sched_getaffinity(0) == (before - engine or before)
+    assert os.sched_getaffinity(0) == before
+    with off_cpus(frozenset(before)):  # every CPU taken: it stays where it was
+        assert os.sched_getaffinity(0) == before

@@ -330,16 +330,14 @@ def _cpus(text: str) -> frozenset[int]:
 
 
 def _default_engine_cpus() -> frozenset[int]:
-    """The last CPU for the engine, the others for the API server and this process.
-
-    On a GPU host the engine's work is not on the CPU, so it never delays the API server or the
-    client, nor they it. On a CPU-only machine pinning comes closest to that: on 2 cores, with the
-    engine pinned, the critical TTFT p99 under fleetsched was 0.135-0.153 s against 0.336 s
-    unpinned. Throughput varied more: 0.99 and 0.75 of saturation pinned, 0.89 unpinned (this
-    process then shares one core with the API server at about 300 calls/s).
+    """`default_engine_cpus`. On 2 cores, with the engine pinned, the critical TTFT p99 under
+    fleetsched was 0.135-0.153 s against 0.336 s unpinned. Throughput varied more: 0.99 and 0.75
+    of saturation pinned, 0.89 unpinned (this process then shares one core with the API server at
+    about 300 calls/s).
     """
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return frozenset(cpus[-1:]) if len(cpus) >= 2 else frozenset()
+    from ..testing.vllm_server import default_engine_cpus
+
+    return default_engine_cpus()
 
 
 def main(argv: list[str]) -> int:

@@ -123,6 +123,32 @@ def pin_engine(group: int, cpus: set[int]) -> None:
             continue
 
 
+def default_engine_cpus() -> frozenset[int]:
+    """The last CPU for the engine, the others for the API server and the client (empty with
+    fewer than 2 CPUs).
+
+    On a GPU host the engine's work is not on the CPU, so it never delays the API server or the
+    client, nor they it. On a CPU-only machine pinning comes closest to that.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return frozenset(cpus[-1:]) if len(cpus) >= 2 else frozenset()
+
+
+@contextlib.contextmanager
+def off_cpus(cpus: frozenset[int]) -> Iterator[None]:
+    """Keep this process (every thread started inside) off `cpus` for the block: a load
+    generator that must not take the pinned engine's core."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, (before - cpus) or before)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @dataclass
 class VLLMServer:
     """One vLLM server process. `start` blocks until ``/health`` answers; `stop` ends it.

@@ -2,27 +2,25 @@
 
 A step costs ``t = a + b*tokens + c*context + d*sequences``, and each request spends ``e`` (the
 request overhead: API server, tokenising, the way back) outside the engine; the profile is
-``theta = (a, b, c, d, e)``. In a closed loop (each client sends its next request the moment the
-last one comes back) the engine's decisions depend on token counts only, never on time, so one
-run of the engine gives feature sums that hold for every ``theta``:
+``theta = (a, b, c, d, e)``. A closed loop (each client sends its next request the moment the
+last one comes back) runs on the engine with its clock kept as features: every time in it (a
+step's end, a request's arrival, its first token) is a sum of steps, tokens, context, sequences
+and overheads, so it is linear in ``theta``. One run gives:
 
-- total time = ``F_total . theta``, where ``F_total`` sums ``(1, tokens, context, seqs)`` over
-  steps, and its last entry is the requests each client sends one after another (each waits
-  ``e`` more);
-- a request's time to first token = ``F_ttft . theta``: the same sums over the steps it waited
-  for, and 1 for its own overhead.
+- total time = ``F_total . theta``;
+- a request's time to first token = ``F_ttft . theta``.
 
-The overhead's share is exact for one client and an approximation for many: the engine is taken
-to idle while the clients' requests are on their way, as it does when they move in step (they
-start together and share every step, which is how a closed loop of one request shape runs).
-
-Matching a measured throughput or mean TTFT is then one linear equation in ``theta``, and a sweep
-of measurements is solved by non-negative least squares on relative errors. Pure Python, no
-event loop, no numpy.
+The run's schedule (which request joins which step) depends on ``theta`` only through the order
+of arrivals and step ends, so it holds for every profile that orders them alike (every multiple
+of ``theta`` among them). Matching a measured throughput or mean TTFT is one linear equation in
+``theta`` on a given schedule; a sweep of measurements is solved by non-negative least squares on
+relative errors, and the fit alternates between solving and running the loops under the new
+profile until the schedules stop changing. Pure Python, no event loop, no numpy.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,48 +88,63 @@ class LoopFeatures:
         return [sum(f[i] for f in self.ttft) / n for i in range(len(PARAMS))]
 
 
-def closed_loop(settings: SimSettings, workload: Workload) -> LoopFeatures:
-    """Run `workload` on a fresh `SimEngine`; feature sums of the run (see the module docstring).
+def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float] | None = None) -> LoopFeatures:
+    """Run `workload` on a fresh `SimEngine` under the profile `theta` (default: the one of
+    `settings`); feature sums of the run (see the module docstring).
 
-    Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
-    `max_tokens`.
+    Each client sends its next request the moment its last one finishes; the engine sees it
+    ``request_overhead_s`` later, at the first step that starts after that (as the backend
+    does), and idles when nothing has arrived. Prompts are unique past
+    `workload.shared_prefix_tokens`; every request generates exactly `max_tokens`.
     """
+    theta = theta_of(settings) if theta is None else tuple(theta)
     engine = SimEngine(settings)
     out = LoopFeatures()
     blocks = workload.prompt_tokens // settings.block_size
     serial = itertools.count(1)
-    arrived: dict[object, list[float]] = {}
+    sent: dict[object, list[float]] = {}
     left = {}
+    # The clock is kept as features, so that every time is linear in the profile.
+    now = [0.0] * len(PARAMS)
+    # (arrival time, order, arrival as features, send time as features, client)
+    arrivals: list[tuple[float, int, list[float], list[float], int]] = []
 
-    def send(client: int) -> None:
-        n = next(serial)
+    def send(client: int, at: list[float]) -> None:
+        arrival = at[:4] + [at[4] + 1.0]  # one request overhead later
+        heapq.heappush(arrivals, (_dot(arrival, theta), next(serial), arrival, at, client))
+
+    def arrive() -> None:
+        _, n, _, at, client = heapq.heappop(arrivals)
         shared = workload.shared_prefix_tokens // settings.block_size if workload.prefix_caching else 0
         hashes = [hash(("fit", 0 if i < shared else n, i)) for i in range(blocks)]
         request = engine.new_request(workload.prompt_tokens, workload.max_tokens, hashes)
-        arrived[request] = out.total[:4]
+        sent[request] = at
         left[request] = client
 
-    remaining = [workload.rounds] * workload.concurrency
+    remaining = [workload.rounds - 1] * workload.concurrency
     for client in range(workload.concurrency):
-        remaining[client] -= 1
-        send(client)
-    total = out.total
-    while (step := engine.schedule()) is not None:
-        total[0] += 1
-        total[1] += step.tokens
-        total[2] += step.context
-        total[3] += step.seqs
+        send(client, now)
+    while True:
+        clock = _dot(now, theta) + 1e-12  # arrivals due by now (to rounding) join this step
+        while arrivals and arrivals[0][0] <= clock:
+            arrive()
+        step = engine.schedule()
+        if step is None:
+            if not arrivals:
+                break
+            now = list(arrivals[0][2])  # idle until the next request arrives
+            continue
+        now = [now[0] + 1, now[1] + step.tokens, now[2] + step.context, now[3] + step.seqs, now[4]]
         for request in engine.complete(step):
-            if request.num_output == 1 and request in arrived:
-                start = arrived.pop(request)
-                out.ttft.append([now - then for now, then in zip(total[:4], start)] + [1.0])
+            if request.num_output == 1 and request in sent:
+                out.ttft.append([t - s for t, s in zip(now, sent.pop(request))])
             if request.status == FINISHED:
                 out.requests += 1
                 client = left.pop(request)
                 if remaining[client]:
                     remaining[client] -= 1
-                    send(client)
-    total[4] = workload.rounds  # each client's requests, one after another, each waits its overhead
+                    send(client, now)
+    out.total = now
     out.generated_tokens = engine.generated_tokens
     out.preemptions = engine.preemptions
     return out
@@ -227,6 +240,10 @@ def _solve_ls(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list
     return [a[i][k] / a[i][i] / scale[i] for i in range(k)]
 
 
+#: Rounds of fitting at most: run the loops under the profile, solve for a new one, repeat.
+FIT_ROUNDS = 8
+
+
 def fit_profile(
     base: SimSettings,
     measurements: Sequence[Measurement],
@@ -236,16 +253,41 @@ def fit_profile(
 ) -> Fit:
     """Fit the `fit` parameters to `measurements` (relative errors; throughput and mean TTFT rows).
 
-    `base` gives the engine's shape (max_num_seqs, token budget, block size, cache) and the values
-    of the step costs not in `fit` (a cost known from the hardware, or one a table cannot tell
-    apart from another). Raises ValueError when no non-negative profile fits.
+    `base` gives the engine's shape (max_num_seqs, token budget, block size, cache), the values
+    of the costs not in `fit` (a cost known from the hardware, or one a table cannot tell apart
+    from another) and the profile the first round's loops run under. Each round runs the loops
+    under the last round's profile and solves for a new one; the best of the rounds (least
+    squared relative error, each judged on its own loops) is returned, usually after 2-4 rounds,
+    once the schedules stop changing. Raises ValueError when no non-negative profile fits.
     """
     unknown = set(fit) - set(PARAMS)
     if unknown:
         raise ValueError(f"fit: unknown parameters {sorted(unknown)}; known: {', '.join(PARAMS)}")
     fixed = [0.0 if name in fit else getattr(base, name) for name in PARAMS]
     free = [name in fit for name in PARAMS]
-    loops = [closed_loop(base, m.workload) for m in measurements]
+    theta = theta_of(base)
+    if free[4] and not theta[4]:
+        # With no overhead every request arrives at once, its overhead never shows in a loop's
+        # features, and no round could find one: start from one step's fixed cost instead.
+        theta = (*theta[:4], theta[0] or 0.001)
+    best: tuple[float, Fit] | None = None
+    for _ in range(FIT_ROUNDS):
+        loops = [closed_loop(base, m.workload, theta) for m in measurements]
+        error = _squared_error(theta, measurements, loops, ttft_weight)
+        if best is None or error < best[0]:
+            best = (error, Fit(theta, evaluate(theta, measurements, loops)))  # type: ignore[arg-type]
+        solved = _solve(measurements, loops, fixed, free, ttft_weight)
+        if solved == theta:
+            break  # the schedules it was solved on are its own
+        theta = solved
+    assert best is not None
+    return best[1]
+
+
+def _solve(
+    measurements: Sequence[Measurement], loops: Sequence[LoopFeatures], fixed: Sequence[float], free: Sequence[bool], ttft_weight: float
+) -> Vector:
+    """The non-negative profile that best matches `measurements` on these loops' schedules."""
     rows: list[list[float]] = []
     targets: list[float] = []
 
@@ -258,8 +300,17 @@ def fit_profile(
         if m.ttft_mean_s and ttft_weight:
             add(loop.mean_ttft_features(), m.ttft_mean_s, ttft_weight)
     solved = nnls(rows, targets, free)
-    theta = tuple(x if f else v for x, f, v in zip(solved, free, fixed))
-    return Fit(theta, evaluate(theta, measurements, loops))  # type: ignore[arg-type]
+    return tuple(x if f else v for x, f, v in zip(solved, free, fixed))  # type: ignore[return-value]
+
+
+def _squared_error(theta: Sequence[float], measurements: Sequence[Measurement], loops: Sequence[LoopFeatures], ttft_weight: float) -> float:
+    """What the fit minimises: squared relative errors of throughput and (weighted) mean TTFT."""
+    error = 0.0
+    for m, loop in zip(measurements, loops):
+        error += (loop.throughput(theta) / m.throughput - 1.0) ** 2
+        if m.ttft_mean_s and ttft_weight:
+            error += (ttft_weight * (_dot(loop.mean_ttft_features(), theta) / m.ttft_mean_s - 1.0)) ** 2
+    return error
 
 
 def evaluate(theta: Sequence[float], measurements: Sequence[Measurement], loops: Sequence[LoopFeatures]) -> list[PointError]:
