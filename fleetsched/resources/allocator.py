@@ -104,6 +104,8 @@ class ExtentPool(MemoryPool):
             if pages == 0:
                 raise ValueError(f"device {d.name!r} ({d.capacity:,} B) is smaller than one page ({page_size:,} B)")
             self._spaces[d.name] = AddressSpace(pages, address_index=self.strategy.address_index)
+        # Devices never change after this: the largest is read on every reservation (`check`).
+        self._largest_device = max(s.pages for s in self._spaces.values()) * page_size
         self._internal: dict[str, int] = {d.name: 0 for d in self.devices}
         self._count: dict[str, int] = {d.name: 0 for d in self.devices}
         # Live reservations by their first page and by the page after their last, per device.
@@ -116,7 +118,7 @@ class ExtentPool(MemoryPool):
 
     @property
     def largest_device(self) -> int:
-        return max(s.pages for s in self._spaces.values()) * self.page_size
+        return self._largest_device
 
     def set_move_callback(self, callback: Callable[[Reservation, Move], None] | None) -> None:
         """Call ``callback(reservation, move)`` before the pool moves a movable reservation.
