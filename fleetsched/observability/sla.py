@@ -78,7 +78,7 @@ def _reason(wait_s: float, value_s: float) -> str:
 
 def call_events(call: CallRecord, goals: Mapping[str, float]) -> list[tuple[str, bool, Breach | None]]:
     """(objective, met, breach or None) for each call objective in `goals`; [] for a cancelled call."""
-    if call.error in _CANCELLED:
+    if not goals or call.error in _CANCELLED:
         return []
     events: list[tuple[str, bool, Breach | None]] = []
     for objective, value in (("ttft_p99", call.ttft_s), ("latency_p95", call.latency_s)):

@@ -20,6 +20,10 @@ from typing import Any
 CHARS_PER_TOKEN = 4
 
 
+#: Each role's 16-character frame (see `prompt_text`), made once.
+_FRAMES: dict[str, str] = {}
+
+
 def prompt_text(messages: Sequence[Any]) -> str:
     """The prompt as one string whose length is what `estimate_prompt_tokens` counts.
 
@@ -28,7 +32,11 @@ def prompt_text(messages: Sequence[Any]) -> str:
     """
     parts: list[str] = []
     for message in messages:
-        parts.append(f"<|{message.get('role', '')}|>".ljust(16)[:16])
+        role = str(message.get("role", ""))
+        frame = _FRAMES.get(role)
+        if frame is None:
+            frame = _FRAMES[role] = f"<|{role}|>".ljust(16)[:16]
+        parts.append(frame)
         content = message.get("content")
         if isinstance(content, str):
             parts.append(content)
