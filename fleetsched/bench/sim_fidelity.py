@@ -120,8 +120,8 @@ async def _real_loop(url: str, workload: Workload, repeats: int) -> list[Any]:
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         chars = await prompt_chars(client, model, workload.prompt_tokens)
-        # Warm up with one whole run, not counted: the first runs after a start were up to 15%
-        # slower and their TTFT p50 up to 50% higher than the next ones.
+        # Warm up with one whole run, not counted: in one series after a start the first run gave
+        # 5,450 tok/s and a TTFT p50 of 42 ms, the fourth and fifth 5,950-6,340 tok/s and 20-24 ms.
         runs = [await measure(client, model, workload.concurrency, chars, workload.max_tokens, workload.rounds) for _ in range(repeats + 1)]
         return runs[1:]
 
