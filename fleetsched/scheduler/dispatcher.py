@@ -323,7 +323,11 @@ class Dispatcher:
             self._parking = parking_for_current_library()
         waiter = _Waiter()
         entry = self._queue.push(Entry(tenant, tier, now, waiter, cost, due))
-        self._grant()  # a critical call may pass lower-tier calls held back by the reserve
+        if self._has_place(tier):
+            # A place this call could take: a critical call passing lower-tier calls held back by
+            # the reserve. Otherwise nothing changed for the calls queued (every release and resize
+            # granted what it could), and there is nothing to grant.
+            self._grant()
         try:
             if waiter.granted:
                 await anyio.lowlevel.checkpoint()
