@@ -215,11 +215,13 @@ class Scheduler:
             self._record(handle)
             raise
         handle._on_cancel_queued = self._cancel_queued
-        pressure_before = bool(self._queue)
-        handle._entry = self._queue.push(Entry(tenant, int(tier), now, handle))
         self._live += 1
         if self._idle.is_set():
             self._idle = anyio.Event()
+        if self._start_at_once(handle, now):
+            return handle
+        pressure_before = bool(self._queue)
+        handle._entry = self._queue.push(Entry(tenant, int(tier), now, handle))
         self._admit_ready()
         if self._queue and not pressure_before:
             self._reconsider_tools(now)  # sessions now wait: tools kept for lack of pressure may park
@@ -261,6 +263,19 @@ class Scheduler:
                     self._start(handle, reservation, now)
         finally:
             self._admitting = False
+
+    def _start_at_once(self, handle: SessionHandle, now: float) -> bool:
+        """Start `handle` without queueing it when nobody waits and a slot and memory are free
+        (the fast path: what `_admit_ready` would do for a queue of one)."""
+        if self._queue or self._admitting or self._task_group is None or not self.slots.can_take(handle.tenant):
+            return False
+        try:
+            reservation = self.pool.reserve_nowait(handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier))
+        except WouldBlock:  # QuotaWouldBlock too: it queues, and `_admit_ready` takes it from there
+            return False
+        self._queue.serve_direct(handle.tenant, int(handle.tier), 1.0)  # a session costs 1, as a queued one does
+        self._start(handle, reservation, now)
+        return True
 
     def _start(self, handle: SessionHandle, reservation: Any, now: float) -> None:
         self.slots.take(handle.tenant)
