@@ -70,7 +70,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def _run_once(self) -> None:
         """One iteration: poll (or jump the clock), move due timers to ready, run what is ready."""
         timers: list[tuple[float, int, asyncio.TimerHandle]] = self._scheduled  # type: ignore[assignment]
-        self._purge_cancelled(timers)
+        if self._timer_cancelled_count:  # type: ignore[attr-defined]  # timers cancelled while in the heap
+            self._purge_cancelled(timers)
         ready = self._ready  # type: ignore[attr-defined]
         if ready or self._stopping:  # type: ignore[attr-defined]
             # Callbacks are ready: run them without a system call. A thread's wake-up is seen at
