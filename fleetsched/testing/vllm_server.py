@@ -136,8 +136,8 @@ def default_engine_cpus() -> frozenset[int]:
 
 @contextlib.contextmanager
 def off_cpus(cpus: frozenset[int]) -> Iterator[None]:
-    """Keep this process (every thread started inside) off `cpus` for the block: a load
-    generator that must not take the pinned engine's core."""
+    """Keep the calling thread, and the threads it starts inside the block, off `cpus` (Linux
+    affinity is per thread): a load generator that must not take the pinned engine's core."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
         yield
         return
