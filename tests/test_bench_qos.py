@@ -7,14 +7,15 @@ import os
 
 import pytest
 
-from fleetsched.bench.qos import DirectClients, _cpus, _default_engine_cpus, verdict
+from fleetsched.bench.qos import DirectClients, _cpus, verdict
+from fleetsched.testing.vllm_server import default_engine_cpus
 
 
 def test_engine_cpus_parse_and_default():
     assert _cpus("none") == frozenset()
     assert _cpus("1,3") == frozenset({1, 3})
     cpus = sorted(os.sched_getaffinity(0))
-    assert _default_engine_cpus() == (frozenset({cpus[-1]}) if len(cpus) >= 2 else frozenset())
+    assert default_engine_cpus() == (frozenset({cpus[-1]}) if len(cpus) >= 2 else frozenset())
 
 
 @pytest.mark.anyio

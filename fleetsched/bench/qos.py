@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections import defaultdict
@@ -329,18 +328,9 @@ def _cpus(text: str) -> frozenset[int]:
     return frozenset() if text == "none" else frozenset(int(c) for c in text.split(","))
 
 
-def _default_engine_cpus() -> frozenset[int]:
-    """`default_engine_cpus`. On 2 cores, with the engine pinned, the critical TTFT p99 under
-    fleetsched was 0.135-0.153 s against 0.336 s unpinned. Throughput varied more: 0.99 and 0.75
-    of saturation pinned, 0.89 unpinned (this process then shares one core with the API server at
-    about 300 calls/s).
-    """
+def main(argv: list[str]) -> int:
     from ..testing.vllm_server import default_engine_cpus
 
-    return default_engine_cpus()
-
-
-def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench qos", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running vLLM with --scheduling-policy priority (all modes use it; direct-fcfs then sends no priority)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode")
@@ -353,7 +343,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-min-share", type=float, default=0.05)
     parser.add_argument("--engine-nice", type=int, default=19,
                         help="niceness of the engine processes of servers it starts (0: as they come; see VLLMServer.engine_nice)")
-    parser.add_argument("--engine-cpus", type=_cpus, default=_default_engine_cpus(),
+    # Pinned, on 2 cores, the critical TTFT p99 under fleetsched was 0.135-0.153 s against 0.336 s
+    # unpinned. Throughput varied more: 0.99 and 0.75 of saturation pinned, 0.89 unpinned (this
+    # process then shares one core with the API server at about 300 calls/s).
+    parser.add_argument("--engine-cpus", type=_cpus, default=default_engine_cpus(),
                         help="pin the engine processes of servers it starts to these CPUs (comma-separated; 'none': no pinning), "
                         "the API server to the others (default: the last CPU, if there are 2 or more)")
     parser.add_argument("--json", action="store_true")

@@ -518,8 +518,7 @@ class ExtentPool(MemoryPool):
                     if move_callback is not None:
                         move_callback(r, move)
                 except BaseException:
-                    space.release(move.dst)
-                    space.allocate(move.src, move.length)
+                    space.move(move.dst, move.src)
                     raise
                 self._set_offset(r, move.dst)
                 applied += 1

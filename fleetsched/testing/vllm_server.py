@@ -20,7 +20,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -112,10 +112,16 @@ def renice_children(group: int, nice: int) -> None:
                 continue
 
 
+def _other_cpus(cpus: Set[int]) -> set[int]:
+    """This thread's CPUs but `cpus` (all of them when nothing else is left)."""
+    mine = os.sched_getaffinity(0)
+    return (mine - cpus) or set(mine)
+
+
 def pin_engine(group: int, cpus: set[int]) -> None:
     """Pin the engine's processes (named ``VLLM::...``) of process group `group` to `cpus`, and
     every other process of it (the API server) to this machine's other CPUs."""
-    others = (os.sched_getaffinity(0) - cpus) or cpus
+    others = _other_cpus(cpus)
     for _, comm, thread in _group_threads(group):
         try:
             os.sched_setaffinity(thread, cpus if comm.startswith("VLLM::") else others)
@@ -142,7 +148,7 @@ def off_cpus(cpus: frozenset[int]) -> Iterator[None]:
         yield
         return
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, (before - cpus) or before)
+    os.sched_setaffinity(0, _other_cpus(cpus))
     try:
         yield
     finally:
