@@ -3,9 +3,11 @@
 Sweeps closed loops (N clients sending requests back to back, ``ignore_eos`` so every request
 generates exactly ``max_tokens``) over concurrency and prompt / answer lengths, measures output
 throughput and time to first token, and fits the step costs of `SimSettings` by non-negative
-least squares on relative errors (`fleetsched.backends.sim._fit`), with the time each request
-spends outside the engine (the API server's share) as a fifth cost. Prints the fit's error per
-point and writes the profile as TOML (load it with ``backend.sim.profile = "profile.toml"``).
+least squares on relative errors of throughput and TTFT p50 (`fleetsched.backends.sim._fit`),
+with the API server's share as two more costs: each request's turn in it (one at a time) and its
+time outside the engine besides. Each point is the median of `--repeats` passes over the sweep.
+Prints the fit's error per point and writes the profile as TOML (load it with
+``backend.sim.profile = "profile.toml"``).
 
 The engine's shape (max_num_seqs, token budget, block size, KV cache) is not measured: pass the
 server's values (the defaults are vLLM's CPU server defaults with a 1 GiB cache for the tiny model).
@@ -165,24 +167,49 @@ async def sweep(
     rounds: int,
     echo: Any = print,
     stream_interval: int = STREAM_INTERVAL,
+    repeats: int = 1,
 ) -> list[Sample]:
-    """Measure every (concurrency, shape) point; shapes are (prompt tokens, max_tokens)."""
+    """Measure every (concurrency, shape) point; shapes are (prompt tokens, max_tokens).
+
+    With `repeats` > 1 the whole sweep runs that many times and each point is the median of its
+    runs: on a shared machine the same point's TTFT p50 moves by a third from one sweep to the
+    next, and passes spread over minutes average out the slow drifts that one pass would take
+    for the workload's shape.
+    """
     limits = httpx.Limits(max_connections=max(concurrencies) + 8, max_keepalive_connections=max(concurrencies) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         if model is None:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
         # Warm up (first requests pay for compilation and caches).
         await measure(client, model, 4, 200, 8, 1)
-        samples = []
-        for (prompt, max_tokens), concurrency in itertools.product(shapes, concurrencies):
-            chars = await prompt_chars(client, model, prompt)
-            sample = await measure(client, model, concurrency, chars, max_tokens, rounds, stream_interval)
-            echo(
-                f"  c={concurrency:4d} prompt={sample.prompt_tokens:5d} max_tokens={max_tokens:4d}: "
-                f"{sample.throughput:8.0f} tok/s, TTFT p50 {sample.ttft_p50_s * 1e3:7.1f} ms"
-            )
-            samples.append(sample)
-        return samples
+        points = list(itertools.product(shapes, concurrencies))
+        chars = {prompt: await prompt_chars(client, model, prompt) for prompt, _ in shapes}
+        runs: list[list[Sample]] = [[] for _ in points]
+        for repeat in range(repeats):
+            if repeats > 1:
+                echo(f" pass {repeat + 1} of {repeats}")
+            for ((prompt, max_tokens), concurrency), point_runs in zip(points, runs):
+                sample = await measure(client, model, concurrency, chars[prompt], max_tokens, rounds, stream_interval)
+                echo(
+                    f"  c={concurrency:4d} prompt={sample.prompt_tokens:5d} max_tokens={max_tokens:4d}: "
+                    f"{sample.throughput:8.0f} tok/s, TTFT p50 {sample.ttft_p50_s * 1e3:7.1f} ms"
+                )
+                point_runs.append(sample)
+        return [_median_sample(point_runs) for point_runs in runs]
+
+
+def _median_sample(runs: list[Sample]) -> Sample:
+    """One point's runs as one sample: the median of each figure."""
+    first = runs[0]
+    return Sample(
+        first.concurrency,
+        round(statistics.mean(s.prompt_tokens for s in runs)),
+        first.max_tokens,
+        first.rounds,
+        statistics.median(s.throughput for s in runs),
+        statistics.median(s.ttft_mean_s for s in runs),
+        statistics.median(s.ttft_p50_s for s in runs),
+    )
 
 
 def fit_table(fit: Fit) -> list[str]:
@@ -198,15 +225,16 @@ def fit_table(fit: Fit) -> list[str]:
     return lines
 
 
-def profile_document(base: SimSettings, samples: list[Sample], fit: Fit, url: str, description: str) -> str:
+def profile_document(base: SimSettings, samples: list[Sample], fit: Fit, url: str, description: str, repeats: int = 1) -> str:
     sim = {k: v for k, v in base.model_dump().items() if k in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size", "max_model_len")}
     sim.update({name: float(f"{value:.4g}") for name, value in zip(PARAMS, fit.theta)})
     info = {
         "description": description,
         "source": f"fleetsched calibrate --url {url}: closed loops, ignore_eos, unique prompts",
-        "assumptions": "Step cost t = a + b*tokens + c*context + d*sequences, and e outside the engine per request "
-        "(API server, tokenising, the way back), fitted by non-negative least squares on relative errors of "
-        "throughput and mean TTFT. Engine shape given on the command line, not measured.",
+        "assumptions": "Step cost t = a + b*tokens + c*context + d*sequences; per request, f in the API server one "
+        "request at a time (parsing, tokenising), then e outside the engine (the hand-off, the way back); fitted by "
+        "non-negative least squares on relative errors of throughput and TTFT p50, each point the median of "
+        f"{repeats} passes. Engine shape given on the command line, not measured.",
     }
     ttft_err = fit.max_ttft_rel_err
     record = {
@@ -239,6 +267,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128], help="clients, comma-separated")
     parser.add_argument("--shapes", type=_shapes, default=[(64, 128), (384, 32), (160, 96)], help="PROMPT:MAX_TOKENS pairs")
     parser.add_argument("--rounds", type=int, default=4, help="requests per client per point")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the whole sweep; each point is the median of its passes")
     parser.add_argument(
         "--stream-interval", type=int, default=STREAM_INTERVAL, help="tokens per streamed chunk (the first comes at once); 1 streams every token"
     )
@@ -259,7 +288,7 @@ def main(argv: list[str]) -> int:
     )
     print(f"sweeping {args.url}: concurrency {args.concurrency}, (prompt, max_tokens) {args.shapes}")
     try:
-        samples = anyio.run(sweep, args.url, args.model, args.concurrency, args.shapes, args.rounds, print, args.stream_interval)
+        samples = anyio.run(sweep, args.url, args.model, args.concurrency, args.shapes, args.rounds, print, args.stream_interval, args.repeats)
     except (httpx.HTTPError, RuntimeError) as exc:
         print(f"fleetsched calibrate: {args.url}: {exc}", file=sys.stderr)
         return 1
@@ -268,6 +297,6 @@ def main(argv: list[str]) -> int:
     print("\n".join(fit_table(fit)))
     ttft = fit.max_ttft_rel_err
     print(f"max relative error: throughput {fit.max_throughput_rel_err:.1%}, TTFT p50 {ttft:.1%}" if ttft is not None else "")
-    Path(args.out).write_text(profile_document(base, samples, fit, args.url, args.description))
+    Path(args.out).write_text(profile_document(base, samples, fit, args.url, args.description, args.repeats))
     print(f"profile written to {args.out}")
     return 0

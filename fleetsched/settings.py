@@ -268,6 +268,12 @@ class SimSettings(_Section):
     hand-off to the engine before it is scheduled, and its last answer's way back to the
     client. The sim delays each request's arrival at the engine by it, so it adds to the time to
     first token and to every request's turn-around, but costs the engine nothing."""
+    request_serial_s: float = Field(0.0, ge=0)
+    """Work the serving front end does for each request one at a time (f): vLLM's API server
+    parses and tokenises on one event loop, so requests that come back together reach the engine
+    this far apart, in arrival order. Before the overhead (e), which requests spend side by side.
+    It spreads the closed loops' requests over the engine's steps, as on a real server, instead
+    of every client's next request landing in the same step."""
     policy: Literal["fcfs", "priority"] = "priority"
     """Waiting-queue order (vLLM's --scheduling-policy): "priority" honours the body's `priority`."""
     max_model_len: int = Field(8192, ge=1)

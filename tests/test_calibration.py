@@ -26,7 +26,7 @@ def test_features_predict_the_duration_for_any_profile():
 
 
 def test_fit_recovers_a_known_profile_from_its_own_measurements():
-    truth = SimSettings(step_base_s=0.004, step_per_token_s=3e-5, step_per_context_token_s=1e-7, step_per_seq_s=2e-4, request_overhead_s=0.03)
+    truth = SimSettings(step_base_s=0.004, step_per_token_s=3e-5, step_per_context_token_s=1e-7, step_per_seq_s=2e-4, request_overhead_s=0.03, request_serial_s=0.002)
     theta = theta_of(truth)
     measurements = []
     for workload in SWEEP:
@@ -34,9 +34,15 @@ def test_fit_recovers_a_known_profile_from_its_own_measurements():
         mean_ttft = sum(loop.ttft_s(theta)) / len(loop.ttft)
         measurements.append(Measurement(workload, loop.throughput(theta), mean_ttft, loop.ttft_p50_s(theta)))
     fit = fit_profile(SimSettings(), measurements)
-    for name, got, want in zip(PARAMS, fit.theta, theta):
-        assert got == pytest.approx(want, rel=1e-6), name
-    assert fit.max_throughput_rel_err < 1e-6
+    # A request's overhead and its front-end turn add alike to every sum; only the schedule (which
+    # step a request joins, which waits for another) tells them apart. The search for the turn
+    # ends on a schedule a little off the truth's (its turn 4% short), and the step costs with it.
+    for name, got, want in zip(PARAMS[:4], fit.theta, theta):
+        assert got == pytest.approx(want, rel=0.02), name
+    overhead, serial = fit.theta[4], fit.theta[5]
+    assert overhead + serial == pytest.approx(0.032, rel=1e-3)
+    assert serial == pytest.approx(0.002, rel=0.1)
+    assert fit.max_throughput_rel_err < 1e-3
 
 
 def test_pinned_parameters_keep_their_value():
@@ -90,13 +96,41 @@ async def _backend_closed_loop(settings: SimSettings, workload: Workload) -> tup
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("concurrency", [1, 8, 32])
-async def test_the_overhead_features_agree_with_the_backend_on_virtual_time(concurrency: int):
-    """The fit's account of the request overhead (an idle engine while requests are on their
-    way) against the backend, which delays each request's arrival at the engine."""
-    settings = SimSettings(profile="tiny-cpu-vllm", request_overhead_s=0.04)
+async def test_the_front_end_features_agree_with_the_backend_on_virtual_time(concurrency: int):
+    """The fit's account of the front end (requests taken one at a time, then on their way while
+    the engine may idle) against the backend, which delays each request's arrival at the engine."""
+    settings = SimSettings(profile="tiny-cpu-vllm", request_overhead_s=0.04, request_serial_s=0.003)
     workload = Workload(concurrency, 200, 64, rounds=3)
     loop = closed_loop(settings, workload)
     theta = theta_of(settings)
     throughput, ttft = await _backend_closed_loop(settings, workload)
     assert throughput == pytest.approx(loop.throughput(theta), rel=0.05)
     assert ttft == pytest.approx(loop.ttft_p50_s(theta), rel=0.05)
+
+
+@pytest.mark.anyio
+async def test_the_front_end_takes_requests_made_together_one_at_a_time():
+    settings = SimSettings(request_serial_s=0.01, request_overhead_s=0.005, step_base_s=0.001, step_per_token_s=0.0, step_per_seq_s=0.0)
+    first_token: list[float] = []
+
+    async with SimBackend(settings) as backend:
+        start = anyio.current_time()
+
+        async def client(i: int) -> None:
+            body = {"messages": [{"role": "user", "content": f"request {i}"}], "max_tokens": 2}
+            async for _ in backend.stream_chat(body):
+                first_token.append(anyio.current_time() - start)
+                break
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(client, i)
+    # The k-th request leaves the front end after k + 1 turns, then the overhead, then one step.
+    assert sorted(first_token) == pytest.approx([0.01 * k + 0.005 + 0.001 for k in range(1, 5)], abs=1e-6)
+
+
+def test_a_calibration_point_is_the_median_of_its_passes():
+    from fleetsched.calibrate import Sample, _median_sample
+
+    runs = [Sample(8, p, 64, 4, tp, mean, p50) for p, tp, mean, p50 in ((100, 900.0, 0.05, 0.04), (102, 1000.0, 0.02, 0.02), (101, 400.0, 0.03, 0.09))]
+    assert _median_sample(runs) == Sample(8, 101, 64, 4, 900.0, 0.03, 0.04)

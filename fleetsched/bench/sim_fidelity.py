@@ -8,6 +8,8 @@
 - ``real``: the ``tiny-cpu-vllm`` profile against a real CPU vLLM on a closed loop the calibration
   did not see (concurrency 24, 200-token prompts, 64-token answers): throughput and TTFT p50.
   Starts a server (about a minute) unless ``--url`` names one; ``--no-real`` skips it.
+  ``--calibrate`` first fits a fresh profile to the same server, as the shipped one was made, and
+  compares it too (``fresh_calibration``).
 - ``speed``: wall time of ``fleetsched simulate`` for one virtual hour of 1,000 concurrent sessions
   (the whole stack: scheduler, dispatcher, sim engine), run in full, not extrapolated, with the
   process's CPU time beside it (on a shared machine the wall time also counts other work).
@@ -24,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from fleetsched.backends.sim._fit import LoopFeatures, Workload, closed_loop, theta_of
+from fleetsched.backends.sim._fit import PARAMS, LoopFeatures, Workload, closed_loop, fit_profile, theta_of
 from fleetsched.backends.sim._profiles import load_profile
 from fleetsched.settings import SimSettings
 from fleetsched.virtual_time import Loop
@@ -126,28 +128,63 @@ async def _real_loop(url: str, workload: Workload, repeats: int) -> list[Any]:
         return runs[1:]
 
 
-def real_fidelity(url: str, settings: SimSettings, workload: Workload = REAL_WORKLOAD, repeats: int = REAL_REPEATS) -> dict[str, Any]:
+def real_fidelity(
+    url: str, settings: SimSettings, workload: Workload = REAL_WORKLOAD, repeats: int = REAL_REPEATS, calibrate: bool = False
+) -> dict[str, Any]:
     """Measure `workload` `repeats` times on the server at `url` and simulate it with `settings`;
-    the medians of the runs, each run, the sim's figures and the errors against the medians."""
+    the medians of the runs, each run, the sim's figures and the errors against the medians.
+
+    With `calibrate`, first fit a fresh profile to the same server (`FRESH_SWEEP`, as the shipped
+    profile was made) and compare it too (``fresh_calibration``): the machine's speed drifts
+    between sessions, and a profile fitted minutes before the measurement is not caught by that.
+    """
+    fresh = anyio.run(_fresh_profile, url, settings) if calibrate else None
     samples = anyio.run(_real_loop, url, workload, repeats)
     throughput = statistics.median(s.throughput for s in samples)
     ttft = statistics.median(s.ttft_p50_s for s in samples)
     prompt = round(statistics.mean(s.prompt_tokens for s in samples))
     same = Workload(workload.concurrency, prompt, workload.max_tokens, workload.rounds)
-    loop: LoopFeatures = closed_loop(settings, same)
-    theta = theta_of(settings)
-    sim_tp, sim_ttft = loop.throughput(theta), loop.ttft_p50_s(theta)
-    return {
+    result = {
         "workload": {"concurrency": same.concurrency, "prompt_tokens": same.prompt_tokens, "max_tokens": same.max_tokens, "rounds": same.rounds},
         "measured": {
             "throughput_tok_s": round(throughput, 1),
             "ttft_p50_s": round(ttft, 4),
             "runs": [{"throughput_tok_s": round(s.throughput, 1), "ttft_p50_s": round(s.ttft_p50_s, 4)} for s in samples],
         },
+        **_compare(settings, same, throughput, ttft),
+    }
+    if fresh is not None:
+        result["fresh_calibration"] = {
+            "profile": {name: float(f"{getattr(fresh, name):.4g}") for name in PARAMS},
+            **_compare(fresh, same, throughput, ttft),
+        }
+    return result
+
+
+def _compare(settings: SimSettings, workload: Workload, throughput: float, ttft: float) -> dict[str, Any]:
+    """`workload` simulated with `settings`, and its errors against the measured figures."""
+    loop: LoopFeatures = closed_loop(settings, workload)
+    theta = theta_of(settings)
+    sim_tp, sim_ttft = loop.throughput(theta), loop.ttft_p50_s(theta)
+    return {
         "sim": {"throughput_tok_s": round(sim_tp, 1), "ttft_p50_s": round(sim_ttft, 4)},
         "throughput_rel_err": round(_rel(sim_tp, throughput), 4),
         "ttft_p50_rel_err": round(_rel(sim_ttft, ttft), 4),
     }
+
+
+#: The sweep the shipped ``tiny-cpu-vllm`` profile was fitted to (see its ``source``):
+#: concurrencies, (prompt, max_tokens) shapes, rounds and passes.
+FRESH_SWEEP = ([1, 4, 16, 48], [(64, 128), (384, 32), (160, 96), (448, 64)], 5, 3)
+
+
+async def _fresh_profile(url: str, shape: SimSettings) -> SimSettings:
+    """`shape`'s engine with costs fitted to `FRESH_SWEEP` on the server at `url`."""
+    from fleetsched.calibrate import sweep
+
+    concurrencies, shapes, rounds, passes = FRESH_SWEEP
+    samples = await sweep(url, None, concurrencies, shapes, rounds, echo=lambda line: print(line, file=sys.stderr), repeats=passes)
+    return fit_profile(shape, [s.measurement() for s in samples]).as_settings(shape)
 
 
 def speed_settings(sessions: int = 1000) -> Any:
@@ -201,7 +238,7 @@ def speed(sessions: int = 1000, duration_s: float = 3600.0, loop: Loop = "asynci
     }
 
 
-def _start_server_and_measure() -> dict[str, Any]:
+def _start_server_and_measure(calibrate: bool) -> dict[str, Any]:
     from fleetsched.testing.vllm_server import VLLMServer, default_engine_cpus, missing_setup, off_cpus
 
     missing = missing_setup()
@@ -212,7 +249,7 @@ def _start_server_and_measure() -> dict[str, Any]:
     # the API server and the measured side collapses (1,069 tok/s instead of about 5,000).
     cpus = default_engine_cpus()
     with VLLMServer(max_model_len=1024, engine_nice=19, engine_cpus=cpus) as server, off_cpus(cpus):
-        result = real_fidelity(server.url, SimSettings(profile="tiny-cpu-vllm"))
+        result = real_fidelity(server.url, SimSettings(profile="tiny-cpu-vllm"), calibrate=calibrate)
     return {**result, "engine_cpus": sorted(cpus)}
 
 
@@ -226,11 +263,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--url", help="a running vLLM server with the tiny model (server defaults, max_model_len 1024)")
     parser.add_argument("--no-real", action="store_true", help="skip the real-vLLM comparison")
     parser.add_argument("--no-speed", action="store_true", help="skip the 1 h x 1,000 sessions speed run")
+    parser.add_argument(
+        "--calibrate", action="store_true", help="also fit a fresh profile to the same server first (about 2 minutes) and compare it"
+    )
     args = parser.parse_args(argv)
 
     result: dict[str, Any] = {"reference_tables": [hermes_table(), qwen_table()]}
     if not args.no_real:
-        result["real"] = real_fidelity(args.url, SimSettings(profile="tiny-cpu-vllm")) if args.url else _start_server_and_measure()
+        shipped = SimSettings(profile="tiny-cpu-vllm")
+        result["real"] = real_fidelity(args.url, shipped, calibrate=args.calibrate) if args.url else _start_server_and_measure(args.calibrate)
     if not args.no_speed:
         result["speed"] = speed()
     if args.json:
@@ -258,6 +299,13 @@ def main(argv: list[str]) -> int:
             f"{real['measured']['ttft_p50_s'] * 1e3:.1f} ms vs {real['sim']['ttft_p50_s'] * 1e3:.1f} ms (err {real['ttft_p50_rel_err']:.1%})\n"
             f"  runs: {', '.join(_run_text(r) for r in runs)}\n"
         )
+        fresh = real.get("fresh_calibration")
+        if fresh:
+            out(
+                f"  a profile fitted to the same server minutes before: throughput {fresh['sim']['throughput_tok_s']} "
+                f"(err {fresh['throughput_rel_err']:.1%}), TTFT p50 {fresh['sim']['ttft_p50_s'] * 1e3:.1f} ms "
+                f"(err {fresh['ttft_p50_rel_err']:.1%}); {fresh['profile']}\n"
+            )
     elif real:
         out(f"real: skipped: {real['skipped']}\n")
     if "speed" in result:

@@ -112,6 +112,7 @@ class SimBackend(Backend):
         self._wake: anyio.Event | None = None
         self._closed = False
         self._started_at = 0.0
+        self._front_free = 0.0  # when the front end is done with the requests sent so far
         self._stopped_at: float | None = None
         self._step_started: float | None = None
         # A glide under way (see `_engine`): the step, the step count it ends at, and the event
@@ -297,9 +298,15 @@ class SimBackend(Backend):
         return self._stream(spec, str(body.get("model") or self.model))
 
     async def _stream(self, spec: SimRequest, model: str) -> AsyncIterator[Chunk]:
-        if self.settings.request_overhead_s:
-            # The API server's part (parsing, tokenising, the hand-off): the engine sees it later.
-            await anyio.sleep(self.settings.request_overhead_s)
+        # The API server's part: parsing and tokenising one request at a time, then the hand-off.
+        # The engine sees the request later.
+        s = self.settings
+        if s.request_serial_s:
+            now = anyio.current_time()
+            self._front_free = max(self._front_free, now) + s.request_serial_s
+            await anyio.sleep(self._front_free - now + s.request_overhead_s)
+        elif s.request_overhead_s:
+            await anyio.sleep(s.request_overhead_s)
         if self._closed:
             raise BackendUnavailable("the sim backend stopped before this request reached it")
         engine, park = self.engine, self._park

@@ -1,21 +1,23 @@
 """Fitting a step-cost profile: closed loops on the synchronous engine, then non-negative least squares.
 
-A step costs ``t = a + b*tokens + c*context + d*sequences``, and each request spends ``e`` (the
-request overhead: API server, tokenising, the way back) outside the engine; the profile is
-``theta = (a, b, c, d, e)``. A closed loop (each client sends its next request the moment the
+A step costs ``t = a + b*tokens + c*context + d*sequences``; each request spends ``f`` in the
+serving front end, one request at a time (the API server's parsing and tokenising), then ``e``
+side by side (the hand-off, the way back) outside the engine; the profile is
+``theta = (a, b, c, d, e, f)``. A closed loop (each client sends its next request the moment the
 last one comes back) runs on the engine with its clock kept as features: every time in it (a
-step's end, a request's arrival, its first token) is a sum of steps, tokens, context, sequences
-and overheads, so it is linear in ``theta``. One run gives:
+step's end, a request's arrival, its first token) is a sum of steps, tokens, context, sequences,
+overheads and front-end turns, so it is linear in ``theta``. One run gives:
 
 - total time = ``F_total . theta``;
 - a request's time to first token = ``F_ttft . theta``.
 
-The run's schedule (which request joins which step) depends on ``theta`` only through the order
-of arrivals and step ends, so it holds for every profile that orders them alike (every multiple
-of ``theta`` among them). Matching a measured throughput or mean TTFT is one linear equation in
-``theta`` on a given schedule; a sweep of measurements is solved by non-negative least squares on
-relative errors, and the fit alternates between solving and running the loops under the new
-profile until the schedules stop changing. Pure Python, no event loop, no numpy.
+The run's schedule (which request joins which step, which waits for the front end) depends on
+``theta`` only through the order of arrivals and step ends, so it holds for every profile that
+orders them alike (every multiple of ``theta`` among them). Matching a measured throughput or
+TTFT (the mean, or the median request's: which request is the median is part of the schedule)
+is one linear equation in ``theta`` on a given schedule; a sweep of measurements is solved by
+non-negative least squares on relative errors, and the fit alternates between solving and
+running the loops under the new profile until the schedules stop changing. Pure Python, no event loop, no numpy.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from fleetsched.settings import SimSettings
 from ._engine import FINISHED, SimEngine
 
 #: The profile's fields, in the order of the feature vectors.
-PARAMS = ("step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s", "request_overhead_s")
+PARAMS = ("step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s", "request_overhead_s", "request_serial_s")
 
-Vector = tuple[float, float, float, float, float]
+Vector = tuple[float, float, float, float, float, float]
 
 
 def _dot(features: Sequence[float], theta: Sequence[float]) -> float:
@@ -87,14 +89,21 @@ class LoopFeatures:
         n = len(self.ttft)
         return [sum(f[i] for f in self.ttft) / n for i in range(len(PARAMS))]
 
+    def p50_ttft_features(self, theta: Sequence[float]) -> list[float]:
+        """The features of the median TTFT under `theta` (the mean of the middle two when even)."""
+        ranked = sorted(self.ttft, key=lambda f: _dot(f, theta))
+        middle = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
+        return [sum(f[i] for f in middle) / len(middle) for i in range(len(PARAMS))]
+
 
 def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float] | None = None) -> LoopFeatures:
     """Run `workload` on a fresh `SimEngine` under the profile `theta` (default: the one of
     `settings`); feature sums of the run (see the module docstring).
 
-    Each client sends its next request the moment its last one finishes; the engine sees it
-    ``request_overhead_s`` later, at the first step that starts after that (as the backend
-    does), and idles when nothing has arrived. Prompts are unique past
+    Each client sends its next request the moment its last one finishes; the front end takes
+    the requests one at a time, ``request_serial_s`` each, in the order they were sent; the
+    engine sees a request ``request_overhead_s`` after the front end is done with it, at the
+    first step that starts after that (as the backend does), and idles when nothing has arrived. Prompts are unique past
     `workload.shared_prefix_tokens`; every request generates exactly `max_tokens`.
     """
     theta = theta_of(settings) if theta is None else tuple(theta)
@@ -108,9 +117,13 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
     now = [0.0] * len(PARAMS)
     # (arrival time, order, arrival as features, send time as features, client)
     arrivals: list[tuple[float, int, list[float], list[float], int]] = []
+    front_free = now  # when the front end is done with the last request sent
 
     def send(client: int, at: list[float]) -> None:
-        arrival = at[:4] + [at[4] + 1.0]  # one request overhead later
+        nonlocal front_free
+        start = front_free if _dot(front_free, theta) > _dot(at, theta) else at
+        front_free = start[:5] + [start[5] + 1.0]  # one front-end turn
+        arrival = front_free[:4] + [front_free[4] + 1.0, front_free[5]]  # one request overhead later
         heapq.heappush(arrivals, (_dot(arrival, theta), next(serial), arrival, at, client))
 
     def arrive() -> None:
@@ -134,7 +147,7 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
                 break
             now = list(arrivals[0][2])  # idle until the next request arrives
             continue
-        now = [now[0] + 1, now[1] + step.tokens, now[2] + step.context, now[3] + step.seqs, now[4]]
+        now = [now[0] + 1, now[1] + step.tokens, now[2] + step.context, now[3] + step.seqs, now[4], now[5]]
         for request in engine.complete(step):
             if request.num_output == 1 and request in sent:
                 out.ttft.append([t - s for t, s in zip(now, sent.pop(request))])
@@ -251,7 +264,8 @@ def fit_profile(
     fit: Sequence[str] = PARAMS,
     ttft_weight: float = 1.0,
 ) -> Fit:
-    """Fit the `fit` parameters to `measurements` (relative errors; throughput and mean TTFT rows).
+    """Fit the `fit` parameters to `measurements` (relative errors; throughput and TTFT rows, the
+    TTFT p50 where measured, else the mean).
 
     `base` gives the engine's shape (max_num_seqs, token budget, block size, cache), the values
     of the costs not in `fit` (a cost known from the hardware, or one a table cannot tell apart
@@ -259,35 +273,95 @@ def fit_profile(
     under the last round's profile and solves for a new one; the best of the rounds (least
     squared relative error, each judged on its own loops) is returned, usually after 2-4 rounds,
     once the schedules stop changing. Raises ValueError when no non-negative profile fits.
+
+    The front-end turn (``request_serial_s``) changes the schedules more than it changes any sum:
+    a round that solves it to 0 lines every request up again, and no later round can see it. So
+    it is searched on a grid (`SERIAL_GRID`, in shares of the quickest measured TTFT) narrowed
+    by golden-section search, the other costs fitted at each point, and then set free from the
+    best point.
     """
     unknown = set(fit) - set(PARAMS)
     if unknown:
         raise ValueError(f"fit: unknown parameters {sorted(unknown)}; known: {', '.join(PARAMS)}")
     fixed = [0.0 if name in fit else getattr(base, name) for name in PARAMS]
     free = [name in fit for name in PARAMS]
-    theta = theta_of(base)
-    if free[4] and not theta[4]:
+    start = list(theta_of(base))
+    if free[4] and not start[4]:
         # With no overhead every request arrives at once, its overhead never shows in a loop's
-        # features, and no round could find one: start from one step's fixed cost instead.
-        theta = (*theta[:4], theta[0] or 0.001)
+        # schedule, and no round could find one: start from one step's fixed cost instead.
+        start[4] = start[0] or 0.001
+    ttfts = [t for m in measurements if (t := m.ttft_p50_s or m.ttft_mean_s)]
+    if not (free[5] and ttfts):
+        return _alternate(base, measurements, start, fixed, free, ttft_weight)[1]
+    pinned = [*free[:5], False]
+
+    def at(serial: float) -> tuple[float, Fit]:
+        return _alternate(base, measurements, start, [*fixed[:5], serial], pinned, ttft_weight)
+
+    grid = [share * min(ttfts) for share in SERIAL_GRID]
+    fits = [at(serial) for serial in grid]
+    i = min(range(len(grid)), key=lambda i: fits[i][0])
+    best = fits[i]
+    # Golden-section search between the best point's neighbours.
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    for _ in range(SERIAL_SEARCH_ROUNDS):
+        left, right = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
+        left_fit, right_fit = at(left), at(right)
+        best = min(best, left_fit, right_fit, key=lambda fit: fit[0])
+        if left_fit[0] <= right_fit[0]:
+            hi = right
+        else:
+            lo = left
+    # Last, every cost free, from the best schedule found.
+    return min(best, _alternate(base, measurements, list(best[1].theta), fixed, free, ttft_weight), key=lambda fit: fit[0])[1]
+
+
+#: Front-end turns tried by `fit_profile`, in shares of the quickest measured TTFT (which
+#: holds one turn, the overhead and a step), then narrowed by golden-section search.
+SERIAL_GRID = (0.0, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+SERIAL_SEARCH_ROUNDS = 12
+GOLDEN = (5**0.5 - 1) / 2
+
+
+def _alternate(
+    base: SimSettings, measurements: Sequence[Measurement], start: Sequence[float], fixed: Sequence[float], free: Sequence[bool], ttft_weight: float
+) -> tuple[float, Fit]:
+    """Rounds of run-then-solve from `start`; the best round's squared error and fit."""
+    theta: Vector = tuple(v if f else x for v, f, x in zip(start, free, fixed))  # type: ignore[assignment]
     best: tuple[float, Fit] | None = None
     for _ in range(FIT_ROUNDS):
         loops = [closed_loop(base, m.workload, theta) for m in measurements]
         error = _squared_error(theta, measurements, loops, ttft_weight)
         if best is None or error < best[0]:
-            best = (error, Fit(theta, evaluate(theta, measurements, loops)))  # type: ignore[arg-type]
-        solved = _solve(measurements, loops, fixed, free, ttft_weight)
+            best = (error, Fit(theta, evaluate(theta, measurements, loops)))
+        solved = _solve(theta, measurements, loops, fixed, free, ttft_weight)
         if solved == theta:
             break  # the schedules it was solved on are its own
         theta = solved
     assert best is not None
-    return best[1]
+    return best
+
+
+def _ttft_row(theta: Sequence[float], m: Measurement, loop: LoopFeatures) -> tuple[list[float], float] | None:
+    """The TTFT a fit matches for `m`, as (features on `loop` run under `theta`, seconds): the
+    median when measured, else the mean; None when neither was."""
+    if m.ttft_p50_s:
+        return loop.p50_ttft_features(theta), m.ttft_p50_s
+    if m.ttft_mean_s:
+        return loop.mean_ttft_features(), m.ttft_mean_s
+    return None
 
 
 def _solve(
-    measurements: Sequence[Measurement], loops: Sequence[LoopFeatures], fixed: Sequence[float], free: Sequence[bool], ttft_weight: float
+    theta: Sequence[float],
+    measurements: Sequence[Measurement],
+    loops: Sequence[LoopFeatures],
+    fixed: Sequence[float],
+    free: Sequence[bool],
+    ttft_weight: float,
 ) -> Vector:
-    """The non-negative profile that best matches `measurements` on these loops' schedules."""
+    """The non-negative profile that best matches `measurements` on the schedules of `loops`
+    (run under `theta`)."""
     rows: list[list[float]] = []
     targets: list[float] = []
 
@@ -297,19 +371,20 @@ def _solve(
 
     for m, loop in zip(measurements, loops):
         add(loop.total, loop.generated_tokens / m.throughput, 1.0)
-        if m.ttft_mean_s and ttft_weight:
-            add(loop.mean_ttft_features(), m.ttft_mean_s, ttft_weight)
+        if ttft_weight and (ttft := _ttft_row(theta, m, loop)):
+            add(*ttft, ttft_weight)
     solved = nnls(rows, targets, free)
     return tuple(x if f else v for x, f, v in zip(solved, free, fixed))  # type: ignore[return-value]
 
 
 def _squared_error(theta: Sequence[float], measurements: Sequence[Measurement], loops: Sequence[LoopFeatures], ttft_weight: float) -> float:
-    """What the fit minimises: squared relative errors of throughput and (weighted) mean TTFT."""
+    """What the fit minimises: squared relative errors of throughput and (weighted) TTFT."""
     error = 0.0
     for m, loop in zip(measurements, loops):
         error += (loop.throughput(theta) / m.throughput - 1.0) ** 2
-        if m.ttft_mean_s and ttft_weight:
-            error += (ttft_weight * (_dot(loop.mean_ttft_features(), theta) / m.ttft_mean_s - 1.0)) ** 2
+        if ttft_weight and (ttft := _ttft_row(theta, m, loop)):
+            features, seconds = ttft
+            error += (ttft_weight * (_dot(features, theta) / seconds - 1.0)) ** 2
     return error
 
 
