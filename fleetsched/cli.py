@@ -20,6 +20,7 @@ from rich.console import Console
 
 from . import bench
 from .errors import ConfigError
+from .gc_tuning import SERVING, gc_thresholds
 from .settings import Settings, load_settings
 
 
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"fleetsched: config error: {exc}", file=sys.stderr)
         return 2
-    anyio.run(_run, settings, args, console)
+    with gc_thresholds(SERVING):
+        anyio.run(_run, settings, args, console)
     return 0
 
 

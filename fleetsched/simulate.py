@@ -24,20 +24,18 @@ only for its first token and at its end, whatever the interval.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import re
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from .errors import ConfigError, FleetschedError
+from .gc_tuning import SIMULATING, gc_thresholds
 from .settings import AgentMix, Settings, load_settings
 from .virtual_time import LOOPS, Loop, run_virtual
 
@@ -131,22 +129,6 @@ async def _simulate(settings: Settings, duration_s: float | None) -> tuple[dict[
     return report, scheduler
 
 
-#: Allocations between the garbage collector's young-generation passes while simulating (Python's
-#: default is 700). A simulation makes millions of short-lived objects (calls, chunks, timers) and
-#: keeps every call's record; at the default, collection took 7-10 % of a 1,000-agent run.
-SIMULATION_GC_THRESHOLD = 100_000
-
-
-@contextmanager
-def _fewer_collections() -> Iterator[None]:
-    old = gc.get_threshold()
-    gc.set_threshold(SIMULATION_GC_THRESHOLD, old[1], old[2])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
-
-
 def simulate(settings: Settings, duration_s: float | None = None, loop: Loop = "asyncio") -> tuple[dict[str, Any], Any]:
     """Run `settings` (already on the sim backend) in virtual time; (report, scheduler).
 
@@ -155,7 +137,7 @@ def simulate(settings: Settings, duration_s: float | None = None, loop: Loop = "
     The report is `build_report`'s plus ``sim`` (engine figures) and ``wall_s``.
     """
     began = time.perf_counter()  # wall-clock ok
-    with _fewer_collections():
+    with gc_thresholds(SIMULATING):
         result = run_virtual(_simulate, settings, duration_s, loop=loop)
     result[0]["wall_s"] = round(time.perf_counter() - began, 3)  # wall-clock ok
     return result

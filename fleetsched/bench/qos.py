@@ -33,6 +33,7 @@ from typing import Any
 import anyio
 import httpx
 
+from ..gc_tuning import SERVING, gc_thresholds
 from ..policies.tiers import Tier
 from ..scheduler import Scheduler, percentile
 from ..settings import Settings
@@ -351,6 +352,23 @@ def main(argv: list[str]) -> int:
                         "the API server to the others (default: the last CPU, if there are 2 or more)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    # This process is the load generator in every mode and fleetsched itself in the last: it
+    # collects garbage as `fleetsched run` and `serve` do (see `fleetsched.gc_tuning`).
+    with gc_thresholds(SERVING):
+        result = measure_all(args)
+        if result is None:
+            return 2
+    result["gc_thresholds"] = list(SERVING)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print_table(result)
+    return 0
+
+
+def measure_all(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The three modes on the server at ``args.url`` or on servers it starts; None when it cannot
+    start them (no vLLM install: the message is on stderr)."""
     start = time.perf_counter()  # wall-clock ok
 
     def first_half(url: str) -> dict[str, Any]:
@@ -375,7 +393,7 @@ def main(argv: list[str]) -> int:
 
         if missing := missing_setup():
             print(f"fleetsched bench qos: {'; '.join(missing)} missing (run scripts/setup-vllm.sh)", file=sys.stderr)
-            return 2
+            return None
         # One server at a time: on a small machine two engines would compete for the cores.
         # A batch of max_num_seqs: beyond it calls wait in the engine's own queue, where the
         # QoS problem shows (vLLM never preempts a running request for a waiting one).
@@ -388,11 +406,7 @@ def main(argv: list[str]) -> int:
             second_half(priority.url, result)
         result.update(max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice, engine_cpus=sorted(args.engine_cpus))
     result["wall_s"] = round(time.perf_counter() - start, 1)  # wall-clock ok
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print_table(result)
-    return 0
+    return result
 
 
 def print_table(result: dict[str, Any]) -> None:

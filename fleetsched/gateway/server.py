@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import ConfigError
+from ..gc_tuning import SERVING, gc_thresholds
 from ..settings import Settings, load_settings
 from .app import Gateway
 from .auth import hash_key, new_key
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port if args.port is not None else settings.gateway.port
     server = uvicorn.Server(uvicorn_config(gateway, host, port))
     print(f"fleetsched gateway on http://{host}:{port}/v1 (instance {gateway.instance})", file=sys.stderr, flush=True)
-    server.run()
+    with gc_thresholds(SERVING):
+        server.run()
     return 0 if server.started else 1
 
 
