@@ -315,3 +315,52 @@ async def test_the_critical_reserve_holds_when_the_window_shrinks():
         assert dispatcher.statistics().in_flight == 5
     started = {r.tenant + ":" + str(r.started) for r in dispatcher.recorder.calls if r.tenant == "vip"}
     assert started == {"vip:0.1"}
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"loop_factory": VirtualTimeLoop})])
+@pytest.mark.parametrize("stagger", [True, False])
+async def test_calls_granted_together_start_one_per_turn_of_the_loop_when_staggered(stagger: bool):
+    """Four calls end together and hand their places to four queued ones: staggered, those open
+    their requests in four turns of the event loop, and the loop runs other tasks between them.
+    On asyncio only: trio shuffles the tasks of a turn, so a task counting turns cannot tell two
+    starts in one turn from two in turns next to each other."""
+    turn = 0
+    turns: dict[str, int] = {}
+
+    class Recording(SlowBackend):
+        async def stream_chat(self, body):
+            turns[body["messages"][0]["content"]] = turn
+            async for chunk in super().stream_chat(body):
+                yield chunk
+
+    async def count_turns() -> None:
+        nonlocal turn
+        await anyio.sleep(1.0)  # when the first four calls end
+        for _ in range(100):
+            turn += 1
+            await anyio.lowlevel.checkpoint()
+
+    dispatcher = Dispatcher(Recording(1.0), window=4, stagger_starts=stagger)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(count_turns)
+        for i in range(8):
+            tg.start_soon(partial(dispatcher.chat, body(f"call {i}"), tenant="a", tier=Tier.BATCH))
+    second_wave = sorted(turns[f"call {i}"] for i in range(4, 8))
+    if stagger:
+        assert all(later > earlier for earlier, later in zip(second_wave, second_wave[1:])), second_wave
+    else:
+        assert len(set(second_wave)) == 1, second_wave
+    assert anyio.current_time() == 2.0  # no call waited longer for it
+
+
+async def test_a_call_cancelled_while_it_waits_for_its_turn_gives_its_place_back():
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=2, stagger_starts=True)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("first"), tenant="a", tier=Tier.BATCH))
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            with pytest.raises(anyio.get_cancelled_exc_class()):
+                await dispatcher.chat(body("cancelled"), tenant="a", tier=Tier.BATCH)
+        assert dispatcher.statistics().in_flight == 1
+    assert backend.started == ["first"]

@@ -118,6 +118,7 @@ class Scheduler:
             rate_limits=TenantRateLimits(limits) if limits else None,
             shed_after_s={n: t.sla.ttft_p99_s for n, t in tenants.items() if t.sla.ttft_p99_s} if dispatch.shed_batch else None,
             recorder=self.recorder,
+            stagger_starts=self.settings.backend.kind in ("vllm-server", "vllm-engine"),
         )
         self._task_group: TaskGroup | None = None
         self._exit_stack: AsyncExitStack | None = None
