@@ -37,7 +37,11 @@ def test_verdict_reports_the_effective_overload_against_the_best_rate():
     """A probe that read half the engine's rate: the load offered at 2.5x its rate was 1.25x."""
 
     def mode(tok_s: float, critical_p99: float = 1.0) -> dict:
-        return {"throughput_tok_s": tok_s, "ttft_s": {"critical": {"p50": 0.1, "p99": critical_p99}}}
+        return {
+            "throughput_tok_s": tok_s,
+            "ttft_s": {"critical": {"p50": 0.1, "p99": critical_p99}},
+            "ttft_s_warmup_included": {"critical": {"p50": 0.1, "p99": 2 * critical_p99}},
+        }
 
     result = {
         "saturation_tok_s": 1000.0,
@@ -54,7 +58,20 @@ def test_verdict_reports_the_effective_overload_against_the_best_rate():
     assert result["effective_overload"] == 1.25
     assert result["targets"] == {
         "critical_ttft_p99_over_unloaded": 2.5,
+        "critical_ttft_p99_over_unloaded_warmup_included": 5.0,
         "throughput_over_saturation": 0.95,
         "fairness_within_vtc_bound": True,
     }
     assert result["fairness_gap_tokens"] == 10
+
+
+def test_the_ttft_figures_leave_out_the_calls_made_in_the_warmup():
+    from fleetsched.bench.qos import Tally as RealTally
+
+    tally = RealTally(since=10.0)
+    tally.first_token("critical", "c", 9.5, 0.2, 40)  # made in the warm-up
+    tally.first_token("critical", "c", 10.0, 0.01, 40)
+    tally.never_started("batch", 12.0, 3.0)
+    assert tally.ttft == {"critical": [0.01], "batch": [3.0]}
+    assert tally.ttft_all == {"critical": [0.2, 0.01], "batch": [3.0]}
+    assert tally.service["c"] == 80  # service counts every call

@@ -14,7 +14,10 @@ Load: three batch-tier tenants of equal weight submit calls open-loop at `overlo
 engine's saturated request rate, while a few critical-tier agents each make a call, wait for
 it, think for a second, and call again. Every call generates exactly `max_tokens` tokens
 (vLLM's ``ignore_eos``). The engine's saturated throughput and its unloaded TTFT are measured
-first, in the same run. Without ``--url`` the benchmark starts its own servers (the CPU vLLM
+first, in the same run. Each mode starts its whole load in one instant (the critical agents'
+first calls beside a full window of batch calls, on fresh connections), which no later moment
+of the run repeats: the TTFT figures (``ttft_s``) leave out the calls made in its first
+``--warmup`` seconds, and ``ttft_s_warmup_included`` keeps them. Without ``--url`` the benchmark starts its own servers (the CPU vLLM
 from ``scripts/setup-vllm.sh``), one at a time, with the engine processes at nice 19 and pinned
 to the last CPU (``--engine-nice``, ``--engine-cpus``): on a CPU-only machine that is the closest
 to a GPU host, where the engine's work does not compete with the API server and the client.
@@ -49,24 +52,35 @@ class Tally:
 
     A call still waiting for its first token when the load stops adds its wait so far: a lower
     bound of its TTFT, so the percentiles are not flattered by the calls that never started.
+
+    ``ttft`` leaves out the calls made before `since` (the warm-up: every mode starts its whole
+    load in one instant, which no later moment of the run repeats); ``ttft_all`` has every call.
+    Tokens and service count from the start.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, since: float = -math.inf) -> None:
+        self.since = since
         self.ttft: dict[str, list[float]] = defaultdict(list)
+        self.ttft_all: dict[str, list[float]] = defaultdict(list)
         self.service: dict[str, int] = defaultdict(int)  # VTC-weighted: prompt + 2 x completion
         self.tokens = 0
         self.errors = 0
 
-    def first_token(self, tier: str, tenant: str, ttft: float, prompt_tokens: int) -> None:
-        self.ttft[tier].append(ttft)
+    def _add_ttft(self, tier: str, started: float, ttft: float) -> None:
+        self.ttft_all[tier].append(ttft)
+        if started >= self.since:
+            self.ttft[tier].append(ttft)
+
+    def first_token(self, tier: str, tenant: str, started: float, ttft: float, prompt_tokens: int) -> None:
+        self._add_ttft(tier, started, ttft)
         self.service[tenant] += prompt_tokens
 
     def token(self, tenant: str) -> None:
         self.service[tenant] += 2
         self.tokens += 1
 
-    def never_started(self, tier: str, waited: float) -> None:
-        self.ttft[tier].append(waited)
+    def never_started(self, tier: str, started: float, waited: float) -> None:
+        self._add_ttft(tier, started, waited)
 
 
 class CallTally:
@@ -80,12 +94,12 @@ class CallTally:
     def token(self) -> None:
         if not self.started:
             self.started = True
-            self.tally.first_token(self.tier, self.tenant, anyio.current_time() - self.start, PROMPT_TOKENS)
+            self.tally.first_token(self.tier, self.tenant, self.start, anyio.current_time() - self.start, PROMPT_TOKENS)
         self.tally.token(self.tenant)
 
     def cancelled(self) -> None:
         if not self.started:
-            self.tally.never_started(self.tier, anyio.current_time() - self.start)
+            self.tally.never_started(self.tier, self.start, anyio.current_time() - self.start)
 
 
 PROMPT_TOKENS = 40  # the prompt's size as the engine counts it, for the service figures
@@ -195,12 +209,14 @@ async def offered_load(call, *, rate: float, duration: float, max_tokens: int) -
                 await anyio.sleep(1 / rate)
 
 
+def _percentiles(ttfts: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {tier: {"p50": round(percentile(v, 50), 4), "p99": round(percentile(v, 99), 4), "calls": len(v)} for tier, v in sorted(ttfts.items())}
+
+
 def summarise(tally: Tally, duration: float) -> dict[str, Any]:
     return {
-        "ttft_s": {
-            tier: {"p50": round(percentile(v, 50), 4), "p99": round(percentile(v, 99), 4), "calls": len(v)}
-            for tier, v in sorted(tally.ttft.items())
-        },
+        "ttft_s": _percentiles(tally.ttft),
+        "ttft_s_warmup_included": _percentiles(tally.ttft_all),
         "throughput_tok_s": round(tally.tokens / duration, 1),
         "tenant_service_tokens": dict(sorted(tally.service.items())),
         "errors": tally.errors,
@@ -259,6 +275,7 @@ async def run_direct(url: str, mode: str, rate: float, args: argparse.Namespace)
         await direct_call(clients.pick(), tally, tier, tenant, max_tokens, priority=mode == "direct-priority")
 
     try:
+        tally.since = anyio.current_time() + args.warmup
         await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
         await anyio.sleep(5)  # let the engine finish aborting the cancelled calls
     finally:
@@ -285,6 +302,7 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
         async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
             await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
 
+        tally.since = anyio.current_time() + args.warmup
         await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
         window = scheduler.dispatcher.window
     critical = [r for r in scheduler.recorder.calls if r.tier == Tier.CRITICAL]
@@ -318,8 +336,10 @@ def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> N
     result["vtc_bound_tokens"] = 2 * largest_request
     ours = result["modes"]["fleetsched"]
     critical_p99 = ours["ttft_s"].get("critical", {}).get("p99", math.nan)
+    critical_p99_all = ours["ttft_s_warmup_included"].get("critical", {}).get("p99", math.nan)
     result["targets"] = {
         "critical_ttft_p99_over_unloaded": round(critical_p99 / result["unloaded_ttft_s"]["p99"], 2),
+        "critical_ttft_p99_over_unloaded_warmup_included": round(critical_p99_all / result["unloaded_ttft_s"]["p99"], 2),
         "throughput_over_saturation": round(ours["throughput_tok_s"] / result["saturation_tok_s"], 3),
         "fairness_within_vtc_bound": result["fairness_gap_tokens"] <= result["vtc_bound_tokens"],
     }
@@ -336,6 +356,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--url", help="a running vLLM with --scheduling-policy priority (all modes use it; direct-fcfs then sends no priority)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode")
     parser.add_argument("--overload", type=float, default=2.5, help="offered load over the saturated rate")
+    parser.add_argument(
+        "--warmup", type=float, default=2.0,
+        help="seconds at the start of each mode whose calls the TTFT figures leave out (ttft_s_warmup_included has them)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--window", type=int, default=32, help="fleetsched's initial in-flight window")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="the engine's running batch (of the servers it starts, or the one at --url)")
