@@ -89,13 +89,13 @@ class Dispatcher:
         streamed calls ask vLLM for (its per-request ``stream_interval``: the first token at once,
         then every that many).
 
-        `stagger_starts`: queued calls below the critical tier that are granted places together
-        start one per turn of the event loop, so that the chunks of calls in flight (a critical
-        call's first token among them) are read between their starts. Calls of equal length end
-        in the same engine step and free their places at once; opening a request to a vLLM
-        server costs this process 1-3 ms, and 28 of them in one turn held a critical call's
-        first token back 40-80 ms (measured in ``bench qos``). For backends whose requests cost
-        this process real time; the sim's cost nothing in virtual time."""
+        `stagger_starts`: calls below the critical tier that take places together start one per
+        turn of the event loop, so that the chunks of calls in flight (a critical call's first
+        token among them) are read between their starts. Calls of equal length end in the same
+        engine step and free their places at once; opening a request to a vLLM server costs this
+        process 1-3 ms, and 28 of them in one turn held a critical call's first token back 40-80
+        ms (measured in ``bench qos``). For backends whose requests cost this process real time;
+        the sim's cost nothing in virtual time."""
         if window < 1:
             raise ValueError(f"in-flight window must be >= 1, got {window}")
         if critical_reserve < 0:
@@ -112,7 +112,7 @@ class Dispatcher:
         self._in_flight = 0
         self._critical_in_flight = 0
         self._stagger = stagger_starts
-        self._starting = 0  # granted calls waiting for their turn to start (with `stagger_starts`)
+        self._starting = 0  # calls with places waiting for their turn to start (`stagger_starts`)
         self._parking: tuple[Park, Unpark] | None = None  # taken on the first wait, in the event loop
         self._started = 0
         self._shed = 0

@@ -17,7 +17,8 @@ orders them alike (every multiple of ``theta`` among them). Matching a measured 
 TTFT (the mean, or the median request's: which request is the median is part of the schedule)
 is one linear equation in ``theta`` on a given schedule; a sweep of measurements is solved by
 non-negative least squares on relative errors, and the fit alternates between solving and
-running the loops under the new profile until the schedules stop changing. Pure Python, no event loop, no numpy.
+running the loops under the new profile until the schedules stop changing. Pure Python, no event
+loop, no numpy.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
     Each client sends its next request the moment its last one finishes; the front end takes
     the requests one at a time, ``request_serial_s`` each, in the order they were sent; the
     engine sees a request ``request_overhead_s`` after the front end is done with it, at the
-    first step that starts after that (as the backend does), and idles when nothing has arrived. Prompts are unique past
-    `workload.shared_prefix_tokens`; every request generates exactly `max_tokens`.
+    first step that starts after that (as the backend does), and idles when nothing has arrived.
+    Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
+    `max_tokens`.
     """
     theta = theta_of(settings) if theta is None else tuple(theta)
     engine = SimEngine(settings)
