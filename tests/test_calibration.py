@@ -125,7 +125,7 @@ async def test_the_front_end_takes_requests_made_together_one_at_a_time():
         async with anyio.create_task_group() as tg:
             for i in range(4):
                 tg.start_soon(client, i)
-    # The k-th request leaves the front end after k + 1 turns, then the overhead, then one step.
+    # The k-th request (from 1) leaves the front end after k turns, then the overhead, then a step.
     assert sorted(first_token) == pytest.approx([0.01 * k + 0.005 + 0.001 for k in range(1, 5)], abs=1e-6)
 
 
