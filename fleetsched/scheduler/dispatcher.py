@@ -272,10 +272,10 @@ class Dispatcher:
         record = CallRecord(tenant, tier, session, now)
         record.max_tokens = requested_max_tokens(body)
         record.predicted_output = self._predict_output(tenant, record.max_tokens)
-        if await self._acquire(tenant, tier, self._cost(estimate, record), due, now):
-            record.started = anyio.current_time()
-        else:
-            record.started = now
+        waited = await self._acquire(tenant, tier, self._cost(estimate, record), due, now)
+        if self._stagger and tier > Tier.CRITICAL:
+            await self._wait_turn(tier)
+        record.started = anyio.current_time() if waited else now
         return record, estimate
 
     def _end(self, record: CallRecord, estimate: int) -> None:
@@ -329,12 +329,6 @@ class Dispatcher:
         if not self._queue and self._has_place(tier):
             self._take_place(tier)
             self._queue.serve_direct(tenant, tier, cost)
-            if self._stagger and tier > Tier.CRITICAL:
-                try:
-                    await self._wait_turn()
-                except BaseException:
-                    self._release(tier)
-                    raise
             return False
         if self._parking is None:
             self._parking = parking_for_current_library()
@@ -352,8 +346,6 @@ class Dispatcher:
                 await anyio.lowlevel.checkpoint_if_cancelled()
             else:
                 await self._parking[0](waiter)
-                if self._stagger and tier > Tier.CRITICAL:
-                    await self._wait_turn()
         except BaseException:
             if waiter.granted:
                 self._release(tier)
@@ -362,8 +354,9 @@ class Dispatcher:
             raise
         return True
 
-    async def _wait_turn(self) -> None:
-        """Start one turn of the event loop after the call that took its place before this one.
+    async def _wait_turn(self, tier: int) -> None:
+        """Start one turn of the event loop after the call that took its place before this one
+        (`stagger_starts`); a call cancelled meanwhile gives its place back.
 
         A call leaves the count one turn after its own turn, so calls that take places in the
         same turn see each other whatever order they run in."""
@@ -372,6 +365,9 @@ class Dispatcher:
         try:
             for _ in range(turn + 1):
                 await anyio.lowlevel.checkpoint()
+        except BaseException:
+            self._release(tier)
+            raise
         finally:
             self._starting -= 1
 

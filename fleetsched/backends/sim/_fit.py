@@ -83,8 +83,7 @@ class LoopFeatures:
         return sorted(_dot(f, theta) for f in self.ttft)
 
     def ttft_p50_s(self, theta: Sequence[float]) -> float:
-        values = self.ttft_s(theta)
-        return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        return _dot(self.p50_ttft_features(theta), theta)
 
     def mean_ttft_features(self) -> list[float]:
         n = len(self.ttft)
