@@ -290,3 +290,62 @@ async def test_a_collected_answer_wakes_its_consumer_for_the_first_token_and_the
         collected_times = (first, anyio.current_time() - start)
     assert sizes == [1, 9]  # the first token at once, the rest at the end
     assert collected_times == pytest.approx(streamed_times)  # the same first-token and end times
+
+
+async def test_a_request_cancelled_in_the_front_end_never_reaches_the_engine():
+    """Requests on their way through the API server (`request_overhead_s`) are the engine loop's
+    to queue when they arrive; one whose caller gives up first leaves no trace, and the others
+    arrive as if it had never been sent."""
+    settings = flat(request_overhead_s=5 * STEP)
+    async with SimBackend(settings) as backend:
+        log: dict = {}
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            with anyio.move_on_after(2 * STEP):
+                await run_one(backend, body(16, 4))  # cancelled on its way
+            tg.start_soon(run_one, backend, body(16, 4), log, "later")
+        await anyio.sleep(STEP)
+        stats = backend.statistics()
+    assert stats.requests_aborted == 0 and stats.requests_finished == 1 and stats.steps == 4
+    # Sent at 2 steps: 5 steps on its way, then 4 steps of tokens.
+    assert log["later"][1] - start == pytest.approx(11 * STEP)
+
+
+@pytest.mark.parametrize(("sent", "first", "end"), [(10.5, 19.5, 22.5), (5.25, 14.5, 17.5)])
+async def test_a_glide_ends_at_the_step_under_way_when_a_request_arrives(sent: float, first: float, end: float):
+    """A request that arrives in the middle of a glide (steps of coasting requests only) is
+    admitted at the next step boundary, as vLLM's scheduler sees it at its next step: whether it
+    was sent during the glide or before the glide began."""
+    settings = flat(request_overhead_s=7.5 * STEP, stream_interval=64)  # the long one coasts to its end
+    async with SimBackend(settings) as backend:
+        log: dict = {}
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_one, backend, body(16, 40), log, "long")
+            await anyio.sleep(sent * STEP)
+            tg.start_soon(run_one, backend, body(16, 4), log, "short")
+        stats = backend.statistics()
+    # The long request arrives at 7.5 steps: its first token at 8.5, its 40th at 47.5; its steps
+    # end at 8.5, 9.5, ... The short one arrives 7.5 steps after it is sent, mid-step, and starts
+    # at the next boundary.
+    assert log["long"][1] - start == pytest.approx(47.5 * STEP)
+    assert log["short"][0] - start == pytest.approx(first * STEP)
+    assert log["short"][1] - start == pytest.approx(end * STEP)
+    assert stats.steps == 40 and stats.requests_finished == 2
+
+
+async def test_requests_on_their_way_at_shutdown_fail_cleanly():
+    errors: list[BaseException] = []
+
+    async def consume(backend: SimBackend) -> None:
+        try:
+            await run_one(backend, body(16, 4))
+        except BackendUnavailable as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        async with SimBackend(flat(request_overhead_s=10 * STEP)) as backend:
+            tg.start_soon(consume, backend)
+            await anyio.sleep(5 * STEP)
+        assert backend.statistics().requests_aborted == 0
+    assert len(errors) == 1 and "stopped" in str(errors[0])

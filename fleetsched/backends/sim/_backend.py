@@ -5,10 +5,17 @@ One engine-loop task, owned by the backend's task group, drives `SimEngine`: sch
 to do it waits on an event (no polling). Because time is read only through anyio, the same code
 runs on real time (asyncio or trio) and on virtual time (`fleetsched.virtual_time`).
 
+A request first passes the API server: its turn there (`request_serial_s`, one request at a
+time) and the hand-off (`request_overhead_s`) give the time it reaches the engine, and the engine
+loop queues it then (requests reach the engine in the order they were sent). Its consumer waits
+meanwhile as it waits for tokens: no task sleeps through the front end, which spares every call
+a timer and a task switch.
+
 A glide (steps of coasting requests only, see `_engine`) is one sleep for all its steps. Whatever
 happens during it first applies the steps done by then (`_settle`), so it sees the engine as it
-would between steps: an arrival or an abort then ends the glide at the step under way, and a
-consumer that starts waiting ends it at the step that will wake it (`_cut`).
+would between steps: an arrival or an abort then ends the glide at the step under way (an
+arrival known in advance, at the step under way when it comes), and a consumer that starts
+waiting ends it at the step that will wake it (`_cut`).
 
 Consumers never block the engine: tokens are counters on the request, and a consumer that falls
 behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
@@ -21,7 +28,9 @@ collector observes, stay the same.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +42,7 @@ from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
 from ..base import Backend, ChatBody, Chunk, EngineSignals, make_chunk, new_completion_id, usage_dict
-from ._engine import FINISHED, SimEngine, SimRequest, Step
+from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step
 from ._kv_cache import CHARS_PER_TOKEN, block_hashes, prompt_text
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
 
@@ -113,6 +122,9 @@ class SimBackend(Backend):
         self._closed = False
         self._started_at = 0.0
         self._front_free = 0.0  # when the front end is done with the requests sent so far
+        # Requests on their way through the front end: (when each reaches the engine, request),
+        # in the order they were sent, which is the order they arrive in.
+        self._arriving: deque[tuple[float, SimRequest]] = deque()
         self._stopped_at: float | None = None
         self._step_started: float | None = None
         # A glide under way (see `_engine`): the step, the step count it ends at, and the event
@@ -157,6 +169,10 @@ class SimBackend(Backend):
         while (request := engine.queue.peek()) is not None:
             engine.abort(request)
             self._unpark(request)
+        for _, request in self._arriving:
+            engine.abort(request)
+            self._unpark(request)
+        self._arriving.clear()
 
     # -- the engine loop -----------------------------------------------------------------------
 
@@ -170,11 +186,19 @@ class SimBackend(Backend):
             self._shut()  # on a crash too: open streams fail instead of waiting forever
 
     async def _loop(self, engine: SimEngine, unpark: Unpark) -> None:
+        arriving = self._arriving
         while True:
+            if arriving:
+                self._arrive_due()
             step = engine.schedule()
             if step is None:
-                self._wake = anyio.Event()
-                await self._wake.wait()
+                if arriving:  # the next arrival is the next thing to happen (later sends arrive later)
+                    at = arriving[0][0]
+                    await anyio.sleep(at - anyio.current_time())
+                    self._arrive_due(at)  # whatever the clock's rounding of the sleep
+                else:
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
                 continue
             self._step_started = anyio.current_time()
             if step.repeat == 1:
@@ -196,6 +220,8 @@ class SimBackend(Backend):
         engine = self.engine
         self._gliding = step
         self._glide_until = engine.steps + step.repeat
+        if self._arriving:
+            self._glide_until = min(self._glide_until, self._step_under_way_at(self._arriving[0][0]))
         try:
             while True:
                 cut = self._glide_cut = anyio.Event()
@@ -219,6 +245,22 @@ class SimBackend(Backend):
             self._step_started += step.time_for(done)
             self.engine.advance(step, done)
 
+    def _arrive_due(self, by: float = -math.inf) -> None:
+        """Queue in the engine the requests that reached it by now, or by `by` if later (as
+        vLLM's waiting queue counts them, between steps or not); the next schedule sees them."""
+        arriving, now = self._arriving, max(by, anyio.current_time())
+        while arriving and arriving[0][0] <= now:
+            request = arriving.popleft()[1]
+            if request.status != ABORTED:
+                self.engine.arrive(request)
+
+    def _step_under_way_at(self, at: float) -> int:
+        """The step count at the end of the glide's step under way at time `at` (a request that
+        arrives then is seen by the next schedule)."""
+        step = self._gliding
+        assert step is not None and self._step_started is not None
+        return self.engine.steps + step.steps_by(at - self._step_started) + 1
+
     def _cut(self, until: int) -> None:
         """End the glide under way by step count `until` (never before the step under way ends)."""
         if self._gliding is None:
@@ -228,6 +270,16 @@ class SimBackend(Backend):
             self._glide_until = until
             assert self._glide_cut is not None
             self._glide_cut.set()
+
+    def _expect(self, at: float) -> None:
+        """A request will arrive at `at`, before any other now on its way: the engine loop must
+        look at the engine then (if idle, it wakes to wait for it; a glide ends at the step under
+        way then)."""
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = None
+        if self._gliding is not None:
+            self._cut(self._step_under_way_at(at))
 
     def _kick(self) -> None:
         """Something changed for the scheduler (an arrival, an abort): it looks at it next step."""
@@ -299,20 +351,25 @@ class SimBackend(Backend):
 
     async def _stream(self, spec: SimRequest, model: str) -> AsyncIterator[Chunk]:
         # The API server's part: parsing and tokenising one request at a time, then the hand-off.
-        # The engine sees the request later.
+        # The engine loop queues the request when it arrives; meanwhile its consumer waits as for
+        # tokens (no task of its own sleeps through the front end).
         s = self.settings
-        if s.request_serial_s:
-            now = anyio.current_time()
-            self._front_free = max(self._front_free, now) + s.request_serial_s
-            await anyio.sleep(self._front_free - now + s.request_overhead_s)
-        elif s.request_overhead_s:
-            await anyio.sleep(s.request_overhead_s)
-        if self._closed:
-            raise BackendUnavailable("the sim backend stopped before this request reached it")
         engine, park = self.engine, self._park
-        request = engine.new_request(spec.prompt_tokens, spec.max_tokens, spec.hashes, spec.priority)
+        now = anyio.current_time()
+        if s.request_serial_s:
+            self._front_free = max(self._front_free, now) + s.request_serial_s
+            at = self._front_free + s.request_overhead_s
+        else:
+            at = now + s.request_overhead_s
+        request = engine.new_request(spec.prompt_tokens, spec.max_tokens, spec.hashes, spec.priority, arriving=True)
         request.wake_every = spec.wake_every
-        self._kick()
+        if at <= now:
+            engine.arrive(request)
+            self._kick()
+        else:
+            self._arriving.append((at, request))
+            if len(self._arriving) == 1:
+                self._expect(at)
         cid, created = new_completion_id(), int(time.time())  # wall-clock ok: the Unix timestamp of the response
         try:
             while True:
@@ -345,6 +402,7 @@ class SimBackend(Backend):
 
     async def signals(self) -> EngineSignals:
         self._settle()
+        self._arrive_due()
         engine = self.engine
         return EngineSignals(
             running=len(engine.running),
@@ -359,6 +417,7 @@ class SimBackend(Backend):
         """Counters so far; `busy_fraction` compares step time with time since entering."""
         if self._stopped_at is None:
             self._settle()
+            self._arrive_due()
         engine = self.engine
         now = self._stopped_at if self._stopped_at is not None else anyio.current_time()
         busy = engine.busy_s

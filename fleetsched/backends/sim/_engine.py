@@ -45,6 +45,8 @@ from ._kv_cache import BlockPool
 from ._queues import make_queue
 
 WAITING, RUNNING, FINISHED, ABORTED = range(4)
+#: Made but not yet queued: on its way through the API server (see `SimEngine.arrive`).
+ARRIVING = -1
 
 
 class SimRequest:
@@ -190,13 +192,27 @@ class SimEngine:
         self.finished = 0
         self.aborted = 0
 
-    def new_request(self, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> SimRequest:
-        """Queue a request (already validated to fit the cache); the next `schedule()` sees it."""
+    def new_request(
+        self, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0, *, arriving: bool = False
+    ) -> SimRequest:
+        """Queue a request (already validated to fit the cache); the next `schedule()` sees it.
+
+        With `arriving`, the request is only made (status `ARRIVING`): `arrive()` queues it
+        later. Requests must arrive in the order they were made.
+        """
         self._seq += 1
         request = SimRequest(self._seq, prompt_tokens, max_tokens, hashes, priority)
         request.engine = self
-        self.queue.add(request)
+        if arriving:
+            request.status = ARRIVING
+        else:
+            self.queue.add(request)
         return request
+
+    def arrive(self, request: SimRequest) -> None:
+        """Queue a request made `arriving`; the next `schedule()` sees it."""
+        request.status = WAITING
+        self.queue.add(request)
 
     @property
     def has_work(self) -> bool:
@@ -204,6 +220,9 @@ class SimEngine:
 
     def abort(self, request: SimRequest) -> None:
         """Drop `request` wherever it is and free its blocks. No-op once it is done."""
+        if request.status == ARRIVING:  # it never reached the engine: nothing to count
+            request.status = ABORTED
+            return
         if request.status == WAITING:
             self.queue.discard(request)
         elif request.status == RUNNING:
