@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from ..backends.base import Backend, ChatBody, Chunk, collect_chat, estimate_prompt_tokens, requested_max_tokens
+from ..backends.base import FIRST_TOKEN_AT, Backend, ChatBody, Chunk, collect_chat, estimate_prompt_tokens, requested_max_tokens
 from .._parking import Park, Unpark, parking_for_current_library
 from ..errors import BackendUnavailable, DeadlineExceeded, Overloaded, RateLimited
 from ..policies.fair_queue import Entry, FairQueue
@@ -154,7 +154,7 @@ class Dispatcher:
         try:
             # Inside the try: a backend refuses a body (ContextTooLong) when the stream is made,
             # and that call must still give its place in the window back.
-            # "stream": False: only the first chunk's time and the whole answer matter here.
+            # "stream": False: only the first token's time and the whole answer matter here.
             upstream = self._upstream({**body, "priority": tier, "stream": False}, replica)
             async for chunk in upstream:
                 _note(chunk, record)
@@ -467,7 +467,8 @@ class Dispatcher:
 def _note(chunk: Chunk, record: CallRecord) -> None:
     """Observe one chunk: the first token's time, and the usage on the last chunk."""
     if record.first_token != record.first_token and chunk.get("choices"):  # still nan
-        record.first_token = anyio.current_time()
+        at = chunk.get(FIRST_TOKEN_AT)
+        record.first_token = anyio.current_time() if at is None else at
     usage = chunk.get("usage")
     if usage:
         record.prompt_tokens = usage.get("prompt_tokens", 0)

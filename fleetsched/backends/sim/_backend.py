@@ -21,9 +21,9 @@ Consumers never block the engine: tokens are counters on the request, and a cons
 behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
 A waiting consumer is woken for the first token, every ``stream_interval`` tokens after it, and at
 the end; one whose body says ``"stream": False`` (it collects the whole answer, as the
-dispatcher's `chat` does) only for the first token and at the end. That is two task switches per
-call instead of one per chunk, and the times of the first token and of the end, all that a
-collector observes, stay the same.
+dispatcher's `chat` does) only at the end, with one chunk of all the tokens that says when the
+first came (`FIRST_TOKEN_AT`). That is one task switch per call instead of one per chunk, and the
+times of the first token and of the end, all that a collector observes, stay the same.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
-from ..base import Backend, ChatBody, Chunk, EngineSignals, make_chunk, new_completion_id, usage_dict
+from ..base import FIRST_TOKEN_AT, Backend, ChatBody, Chunk, EngineSignals, make_chunk, new_completion_id, usage_dict
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step
 from ._kv_cache import CHARS_PER_TOKEN, block_hashes, prompt_text
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
@@ -207,11 +207,15 @@ class SimBackend(Backend):
             else:
                 n = await self._glide(step)
             self._step_started = None
+            now = None
             for request in engine.complete(step, n):
+                if request.first_token_at is None:
+                    request.first_token_at = now = anyio.current_time() if now is None else now
+                    if not request.collect and request.waiter is not None:
+                        unpark(request)
+                        continue
                 if request.waiter is not None and (
-                    request.num_output - request.delivered >= request.wake_every
-                    or request.delivered == 0
-                    or request.status == FINISHED
+                    request.num_output - request.delivered >= request.wake_every or request.status == FINISHED
                 ):
                     unpark(request)
 
@@ -334,7 +338,8 @@ class SimBackend(Backend):
             )
         hashes = block_hashes(text, s.block_size, prompt)
         spec = SimRequest(0, prompt, max_tokens, hashes, priority)
-        spec.wake_every = max_tokens if body.get("stream") is False else s.stream_interval
+        spec.collect = body.get("stream") is False
+        spec.wake_every = max_tokens if spec.collect else s.stream_interval
         return spec
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
@@ -362,7 +367,7 @@ class SimBackend(Backend):
         else:
             at = now + s.request_overhead_s
         request = engine.new_request(spec.prompt_tokens, spec.max_tokens, spec.hashes, spec.priority, arriving=True)
-        request.wake_every = spec.wake_every
+        request.wake_every, request.collect = spec.wake_every, spec.collect
         if at <= now:
             engine.arrive(request)
             self._kick()
@@ -384,9 +389,12 @@ class SimBackend(Backend):
                     await park(request)
                     continue
                 count = request.num_output - request.delivered
-                role = "assistant" if request.delivered == 0 else None
+                first = request.delivered == 0
                 request.delivered = request.num_output
-                yield make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count)
+                chunk = make_chunk(cid, model, created, role="assistant" if first else None, content=TOKEN_TEXT * count)
+                if first and request.collect:
+                    chunk[FIRST_TOKEN_AT] = request.first_token_at
+                yield chunk
                 if request.status == FINISHED and request.delivered == request.num_output:
                     usage = usage_dict(request.prompt_tokens, request.num_output)
                     yield make_chunk(cid, model, created, finish_reason="length", usage=usage)

@@ -55,7 +55,7 @@ class SimRequest:
     __slots__ = (
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
         "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
-        "engine", "coasting_since", "run_order",
+        "engine", "coasting_since", "run_order", "collect", "first_token_at",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -76,6 +76,8 @@ class SimRequest:
         self.engine: SimEngine | None = None
         self.coasting_since = -1  # the engine step it began coasting at, or -1
         self.run_order = 0  # position in the running order (admission order)
+        self.collect = False  # the consumer collects the whole answer: no wake-up for the first token
+        self.first_token_at: float | None = None  # when the first token came (set by the async loop)
 
     @property
     def num_computed(self) -> int:
