@@ -300,7 +300,7 @@ class Dispatcher:
         self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
         # The place goes back only now: the next pick must see this call's tenant charged in
         # full, or a tenant whose call just ended looks cheaper than it is and wins the place.
-        self._release(record.tier)
+        self._release(record.tier, now)
         self.recorder.add_call(record)
 
     def _predict_output(self, tenant: str, max_tokens: int) -> int:
@@ -371,12 +371,13 @@ class Dispatcher:
         finally:
             self._starting -= 1
 
-    def _release(self, tier: int) -> None:
-        """Give a place back and hand it to the next waiting call in policy order."""
+    def _release(self, tier: int, now: float | None = None) -> None:
+        """Give a place back and hand it to the next waiting call in policy order (`now`: the
+        time, if the caller has it)."""
         self._in_flight -= 1
         if tier <= Tier.CRITICAL:
             self._critical_in_flight -= 1
-        self._grant()
+        self._grant(now)
 
     def _has_place(self, tier: int) -> bool:
         """Whether a call of `tier` may take a place now.
@@ -394,8 +395,9 @@ class Dispatcher:
         if tier <= Tier.CRITICAL:
             self._critical_in_flight += 1
 
-    def _grant(self) -> None:
-        now = anyio.current_time() if self._queue and self._queue.ages else 0.0  # the time matters to aging only
+    def _grant(self, now: float | None = None) -> None:
+        if now is None:  # the time matters to aging only
+            now = anyio.current_time() if self._queue and self._queue.ages else 0.0
         while self._queue:
             if self._has_place(Tier.STANDARD):
                 entry = self._queue.pick(now)

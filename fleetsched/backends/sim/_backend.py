@@ -28,7 +28,6 @@ times of the first token and of the end, all that a collector observes, stay the
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -187,30 +186,32 @@ class SimBackend(Backend):
 
     async def _loop(self, engine: SimEngine, unpark: Unpark) -> None:
         arriving = self._arriving
+        now = anyio.current_time()  # read once after every wait: nothing in between takes time
         while True:
             if arriving:
-                self._arrive_due()
+                self._arrive_due(now)
             step = engine.schedule()
             if step is None:
                 if arriving:  # the next arrival is the next thing to happen (later sends arrive later)
                     at = arriving[0][0]
-                    await anyio.sleep(at - anyio.current_time())
-                    self._arrive_due(at)  # whatever the clock's rounding of the sleep
+                    await anyio.sleep(at - now)
+                    now = max(at, anyio.current_time())  # whatever the clock's rounding of the sleep
                 else:
                     self._wake = anyio.Event()
                     await self._wake.wait()
+                    now = anyio.current_time()
                 continue
-            self._step_started = anyio.current_time()
+            self._step_started = now
             if step.repeat == 1:
                 await anyio.sleep(step.duration)
                 n = 1
             else:
                 n = await self._glide(step)
             self._step_started = None
-            now = None
+            now = anyio.current_time()
             for request in engine.complete(step, n):
                 if request.first_token_at is None:
-                    request.first_token_at = now = anyio.current_time() if now is None else now
+                    request.first_token_at = now
                     if not request.collect and request.waiter is not None:
                         unpark(request)
                         continue
@@ -249,10 +250,12 @@ class SimBackend(Backend):
             self._step_started += step.time_for(done)
             self.engine.advance(step, done)
 
-    def _arrive_due(self, by: float = -math.inf) -> None:
-        """Queue in the engine the requests that reached it by now, or by `by` if later (as
+    def _arrive_due(self, now: float | None = None) -> None:
+        """Queue in the engine the requests that reached it by `now` (default: the time; as
         vLLM's waiting queue counts them, between steps or not); the next schedule sees them."""
-        arriving, now = self._arriving, max(by, anyio.current_time())
+        arriving = self._arriving
+        if now is None:
+            now = anyio.current_time()
         while arriving and arriving[0][0] <= now:
             request = arriving.popleft()[1]
             if request.status != ABORTED:
