@@ -133,6 +133,15 @@ async def test_streaming_observes_time_to_first_token():
     assert record.ttft_s == 3.0 and record.completion_tokens == 1
 
 
+async def test_a_collected_call_observes_time_to_first_token_and_usage():
+    """`chat` collects through `Backend.complete_chat`; by default that reads `stream_chat`."""
+    dispatcher = Dispatcher(SlowBackend(3.0), window=2)
+    response = await dispatcher.chat(body("c", max_tokens=4), tenant="a", tier=1)
+    assert response["choices"][0]["message"]["content"] == "x" and response["usage"]["completion_tokens"] == 4
+    (record,) = dispatcher.recorder.calls
+    assert record.ttft_s == 3.0 and (record.prompt_tokens, record.completion_tokens) == (10, 4)
+
+
 async def test_call_after_the_session_deadline_is_refused():
     backend = SlowBackend(0.0)
     dispatcher = Dispatcher(backend, window=1)

@@ -207,11 +207,18 @@ async def test_streams_open_at_shutdown_fail_cleanly():
         except BackendUnavailable as exc:
             errors.append(exc)
 
+    async def collect(backend: SimBackend) -> None:
+        try:
+            await backend.complete_chat(body(16, 1000))
+        except BackendUnavailable as exc:
+            errors.append(exc)
+
     async with anyio.create_task_group() as tg:
         async with SimBackend(flat()) as backend:
             tg.start_soon(consume, backend)
+            tg.start_soon(collect, backend)
             await anyio.sleep(5 * STEP)
-    assert len(errors) == 1 and "stopped" in str(errors[0])
+    assert len(errors) == 2 and all("stopped" in str(e) for e in errors)
 
 
 async def test_statistics_busy_fraction():
@@ -294,6 +301,32 @@ async def test_a_collected_answer_wakes_its_consumer_once_and_says_when_its_firs
     assert first_token_at is not None
     # The same first-token and end times as the streamed answer's.
     assert (first_token_at - start, end) == pytest.approx(streamed_times)
+
+
+async def test_complete_chat_gives_the_streamed_answer_and_its_first_token_time():
+    async with SimBackend(flat(stream_interval=4)) as backend:
+        start = anyio.current_time()
+        streamed: dict = {}
+        expected = await run_one(backend, body(16, 10, text="a"), streamed, "a")
+        streamed_times = tuple(t - start for t in streamed["a"])
+        start = anyio.current_time()
+        response, first_token_at = await backend.complete_chat(body(16, 10, text="b"))
+        end = anyio.current_time() - start
+        assert first_token_at is not None
+        assert (first_token_at - start, end) == pytest.approx(streamed_times)
+        assert response["choices"] == expected["choices"] and response["usage"] == expected["usage"]
+        assert response["object"] == "chat.completion" and response["model"] == "m"
+
+        with anyio.move_on_after(3.5 * STEP):  # cancelled on the way: aborted in the engine
+            await backend.complete_chat(body(64, 1000))
+        await anyio.sleep(STEP)
+        signals = await backend.signals()
+        assert signals.running == 0 and signals.kv_cache_usage == 0.0
+        assert backend.statistics().requests_aborted == 1
+        with pytest.raises(ContextTooLong):
+            await backend.complete_chat(body(20_000, 10))
+    with pytest.raises(BackendUnavailable, match="not running"):
+        await backend.complete_chat(body(10, 5))
 
 
 async def test_a_request_cancelled_in_the_front_end_never_reaches_the_engine():

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+
 ChatBody = Mapping[str, Any]
 Chunk = dict[str, Any]
 
@@ -51,6 +53,14 @@ class Backend(ABC):
         the tokens in fewer chunks, and hold back the first, if that chunk says when its first
         token came (`FIRST_TOKEN_AT`). Without it, stream as the engine produces.
         """
+
+    async def complete_chat(self, body: ChatBody) -> tuple[dict[str, Any], float | None]:
+        """One chat completion collected whole (`body` says ``"stream": False``): the
+        ``chat.completion`` response dict and the time on the anyio clock its first token came
+        (None if none did). The dispatcher's `chat` calls this. By default `stream_chat`, read
+        to its end (`collect_stream`); a backend may do it more cheaply. Cancelling it aborts
+        the request, as leaving a stream does."""
+        return await collect_stream(self.stream_chat(body))
 
     async def signals(self) -> EngineSignals:
         """The engine's current load signals (used to size the in-flight window)."""
@@ -146,14 +156,46 @@ def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
     if tool_calls:
         message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
+    return chat_completion(completion_id, model, created, message, finish_reason or "stop", usage or usage_dict(0, 0))
+
+
+def chat_completion(
+    completion_id: str, model: str, created: int, message: dict[str, Any], finish_reason: str, usage: dict[str, int]
+) -> dict[str, Any]:
+    """One non-streamed ``chat.completion`` response dict in the OpenAI wire format."""
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason or "stop"}],
-        "usage": usage or usage_dict(0, 0),
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "usage": usage,
     }
+
+
+async def collect_stream(stream: AsyncIterator[Chunk]) -> tuple[dict[str, Any], float | None]:
+    """Read a chat stream to its end: (the ``chat.completion`` response dict, the time on the
+    anyio clock its first token came, or None). Leaving early closes the stream (`abort_stream`)."""
+    chunks: list[Chunk] = []
+    first: float | None = None
+    try:
+        async for chunk in stream:
+            if first is None and chunk.get("choices"):
+                at = chunk.get(FIRST_TOKEN_AT)
+                first = anyio.current_time() if at is None else at
+            chunks.append(chunk)
+    except BaseException:
+        await abort_stream(stream)
+        raise
+    return collect_chat(chunks), first
+
+
+async def abort_stream(stream: AsyncIterator[Chunk]) -> None:
+    """Close a backend's stream so the engine aborts the call; shielded, bounded cleanup."""
+    if getattr(stream, "ag_running", None) is False and getattr(stream, "ag_frame", True) is None:
+        return  # exhausted: nothing to abort
+    with anyio.move_on_after(5, shield=True):
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 def estimate_prompt_tokens(body: ChatBody) -> int:

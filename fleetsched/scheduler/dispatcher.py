@@ -22,7 +22,16 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from ..backends.base import FIRST_TOKEN_AT, Backend, ChatBody, Chunk, collect_chat, estimate_prompt_tokens, requested_max_tokens
+from ..backends.base import (
+    FIRST_TOKEN_AT,
+    Backend,
+    ChatBody,
+    Chunk,
+    abort_stream,
+    collect_stream,
+    estimate_prompt_tokens,
+    requested_max_tokens,
+)
 from .._parking import Park, Unpark, parking_for_current_library
 from ..errors import BackendUnavailable, DeadlineExceeded, Overloaded, RateLimited
 from ..policies.fair_queue import Entry, FairQueue
@@ -146,27 +155,30 @@ class Dispatcher:
         """Make one call and return the whole ``chat.completion`` response dict.
 
         The hot path of every non-streaming call: it does what `stream` does without the
-        context manager and generator layers.
+        context manager and generator layers, and lets the backend collect the answer
+        (`Backend.complete_chat`).
         """
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
-        chunks: list[Chunk] = []
-        upstream = None
+        # "stream": False: only the first token's time and the whole answer matter here.
+        request = {**body, "priority": tier, "stream": False}
         try:
-            # Inside the try: a backend refuses a body (ContextTooLong) when the stream is made,
+            # Inside the try: a backend refuses a body (ContextTooLong) when the call is made,
             # and that call must still give its place in the window back.
-            # "stream": False: only the first token's time and the whole answer matter here.
-            upstream = self._upstream({**body, "priority": tier, "stream": False}, replica)
-            async for chunk in upstream:
-                _note(chunk, record)
-                chunks.append(chunk)
+            if replica is None or replica not in self.replicas:
+                response, first_token = await self.backend.complete_chat(request)
+            else:
+                response, first_token = await collect_stream(self._routed(request, replica))
+            if first_token is not None:
+                record.first_token = first_token
+            usage = response.get("usage") or {}
+            record.prompt_tokens = usage.get("prompt_tokens", 0)
+            record.completion_tokens = usage.get("completion_tokens", 0)
         except BaseException as exc:
             record.error = type(exc).__name__
-            if upstream is not None:
-                await _abort(upstream)
             raise
         finally:
             self._end(record, estimate)
-        return collect_chat(chunks)
+        return response
 
     @asynccontextmanager
     async def stream(
@@ -219,7 +231,7 @@ class Dispatcher:
             record.error = type(exc).__name__
             raise
         finally:
-            await _abort(upstream)
+            await abort_stream(upstream)
             self._end(record, estimate)
 
     def _upstream(self, request: dict[str, Any], replica: str | None) -> AsyncIterator[Chunk]:
@@ -244,7 +256,7 @@ class Dispatcher:
         except StopAsyncIteration:
             return
         finally:
-            await _abort(upstream)
+            await abort_stream(upstream)
 
     async def _begin(
         self, body: ChatBody, tenant: str, tier: int, session: int, due: float, deadline: float
@@ -475,11 +487,3 @@ def _note(chunk: Chunk, record: CallRecord) -> None:
     if usage:
         record.prompt_tokens = usage.get("prompt_tokens", 0)
         record.completion_tokens = usage.get("completion_tokens", 0)
-
-
-async def _abort(upstream: AsyncIterator[Chunk]) -> None:
-    """Close the backend's stream so the engine aborts the call; shielded, bounded cleanup."""
-    if getattr(upstream, "ag_running", None) is False and getattr(upstream, "ag_frame", True) is None:
-        return  # exhausted: nothing to abort
-    with anyio.move_on_after(5, shield=True):
-        await upstream.aclose()  # type: ignore[attr-defined]

@@ -40,7 +40,17 @@ from anyio.abc import TaskGroup, TaskStatus
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
-from ..base import FIRST_TOKEN_AT, Backend, ChatBody, Chunk, EngineSignals, make_chunk, new_completion_id, usage_dict
+from ..base import (
+    FIRST_TOKEN_AT,
+    Backend,
+    ChatBody,
+    Chunk,
+    EngineSignals,
+    chat_completion,
+    make_chunk,
+    new_completion_id,
+    usage_dict,
+)
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step
 from ._kv_cache import CHARS_PER_TOKEN, block_hashes, prompt_text
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
@@ -350,19 +360,48 @@ class SimBackend(Backend):
 
         Raises `InvalidRequest` / `ContextTooLong` (both ValueError) at once for a body the engine
         would refuse, and `BackendUnavailable` if the backend is not running. With ``"stream":
-        False`` in `body` the tokens after the first come in one chunk at the end.
+        False`` in `body` the tokens come in one chunk at the end (see `FIRST_TOKEN_AT`).
         """
         spec = self._validate(body)
-        if self._task_group is None or self._closed:
-            raise BackendUnavailable("the sim backend is not running; use it inside `async with SimBackend(...)`")
+        self._check_running()
         return self._stream(spec, str(body.get("model") or self.model))
 
-    async def _stream(self, spec: SimRequest, model: str) -> AsyncIterator[Chunk]:
-        # The API server's part: parsing and tokenising one request at a time, then the hand-off.
-        # The engine loop queues the request when it arrives; meanwhile its consumer waits as for
-        # tokens (no task of its own sleeps through the front end).
-        s = self.settings
+    async def complete_chat(self, body: ChatBody) -> tuple[dict[str, Any], float | None]:
+        """One chat completion collected whole, without chunks: the consumer waits once, for the
+        end (`Backend.complete_chat`)."""
+        spec = self._validate(body)
+        spec.collect, spec.wake_every = True, spec.max_tokens
+        self._check_running()
+        model = str(body.get("model") or self.model)
+        request = self._send(spec)
         engine, park = self.engine, self._park
+        try:
+            while request.status != FINISHED:
+                if request.status > FINISHED:  # aborted by shutdown
+                    raise BackendUnavailable("the sim backend stopped while this request was in flight")
+                if self._gliding is not None:
+                    self._settle()
+                until = engine.watch(request)
+                if until is not None:
+                    self._cut(until)
+                await park(request)
+        finally:
+            self._drop(request)
+        request.delivered = request.num_output
+        message = {"role": "assistant", "content": TOKEN_TEXT * request.num_output}
+        usage = usage_dict(request.prompt_tokens, request.num_output)
+        created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
+        return chat_completion(new_completion_id(), model, created, message, "length", usage), request.first_token_at
+
+    def _check_running(self) -> None:
+        if self._task_group is None or self._closed:
+            raise BackendUnavailable("the sim backend is not running; use it inside `async with SimBackend(...)`")
+
+    def _send(self, spec: SimRequest) -> SimRequest:
+        """The API server's part: parsing and tokenising one request at a time, then the
+        hand-off. The engine loop queues the request when it reaches the engine; meanwhile its
+        consumer waits as for tokens (no task sleeps through the front end)."""
+        s, engine = self.settings, self.engine
         now = anyio.current_time()
         if s.request_serial_s:
             self._front_free = max(self._front_free, now) + s.request_serial_s
@@ -378,6 +417,19 @@ class SimBackend(Backend):
             self._arriving.append((at, request))
             if len(self._arriving) == 1:
                 self._expect(at)
+        return request
+
+    def _drop(self, request: SimRequest) -> None:
+        """Its consumer is gone: abort `request` if it is not done (the tokens it had count)."""
+        request.waiter = None
+        if not request.done:
+            self._settle()
+            self.engine.abort(request)
+            self._kick()
+
+    async def _stream(self, spec: SimRequest, model: str) -> AsyncIterator[Chunk]:
+        engine, park = self.engine, self._park
+        request = self._send(spec)
         cid, created = new_completion_id(), int(time.time())  # wall-clock ok: the Unix timestamp of the response
         try:
             while True:
@@ -403,11 +455,7 @@ class SimBackend(Backend):
                     yield make_chunk(cid, model, created, finish_reason="length", usage=usage)
                     return
         finally:
-            request.waiter = None
-            if not request.done:
-                self._settle()  # the tokens it had count
-                engine.abort(request)
-                self._kick()
+            self._drop(request)
 
     # -- what the engine says about itself -----------------------------------------------------
 
