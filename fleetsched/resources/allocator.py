@@ -147,6 +147,8 @@ class ExtentPool(MemoryPool):
             offset = self.strategy.choose(space, n)
             if offset is None:
                 continue
+            if len(self._spaces) == 1:  # nothing to compare it with
+                return self._commit(name, offset, n, nbytes)
             key = (self._fragmentation_after(space, offset, n), space.free_pages - n, index)
             if best is None or key < best[0]:
                 best = (key, name, offset, n)

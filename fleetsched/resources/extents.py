@@ -65,7 +65,7 @@ class AddressSpace:
     strategy does); this class only checks and records.
     """
 
-    __slots__ = ("pages", "free_pages", "_free", "_by_size", "_used", "_sumsq", "_tree")
+    __slots__ = ("pages", "free_pages", "_free", "_free_end", "_by_size", "_used", "_sumsq", "_tree")
 
     def __init__(self, pages: int, *, address_index: bool = False) -> None:
         if pages <= 0:
@@ -73,6 +73,7 @@ class AddressSpace:
         self.pages = pages
         self.free_pages = 0
         self._free: SortedDict = SortedDict()
+        self._free_end: dict[int, int] = {}  # the same free extents by the page after their last
         self._by_size: SortedList = SortedList()
         self._used: dict[int, int] = {}
         self._sumsq = 0
@@ -124,8 +125,8 @@ class AddressSpace:
 
     def free_length_before(self, page: int) -> int:
         """Length of the free extent that ends exactly at `page` (its last page is page - 1), else 0."""
-        hole = self.free_extent_containing(page - 1) if page > 0 else None
-        return hole[1] if hole is not None and hole[0] + hole[1] == page else 0
+        start = self._free_end.get(page)
+        return 0 if start is None else page - start
 
     def largest_free_extent(self) -> tuple[int, int] | None:
         """(offset, length) of the largest free extent (the highest-addressed on ties), or None."""
@@ -135,6 +136,9 @@ class AddressSpace:
         return offset, length
 
     def free_extent_containing(self, page: int) -> tuple[int, int] | None:
+        length = self._free.get(page)
+        if length is not None:  # the common case: the extent starts there
+            return page, length
         i = self._free.bisect_right(page) - 1
         if i < 0:
             return None
@@ -182,7 +186,8 @@ class AddressSpace:
         """Mark ``[offset, offset+length)`` used; it must lie inside one free extent."""
         if length <= 0:
             raise ValueError(f"an extent needs > 0 pages, got {length}")
-        hole = self.free_extent_containing(offset)
+        start = self._free_end.get(offset + length)  # a large request at the end of its hole
+        hole = (start, offset + length - start) if start is not None and start <= offset else self.free_extent_containing(offset)
         if hole is None or offset + length > hole[0] + hole[1]:
             raise ValueError(f"pages [{offset}, {offset + length}) are not free")
         start, size = hole
@@ -252,13 +257,10 @@ class AddressSpace:
     # -- internals -------------------------------------------------------------------------------
 
     def _give_back(self, offset: int, length: int) -> None:
-        i = self._free.bisect_left(offset)
-        if i > 0:
-            before = self._free.keys()[i - 1]
-            before_len = self._free[before]
-            if before + before_len == offset:
-                self._remove_free(before, before_len)
-                offset, length = before, before_len + length
+        before = self._free_end.get(offset)
+        if before is not None:
+            self._remove_free(before, offset - before)
+            offset, length = before, offset - before + length
         after_len = self._free.get(offset + length)
         if after_len is not None:
             self._remove_free(offset + length, after_len)
@@ -267,6 +269,7 @@ class AddressSpace:
 
     def _add_free(self, offset: int, length: int) -> None:
         self._free[offset] = length
+        self._free_end[offset + length] = offset
         self._by_size.add((length, offset))
         self.free_pages += length
         self._sumsq += length * length
@@ -275,6 +278,7 @@ class AddressSpace:
 
     def _remove_free(self, offset: int, length: int) -> None:
         del self._free[offset]
+        del self._free_end[offset + length]
         self._by_size.remove((length, offset))
         self.free_pages -= length
         self._sumsq -= length * length
@@ -296,6 +300,7 @@ class AddressSpace:
         assert self.free_pages == sum(n for _, n in free)
         assert self._sumsq == sum(n * n for _, n in free)
         assert list(self._by_size) == sorted((n, o) for o, n in free)
+        assert self._free_end == {o + n: o for o, n in free}
         assert self.used_pages == sum(self._used.values())
         if self._tree is not None:
             for offset, length in free:

@@ -131,6 +131,12 @@ class FragAware(PlacementStrategy):
 
     def choose(self, space: AddressSpace, n: int) -> int | None:
         large = n >= self.large_fraction * space.pages
+        if not large:  # the common case first: an exact fit, which nothing beats
+            tightest = space.smallest_fit(n)
+            if tightest is None:
+                return None
+            if tightest[0] == n:
+                return tightest[1]
         sliver = self.sliver * n
         best: tuple[tuple[bool, int, int], int, int] | None = None
         for length, offset in islice(space.fits(n), self.candidates):
