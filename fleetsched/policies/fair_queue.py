@@ -188,9 +188,10 @@ class FairQueue:
         self, now: float, eligible: Callable[[str], bool] | None = None, max_tier: int | None = None
     ) -> Entry | None:
         """The entry `pick` would return, left in place and uncharged."""
-        best: dict[int, tuple[tuple[int, float, float, int], Entry]] = {}  # per tier
+        best: dict[int, tuple[tuple[int, float, float, int], Entry]] = {}  # per tier, for minimum shares
+        shares = bool(self._min_share)
         winner: tuple[tuple[int, float, float, int], Entry] | None = None
-        counters = self._counters
+        counters, aging = self._counters, self._aging_s is not None
         for (tenant, tier), queue in self._queues.items():
             if not queue.live or (max_tier is not None and tier > max_tier):
                 continue
@@ -198,15 +199,15 @@ class FairQueue:
                 continue
             head = queue.head()
             assert head is not None
-            band = tier if self._aging_s is None else self._band(head, now)
+            band = self._band(head, now) if aging else tier
             ranked = ((band, counters.get(tenant, 0.0), head.deadline, head.seq), head)
-            if tier not in best or ranked[0] < best[tier][0]:
+            if shares and (tier not in best or ranked[0] < best[tier][0]):
                 best[tier] = ranked
             if winner is None or ranked[0] < winner[0]:
                 winner = ranked
         if winner is None:
             return None
-        if len(best) > 1 and self._min_share:
+        if len(best) > 1:
             total = sum(self._served.values())
             for tier in sorted(best):
                 share = self._min_share.get(tier, 0.0)

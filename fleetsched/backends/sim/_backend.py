@@ -309,6 +309,8 @@ class SimBackend(Backend):
     # -- requests ------------------------------------------------------------------------------
 
     def _validate(self, body: ChatBody) -> SimRequest:
+        """The request `body` asks for, not yet sent; raises `InvalidRequest` (`ContextTooLong`)
+        for a body vLLM would refuse."""
         if not isinstance(body, Mapping):
             raise InvalidRequest(f"body: expected a chat-completions request dict, got {type(body).__name__}")
         messages = body.get("messages")
@@ -350,10 +352,10 @@ class SimBackend(Backend):
                 f"completion) but the whole cache holds {capacity}; shorten it or enlarge kv_cache_tokens"
             )
         hashes = block_hashes(text, s.block_size, prompt)
-        spec = SimRequest(0, prompt, max_tokens, hashes, priority)
-        spec.collect = body.get("stream") is False
-        spec.wake_every = max_tokens if spec.collect else s.stream_interval
-        return spec
+        request = SimRequest(0, prompt, max_tokens, hashes, priority)
+        request.collect = body.get("stream") is False
+        request.wake_every = max_tokens if request.collect else s.stream_interval
+        return request
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
         """Stream one chat completion. Checks `body` now; the engine sees it on first iteration.
@@ -362,18 +364,18 @@ class SimBackend(Backend):
         would refuse, and `BackendUnavailable` if the backend is not running. With ``"stream":
         False`` in `body` the tokens come in one chunk at the end (see `FIRST_TOKEN_AT`).
         """
-        spec = self._validate(body)
+        request = self._validate(body)
         self._check_running()
-        return self._stream(spec, str(body.get("model") or self.model))
+        return self._stream(request, str(body.get("model") or self.model))
 
     async def complete_chat(self, body: ChatBody) -> tuple[dict[str, Any], float | None]:
         """One chat completion collected whole, without chunks: the consumer waits once, for the
         end (`Backend.complete_chat`)."""
-        spec = self._validate(body)
-        spec.collect, spec.wake_every = True, spec.max_tokens
+        request = self._validate(body)
+        request.collect, request.wake_every = True, request.max_tokens
         self._check_running()
         model = str(body.get("model") or self.model)
-        request = self._send(spec)
+        self._send(request)
         engine, park = self.engine, self._park
         try:
             while request.status != FINISHED:
@@ -397,10 +399,11 @@ class SimBackend(Backend):
         if self._task_group is None or self._closed:
             raise BackendUnavailable("the sim backend is not running; use it inside `async with SimBackend(...)`")
 
-    def _send(self, spec: SimRequest) -> SimRequest:
-        """The API server's part: parsing and tokenising one request at a time, then the
-        hand-off. The engine loop queues the request when it reaches the engine; meanwhile its
-        consumer waits as for tokens (no task sleeps through the front end)."""
+    def _send(self, request: SimRequest) -> None:
+        """Send `request` (fresh from `_validate`) through the API server: parsing and
+        tokenising one request at a time, then the hand-off. The engine loop queues it when it
+        reaches the engine; meanwhile its consumer waits as for tokens (no task sleeps through
+        the front end)."""
         s, engine = self.settings, self.engine
         now = anyio.current_time()
         if s.request_serial_s:
@@ -408,8 +411,7 @@ class SimBackend(Backend):
             at = self._front_free + s.request_overhead_s
         else:
             at = now + s.request_overhead_s
-        request = engine.new_request(spec.prompt_tokens, spec.max_tokens, spec.hashes, spec.priority, arriving=True)
-        request.wake_every, request.collect = spec.wake_every, spec.collect
+        engine.take(request, arriving=True)
         if at <= now:
             engine.arrive(request)
             self._kick()
@@ -417,7 +419,6 @@ class SimBackend(Backend):
             self._arriving.append((at, request))
             if len(self._arriving) == 1:
                 self._expect(at)
-        return request
 
     def _drop(self, request: SimRequest) -> None:
         """Its consumer is gone: abort `request` if it is not done (the tokens it had count)."""
@@ -427,9 +428,9 @@ class SimBackend(Backend):
             self.engine.abort(request)
             self._kick()
 
-    async def _stream(self, spec: SimRequest, model: str) -> AsyncIterator[Chunk]:
+    async def _stream(self, request: SimRequest, model: str) -> AsyncIterator[Chunk]:
         engine, park = self.engine, self._park
-        request = self._send(spec)
+        self._send(request)
         cid, created = new_completion_id(), int(time.time())  # wall-clock ok: the Unix timestamp of the response
         try:
             while True:

@@ -202,8 +202,13 @@ class SimEngine:
         With `arriving`, the request is only made (status `ARRIVING`): `arrive()` queues it
         later. Requests must arrive in the order they were made.
         """
+        return self.take(SimRequest(0, prompt_tokens, max_tokens, hashes, priority), arriving=arriving)
+
+    def take(self, request: SimRequest, *, arriving: bool = False) -> SimRequest:
+        """`new_request` for a request made outside (fresh, never taken): numbered and queued
+        (or `ARRIVING`)."""
         self._seq += 1
-        request = SimRequest(self._seq, prompt_tokens, max_tokens, hashes, priority)
+        request.seq = self._seq
         request.engine = self
         if arriving:
             request.status = ARRIVING
