@@ -39,6 +39,11 @@ class GatewayBackend(Backend):
             return _completions_over_chat(self.inner, request)
         return self.inner.stream_chat(body)
 
+    async def complete_chat(self, body: ChatBody) -> tuple[dict[str, Any], float | None]:
+        if body.get(ENDPOINT_KEY) == "completions":
+            return await super().complete_chat(body)  # the text-completion chunks, collected
+        return await self.inner.complete_chat(body)
+
     def replicas(self) -> list[str]:
         """Names of the replicas a session can be placed on (empty: the backend has no choice)."""
         if isinstance(self.inner, VLLMServerBackend) and len(self.inner.replicas) > 1:
