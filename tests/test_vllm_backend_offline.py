@@ -43,6 +43,13 @@ vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"}
 vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 9.0
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="128",engine="0",kv_cache_size_tokens="524288"} 1.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.01",model_name="tiny"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} 5.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 5.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 0.125
+vllm:time_to_first_token_seconds_count{engine="1",model_name="tiny"} 1.0
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="tiny"} 0.025
 """
 
 
@@ -56,6 +63,7 @@ def test_parse_sums_label_sets_and_skips_created_samples():
     assert page.cache_config["kv_cache_size_tokens"] == "524288"
     assert page.scheduling_policy is None  # vLLM 0.32 does not export it
     assert page.model_names == {"tiny"}
+    assert (page.ttft_sum_s, page.ttft_count) == (pytest.approx(0.15), 6.0)  # summed over engines, no buckets
 
 
 def test_policy_read_from_an_info_metric_when_exported():

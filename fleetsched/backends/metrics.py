@@ -32,6 +32,7 @@ FINISHED = "vllm:request_success"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 GENERATION_TOKENS = "vllm:generation_tokens"
 CACHE_CONFIG = "vllm:cache_config_info"
+TTFT = "vllm:time_to_first_token_seconds"
 
 _POLICY_LABELS = ("scheduling_policy", "policy")
 
@@ -52,6 +53,11 @@ class VLLMMetrics:
     """Tokens prefilled and generated so far (throughput is the rate of these)."""
     cache_config: Mapping[str, str] = field(default_factory=dict)
     """The labels of ``vllm:cache_config_info`` (block_size, kv_cache_size_tokens, ...)."""
+    ttft_sum_s: float | None = None
+    ttft_count: float | None = None
+    """The sum and count of vLLM's own TTFT histogram: seconds from a request's arrival in the
+    engine (after the API server has parsed and tokenised it) to its first token, as the API
+    server sees it. The mean over a run is the difference of the sums over that of the counts."""
 
 
 def _family_key(name: str) -> str:
@@ -93,6 +99,8 @@ def parse_vllm_metrics(text: str) -> VLLMMetrics:
                 finished[reason] = finished.get(reason, 0.0) + sample.value
             elif key in (RUNNING, WAITING, PREEMPTIONS, PREFIX_QUERIES, PREFIX_HITS, PROMPT_TOKENS, GENERATION_TOKENS):
                 sums[key] = sums.get(key, 0.0) + sample.value
+            elif key == TTFT and sample.name in (TTFT + "_sum", TTFT + "_count"):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     signals = EngineSignals(
         running=_as_int(sums.get(RUNNING)),
         waiting=_as_int(sums.get(WAITING)),
@@ -109,6 +117,8 @@ def parse_vllm_metrics(text: str) -> VLLMMetrics:
         prompt_tokens_total=sums.get(PROMPT_TOKENS),
         generation_tokens_total=sums.get(GENERATION_TOKENS),
         cache_config=cache_config,
+        ttft_sum_s=sums.get(TTFT + "_sum"),
+        ttft_count=sums.get(TTFT + "_count"),
     )
 
 

@@ -6,7 +6,9 @@
   continuous default, tuned), under the assumptions in the profile; its absolute serial QPS cannot
   be matched by any consistent model (12 QPS at 1.1 s P50 is 13 requests in flight).
 - ``real``: the ``tiny-cpu-vllm`` profile against a real CPU vLLM on a closed loop the calibration
-  did not see (concurrency 24, 200-token prompts, 64-token answers): throughput and TTFT p50.
+  did not see (concurrency 24, 200-token prompts, 64-token answers): throughput and TTFT p50, and
+  beside them the mean TTFT vLLM measured itself (``server_ttft_mean_s``, from a request's
+  arrival in the engine), which tells the engine's part of the client's TTFT from the rest.
   Starts a server (about a minute) unless ``--url`` names one; ``--no-real`` skips it.
   ``--calibrate`` first fits a fresh profile to the same server, as the shipped one was made, and
   compares it too (``fresh_calibration``).
@@ -52,6 +54,10 @@ REAL_WORKLOAD = Workload(concurrency=24, prompt_tokens=200, max_tokens=64, round
 #: p50 moved between 32 and 54 ms, and its throughput between 4,900 and 5,360 tok/s, from one run
 #: to the next.
 REAL_REPEATS = 5
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _rel(sim: float, ref: float) -> float:
@@ -113,10 +119,19 @@ def qwen_table() -> dict[str, Any]:
     }
 
 
-async def _real_loop(url: str, workload: Workload, repeats: int) -> list[Any]:
+async def _real_loop(url: str, workload: Workload, repeats: int) -> list[tuple[Any, float | None]]:
+    """`repeats` closed loops of `workload` after one warm-up run: each run's `Sample`, and the
+    mean TTFT vLLM measured itself over it (its ``time_to_first_token_seconds`` histogram: from
+    a request's arrival in the engine, after parsing and tokenising, to its first token), or
+    None where the server does not export it."""
     import httpx
 
+    from fleetsched.backends.metrics import parse_vllm_metrics
     from fleetsched.calibrate import measure, prompt_chars
+
+    async def server_ttft() -> tuple[float, float]:
+        page = parse_vllm_metrics((await client.get("/metrics")).text)
+        return page.ttft_sum_s or 0.0, page.ttft_count or 0.0
 
     limits = httpx.Limits(max_connections=workload.concurrency + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -124,7 +139,13 @@ async def _real_loop(url: str, workload: Workload, repeats: int) -> list[Any]:
         chars = await prompt_chars(client, model, workload.prompt_tokens)
         # Warm up with one whole run, not counted: in one series after a start the first run gave
         # 5,450 tok/s and a TTFT p50 of 42 ms, the fourth and fifth 5,950-6,340 tok/s and 20-24 ms.
-        runs = [await measure(client, model, workload.concurrency, chars, workload.max_tokens, workload.rounds) for _ in range(repeats + 1)]
+        runs = []
+        for _ in range(repeats + 1):
+            sum_before, count_before = await server_ttft()
+            sample = await measure(client, model, workload.concurrency, chars, workload.max_tokens, workload.rounds)
+            sum_after, count_after = await server_ttft()
+            count = count_after - count_before
+            runs.append((sample, (sum_after - sum_before) / count if count > 0 else None))
         return runs[1:]
 
 
@@ -139,7 +160,9 @@ def real_fidelity(
     between sessions, and a profile fitted minutes before the measurement is not caught by that.
     """
     fresh = anyio.run(_fresh_profile, url, settings) if calibrate else None
-    samples = anyio.run(_real_loop, url, workload, repeats)
+    runs = anyio.run(_real_loop, url, workload, repeats)
+    samples = [sample for sample, _ in runs]
+    server_ttfts = [mean for _, mean in runs if mean is not None]
     throughput = statistics.median(s.throughput for s in samples)
     ttft = statistics.median(s.ttft_p50_s for s in samples)
     prompt = round(statistics.mean(s.prompt_tokens for s in samples))
@@ -149,7 +172,14 @@ def real_fidelity(
         "measured": {
             "throughput_tok_s": round(throughput, 1),
             "ttft_p50_s": round(ttft, 4),
-            "runs": [{"throughput_tok_s": round(s.throughput, 1), "ttft_p50_s": round(s.ttft_p50_s, 4)} for s in samples],
+            "runs": [
+                {"throughput_tok_s": round(s.throughput, 1), "ttft_p50_s": round(s.ttft_p50_s, 4), "server_ttft_mean_s": _round(mean)}
+                for s, mean in runs
+            ],
+            # What vLLM measured itself: a request's time from its arrival in the engine to its
+            # first token. The rest of the client's TTFT is outside the engine (HTTP, parsing and
+            # tokenising, and here the API server sharing a core with this client).
+            "server_ttft_mean_s": _round(statistics.median(server_ttfts)) if server_ttfts else None,
         },
         **_compare(settings, same, throughput, ttft),
     }
@@ -299,6 +329,9 @@ def main(argv: list[str]) -> int:
             f"{real['measured']['ttft_p50_s'] * 1e3:.1f} ms vs {real['sim']['ttft_p50_s'] * 1e3:.1f} ms (err {real['ttft_p50_rel_err']:.1%})\n"
             f"  runs: {', '.join(_run_text(r) for r in runs)}\n"
         )
+        if real["measured"]["server_ttft_mean_s"] is not None:
+            out(f"  vLLM's own TTFT (arrival in the engine to first token), median of the runs' means: "
+                f"{real['measured']['server_ttft_mean_s'] * 1e3:.1f} ms\n")
         fresh = real.get("fresh_calibration")
         if fresh:
             out(
