@@ -198,26 +198,24 @@ async def test_bad_inputs_raise_at_once():
         backend.stream_chat(body(10, 5))
 
 
-async def test_streams_open_at_shutdown_fail_cleanly():
+@pytest.mark.parametrize(("overhead_steps", "aborted"), [(0, 2), (10, 0)])
+async def test_calls_open_at_shutdown_fail_cleanly(overhead_steps: int, aborted: int):
+    """A stream and a collected call open when the backend stops fail with `BackendUnavailable`:
+    in the engine (aborted there), or still on their way through the front end (never counted)."""
     errors: list[BaseException] = []
 
-    async def consume(backend: SimBackend) -> None:
+    async def call(make) -> None:
         try:
-            await run_one(backend, body(16, 1000))
-        except BackendUnavailable as exc:
-            errors.append(exc)
-
-    async def collect(backend: SimBackend) -> None:
-        try:
-            await backend.complete_chat(body(16, 1000))
+            await make()
         except BackendUnavailable as exc:
             errors.append(exc)
 
     async with anyio.create_task_group() as tg:
-        async with SimBackend(flat()) as backend:
-            tg.start_soon(consume, backend)
-            tg.start_soon(collect, backend)
+        async with SimBackend(flat(request_overhead_s=overhead_steps * STEP)) as backend:
+            tg.start_soon(call, lambda: run_one(backend, body(16, 1000)))
+            tg.start_soon(call, lambda: backend.complete_chat(body(16, 1000)))
             await anyio.sleep(5 * STEP)
+        assert backend.statistics().requests_aborted == aborted
     assert len(errors) == 2 and all("stopped" in str(e) for e in errors)
 
 
@@ -370,19 +368,3 @@ async def test_a_glide_ends_at_the_step_under_way_when_a_request_arrives(sent: f
     assert log["short"][1] - start == pytest.approx(end * STEP)
     assert stats.steps == 40 and stats.requests_finished == 2
 
-
-async def test_requests_on_their_way_at_shutdown_fail_cleanly():
-    errors: list[BaseException] = []
-
-    async def consume(backend: SimBackend) -> None:
-        try:
-            await run_one(backend, body(16, 4))
-        except BackendUnavailable as exc:
-            errors.append(exc)
-
-    async with anyio.create_task_group() as tg:
-        async with SimBackend(flat(request_overhead_s=10 * STEP)) as backend:
-            tg.start_soon(consume, backend)
-            await anyio.sleep(5 * STEP)
-        assert backend.statistics().requests_aborted == 0
-    assert len(errors) == 1 and "stopped" in str(errors[0])
