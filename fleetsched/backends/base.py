@@ -49,9 +49,8 @@ class Backend(ABC):
         Yields ``chat.completion.chunk`` dicts; the final one has ``usage`` set. Raises
         `fleetsched.errors.BackendError` subclasses for failures of the backend itself.
         ``"stream": False`` in `body` says the caller collects the whole answer and looks only at
-        when the first token and the last arrive (the dispatcher's `chat`): a backend may then send
-        the tokens in fewer chunks, and hold back the first, if that chunk says when its first
-        token came (`FIRST_TOKEN_AT`). Without it, stream as the engine produces.
+        when the first chunk and the last arrive: a backend may then send the tokens after the
+        first in fewer chunks. Without it, stream as the engine produces.
         """
 
     async def complete_chat(self, body: ChatBody) -> tuple[dict[str, Any], float | None]:
@@ -75,10 +74,6 @@ class Backend(ABC):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-
-#: Key of a chunk held back past its first token (a collected answer, ``"stream": False``): the
-#: time on the anyio clock the first token came. Only collectors see it; `collect_chat` drops it.
-FIRST_TOKEN_AT = "fleetsched_first_token_at"
 
 _ids = itertools.count(1)
 
@@ -181,8 +176,7 @@ async def collect_stream(stream: AsyncIterator[Chunk]) -> tuple[dict[str, Any], 
     try:
         async for chunk in stream:
             if first is None and chunk.get("choices"):
-                at = chunk.get(FIRST_TOKEN_AT)
-                first = anyio.current_time() if at is None else at
+                first = anyio.current_time()
             chunks.append(chunk)
     except BaseException:
         await abort_stream(stream)

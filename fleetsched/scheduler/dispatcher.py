@@ -23,7 +23,6 @@ import anyio
 import anyio.lowlevel
 
 from ..backends.base import (
-    FIRST_TOKEN_AT,
     Backend,
     ChatBody,
     Chunk,
@@ -481,8 +480,7 @@ class Dispatcher:
 def _note(chunk: Chunk, record: CallRecord) -> None:
     """Observe one chunk: the first token's time, and the usage on the last chunk."""
     if record.first_token != record.first_token and chunk.get("choices"):  # still nan
-        at = chunk.get(FIRST_TOKEN_AT)
-        record.first_token = anyio.current_time() if at is None else at
+        record.first_token = anyio.current_time()
     usage = chunk.get("usage")
     if usage:
         record.prompt_tokens = usage.get("prompt_tokens", 0)

@@ -20,10 +20,11 @@ waiting ends it at the step that will wake it (`_cut`).
 Consumers never block the engine: tokens are counters on the request, and a consumer that falls
 behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
 A waiting consumer is woken for the first token, every ``stream_interval`` tokens after it, and at
-the end; one whose body says ``"stream": False`` (it collects the whole answer, as the
-dispatcher's `chat` does) only at the end, with one chunk of all the tokens that says when the
-first came (`FIRST_TOKEN_AT`). That is one task switch per call instead of one per chunk, and the
-times of the first token and of the end, all that a collector observes, stay the same.
+the end; one whose body says ``"stream": False`` (it collects the whole answer) only for the
+first token and at the end, and a call collected by `complete_chat` (the dispatcher's `chat`)
+only at the end: the engine loop notes when its first token came. That is one or two task
+switches per call instead of one per chunk, and the times of the first token and of the end, all
+that a collector observes, stay the same.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
 from ..base import (
-    FIRST_TOKEN_AT,
     Backend,
     ChatBody,
     Chunk,
@@ -353,8 +353,7 @@ class SimBackend(Backend):
             )
         hashes = block_hashes(text, s.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
-        request.collect = body.get("stream") is False
-        request.wake_every = max_tokens if request.collect else s.stream_interval
+        request.wake_every = max_tokens if body.get("stream") is False else s.stream_interval
         return request
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
@@ -362,7 +361,7 @@ class SimBackend(Backend):
 
         Raises `InvalidRequest` / `ContextTooLong` (both ValueError) at once for a body the engine
         would refuse, and `BackendUnavailable` if the backend is not running. With ``"stream":
-        False`` in `body` the tokens come in one chunk at the end (see `FIRST_TOKEN_AT`).
+        False`` in `body` the tokens after the first come in one chunk at the end.
         """
         request = self._validate(body)
         self._check_running()
@@ -445,12 +444,9 @@ class SimBackend(Backend):
                     await park(request)
                     continue
                 count = request.num_output - request.delivered
-                first = request.delivered == 0
+                role = "assistant" if request.delivered == 0 else None
                 request.delivered = request.num_output
-                chunk = make_chunk(cid, model, created, role="assistant" if first else None, content=TOKEN_TEXT * count)
-                if first and request.collect:
-                    chunk[FIRST_TOKEN_AT] = request.first_token_at
-                yield chunk
+                yield make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count)
                 if request.status == FINISHED and request.delivered == request.num_output:
                     usage = usage_dict(request.prompt_tokens, request.num_output)
                     yield make_chunk(cid, model, created, finish_reason="length", usage=usage)

@@ -76,7 +76,7 @@ class SimRequest:
         self.engine: SimEngine | None = None
         self.coasting_since = -1  # the engine step it began coasting at, or -1
         self.run_order = 0  # position in the running order (admission order)
-        self.collect = False  # the consumer collects the whole answer: no wake-up for the first token
+        self.collect = False  # collected whole (`SimBackend.complete_chat`): no wake-up for the first token
         self.first_token_at: float | None = None  # when the first token came (set by the async loop)
 
     @property
