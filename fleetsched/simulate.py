@@ -84,8 +84,7 @@ async def _fleet(scheduler: Any, agents: list[AgentMix], duration_s: float, seed
         await anyio.sleep(delay)
         while anyio.current_time() < end:
             try:
-                handle = await scheduler.submit(scripted_chat_agent(mix, rng), tenant=mix.tenant, memory=memory, kind=kind)
-                await handle
+                await scheduler.run(scripted_chat_agent(mix, rng), tenant=mix.tenant, memory=memory, kind=kind)
             except FleetschedError:
                 await anyio.sleep(1.0)  # rejected or failed (recorded by the scheduler); do not spin
 

@@ -208,6 +208,82 @@ async def test_session_deadline():
     check_released(scheduler)
 
 
+async def test_run_in_the_callers_task_or_queued():
+    """`run` is ``await submit(...)``: a session admitted at once runs in the caller's task, one
+    that waits for a slot is queued and awaited; results, order and times as with `submit`."""
+    log: list = []
+    tasks: dict = {}
+
+    def agent(label):
+        async def body(ctx):
+            tasks[label] = anyio.get_current_task().id
+            return await sleeper(10, log, label)(ctx)
+
+        return body
+
+    async with Scheduler(settings(scheduler={"max_sessions": 1})) as scheduler:
+        callers: dict = {}
+        results: dict = {}
+
+        async def caller(label):
+            callers[label] = anyio.get_current_task().id
+            results[label] = await scheduler.run(agent(label), tenant="acme")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(caller, "first")
+            await anyio.sleep(1)
+            tg.start_soon(caller, "second")  # the slot is taken: it queues
+    assert results == {"first": "first", "second": "second"}
+    assert log == [("first", 0.0), ("second", 10.0)]
+    assert tasks["first"] == callers["first"] and tasks["second"] != callers["second"]
+    assert [r.state for r in scheduler.recorder.sessions] == ["done", "done"]
+    check_released(scheduler)
+
+
+async def test_run_fails_cancels_and_meets_its_deadline_as_submit_does():
+    async def broken(ctx):
+        await anyio.sleep(1)
+        raise RuntimeError("tool exploded")
+
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(SessionFailed) as info:
+            await scheduler.run(broken, tenant="acme")
+        assert isinstance(info.value.__cause__, RuntimeError)
+        with pytest.raises(SessionFailed) as info:
+            await scheduler.run(sleeper(100), tenant="acme", deadline_s=5)
+        assert isinstance(info.value.__cause__, DeadlineExceeded)
+        with anyio.move_on_after(3):  # the caller cancelled: its session with it
+            await scheduler.run(sleeper(100), tenant="acme")
+        with pytest.raises(UnknownTenant):
+            await scheduler.run(chatter, tenant="nobody")
+        assert await scheduler.run(chatter, tenant="acme") == "ok"
+    assert [r.state for r in scheduler.recorder.sessions] == ["failed", "failed", "cancelled", "done"]
+    assert anyio.current_time() == 9.0
+    check_released(scheduler)
+
+
+async def test_shutdown_cancels_sessions_run_in_other_tasks():
+    """Leaving the block cancels a session that `run` started in a task outside it, and waits
+    for it to give back its slot and memory."""
+    s = settings(scheduler={"drain_grace_s": 30})
+    outcome: list = []
+    async with anyio.create_task_group() as tg:
+        async with Scheduler(s) as scheduler:
+
+            async def caller():
+                try:
+                    await scheduler.run(sleeper(1000), tenant="acme")
+                except SessionCancelled:
+                    outcome.append(anyio.current_time())
+
+            tg.start_soon(caller)
+            await anyio.sleep(1)
+            assert scheduler.statistics().running_total == 1
+        check_released(scheduler)
+    assert outcome == [31.0]
+    assert [r.state for r in scheduler.recorder.sessions] == ["cancelled"]
+
+
 async def test_bad_input_is_refused_at_once():
     s = settings({"acme": {"memory_quota": "8GB"}}, resources={"strategy": "counting", "devices": [{"name": "g", "memory": "10GB"}]})
     async with Scheduler(s) as scheduler:

@@ -159,7 +159,13 @@ class Scheduler:
                     await self._idle.wait()
             for entry in list(self._queue):
                 self._cancel_queued(entry.item)
+            # Sessions that `run` started live in their callers' tasks, outside the task group:
+            # cancel them, and wait for them to give back what they hold before the backend closes.
+            for handle in list(self._running.values()):
+                handle.cancel()
             self._task_group.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._idle.wait()
         finally:
             # The block's own exception propagates as it is, not wrapped in the task group's.
             await self._exit_stack.__aexit__(None, None, None)
@@ -186,6 +192,47 @@ class Scheduler:
         Raises `UnknownTenant`, `RequestTooLarge` or `QuotaExceeded` (the session could never
         run: rejected at once), `SchedulerClosed` outside the ``async with`` block.
         """
+        handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind)
+        if not self._start_at_once(handle, now):
+            self._enqueue(handle, now)
+        return handle
+
+    async def run(
+        self,
+        agent: Agent,
+        *,
+        tenant: str,
+        tier: Tier | str | None = None,
+        memory: int | None = None,
+        deadline_s: float | None = None,
+        name: str | None = None,
+        kind: str = "agent",
+    ) -> Any:
+        """Run a session of `agent` to its end and return its result: ``await submit(...)`` in
+        one step, with the same arguments, admission and errors.
+
+        A session admitted at once runs in the calling task, not in one of the scheduler's (a
+        fleet of thousands of short sessions saves a task each); one that must wait is queued
+        and awaited as `submit` would. Cancelling the caller cancels the session.
+        """
+        handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind)
+        if self._start_at_once(handle, now, spawn=False):
+            await self._run(handle)
+        else:
+            self._enqueue(handle, now)
+        return await handle
+
+    def _new_session(
+        self,
+        agent: Agent,
+        tenant: str,
+        tier: Tier | str | None,
+        memory: int | None,
+        deadline_s: float | None,
+        name: str | None,
+        kind: str,
+    ) -> tuple[SessionHandle, float]:
+        """A checked, counted session in the QUEUED state, and the time of its submission."""
         if not self._accepting:
             raise SchedulerClosed("the scheduler is not accepting sessions (enter it with `async with` first)")
         tenant_settings = self.settings.tenants.get(tenant)
@@ -219,14 +266,14 @@ class Scheduler:
         self._live += 1
         if self._idle.is_set():
             self._idle = anyio.Event()
-        if self._start_at_once(handle, now):
-            return handle
+        return handle, now
+
+    def _enqueue(self, handle: SessionHandle, now: float) -> None:
         pressure_before = bool(self._queue)
-        handle._entry = self._queue.push(Entry(tenant, int(tier), now, handle))
+        handle._entry = self._queue.push(Entry(handle.tenant, int(handle.tier), now, handle))
         self._admit_ready()
         if self._queue and not pressure_before:
             self._reconsider_tools(now)  # sessions now wait: tools kept for lack of pressure may park
-        return handle
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -265,9 +312,10 @@ class Scheduler:
         finally:
             self._admitting = False
 
-    def _start_at_once(self, handle: SessionHandle, now: float) -> bool:
+    def _start_at_once(self, handle: SessionHandle, now: float, spawn: bool = True) -> bool:
         """Start `handle` without queueing it when nobody waits and a slot and memory are free
-        (the fast path: what `_admit_ready` would do for a queue of one)."""
+        (the fast path: what `_admit_ready` would do for a queue of one). With `spawn` False the
+        caller runs the session itself (`run`)."""
         if self._queue or self._admitting or self._task_group is None or not self.slots.can_take(handle.tenant):
             return False
         try:
@@ -275,10 +323,10 @@ class Scheduler:
         except WouldBlock:  # QuotaWouldBlock too: it queues, and `_admit_ready` takes it from there
             return False
         self._queue.serve_direct(handle.tenant, int(handle.tier), 1.0)  # a session costs 1, as a queued one does
-        self._start(handle, reservation, now)
+        self._start(handle, reservation, now, spawn)
         return True
 
-    def _start(self, handle: SessionHandle, reservation: Any, now: float) -> None:
+    def _start(self, handle: SessionHandle, reservation: Any, now: float, spawn: bool = True) -> None:
         self.slots.take(handle.tenant)
         handle._holds_slot = True
         handle.reservation = reservation
@@ -286,8 +334,9 @@ class Scheduler:
         handle._scope = anyio.CancelScope(deadline=handle.deadline)
         handle._set_state(SessionState.ADMITTED, now)
         self._running[handle.id] = handle
-        assert self._task_group is not None
-        self._task_group.start_soon(self._run, handle, name=handle.name)
+        if spawn:
+            assert self._task_group is not None
+            self._task_group.start_soon(self._run, handle, name=handle.name)
 
     async def _run(self, handle: SessionHandle) -> None:
         slo = self.settings.tenants[handle.tenant].sla.ttft_p99_s
