@@ -229,14 +229,19 @@ async def test_run_in_the_callers_task_or_queued():
             callers[label] = anyio.get_current_task().id
             results[label] = await scheduler.run(agent(label), tenant="acme")
 
+        async def impatient_caller():
+            with anyio.move_on_after(5):
+                await scheduler.run(agent("third"), tenant="acme")
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(caller, "first")
             await anyio.sleep(1)
             tg.start_soon(caller, "second")  # the slot is taken: it queues
+            tg.start_soon(impatient_caller)  # queued too; its caller gives up at t=6
     assert results == {"first": "first", "second": "second"}
     assert log == [("first", 0.0), ("second", 10.0)]
     assert tasks["first"] == callers["first"] and tasks["second"] != callers["second"]
-    assert [r.state for r in scheduler.recorder.sessions] == ["done", "done"]
+    assert [(r.state, r.finished) for r in scheduler.recorder.sessions] == [("cancelled", 6.0), ("done", 10.0), ("done", 20.0)]
     check_released(scheduler)
 
 

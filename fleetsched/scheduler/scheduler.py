@@ -218,9 +218,13 @@ class Scheduler:
         handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind)
         if self._start_at_once(handle, now, spawn=False):
             await self._run(handle)
-        else:
-            self._enqueue(handle, now)
-        return await handle
+            return await handle
+        self._enqueue(handle, now)
+        try:
+            return await handle
+        except anyio.get_cancelled_exc_class():
+            handle.cancel()  # the caller gave up: so does its session, queued or running in its own task
+            raise
 
     def _new_session(
         self,
