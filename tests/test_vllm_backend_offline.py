@@ -66,6 +66,11 @@ def test_parse_sums_label_sets_and_skips_created_samples():
     assert (page.ttft_sum_s, page.ttft_count) == (pytest.approx(0.15), 6.0)  # summed over engines, no buckets
 
 
+def test_a_page_that_is_not_prometheus_text_is_refused():
+    with pytest.raises(ValueError, match="not a Prometheus text page"):
+        parse_vllm_metrics("<html><body>502 Bad Gateway</body></html>")
+
+
 def test_policy_read_from_an_info_metric_when_exported():
     page = parse_vllm_metrics('# TYPE vllm:scheduler_config_info gauge\nvllm:scheduler_config_info{policy="fcfs"} 1.0\n')
     assert page.scheduling_policy == "fcfs"

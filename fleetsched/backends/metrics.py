@@ -65,12 +65,39 @@ def _family_key(name: str) -> str:
     return name.removesuffix("_total")
 
 
+#: Families `parse_vllm_metrics` reads, as name prefixes (a superset: it matches names exactly).
+_READ = (RUNNING, WAITING, KV_CACHE_USAGE, PREEMPTIONS, PREFIX_QUERIES, PREFIX_HITS, FINISHED, PROMPT_TOKENS, GENERATION_TOKENS)
+
+
+def _lines_read(text: str) -> str:
+    """The lines of a page that `parse_vllm_metrics` reads: the families in `_READ`, the sum and
+    count of the TTFT histogram (not its buckets) and every ``*_info`` series, with their comments.
+
+    vLLM's page is mostly histogram buckets (609 lines on vLLM 0.32 CPU, 54 kB): the Prometheus
+    parser took 6.8 ms over it, on the dispatcher's event loop at every scrape of the adaptive
+    window. Parsing only these lines keeps the loop free.
+    """
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)  # "# TYPE name type", "# HELP name text"
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith(_READ) or name.endswith("_info") or name in (TTFT, TTFT + "_sum", TTFT + "_count"):
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def parse_vllm_metrics(text: str) -> VLLMMetrics:
     """Parse a Prometheus text page from a vLLM server.
 
     Series that are absent leave their signal None (an engine that has not started a request yet
     exports no counters on some versions). Raises ValueError on a page that is not Prometheus text.
     """
+    if text.strip() and "# TYPE " not in text:
+        raise ValueError(f"not a Prometheus text page (no '# TYPE' line): {text[:80]!r}")
+    text = _lines_read(text)
     sums: dict[str, float] = {}
     kv_usage: float | None = None
     policy: str | None = None
