@@ -86,6 +86,16 @@ class EngineLoad:
         in_engine = (page.signals.running or 0) + (page.signals.waiting or 0)
         return in_engine + len(self.finished) >= len(self.threads)
 
+    def _scrape(self) -> VLLMMetrics:
+        """One read of ``/metrics``. The pool this shares with the load's threads may hand it a
+        keep-alive connection the server is closing that moment (seen once in CI: "Server
+        disconnected without sending a response"); a second try takes another connection."""
+        try:
+            response = self.client.get(self.server.metrics_url)
+        except httpx.TransportError:
+            response = self.client.get(self.server.metrics_url)
+        return parse_vllm_metrics(response.text)
+
     def wait_until(self, predicate: Callable[[VLLMMetrics], bool], within_s: float = 120) -> VLLMMetrics:
         """Poll ``/metrics`` until `predicate` holds (and fail after `within_s`)."""
         began = time.monotonic()
@@ -93,7 +103,7 @@ class EngineLoad:
         while True:
             if self.failed:
                 raise AssertionError(f"a call of the load failed: {self.failed[0]!r}")
-            page = parse_vllm_metrics(self.client.get(self.server.metrics_url).text)
+            page = self._scrape()
             if predicate(page):
                 return page
             state = (page.signals.running, page.signals.waiting, len(self.finished))
