@@ -35,6 +35,11 @@ def sleeper(seconds: float, log: list | None = None, label: object = None):
     return agent
 
 
+async def broken(ctx):
+    await anyio.sleep(1)
+    raise RuntimeError("tool exploded")
+
+
 async def chatter(ctx):
     response = await ctx.chat([{"role": "user", "content": "hello " * 40}], max_tokens=8)
     return response["choices"][0]["message"]["content"]
@@ -136,10 +141,6 @@ async def test_tenant_memory_quota_holds_back_only_that_tenant():
 
 
 async def test_an_exception_fails_only_its_session():
-    async def broken(ctx):
-        await anyio.sleep(1)
-        raise RuntimeError("tool exploded")
-
     async with Scheduler(settings()) as scheduler:
         bad = await scheduler.submit(broken, tenant="acme")
         good = [await scheduler.submit(chatter, tenant="acme") for _ in range(3)]
@@ -246,10 +247,6 @@ async def test_run_in_the_callers_task_or_queued():
 
 
 async def test_run_fails_cancels_and_meets_its_deadline_as_submit_does():
-    async def broken(ctx):
-        await anyio.sleep(1)
-        raise RuntimeError("tool exploded")
-
     async with Scheduler(settings()) as scheduler:
         with pytest.raises(SessionFailed) as info:
             await scheduler.run(broken, tenant="acme")

@@ -17,7 +17,7 @@ import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import anyio
 import anyio.lowlevel
@@ -163,10 +163,10 @@ class Dispatcher:
         try:
             # Inside the try: a backend refuses a body (ContextTooLong) when the call is made,
             # and that call must still give its place in the window back.
-            if replica is None or replica not in self.replicas:
-                response, first_token = await self.backend.complete_chat(request)
-            else:
+            if self._routes_to(replica):
                 response, first_token = await collect_stream(self._routed(request, replica))
+            else:
+                response, first_token = await self.backend.complete_chat(request)
             if first_token is not None:
                 record.first_token = first_token
             usage = response.get("usage") or {}
@@ -234,9 +234,13 @@ class Dispatcher:
             self._end(record, estimate)
 
     def _upstream(self, request: dict[str, Any], replica: str | None) -> AsyncIterator[Chunk]:
-        if replica is None or replica not in self.replicas:
-            return self.backend.stream_chat(request)
-        return self._routed(request, replica)
+        if self._routes_to(replica):
+            return self._routed(request, replica)
+        return self.backend.stream_chat(request)
+
+    def _routes_to(self, replica: str | None) -> TypeGuard[str]:
+        """Whether a call placed on `replica` goes there: a replica of this multi-replica backend."""
+        return replica is not None and replica in self.replicas
 
     async def _routed(self, request: dict[str, Any], replica: str) -> AsyncIterator[Chunk]:
         """The call on its session's replica (affinity keeps its prefix cached there); if that

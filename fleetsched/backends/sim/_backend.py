@@ -288,21 +288,23 @@ class SimBackend(Backend):
             assert self._glide_cut is not None
             self._glide_cut.set()
 
+    def _rouse(self) -> None:
+        """Wake the engine loop if it idles, waiting for work."""
+        if self._wake is not None:
+            self._wake.set()
+            self._wake = None
+
     def _expect(self, at: float) -> None:
         """A request will arrive at `at`, before any other now on its way: the engine loop must
         look at the engine then (if idle, it wakes to wait for it; a glide ends at the step under
         way then)."""
-        if self._wake is not None:
-            self._wake.set()
-            self._wake = None
+        self._rouse()
         if self._gliding is not None:
             self._cut(self._step_under_way_at(at))
 
     def _kick(self) -> None:
         """Something changed for the scheduler (an arrival, an abort): it looks at it next step."""
-        if self._wake is not None:
-            self._wake.set()
-            self._wake = None
+        self._rouse()
         self._settle()
         self._cut(self.engine.steps + 1)
 
