@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from fleetsched.bench.qos import DirectClients, _cpus, verdict
+from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, summarise, verdict
+from fleetsched.policies.tiers import Tier
 from fleetsched.testing.vllm_server import default_engine_cpus
 
 
@@ -75,3 +76,15 @@ def test_the_ttft_figures_leave_out_the_calls_made_in_the_warmup():
     assert tally.ttft == {"critical": [0.01], "batch": [3.0]}
     assert tally.ttft_all == {"critical": [0.2, 0.01], "batch": [3.0]}
     assert tally.service["c"] == 80  # service counts every call
+
+
+@pytest.mark.anyio
+async def test_summary_counts_every_call_for_the_cpu_a_call():
+    tally = Tally()
+    for i in range(4):
+        call = CallTally(tally, Tier.BATCH, "batch-a")
+        if i < 3:
+            call.token()  # the fourth never started
+    summary = summarise(tally, duration=1.0, cpu_s=0.02)
+    assert summary["process_cpu_ms_per_call"] == 5.0
+    assert summary["throughput_tok_s"] == 3.0 and summary["ttft_s"]["batch"]["calls"] == 3

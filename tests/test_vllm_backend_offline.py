@@ -155,6 +155,27 @@ async def test_5xx_is_retried_with_backoff_then_streams():
 
 
 @pytest.mark.anyio
+async def test_the_body_goes_out_as_given():
+    """Messages, tools and vLLM's extras reach the server unchanged (the messages travel in
+    `extra_body`, past the SDK's per-message transform), with streaming and usage switched on."""
+    conversation = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": [{"type": "text", "text": "weather in Paris?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    body = {"model": "m", "messages": conversation, "tools": tools, "max_tokens": 4, "priority": 1, "stream_interval": 16}
+    seen: list[dict] = []
+    backend = _backend([_ok()], seen)
+    _ = [c async for c in backend.stream_chat(body)]
+    assert seen == [{**body, "stream": True, "stream_options": {"include_usage": True}}]
+    assert body["messages"] is conversation  # the caller's body is left as it was
+    await backend.aclose()
+
+
+@pytest.mark.anyio
 async def test_4xx_is_not_retried_and_does_not_trip_the_breaker():
     seen: list[dict] = []
     backend = _backend([httpx2.Response(400, json={"error": {"message": "max_tokens too large"}})], seen, breaker_failures=1)

@@ -21,6 +21,8 @@ of the run repeats: the TTFT figures (``ttft_s``) leave out the calls made in it
 from ``scripts/setup-vllm.sh``), one at a time, with the engine processes at nice 19 and pinned
 to the last CPU (``--engine-nice``, ``--engine-cpus``): on a CPU-only machine that is the closest
 to a GPU host, where the engine's work does not compete with the API server and the client.
+Each mode also reports this process's CPU time a call (``process_cpu_ms_per_call``): it shares a
+CPU with the API server there.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Tally:
         self.service: dict[str, int] = defaultdict(int)  # VTC-weighted: prompt + 2 x completion
         self.tokens = 0
         self.errors = 0
+        self.calls = 0
 
     def _add_ttft(self, tier: str, started: float, ttft: float) -> None:
         self.ttft_all[tier].append(ttft)
@@ -88,6 +91,7 @@ class CallTally:
 
     def __init__(self, tally: Tally, tier: Tier, tenant: str) -> None:
         self.tally, self.tier, self.tenant = tally, str(tier), tenant
+        tally.calls += 1
         self.start = anyio.current_time()
         self.started = False
 
@@ -213,13 +217,18 @@ def _percentiles(ttfts: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {tier: {"p50": round(percentile(v, 50), 4), "p99": round(percentile(v, 99), 4), "calls": len(v)} for tier, v in sorted(ttfts.items())}
 
 
-def summarise(tally: Tally, duration: float) -> dict[str, Any]:
+def summarise(tally: Tally, duration: float, cpu_s: float) -> dict[str, Any]:
+    """The mode's figures; `cpu_s` is this process's CPU time over the mode's load."""
     return {
         "ttft_s": _percentiles(tally.ttft),
         "ttft_s_warmup_included": _percentiles(tally.ttft_all),
         "throughput_tok_s": round(tally.tokens / duration, 1),
         "tenant_service_tokens": dict(sorted(tally.service.items())),
         "errors": tally.errors,
+        # On a small machine this process shares a CPU with the API server: what it spends a
+        # call (load generator and client, and in the fleetsched mode the dispatcher and the
+        # vllm-server backend) is taken from the API server's turns.
+        "process_cpu_ms_per_call": round(cpu_s / max(1, tally.calls) * 1e3, 3),
     }
 
 
@@ -276,11 +285,13 @@ async def run_direct(url: str, mode: str, rate: float, args: argparse.Namespace)
 
     try:
         tally.since = anyio.current_time() + args.warmup
+        cpu = time.process_time()
         await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
+        cpu = time.process_time() - cpu
         await anyio.sleep(5)  # let the engine finish aborting the cancelled calls
     finally:
         await clients.aclose()
-    return summarise(tally, args.duration)
+    return summarise(tally, args.duration, cpu)
 
 
 async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tuple[dict[str, Any], Tally]:
@@ -308,7 +319,9 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
             await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
 
         tally.since = anyio.current_time() + args.warmup
+        cpu = time.process_time()
         await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
+        cpu = time.process_time() - cpu
         window = scheduler.dispatcher.window
     critical = [r for r in scheduler.recorder.calls if r.tier == Tier.CRITICAL]
     # Where a critical call's first token waited: for a place in the window, or after it (the
@@ -317,7 +330,7 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
         "queue_s_p99": round(percentile([r.queue_s for r in critical], 99), 4),
         "after_queue_ttft_s_p99": round(percentile([r.first_token - r.started for r in critical], 99), 4),
     }
-    result = {**summarise(tally, args.duration), "final_window": window, "critical_reserve": args.critical_reserve,
+    result = {**summarise(tally, args.duration, cpu), "final_window": window, "critical_reserve": args.critical_reserve,
               "batch_stream_interval": args.batch_stream_interval}
     return result | {"critical_breakdown": breakdown}, tally
 
@@ -448,7 +461,7 @@ def print_table(result: dict[str, Any]) -> None:
         title=f"fleetsched bench qos: {result['overload']}x the probe's saturated rate of a real vLLM "
         f"({result['effective_overload']}x the best rate reached)"
     )
-    for column in ("mode", "critical TTFT p50/p99 s", "batch TTFT p50/p99 s", "throughput tok/s", "service by batch tenant"):
+    for column in ("mode", "critical TTFT p50/p99 s", "batch TTFT p50/p99 s", "throughput tok/s", "service by batch tenant", "CPU ms/call"):
         table.add_column(column)
     for mode, m in result["modes"].items():
         crit, batch = m["ttft_s"].get("critical", {}), m["ttft_s"].get("batch", {})
@@ -458,6 +471,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{batch.get('p50')} / {batch.get('p99')}",
             f"{m['throughput_tok_s']:,}",
             ", ".join(f"{v:,}" for t, v in m["tenant_service_tokens"].items() if t in BATCH_TENANTS),
+            f"{m['process_cpu_ms_per_call']:.2f}",
         )
     console = Console()
     console.print(table)
