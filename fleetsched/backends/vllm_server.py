@@ -10,10 +10,11 @@ attempts (never by elapsed time, so virtual-time tests stay exact), and only unt
 arrived; after that a failure is the caller's (a model call is not idempotent once it streamed).
 
 The body is forwarded as is: the messages, and keys the SDK does not name (``priority``, vLLM
-sampling extras), travel in ``extra_body``, which the SDK sends without walking them. vLLM honours ``priority`` only under ``--scheduling-policy priority``; the
-backend checks the policy of each replica once, at its first `signals` poll (off the call path:
-the check can take seconds), and logs a warning when it is not priority (see
-`VLLMServerBackend.scheduling_policy` for how it is found).
+sampling extras), travel in ``extra_body``, which the SDK sends without walking them. vLLM
+honours ``priority`` only under ``--scheduling-policy priority``; the backend checks the policy
+of each replica once, at its first `signals` poll (off the call path: the check can take
+seconds), and logs a warning when it is not priority (see `VLLMServerBackend.scheduling_policy`
+for how it is found).
 """
 
 from __future__ import annotations
