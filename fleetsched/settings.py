@@ -151,10 +151,10 @@ class DispatchSettings(_Section):
     window - reserve, and at least 1). With max_window at the engine's max_num_seqs, a critical call
     then finds a free slot in the engine's running batch at once instead of waiting for a call to
     end: vLLM never preempts a running request for a waiting one. Costs lower tiers that many
-    places of the batch."""
+    places of the batch, unless the engine's max_num_seqs is raised by as many."""
     stream_interval: dict[str, int] = Field(default_factory=dict)
     """Tokens per streamed chunk asked of vLLM per tier (its per-request ``stream_interval``; the
-    first token always comes at once), e.g. ``{batch = 16}``: lower tiers streamed coarser leave
+    first token always comes at once), e.g. ``{batch = 64}``: lower tiers streamed coarser leave
     the API server and this process more time for the calls whose every token is awaited."""
 
     @field_validator("stream_interval")

@@ -88,3 +88,12 @@ async def test_summary_counts_every_call_for_the_cpu_a_call():
     summary = summarise(tally, duration=1.0, cpu_s=0.02)
     assert summary["process_cpu_ms_per_call"] == 5.0
     assert summary["throughput_tok_s"] == 3.0 and summary["ttft_s"]["batch"]["calls"] == 3
+
+
+def test_the_reserve_is_in_the_engines_batch_or_beyond_it():
+    from fleetsched.bench.qos import window_cap
+
+    assert window_cap(36, 4, "in-batch") == 36  # 32 places for batch calls, 4 slots kept free
+    assert window_cap(32, 4, "beyond-batch") == 36  # 32 for batch calls, 4 waiting in vLLM's queue
+    with pytest.raises(ValueError, match="reserve must be"):
+        window_cap(32, 4, "inside")

@@ -6,9 +6,9 @@ The same offered load in three modes, one run:
 - ``direct-priority``: straight to a vLLM server running ``--scheduling-policy priority``, with
   the tier passed as the request's priority;
 - ``fleetsched``: through fleetsched's dispatcher (tier bands, VTC fair share, minimum shares,
-  the adaptive in-flight window capped at the engine's ``max_num_seqs`` for batch calls plus a
-  reserve beyond it for critical calls, batch calls streamed `--batch-stream-interval` tokens a
-  chunk) to the priority server.
+  the adaptive in-flight window capped at the engine's ``max_num_seqs``, ``--critical-reserve``
+  of its places kept for critical calls (``--reserve``), batch calls streamed
+  `--batch-stream-interval` tokens a chunk) to the priority server.
 
 Load: three batch-tier tenants of equal weight submit calls open-loop at `overload` times the
 engine's saturated request rate, while a few critical-tier agents each make a call, wait for
@@ -294,14 +294,21 @@ async def run_direct(url: str, mode: str, rate: float, args: argparse.Namespace)
     return summarise(tally, args.duration, cpu)
 
 
+def window_cap(max_num_seqs: int, critical_reserve: int, reserve: str) -> int:
+    """fleetsched's largest window on an engine of `max_num_seqs`.
+
+    ``in-batch``: the window is the engine's batch, and the reserved places are slots the engine
+    keeps free, so a critical call joins its next step. ``beyond-batch``: batch calls fill every
+    slot, and a critical call waits in vLLM's priority queue for a running call to end (vLLM
+    never preempts one).
+    """
+    if reserve not in ("in-batch", "beyond-batch"):
+        raise ValueError(f"reserve must be 'in-batch' or 'beyond-batch', got {reserve!r}")
+    return max_num_seqs + (critical_reserve if reserve == "beyond-batch" else 0)
+
+
 async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tuple[dict[str, Any], Tally]:
-    # The window is the engine's batch plus the places reserved for critical calls: batch calls
-    # fill the engine's batch and no more, and a critical call waits in vLLM's priority queue
-    # only for the next running call to end (with starts staggered, calls end a step or two
-    # apart). With the reserve inside the engine's batch instead (window = max_num_seqs), 4 of
-    # its 32 slots idled for the critical agents: in 4 alternating pairs of 30 s runs that gave
-    # 6,442 tok/s on average against 7,280, and a critical TTFT p99 of 75 ms against 65.
-    cap = args.max_num_seqs + args.critical_reserve
+    cap = window_cap(args.max_num_seqs, args.critical_reserve, args.reserve)
     settings = Settings(
         backend={"kind": "vllm-server", "urls": [url], "max_in_flight": min(args.window or cap, cap)},
         dispatch={
@@ -331,7 +338,7 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
         "after_queue_ttft_s_p99": round(percentile([r.first_token - r.started for r in critical], 99), 4),
     }
     result = {**summarise(tally, args.duration, cpu), "final_window": window, "critical_reserve": args.critical_reserve,
-              "batch_stream_interval": args.batch_stream_interval}
+              "reserve": args.reserve, "batch_stream_interval": args.batch_stream_interval}
     return result | {"critical_breakdown": breakdown}, tally
 
 
@@ -380,11 +387,18 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
-        "--window", type=int, help="fleetsched's initial in-flight window (default and most: --max-num-seqs plus --critical-reserve)"
+        "--window", type=int, help="fleetsched's initial in-flight window (default and most: --max-num-seqs, plus --critical-reserve beyond the batch)"
     )
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="the engine's running batch (of the servers it starts, or the one at --url)")
-    parser.add_argument("--batch-stream-interval", type=int, default=16, help="tokens per streamed chunk fleetsched asks for batch calls")
+    parser.add_argument("--max-num-seqs", type=int, default=32 + CRITICAL_AGENTS,
+                        help="the engine's running batch (of the servers it starts, or the one at --url); with --reserve in-batch, "
+                        "fleetsched's batch calls get all of it but --critical-reserve")
+    # 64 tokens a chunk against 16, alternating on one server (2 pairs of 30 s): throughput 7,506 and 8,103 tok/s
+    # against 6,379 and 7,513, critical TTFT p99 66 and 49 ms against 71 and 75.
+    parser.add_argument("--batch-stream-interval", type=int, default=64, help="tokens per streamed chunk fleetsched asks for batch calls")
     parser.add_argument("--critical-reserve", type=int, default=CRITICAL_AGENTS, help="places of fleetsched's window kept for critical calls")
+    parser.add_argument("--reserve", choices=("in-batch", "beyond-batch"), default="in-batch",
+                        help="the reserved places: engine slots kept free (a critical call joins the next step), or places beyond the "
+                        "engine's batch (a critical call waits in vLLM's queue for a running call to end)")
     parser.add_argument("--batch-min-share", type=float, default=0.05)
     parser.add_argument("--engine-nice", type=int, default=19,
                         help="niceness of the engine processes of servers it starts (0: as they come; see VLLMServer.engine_nice)")
@@ -394,6 +408,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--engine-cpus", type=_cpus, default=default_engine_cpus(),
                         help="pin the engine processes of servers it starts to these CPUs (comma-separated; 'none': no pinning), "
                         "the API server to the others (default: the last CPU, if there are 2 or more)")
+    # Off the engine's CPU, this process shares the other with the API server, and on 2 cores that
+    # CPU then set the pace: the probe read 9,476 tok/s, fleetsched 0.84 of it.
+    parser.add_argument("--client-off-engine", action=argparse.BooleanOptionalAction, default=False,
+                        help="keep this process off --engine-cpus too (the engine's steps then never wait for it)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     # This process is the load generator in every mode and fleetsched itself in the last: it
@@ -433,7 +451,7 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any] | None:
         second_half(args.url, result)
         result["note"] = "one server: direct-fcfs sent no priorities to it"
     else:
-        from ..testing.vllm_server import VLLMServer, missing_setup
+        from ..testing.vllm_server import VLLMServer, missing_setup, off_cpus
 
         if missing := missing_setup():
             print(f"fleetsched bench qos: {'; '.join(missing)} missing (run scripts/setup-vllm.sh)", file=sys.stderr)
@@ -444,11 +462,15 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any] | None:
         # The engine at nice 19 by default: on 2 cores its busy loops otherwise starve the API
         # server, whose late streaming then decides every mode's TTFT (all modes share this).
         options = dict(max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice, engine_cpus=args.engine_cpus)
-        with VLLMServer(scheduling_policy="fcfs", **options) as fcfs:
-            result = first_half(fcfs.url)
-        with VLLMServer(scheduling_policy="priority", **options) as priority:
-            second_half(priority.url, result)
-        result.update(max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice, engine_cpus=sorted(args.engine_cpus))
+        # With --client-off-engine this process (load generator, client, dispatcher) keeps off
+        # the engine's CPU, as the API server does: where it runs beside the engine (at nice 19),
+        # the engine's steps stalled for 10-30 ms 37-158 times in 30 s, against 2-4 times.
+        with off_cpus(args.engine_cpus if args.client_off_engine else frozenset()):
+            with VLLMServer(scheduling_policy="fcfs", **options) as fcfs:
+                result = first_half(fcfs.url)
+            with VLLMServer(scheduling_policy="priority", **options) as priority:
+                second_half(priority.url, result)
+        result.update(max_num_seqs=args.max_num_seqs, client_off_engine=args.client_off_engine, engine_nice=args.engine_nice, engine_cpus=sorted(args.engine_cpus))
     result["wall_s"] = round(time.perf_counter() - start, 1)  # wall-clock ok
     return result
 
