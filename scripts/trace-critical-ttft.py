@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--overload", type=float, default=2.5)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--client-off-engine", action="store_true")
+    parser.add_argument("--engine-nice", type=int, default=19)
     args = parser.parse_args()
     run_args = argparse.Namespace(duration=30.0, warmup=2.0, max_tokens=64, window=None, batch_min_share=0.05, **{
         k: getattr(args, k) for k in ("max_num_seqs", "reserve", "critical_reserve", "batch_stream_interval")})
@@ -141,7 +142,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, gc_thresholds(SERVING), off_cpus(cpus if args.client_off_engine else frozenset()):
         trace_dir = Path(tmp)
         (trace_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        with TracedServer(trace_dir, scheduling_policy="priority", max_num_seqs=args.max_num_seqs, engine_nice=19, engine_cpus=cpus) as server:
+        with TracedServer(trace_dir, scheduling_policy="priority", max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice, engine_cpus=cpus) as server:
             engine = anyio.run(qos.measure_engine, server.url, 64)
             rate = args.overload * engine["saturation_tok_s"] / 64
             print(json.dumps({"args": vars(args), **engine}))
