@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -169,5 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
     main()

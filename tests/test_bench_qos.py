@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, summarise, verdict
+from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, summarise, verdict, window_cap
 from fleetsched.policies.tiers import Tier
 from fleetsched.testing.vllm_server import default_engine_cpus
 
@@ -91,8 +91,6 @@ async def test_summary_counts_every_call_for_the_cpu_a_call():
 
 
 def test_the_reserve_is_in_the_engines_batch_or_beyond_it():
-    from fleetsched.bench.qos import window_cap
-
     assert window_cap(36, 4, "in-batch") == 36  # 32 places for batch calls, 4 slots kept free
     assert window_cap(32, 4, "beyond-batch") == 36  # 32 for batch calls, 4 waiting in vLLM's queue
     with pytest.raises(ValueError, match="reserve must be"):
