@@ -8,7 +8,10 @@ into: client -> engine (this process, HTTP, the API server's parsing and tokenis
 this process's reading). It also counts engine stalls: gaps over 10 ms between the scheduler's
 steps. A diagnostic: it patches vLLM 0.32 internals (`vllm.v1.core.sched.scheduler.Scheduler`).
 
-    .venv/bin/python scripts/trace-critical-ttft.py [--max-num-seqs 36] [--reserve in-batch] [--repeats 2]
+    .venv/bin/python scripts/trace-critical-ttft.py [bench qos options] [--repeats 2]
+
+It takes `fleetsched bench qos`'s options and defaults (``--reserve``, ``--max-num-seqs``, ...);
+it starts its own server and prints JSON lines (``--url`` and ``--json`` are not used).
 
 Engine and client share one monotonic clock (the same machine), so the stamps compare directly.
 Critical calls are matched to the engine's records in order of arrival.
@@ -16,7 +19,6 @@ Critical calls are matched to the engine's records in order of arrival.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -27,7 +29,7 @@ from fleetsched.bench import qos
 from fleetsched.gc_tuning import SERVING, gc_thresholds
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import percentile
-from fleetsched.testing.vllm_server import VLLMServer, default_engine_cpus, off_cpus
+from fleetsched.testing.vllm_server import VLLMServer, off_cpus
 
 # Runs in every process of the server; patches the scheduler where it is imported (engine core).
 SITECUSTOMIZE = '''
@@ -117,42 +119,25 @@ def split(records, stamps: dict[str, dict[str, float]], since: float) -> list[tu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-num-seqs", type=int, default=36)
-    parser.add_argument("--reserve", choices=("in-batch", "beyond-batch"), default="in-batch")
-    parser.add_argument("--critical-reserve", type=int, default=qos.CRITICAL_AGENTS)
-    parser.add_argument("--batch-stream-interval", type=int, default=64)
-    parser.add_argument("--overload", type=float, default=2.5)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--client-off-engine", action="store_true")
-    parser.add_argument("--engine-nice", type=int, default=19)
+    parser = qos.build_parser(prog="trace-critical-ttft.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2, help="runs of the fleetsched mode on the one server")
     args = parser.parse_args()
-    run_args = argparse.Namespace(duration=30.0, warmup=2.0, max_tokens=64, window=None, batch_min_share=0.05, **{
-        k: getattr(args, k) for k in ("max_num_seqs", "reserve", "critical_reserve", "batch_stream_interval")})
-    schedulers = []
-
-    class Recorded(qos.Scheduler):  # keeps the scheduler, whose recorder has every call's times
-        def __init__(self, *a, **k) -> None:
-            super().__init__(*a, **k)
-            schedulers.append(self)
-
-    qos.Scheduler = Recorded
-    cpus = default_engine_cpus()
+    cpus = args.engine_cpus
     with tempfile.TemporaryDirectory() as tmp, gc_thresholds(SERVING), off_cpus(cpus if args.client_off_engine else frozenset()):
         trace_dir = Path(tmp)
         (trace_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        with TracedServer(trace_dir, scheduling_policy="priority", max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice, engine_cpus=cpus) as server:
-            engine = anyio.run(qos.measure_engine, server.url, 64)
-            rate = args.overload * engine["saturation_tok_s"] / 64
-            print(json.dumps({"args": vars(args), **engine}))
+        options = dict(max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice, engine_cpus=cpus)
+        with TracedServer(trace_dir, scheduling_policy="priority", **options) as server:
+            engine = anyio.run(qos.measure_engine, server.url, args.max_tokens)
+            rate = args.overload * engine["saturation_tok_s"] / args.max_tokens
+            print(json.dumps({"args": {k: sorted(v) if isinstance(v, frozenset) else v for k, v in vars(args).items()}, **engine}))
             for _ in range(args.repeats):
                 for path in trace_dir.glob("engine-*.txt"):
                     path.write_text("")
-                result, _ = anyio.run(qos.run_fleetsched, server.url, rate, run_args)
-                records = schedulers[-1].recorder.calls
+                result, _, records = anyio.run(qos.run_fleetsched, server.url, rate, args)
                 stamps, gaps = read_engine(trace_dir)
                 start = min(r.submitted for r in records)
-                rows = split(records, stamps, start + run_args.warmup)
+                rows = split(records, stamps, start + args.warmup)
                 gaps = [length for when, length in gaps if when >= start]  # not the idle time before the load
                 parts = {
                     name: {q: round(percentile([row[i] for row in rows], q) * 1e3, 1) for q in (50, 90, 99)}

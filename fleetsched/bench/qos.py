@@ -40,7 +40,7 @@ import httpx
 
 from ..gc_tuning import SERVING, gc_thresholds
 from ..policies.tiers import Tier
-from ..scheduler import Scheduler, percentile
+from ..scheduler import CallRecord, Scheduler, percentile
 from ..settings import Settings
 
 BATCH_TENANTS = ("batch-a", "batch-b", "batch-c")
@@ -190,14 +190,16 @@ async def fleetsched_call(scheduler: Scheduler, tally: Tally, tier: Tier, tenant
         tally.errors += 1
 
 
-async def offered_load(call, *, rate: float, duration: float, max_tokens: int) -> None:
-    """Open-loop batch calls round-robin over the batch tenants, plus closed-loop critical agents."""
+async def offered_load(call, *, rate: float, duration: float, max_tokens: int) -> float:
+    """Open-loop batch calls round-robin over the batch tenants, plus closed-loop critical agents.
+    Returns this process's CPU seconds over the load."""
 
     async def critical_agent(index: int) -> None:
         while True:
             await call(Tier.CRITICAL, "critical", max_tokens // 4)
             await anyio.sleep(1.0)
 
+    cpu = time.process_time()
     with anyio.move_on_after(duration):
         async with anyio.create_task_group() as tg:
             for i in range(CRITICAL_AGENTS):
@@ -211,6 +213,7 @@ async def offered_load(call, *, rate: float, duration: float, max_tokens: int) -
                     tg.start_soon(call, Tier.BATCH, BATCH_TENANTS[n % len(BATCH_TENANTS)], max_tokens)
                     n += 1
                 await anyio.sleep(1 / rate)
+    return time.process_time() - cpu
 
 
 def _percentiles(ttfts: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -285,13 +288,14 @@ async def run_direct(url: str, mode: str, rate: float, args: argparse.Namespace)
 
     try:
         tally.since = anyio.current_time() + args.warmup
-        cpu = time.process_time()
-        await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
-        cpu = time.process_time() - cpu
+        cpu = await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
         await anyio.sleep(5)  # let the engine finish aborting the cancelled calls
     finally:
         await clients.aclose()
     return summarise(tally, args.duration, cpu)
+
+
+RESERVES = ("in-batch", "beyond-batch")
 
 
 def window_cap(max_num_seqs: int, critical_reserve: int, reserve: str) -> int:
@@ -302,12 +306,13 @@ def window_cap(max_num_seqs: int, critical_reserve: int, reserve: str) -> int:
     slot, and a critical call waits in vLLM's priority queue for a running call to end (vLLM
     never preempts one).
     """
-    if reserve not in ("in-batch", "beyond-batch"):
+    if reserve not in RESERVES:
         raise ValueError(f"reserve must be 'in-batch' or 'beyond-batch', got {reserve!r}")
     return max_num_seqs + (critical_reserve if reserve == "beyond-batch" else 0)
 
 
-async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tuple[dict[str, Any], Tally]:
+async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tuple[dict[str, Any], Tally, list[CallRecord]]:
+    """The fleetsched mode's figures, its tally, and every call its scheduler recorded."""
     cap = window_cap(args.max_num_seqs, args.critical_reserve, args.reserve)
     settings = Settings(
         backend={"kind": "vllm-server", "urls": [url], "max_in_flight": min(args.window or cap, cap)},
@@ -326,9 +331,7 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
             await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
 
         tally.since = anyio.current_time() + args.warmup
-        cpu = time.process_time()
-        await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
-        cpu = time.process_time() - cpu
+        cpu = await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
         window = scheduler.dispatcher.window
     critical = [r for r in scheduler.recorder.calls if r.tier == Tier.CRITICAL]
     # Where a critical call's first token waited: for a place in the window, or after it (the
@@ -339,7 +342,7 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
     }
     result = {**summarise(tally, args.duration, cpu), "final_window": window, "critical_reserve": args.critical_reserve,
               "reserve": args.reserve, "batch_stream_interval": args.batch_stream_interval}
-    return result | {"critical_breakdown": breakdown}, tally
+    return result | {"critical_breakdown": breakdown}, tally, scheduler.recorder.calls
 
 
 def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> None:
@@ -374,10 +377,11 @@ def _cpus(text: str) -> frozenset[int]:
     return frozenset() if text == "none" else frozenset(int(c) for c in text.split(","))
 
 
-def main(argv: list[str]) -> int:
+def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.splitlines()[0]) -> argparse.ArgumentParser:
+    """The bench's options and their defaults (`scripts/trace-critical-ttft.py` runs a mode with them)."""
     from ..testing.vllm_server import default_engine_cpus
 
-    parser = argparse.ArgumentParser(prog="fleetsched bench qos", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--url", help="a running vLLM with --scheduling-policy priority (all modes use it; direct-fcfs then sends no priority)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode")
     parser.add_argument("--overload", type=float, default=2.5, help="offered load over the saturated rate")
@@ -396,7 +400,7 @@ def main(argv: list[str]) -> int:
     # against 6,379 and 7,513, critical TTFT p99 66 and 49 ms against 71 and 75.
     parser.add_argument("--batch-stream-interval", type=int, default=64, help="tokens per streamed chunk fleetsched asks for batch calls")
     parser.add_argument("--critical-reserve", type=int, default=CRITICAL_AGENTS, help="places of fleetsched's window kept for critical calls")
-    parser.add_argument("--reserve", choices=("in-batch", "beyond-batch"), default="in-batch",
+    parser.add_argument("--reserve", choices=RESERVES, default="in-batch",
                         help="the reserved places: engine slots kept free (a critical call joins the next step), or places beyond the "
                         "engine's batch (a critical call waits in vLLM's queue for a running call to end)")
     parser.add_argument("--batch-min-share", type=float, default=0.05)
@@ -413,7 +417,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--client-off-engine", action=argparse.BooleanOptionalAction, default=False,
                         help="keep this process off --engine-cpus too (the engine's steps then never wait for it)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     # This process is the load generator in every mode and fleetsched itself in the last: it
     # collects garbage as `fleetsched run` and `serve` do (see `fleetsched.gc_tuning`).
     with gc_thresholds(SERVING):
@@ -443,7 +451,7 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any] | None:
     def second_half(url: str, result: dict[str, Any]) -> None:
         rate = result["offered_calls_per_s"]
         result["modes"]["direct-priority"] = anyio.run(run_direct, url, "direct-priority", rate, args)
-        result["modes"]["fleetsched"], tally = anyio.run(run_fleetsched, url, rate, args)
+        result["modes"]["fleetsched"], tally, _ = anyio.run(run_fleetsched, url, rate, args)
         verdict(result, tally, args)
 
     if args.url:
