@@ -20,6 +20,7 @@ import itertools
 import json
 import statistics
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,18 @@ from .settings import SimSettings
 
 _FILLER = " ".join(f"{w}{i % 97}" for i, w in enumerate("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split() * 8)) + " "
 _ids = itertools.count()
+
+
+def client_limits(connections: int) -> httpx.Limits:
+    """Connection limits for a measuring client of a vLLM server, idle connections kept 2 s.
+
+    vLLM's server closes a connection idle for 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), as long
+    as httpx keeps one by default: a request sent on a connection the server is closing fails
+    with ``httpx.ReadError`` (a sweep failed so at c=48 after a few seconds at c=1-16).
+    """
+    return httpx.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
+
+
 #: Tokens per streamed chunk the sweep asks for (vLLM's per-request ``stream_interval``; the first
 #: token still comes at once). Coarse chunks keep the API server's and this client's per-token work
 #: (detokenising, SSE, parsing) from setting the pace: the profile models the engine. On this
@@ -168,15 +181,17 @@ async def sweep(
     echo: Any = print,
     stream_interval: int = STREAM_INTERVAL,
     repeats: int = 1,
+    after_pass: Callable[[], Awaitable[object]] | None = None,
 ) -> list[Sample]:
     """Measure every (concurrency, shape) point; shapes are (prompt tokens, max_tokens).
 
     With `repeats` > 1 the whole sweep runs that many times and each point is the median of its
     runs: on a shared machine the same point's TTFT p50 moves by a third from one sweep to the
     next, and passes spread over minutes average out the slow drifts that one pass would take
-    for the workload's shape.
+    for the workload's shape. `after_pass` is awaited after each pass: a caller measuring
+    something else on the same server runs it between the passes, so both see the machine alike.
     """
-    limits = httpx.Limits(max_connections=max(concurrencies) + 8, max_keepalive_connections=max(concurrencies) + 8)
+    limits = client_limits(max(concurrencies) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         if model is None:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -195,6 +210,8 @@ async def sweep(
                     f"{sample.throughput:8.0f} tok/s, TTFT p50 {sample.ttft_p50_s * 1e3:7.1f} ms"
                 )
                 point_runs.append(sample)
+            if after_pass is not None:
+                await after_pass()
         return [_median_sample(point_runs) for point_runs in runs]
 
 

@@ -143,7 +143,8 @@ async def direct_call(client: httpx.AsyncClient, tally: Tally, tier: Tier, tenan
 
 
 def direct_client(url: str, max_connections: int = 4096) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(256, max_connections))
+    # Idle connections kept 2 s, under the server's 5 s keep-alive: see `calibrate.client_limits`.
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(256, max_connections), keepalive_expiry=2.0)
     return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(120.0))
 
 
