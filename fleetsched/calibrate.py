@@ -142,24 +142,26 @@ async def measure(
     max_tokens: int,
     rounds: int,
     stream_interval: int = STREAM_INTERVAL,
+    lengths: list[list[int]] | None = None,
 ) -> Sample:
-    """One closed loop of `concurrency` clients, `rounds` requests each."""
+    """One closed loop of `concurrency` clients, `rounds` requests each, each of `max_tokens`
+    unless `lengths` gives each client's answer lengths (`Workload.answer_lengths`)."""
     ttfts: list[float] = []
     prompts: list[int] = []
     completion = 0
 
-    async def worker() -> None:
+    async def worker(answers: list[int]) -> None:
         nonlocal completion
-        for _ in range(rounds):
-            ttft, prompt, tokens = await one_request(client, model, prompt_of(prompt_chars), max_tokens, stream_interval)
+        for answer in answers:
+            ttft, prompt, tokens = await one_request(client, model, prompt_of(prompt_chars), answer, stream_interval)
             ttfts.append(ttft)
             prompts.append(prompt)
             completion += tokens
 
     start = anyio.current_time()
     async with anyio.create_task_group() as tg:
-        for _ in range(concurrency):
-            tg.start_soon(worker)
+        for answers in lengths or [[max_tokens] * rounds] * concurrency:
+            tg.start_soon(worker, answers)
     elapsed = anyio.current_time() - start
     return Sample(
         concurrency,

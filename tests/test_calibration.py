@@ -25,6 +25,29 @@ def test_features_predict_the_duration_for_any_profile():
     assert loop.duration_s([2 * t for t in theta]) == pytest.approx(2 * loop.duration_s(theta))
 
 
+def test_varied_answers_are_drawn_from_the_seed_and_all_generated():
+    workload = Workload(8, 200, 64, rounds=5, max_tokens_spread=48, seed=3)
+    lengths = workload.answer_lengths()
+    assert lengths == Workload(8, 200, 64, rounds=5, max_tokens_spread=48, seed=3).answer_lengths()
+    assert lengths != Workload(8, 200, 64, rounds=5, max_tokens_spread=48, seed=4).answer_lengths()
+    assert [len(client) for client in lengths] == [5] * 8
+    assert all(16 <= n <= 112 for client in lengths for n in client)
+    assert Workload(2, 200, 64, rounds=3).answer_lengths() == [[64, 64, 64], [64, 64, 64]]
+    loop = closed_loop(SimSettings(max_num_seqs=16), workload)
+    assert loop.requests == 40 and loop.generated_tokens == sum(map(sum, lengths))
+
+
+def test_equal_answers_move_in_waves_and_varied_ones_spread_out():
+    # Equal answers end together, so every client sends again at once and waits behind the others
+    # in the front end and the prefill; varied answers end apart. The real CPU vLLM showed the
+    # same: 23.9-30.5 ms against 12.3-16.5 ms (concurrency 24, 200-token prompts).
+    settings = SimSettings(profile="tiny-cpu-vllm")
+    theta = theta_of(settings)
+    equal = closed_loop(settings, Workload(24, 200, 64, rounds=10))
+    varied = closed_loop(settings, Workload(24, 200, 64, rounds=10, max_tokens_spread=48))
+    assert varied.ttft_p50_s(theta) < 0.8 * equal.ttft_p50_s(theta)
+
+
 def test_fit_recovers_a_known_profile_from_its_own_measurements():
     truth = SimSettings(step_base_s=0.004, step_per_token_s=3e-5, step_per_context_token_s=1e-7, step_per_seq_s=2e-4, request_overhead_s=0.03, request_serial_s=0.002)
     theta = theta_of(truth)

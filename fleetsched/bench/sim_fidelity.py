@@ -6,12 +6,14 @@
   continuous default, tuned), under the assumptions in the profile; its absolute serial QPS cannot
   be matched by any consistent model (12 QPS at 1.1 s P50 is 13 requests in flight).
 - ``real``: the ``tiny-cpu-vllm`` profile against a real CPU vLLM on a closed loop the calibration
-  did not see (concurrency 24, 200-token prompts, 64-token answers): throughput and TTFT p50, and
-  beside them the mean TTFT vLLM measured itself (``server_ttft_mean_s``, from a request's
-  arrival in the engine), which tells the engine's part of the client's TTFT from the rest.
+  did not see (concurrency 24, 200-token prompts, answers of 16-112 tokens, 10 each): throughput
+  and TTFT p50, and beside them the mean TTFT vLLM measured itself (``server_ttft_mean_s``, from a
+  request's arrival in the engine), which tells the engine's part of the client's TTFT from the
+  rest.
   Starts a server (about a minute) unless ``--url`` names one; ``--no-real`` skips it.
-  ``--calibrate`` also fits a fresh profile to the same server, as the shipped one was made (its
-  sweep's passes alternate with the runs), and compares it too (``fresh_calibration``).
+  By default it first fits a profile to the same server, as the shipped one was made (its sweep's
+  passes alternate with the runs), and compares that (``fresh_profile``), the shipped profile
+  beside it (``shipped_profile``); ``--no-calibrate`` compares the shipped profile alone.
 - ``speed``: wall time of ``fleetsched simulate`` for one virtual hour of 1,000 concurrent sessions
   (the whole stack: scheduler, dispatcher, sim engine), run in full, not extrapolated, with the
   process's CPU time beside it (on a shared machine the wall time also counts other work).
@@ -21,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -48,11 +51,14 @@ QWEN_TABLE = {
 QWEN_PROMPT, QWEN_OUTPUT = 512, 80
 
 #: The workload the calibration did not see (its sweep: concurrency 1/4/16/48, prompt:max_tokens
-#: 64:128, 384:32, 160:96 and 448:64; see the profile's [fit] table).
-REAL_WORKLOAD = Workload(concurrency=24, prompt_tokens=200, max_tokens=64, rounds=5)
+#: 64:128, 384:32, 160:96 and 448:64, equal answers; see the profile's [fit] table). Its answers
+#: vary, as real traffic's do: with equal ones the loop moves in waves, every client sending at
+#: once, and its TTFT p50 depends on how long the waves last. Measured on one server, six runs
+#: each alternating: 64-token answers 23.9-30.5 ms; 16-112-token answers 12.3-16.5 ms.
+REAL_WORKLOAD = Workload(concurrency=24, prompt_tokens=200, max_tokens=64, rounds=10, max_tokens_spread=48)
 #: Times the workload is measured; the sim is compared with the medians. On 2 cores one run's TTFT
 #: p50 moved between 32 and 54 ms, and its throughput between 4,900 and 5,360 tok/s, from one run
-#: to the next.
+#: to the next (64-token answers, 5 each).
 REAL_REPEATS = 5
 
 
@@ -142,7 +148,9 @@ async def _real_loop(url: str, workload: Workload, repeats: int, shape: SimSetti
     async def run(count: int) -> None:
         for _ in range(count):
             sum_before, count_before = await server_ttft()
-            sample = await measure(client, model, workload.concurrency, chars, workload.max_tokens, workload.rounds)
+            sample = await measure(
+                client, model, workload.concurrency, chars, workload.max_tokens, workload.rounds, lengths=workload.answer_lengths()
+            )
             sum_after, count_after = await server_ttft()
             n = count_after - count_before
             runs.append((sample, (sum_after - sum_before) / n if n > 0 else None))
@@ -170,15 +178,18 @@ async def _real_loop(url: str, workload: Workload, repeats: int, shape: SimSetti
 
 
 def real_fidelity(
-    url: str, settings: SimSettings, workload: Workload = REAL_WORKLOAD, repeats: int = REAL_REPEATS, calibrate: bool = False
+    url: str, settings: SimSettings, workload: Workload = REAL_WORKLOAD, repeats: int = REAL_REPEATS, calibrate: bool = True
 ) -> dict[str, Any]:
-    """Measure `workload` `repeats` times on the server at `url` and simulate it with `settings`;
-    the medians of the runs, each run, the sim's figures and the errors against the medians.
+    """Measure `workload` `repeats` times on the server at `url` and simulate it; the medians of
+    the runs, each run, the sim's figures and the errors against the medians.
 
-    With `calibrate`, also fit a fresh profile to the same server (`FRESH_SWEEP`, as the shipped
-    profile was made, its passes alternating with the runs) and compare it too
-    (``fresh_calibration``): the machine's speed drifts between sessions and within minutes, and a
-    profile fitted beside the measurement is not caught by that.
+    With `calibrate` (as a user would: ``fleetsched calibrate`` against the server, then
+    simulate), the sim runs a profile of `settings`' engine fitted to the same server
+    (`FRESH_SWEEP`, as the shipped profile was made, its passes alternating with the runs:
+    ``fresh_profile``), and `settings`' own profile is compared beside it
+    (``shipped_profile``). Without, `settings`' profile alone. The machine's speed drifts between
+    sessions and within minutes (the same loop ran at 3,800 and at 5,800 tok/s twenty minutes
+    apart), and a profile fitted beside the measurement is not caught by that.
     """
     runs, fresh = anyio.run(_real_loop, url, workload, repeats, settings if calibrate else None)
     samples = [sample for sample, _ in runs]
@@ -186,9 +197,9 @@ def real_fidelity(
     throughput = statistics.median(s.throughput for s in samples)
     ttft = statistics.median(s.ttft_p50_s for s in samples)
     prompt = round(statistics.mean(s.prompt_tokens for s in samples))
-    same = Workload(workload.concurrency, prompt, workload.max_tokens, workload.rounds)
+    same = dataclasses.replace(workload, prompt_tokens=prompt)
     result = {
-        "workload": {"concurrency": same.concurrency, "prompt_tokens": same.prompt_tokens, "max_tokens": same.max_tokens, "rounds": same.rounds},
+        "workload": dataclasses.asdict(same),
         "measured": {
             "throughput_tok_s": round(throughput, 1),
             "ttft_p50_s": round(ttft, 4),
@@ -201,14 +212,17 @@ def real_fidelity(
             # tokenising, and here the API server sharing a core with this client).
             "server_ttft_mean_s": _round(statistics.median(server_ttfts)) if server_ttfts else None,
         },
-        **_compare(settings, same, throughput, ttft),
     }
-    if fresh is not None:
-        result["fresh_calibration"] = {
-            "profile": {name: float(f"{getattr(fresh, name):.4g}") for name in PARAMS},
-            **_compare(fresh, same, throughput, ttft),
-        }
-    return result
+    shipped = _compare(settings, same, throughput, ttft)
+    if fresh is None:
+        return {**result, "compared": "shipped profile", **shipped}
+    return {
+        **result,
+        "compared": "profile fitted beside the runs",
+        **_compare(fresh, same, throughput, ttft),
+        "fresh_profile": {name: float(f"{getattr(fresh, name):.4g}") for name in PARAMS},
+        "shipped_profile": shipped,
+    }
 
 
 def _compare(settings: SimSettings, workload: Workload, throughput: float, ttft: float) -> dict[str, Any]:
@@ -305,7 +319,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-real", action="store_true", help="skip the real-vLLM comparison")
     parser.add_argument("--no-speed", action="store_true", help="skip the 1 h x 1,000 sessions speed run")
     parser.add_argument(
-        "--calibrate", action="store_true", help="also fit a fresh profile to the same server, its passes alternating with the runs (about 2 minutes), and compare it"
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fit a profile to the same server, its passes alternating with the runs (about 2 minutes), and compare it; "
+        "the shipped profile is compared beside it (default); --no-calibrate: the shipped profile alone",
     )
     args = parser.parse_args(argv)
 
@@ -335,7 +353,8 @@ def main(argv: list[str]) -> int:
     if real and "skipped" not in real:
         runs = real["measured"]["runs"]
         out(
-            f"real CPU vLLM ({real['workload']}), medians of {len(runs)} runs: throughput {real['measured']['throughput_tok_s']} "
+            f"real CPU vLLM ({real['workload']}), medians of {len(runs)} runs, against the {real['compared']}: "
+            f"throughput {real['measured']['throughput_tok_s']} "
             f"measured vs {real['sim']['throughput_tok_s']} sim (err {real['throughput_rel_err']:.1%}); TTFT p50 "
             f"{real['measured']['ttft_p50_s'] * 1e3:.1f} ms vs {real['sim']['ttft_p50_s'] * 1e3:.1f} ms (err {real['ttft_p50_rel_err']:.1%})\n"
             f"  runs: {', '.join(_run_text(r) for r in runs)}\n"
@@ -343,12 +362,12 @@ def main(argv: list[str]) -> int:
         if real["measured"]["server_ttft_mean_s"] is not None:
             out(f"  vLLM's own TTFT (arrival in the engine to first token), median of the runs' means: "
                 f"{real['measured']['server_ttft_mean_s'] * 1e3:.1f} ms\n")
-        fresh = real.get("fresh_calibration")
-        if fresh:
+        if "fresh_profile" in real:
+            shipped = real["shipped_profile"]
             out(
-                f"  a profile fitted to the same server beside the runs: throughput {fresh['sim']['throughput_tok_s']} "
-                f"(err {fresh['throughput_rel_err']:.1%}), TTFT p50 {fresh['sim']['ttft_p50_s'] * 1e3:.1f} ms "
-                f"(err {fresh['ttft_p50_rel_err']:.1%}); {fresh['profile']}\n"
+                f"  fitted profile: {real['fresh_profile']}\n  the shipped profile: throughput {shipped['sim']['throughput_tok_s']} "
+                f"(err {shipped['throughput_rel_err']:.1%}), TTFT p50 {shipped['sim']['ttft_p50_s'] * 1e3:.1f} ms "
+                f"(err {shipped['ttft_p50_rel_err']:.1%})\n"
             )
     elif real:
         out(f"real: skipped: {real['skipped']}\n")

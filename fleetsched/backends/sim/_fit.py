@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +60,19 @@ class Workload:
     """Leading prompt tokens every request shares (a system prompt), served from the prefix cache."""
     prefix_caching: bool = True
     """False: the engine runs without a prefix cache (shared blocks are recomputed)."""
+    max_tokens_spread: int = 0
+    """Answers of `max_tokens` +- this many tokens, uniform, each request's drawn from `seed`
+    (`answer_lengths`): a closed loop of equal answers moves in waves, every client sending at
+    once, and varied ones spread out as real traffic does."""
+    seed: int = 0
+
+    def answer_lengths(self) -> list[list[int]]:
+        """Each client's answer lengths, in the order it sends its requests."""
+        if not self.max_tokens_spread:
+            return [[self.max_tokens] * self.rounds for _ in range(self.concurrency)]
+        rng = random.Random(self.seed)
+        low, high = max(1, self.max_tokens - self.max_tokens_spread), self.max_tokens + self.max_tokens_spread
+        return [[rng.randint(low, high) for _ in range(self.rounds)] for _ in range(self.concurrency)]
 
 
 @dataclass(slots=True)
@@ -105,7 +119,7 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
     engine sees a request ``request_overhead_s`` after the front end is done with it, at the
     first step that starts after that (as the backend does), and idles when nothing has arrived.
     Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
-    `max_tokens`.
+    its answer length (`Workload.answer_lengths`).
     """
     theta = theta_of(settings) if theta is None else tuple(theta)
     engine = SimEngine(settings)
@@ -131,11 +145,11 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
         _, n, _, at, client = heapq.heappop(arrivals)
         shared = workload.shared_prefix_tokens // settings.block_size if workload.prefix_caching else 0
         hashes = [hash(("fit", 0 if i < shared else n, i)) for i in range(blocks)]
-        request = engine.new_request(workload.prompt_tokens, workload.max_tokens, hashes)
+        request = engine.new_request(workload.prompt_tokens, lengths[client].pop(0), hashes)
         sent[request] = at
         left[request] = client
 
-    remaining = [workload.rounds - 1] * workload.concurrency
+    lengths = workload.answer_lengths()  # each client's, popped as it sends
     for client in range(workload.concurrency):
         send(client, now)
     while True:
@@ -155,8 +169,7 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
             if request.status == FINISHED:
                 out.requests += 1
                 client = left.pop(request)
-                if remaining[client]:
-                    remaining[client] -= 1
+                if lengths[client]:
                     send(client, now)
     out.total = now
     out.generated_tokens = engine.generated_tokens
