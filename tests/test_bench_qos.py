@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import pytest
 
-from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, summarise, verdict, window_cap
+from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, answer_lengths, summarise, verdict, window_cap
 from fleetsched.policies.tiers import Tier
 from fleetsched.testing.vllm_server import default_engine_cpus
 
@@ -17,6 +18,14 @@ def test_engine_cpus_parse_and_default():
     assert _cpus("1,3") == frozenset({1, 3})
     cpus = sorted(os.sched_getaffinity(0))
     assert default_engine_cpus() == (frozenset({cpus[-1]}) if len(cpus) >= 2 else frozenset())
+
+
+def test_answer_lengths_vary_alike_in_every_mode():
+    draws = list(itertools.islice(answer_lengths(64, 32), 2000))
+    assert draws == list(itertools.islice(answer_lengths(64, 32), 2000))  # each mode gets the same
+    assert min(draws) == 32 and max(draws) == 96
+    assert abs(sum(draws) / len(draws) - 64) < 1.5
+    assert set(itertools.islice(answer_lengths(64, 0), 10)) == {64}
 
 
 @pytest.mark.anyio
@@ -54,7 +63,7 @@ def test_verdict_reports_the_effective_overload_against_the_best_rate():
     class Tally:
         service = {"batch-a": 100, "batch-b": 90, "batch-c": 95}
 
-    verdict(result, Tally(), argparse.Namespace(max_tokens=64))  # type: ignore[arg-type]
+    verdict(result, Tally(), argparse.Namespace(max_tokens=64, max_tokens_spread=0))  # type: ignore[arg-type]
     assert result["saturation_probe_tok_s"] == 1000.0 and result["saturation_tok_s"] == 2000.0
     assert result["effective_overload"] == 1.25
     assert result["targets"] == {

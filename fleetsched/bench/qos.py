@@ -13,7 +13,13 @@ The same offered load in three modes, one run:
 Load: three batch-tier tenants of equal weight submit calls open-loop at `overload` times the
 engine's saturated request rate, while a few critical-tier agents each make a call, wait for
 it, think for a second, and call again. Every call generates exactly `max_tokens` tokens
-(vLLM's ``ignore_eos``). The engine's saturated throughput and its unloaded TTFT are measured
+(vLLM's ``ignore_eos``), a critical call a quarter of it; ``--max-tokens-spread`` varies the batch
+calls' lengths (the same draws in every mode). With equal lengths the calls in flight move in
+step, and the tenants' service figures with them; with varied ones (32-96 tokens) the fairness gap
+exceeded the VTC bound in two runs of two (506 and 598 tokens against 464): the dispatcher
+charges a call its tenant's mean output when it starts and the rest as it streams, so what the
+tenants have received lags what they were charged by their calls in flight, each by a different
+amount. The engine's saturated throughput and its unloaded TTFT are measured
 first, in the same run. Each mode starts its whole load in one instant (the critical agents'
 first calls beside a full window of batch calls, on fresh connections), which no later moment
 of the run repeats: the TTFT figures (``ttft_s``) leave out the calls made in its first
@@ -30,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -191,9 +199,17 @@ async def fleetsched_call(scheduler: Scheduler, tally: Tally, tier: Tier, tenant
         tally.errors += 1
 
 
-async def offered_load(call, *, rate: float, duration: float, max_tokens: int) -> float:
-    """Open-loop batch calls round-robin over the batch tenants, plus closed-loop critical agents.
-    Returns this process's CPU seconds over the load."""
+def answer_lengths(max_tokens: int, spread: int) -> Iterator[int]:
+    """Batch calls' answer lengths: `max_tokens` +- `spread`, uniform, the same draws in every mode."""
+    rng = random.Random(0)
+    while True:
+        yield rng.randint(max(1, max_tokens - spread), max_tokens + spread) if spread else max_tokens
+
+
+async def offered_load(call, *, rate: float, duration: float, max_tokens: int, spread: int = 0) -> float:
+    """Open-loop batch calls round-robin over the batch tenants (answers of `answer_lengths`), plus
+    closed-loop critical agents. Returns this process's CPU seconds over the load."""
+    lengths = answer_lengths(max_tokens, spread)
 
     async def critical_agent(index: int) -> None:
         while True:
@@ -211,7 +227,7 @@ async def offered_load(call, *, rate: float, duration: float, max_tokens: int) -
                 # Launch every call due by now, so a busy event loop cannot lower the offered load.
                 due = int((anyio.current_time() - start) * rate) + 1
                 while n < due:
-                    tg.start_soon(call, Tier.BATCH, BATCH_TENANTS[n % len(BATCH_TENANTS)], max_tokens)
+                    tg.start_soon(call, Tier.BATCH, BATCH_TENANTS[n % len(BATCH_TENANTS)], next(lengths))
                     n += 1
                 await anyio.sleep(1 / rate)
     return time.process_time() - cpu
@@ -236,7 +252,7 @@ def summarise(tally: Tally, duration: float, cpu_s: float) -> dict[str, Any]:
     }
 
 
-async def measure_engine(url: str, max_tokens: int) -> dict[str, Any]:
+async def measure_engine(url: str, max_tokens: int, spread: int = 0) -> dict[str, Any]:
     """Unloaded TTFT (sequential small calls) and saturated throughput (a full batch).
 
     The first calls to a fresh server are slow (measured: 26 ms against 8-10 ms warm), so the
@@ -250,6 +266,8 @@ async def measure_engine(url: str, max_tokens: int) -> dict[str, Any]:
     for _ in range(50):
         await direct_call(clients.pick(), unloaded, Tier.CRITICAL, "probe", 8, priority=False)
 
+    lengths = answer_lengths(max_tokens, spread)
+
     async def saturate(seconds: float, tally: Tally) -> float:
         # Sharded clients: through one pool of 128 connections the probe read 3,200-3,400 tok/s
         # from an engine that served sharded clients 6,700-7,260 (httpcore's pool was the limit).
@@ -259,7 +277,7 @@ async def measure_engine(url: str, max_tokens: int) -> dict[str, Any]:
 
                 async def worker() -> None:
                     while True:
-                        await direct_call(clients.pick(), tally, Tier.BATCH, "probe", max_tokens, priority=False)
+                        await direct_call(clients.pick(), tally, Tier.BATCH, "probe", next(lengths), priority=False)
 
                 for _ in range(128):
                     tg.start_soon(worker)
@@ -289,7 +307,7 @@ async def run_direct(url: str, mode: str, rate: float, args: argparse.Namespace)
 
     try:
         tally.since = anyio.current_time() + args.warmup
-        cpu = await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
+        cpu = await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens, spread=args.max_tokens_spread)
         await anyio.sleep(5)  # let the engine finish aborting the cancelled calls
     finally:
         await clients.aclose()
@@ -332,7 +350,7 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
             await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
 
         tally.since = anyio.current_time() + args.warmup
-        cpu = await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens)
+        cpu = await offered_load(call, rate=rate, duration=args.duration, max_tokens=args.max_tokens, spread=args.max_tokens_spread)
         window = scheduler.dispatcher.window
     critical = [r for r in scheduler.recorder.calls if r.tier == Tier.CRITICAL]
     # Where a critical call's first token waited: for a place in the window, or after it (the
@@ -360,7 +378,7 @@ def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> N
     offered_tok_s = result["offered_calls_per_s"] * args.max_tokens
     result["effective_overload"] = round(offered_tok_s / result["saturation_tok_s"], 2)
     service = [tally.service[t] for t in BATCH_TENANTS]
-    largest_request = PROMPT_TOKENS + 2 * args.max_tokens
+    largest_request = PROMPT_TOKENS + 2 * (args.max_tokens + args.max_tokens_spread)
     result["fairness_gap_tokens"] = max(service) - min(service)
     result["vtc_bound_tokens"] = 2 * largest_request
     ours = result["modes"]["fleetsched"]
@@ -390,7 +408,8 @@ def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.
         "--warmup", type=float, default=2.0,
         help="seconds at the start of each mode whose calls the TTFT figures leave out (ttft_s_warmup_included has them)",
     )
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="batch calls' mean answer length (critical calls': a quarter of it)")
+    parser.add_argument("--max-tokens-spread", type=int, default=0, help="batch calls' answers vary by +- this many tokens, uniform")
     parser.add_argument(
         "--window", type=int, help="fleetsched's initial in-flight window (default and most: --max-num-seqs, plus --critical-reserve beyond the batch)"
     )
@@ -443,7 +462,7 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any] | None:
     start = time.perf_counter()  # wall-clock ok
 
     def first_half(url: str) -> dict[str, Any]:
-        engine = anyio.run(measure_engine, url, args.max_tokens)
+        engine = anyio.run(measure_engine, url, args.max_tokens, args.max_tokens_spread)
         rate = args.overload * engine["saturation_tok_s"] / args.max_tokens
         result = {**engine, "offered_calls_per_s": round(rate, 2), "overload": args.overload, "modes": {}}
         result["modes"]["direct-fcfs"] = anyio.run(run_direct, url, "direct-fcfs", rate, args)
