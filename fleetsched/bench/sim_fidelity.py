@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -125,7 +126,11 @@ def qwen_table() -> dict[str, Any]:
     }
 
 
-async def _real_loop(url: str, workload: Workload, repeats: int, shape: SimSettings | None = None) -> tuple[list[tuple[Any, float | None]], SimSettings | None]:
+Run = tuple[Any, float | None]
+"""One run of the unseen workload: its `Sample`, and the mean TTFT vLLM measured itself."""
+
+
+async def _real_loop(url: str, workload: Workload, repeats: int, shape: SimSettings | None = None) -> tuple[list[Run], SimSettings | None]:
     """`repeats` closed loops of `workload` after one warm-up run: each run's `Sample` and the
     mean TTFT vLLM measured itself over it (its ``time_to_first_token_seconds`` histogram: from
     a request's arrival in the engine, after parsing and tokenising, to its first token), or
@@ -155,14 +160,14 @@ async def _real_loop(url: str, workload: Workload, repeats: int, shape: SimSetti
             n = count_after - count_before
             runs.append((sample, (sum_after - sum_before) / n if n > 0 else None))
 
-    runs: list[tuple[Any, float | None]] = []
+    runs: list[Run] = []
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=client_limits(workload.concurrency + 8)) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         chars = await prompt_chars(client, model, workload.prompt_tokens)
         # Warm up with one whole run, not counted: in one series after a start the first run gave
         # 5,450 tok/s and a TTFT p50 of 42 ms, the fourth and fifth 5,950-6,340 tok/s and 20-24 ms.
         await run(1)
-        runs.clear()
+        runs.clear()  # the warm-up's
         if shape is None:
             await run(repeats)
             return runs, None
@@ -172,7 +177,7 @@ async def _real_loop(url: str, workload: Workload, repeats: int, shape: SimSetti
         async def after_pass() -> None:
             await run(next(shares))
 
-        echo = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        echo = functools.partial(print, file=sys.stderr)
         samples = await sweep(url, model, concurrencies, shapes, rounds, echo=echo, repeats=passes, after_pass=after_pass)
     return runs, fit_profile(shape, [s.measurement() for s in samples]).as_settings(shape)
 
