@@ -280,6 +280,19 @@ async def test_stream_interval_groups_tokens_into_chunks():
     assert sizes == [1, 4, 4, 1]  # the first token at once, then every 4, the rest at the end
 
 
+async def test_a_request_sets_its_own_stream_interval_as_vllm_takes_it():
+    async with SimBackend(flat(stream_interval=4)) as backend:
+        sizes = []
+        async for chunk in backend.stream_chat({**body(16, 10), "stream_interval": 3}):
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if content:
+                sizes.append(len(content) // len(" tok"))
+        assert sizes == [1, 3, 3, 3]
+        for bad in (0, "8", 2.5, True):
+            with pytest.raises(InvalidRequest, match="stream_interval"):
+                backend.stream_chat({**body(16, 10), "stream_interval": bad})
+
+
 async def test_a_collected_answer_wakes_its_consumer_for_the_first_token_and_the_end():
     async with SimBackend(flat(stream_interval=4)) as backend:
         start = anyio.current_time()

@@ -19,8 +19,8 @@ waiting ends it at the step that will wake it (`_cut`).
 
 Consumers never block the engine: tokens are counters on the request, and a consumer that falls
 behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
-A waiting consumer is woken for the first token, every ``stream_interval`` tokens after it, and at
-the end; one whose body says ``"stream": False`` (it collects the whole answer) only for the
+A waiting consumer is woken for the first token, every ``stream_interval`` tokens after it (the
+request body's, as vLLM takes it, else the settings'), and at the end; one whose body says ``"stream": False`` (it collects the whole answer) only for the
 first token and at the end, and a call collected by `complete_chat` (the dispatcher's `chat`)
 only at the end: the engine loop notes when its first token came. That is one or two task
 switches per call instead of one per chunk, and the times of the first token and of the end, all
@@ -355,7 +355,10 @@ class SimBackend(Backend):
             )
         hashes = block_hashes(text, s.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
-        request.wake_every = max_tokens if body.get("stream") is False else s.stream_interval
+        interval = body.get("stream_interval", s.stream_interval)  # per request, as vLLM takes it
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r}")
+        request.wake_every = max_tokens if body.get("stream") is False else interval
         return request
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
