@@ -36,14 +36,16 @@ _FILLER = " ".join(f"{w}{i % 97}" for i, w in enumerate("alpha bravo charlie del
 _ids = itertools.count()
 
 
-def client_limits(connections: int) -> httpx.Limits:
-    """Connection limits for a measuring client of a vLLM server, idle connections kept 2 s.
+#: How long a measuring client keeps an idle connection to a vLLM server. The server closes one
+#: idle for 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), as long as httpx keeps one by default: a
+#: request sent on a connection the server is closing fails with ``httpx.ReadError`` (a sweep
+#: failed so at c=48 after a few seconds at c=1-16).
+KEEPALIVE_EXPIRY_S = 2.0
 
-    vLLM's server closes a connection idle for 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), as long
-    as httpx keeps one by default: a request sent on a connection the server is closing fails
-    with ``httpx.ReadError`` (a sweep failed so at c=48 after a few seconds at c=1-16).
-    """
-    return httpx.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=2.0)
+
+def client_limits(connections: int) -> httpx.Limits:
+    """Connection limits for a measuring client of a vLLM server (`KEEPALIVE_EXPIRY_S`)."""
+    return httpx.Limits(max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
 
 
 #: Tokens per streamed chunk the sweep asks for (vLLM's per-request ``stream_interval``; the first

@@ -128,7 +128,7 @@ def main() -> None:
         (trace_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
         options = dict(max_num_seqs=args.max_num_seqs, engine_nice=args.engine_nice, engine_cpus=cpus)
         with TracedServer(trace_dir, scheduling_policy="priority", **options) as server:
-            engine = anyio.run(qos.measure_engine, server.url, args.max_tokens)
+            engine = anyio.run(qos.measure_engine, server.url, args.max_tokens, args.max_tokens_spread)
             rate = args.overload * engine["saturation_tok_s"] / args.max_tokens
             print(json.dumps({"args": {k: sorted(v) if isinstance(v, frozenset) else v for k, v in vars(args).items()}, **engine}))
             for _ in range(args.repeats):

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, answer_lengths, summarise, verdict, window_cap
+from fleetsched.backends.sim._fit import answer_draws
+from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, summarise, verdict, window_cap
 from fleetsched.policies.tiers import Tier
 from fleetsched.testing.vllm_server import default_engine_cpus
 
@@ -21,11 +22,11 @@ def test_engine_cpus_parse_and_default():
 
 
 def test_answer_lengths_vary_alike_in_every_mode():
-    draws = list(itertools.islice(answer_lengths(64, 32), 2000))
-    assert draws == list(itertools.islice(answer_lengths(64, 32), 2000))  # each mode gets the same
+    draws = list(itertools.islice(answer_draws(64, 32), 2000))
+    assert draws == list(itertools.islice(answer_draws(64, 32), 2000))  # each mode gets the same
     assert min(draws) == 32 and max(draws) == 96
     assert abs(sum(draws) / len(draws) - 64) < 1.5
-    assert set(itertools.islice(answer_lengths(64, 0), 10)) == {64}
+    assert set(itertools.islice(answer_draws(64, 0), 10)) == {64}
 
 
 @pytest.mark.anyio

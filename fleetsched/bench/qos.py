@@ -36,16 +36,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
 import httpx
 
+from ..backends.sim._fit import answer_draws
+from ..calibrate import KEEPALIVE_EXPIRY_S
 from ..gc_tuning import SERVING, gc_thresholds
 from ..policies.tiers import Tier
 from ..scheduler import CallRecord, Scheduler, percentile
@@ -151,8 +151,9 @@ async def direct_call(client: httpx.AsyncClient, tally: Tally, tier: Tier, tenan
 
 
 def direct_client(url: str, max_connections: int = 4096) -> httpx.AsyncClient:
-    # Idle connections kept 2 s, under the server's 5 s keep-alive: see `calibrate.client_limits`.
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(256, max_connections), keepalive_expiry=2.0)
+    limits = httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=min(256, max_connections), keepalive_expiry=KEEPALIVE_EXPIRY_S
+    )
     return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(120.0))
 
 
@@ -199,17 +200,11 @@ async def fleetsched_call(scheduler: Scheduler, tally: Tally, tier: Tier, tenant
         tally.errors += 1
 
 
-def answer_lengths(max_tokens: int, spread: int) -> Iterator[int]:
-    """Batch calls' answer lengths: `max_tokens` +- `spread`, uniform, the same draws in every mode."""
-    rng = random.Random(0)
-    while True:
-        yield rng.randint(max(1, max_tokens - spread), max_tokens + spread) if spread else max_tokens
-
-
 async def offered_load(call, *, rate: float, duration: float, max_tokens: int, spread: int = 0) -> float:
-    """Open-loop batch calls round-robin over the batch tenants (answers of `answer_lengths`), plus
-    closed-loop critical agents. Returns this process's CPU seconds over the load."""
-    lengths = answer_lengths(max_tokens, spread)
+    """Open-loop batch calls round-robin over the batch tenants (answers of `answer_draws`, the
+    same in every mode), plus closed-loop critical agents. Returns this process's CPU seconds over
+    the load."""
+    lengths = answer_draws(max_tokens, spread)
 
     async def critical_agent(index: int) -> None:
         while True:
@@ -266,7 +261,7 @@ async def measure_engine(url: str, max_tokens: int, spread: int = 0) -> dict[str
     for _ in range(50):
         await direct_call(clients.pick(), unloaded, Tier.CRITICAL, "probe", 8, priority=False)
 
-    lengths = answer_lengths(max_tokens, spread)
+    lengths = answer_draws(max_tokens, spread)
 
     async def saturate(seconds: float, tally: Tally) -> float:
         # Sharded clients: through one pool of 128 connections the probe read 3,200-3,400 tok/s

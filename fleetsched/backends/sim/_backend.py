@@ -20,11 +20,11 @@ waiting ends it at the step that will wake it (`_cut`).
 Consumers never block the engine: tokens are counters on the request, and a consumer that falls
 behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
 A waiting consumer is woken for the first token, every ``stream_interval`` tokens after it (the
-request body's, as vLLM takes it, else the settings'), and at the end; one whose body says ``"stream": False`` (it collects the whole answer) only for the
-first token and at the end, and a call collected by `complete_chat` (the dispatcher's `chat`)
-only at the end: the engine loop notes when its first token came. That is one or two task
-switches per call instead of one per chunk, and the times of the first token and of the end, all
-that a collector observes, stay the same.
+request body's, as vLLM takes it, else the settings'), and at the end; one whose body says
+``"stream": False`` (it collects the whole answer) only for the first token and at the end, and a
+call collected by `complete_chat` (the dispatcher's `chat`) only at the end: the engine loop notes
+when its first token came. That is one or two task switches per call instead of one per chunk, and
+the times of the first token and of the end, all that a collector observes, stay the same.
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ class InvalidRequest(BackendError, ValueError):
 
 class ContextTooLong(InvalidRequest):
     """Prompt plus completion exceed ``max_model_len`` or what the whole KV cache can hold."""
+
+
+def _is_count(value: object) -> bool:
+    """An integer >= 1 (not a bool), as vLLM takes ``max_tokens`` and ``stream_interval``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +340,7 @@ class SimBackend(Backend):
         if given is None:
             given = body.get("max_tokens")
         if given is not None:
-            if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+            if not _is_count(given):
                 raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {given!r}")
             max_tokens = given
         else:
@@ -356,7 +361,7 @@ class SimBackend(Backend):
         hashes = block_hashes(text, s.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
         interval = body.get("stream_interval", s.stream_interval)  # per request, as vLLM takes it
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        if not _is_count(interval):
             raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r}")
         request.wake_every = max_tokens if body.get("stream") is False else interval
         return request

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from fleetsched.settings import SimSettings
@@ -68,11 +68,16 @@ class Workload:
 
     def answer_lengths(self) -> list[list[int]]:
         """Each client's answer lengths, in the order it sends its requests."""
-        if not self.max_tokens_spread:
-            return [[self.max_tokens] * self.rounds for _ in range(self.concurrency)]
-        rng = random.Random(self.seed)
-        low, high = max(1, self.max_tokens - self.max_tokens_spread), self.max_tokens + self.max_tokens_spread
-        return [[rng.randint(low, high) for _ in range(self.rounds)] for _ in range(self.concurrency)]
+        draws = answer_draws(self.max_tokens, self.max_tokens_spread, self.seed)
+        return [[next(draws) for _ in range(self.rounds)] for _ in range(self.concurrency)]
+
+
+def answer_draws(max_tokens: int, spread: int, seed: int = 0) -> Iterator[int]:
+    """Answer lengths without end: `max_tokens` +- `spread`, uniform, drawn from `seed`."""
+    rng = random.Random(seed)
+    low, high = max(1, max_tokens - spread), max_tokens + spread
+    while True:
+        yield rng.randint(low, high) if spread else max_tokens
 
 
 @dataclass(slots=True)
