@@ -280,7 +280,7 @@ async def test_a_finished_call_is_charged_before_its_place_is_handed_on():
     assert tenants == ["a", "b", "a", "b", "a", "b"]
 
 
-async def test_a_call_is_charged_its_tenants_mean_output_when_it_takes_its_place():
+async def test_a_call_is_charged_its_tenants_recent_output_when_it_takes_its_place():
     """VTC with length prediction: after a call of 7 output tokens, the tenant's next call is
     charged 7 up front, so its calls in flight count in its counter; chunks within the
     prediction add nothing, and the end corrects to what the call used."""
@@ -305,6 +305,48 @@ async def test_a_call_is_charged_its_tenants_mean_output_when_it_takes_its_place
         _ = [c async for c in chunks]
         assert queue.counter("a") == 10 + 7 * 2.0 + taken  # 3 chunks, all within the prediction
     assert queue.counter("a") == 2 * 10 + (7 + 3) * 2.0  # corrected: 3 tokens used, not 7
+
+
+async def test_a_tenant_is_charged_its_share_of_max_tokens_up_front():
+    """The prediction scales with the call's own max_tokens: after a call that used all of its
+    10 tokens, a call asking for 40 is charged 40 when it takes its place."""
+    dispatcher = Dispatcher(SlowBackend(1.0), window=1)
+    queue = dispatcher._queue
+    await dispatcher.chat(body("x", max_tokens=10), tenant="a", tier=Tier.BATCH)
+    before = queue.counter("a")
+    async with dispatcher.stream(body("x", max_tokens=40), tenant="a", tier=Tier.BATCH) as chunks:
+        assert queue.counter("a") - before == estimate_prompt_tokens(body("x")) + 40 * 2.0
+        _ = [c async for c in chunks]
+    assert queue.counter("a") - before == 10 + 40 * 2.0  # SlowBackend uses all max_tokens
+
+
+async def test_streamed_output_is_charged_by_the_engines_count_not_by_chunks():
+    """The dispatcher asks for usage on every chunk and charges the engine's count: the batch
+    tier streams 8 tokens a chunk, but the engine sent the first token alone, then 20 (a
+    reader that fell behind). A caller that turns usage on every chunk off gets 8 a chunk with
+    content, until the usage at the end."""
+
+    class Coarse(SlowBackend):
+        async def stream_chat(self, body):
+            self.options = body.get("stream_options")
+            usage = self.options.get("continuous_usage_stats")
+            yield make_chunk("c", "m", 0, role="assistant", content="")
+            yield make_chunk("c", "m", 0, content="x", usage=usage_dict(10, 1) if usage else None)
+            await anyio.sleep(1.0)
+            yield make_chunk("c", "m", 0, content="x" * 20, usage=usage_dict(10, 21) if usage else None)
+            await anyio.sleep(1.0)
+            yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(10, 21))
+
+    for options, charged in ((None, [0, 2, 42, 42]), ({"continuous_usage_stats": False}, [0, 16, 32, 42])):
+        backend = Coarse()
+        dispatcher = Dispatcher(backend, window=1, stream_interval={Tier.BATCH: 8})
+        queue = dispatcher._queue
+        request = {**body("x", max_tokens=100), "stream_options": options}
+        async with dispatcher.stream(request, tenant="a", tier=Tier.BATCH) as chunks:
+            start = queue.counter("a")  # the prompt estimate: no prediction before a call ends
+            assert [queue.counter("a") - start async for _ in chunks] == charged
+        assert queue.counter("a") == 10 + 21 * 2.0  # corrected to the usage in both cases
+    assert backend.options == {"continuous_usage_stats": False, "include_usage": True}  # the caller's choice stands
 
 
 async def test_the_critical_reserve_holds_when_the_window_shrinks():

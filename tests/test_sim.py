@@ -293,6 +293,20 @@ async def test_a_request_sets_its_own_stream_interval_as_vllm_takes_it():
                 backend.stream_chat({**body(16, 10), "stream_interval": bad})
 
 
+async def test_continuous_usage_puts_the_count_so_far_on_every_chunk_as_vllm_does():
+    """vLLM puts usage on every chunk only when both `include_usage` and
+    `continuous_usage_stats` are asked for; otherwise only the last chunk has it."""
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    async with SimBackend(flat(stream_interval=4)) as backend:
+        for options, expected in ((both, [1, 5, 9, 10, 10]), ({"continuous_usage_stats": True}, [10])):
+            counts = [
+                chunk["usage"]["completion_tokens"]
+                async for chunk in backend.stream_chat({**body(16, 10), "stream_options": options})
+                if chunk.get("usage")
+            ]
+            assert counts == expected, options
+
+
 async def test_a_collected_answer_wakes_its_consumer_for_the_first_token_and_the_end():
     async with SimBackend(flat(stream_interval=4)) as backend:
         start = anyio.current_time()

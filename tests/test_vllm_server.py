@@ -19,6 +19,8 @@ from fleetsched.backends.base import collect_chat
 from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
 from fleetsched.backends.vllm_server import VLLMServerBackend
 from fleetsched.errors import BackendError, BackendUnavailable
+from fleetsched.policies.tiers import Tier
+from fleetsched.scheduler import Dispatcher
 from fleetsched.testing.vllm_server import VLLMServer, free_port
 
 from .helpers import EngineLoad
@@ -94,6 +96,28 @@ async def test_streams_chunks_with_usage_last(vllm_server):
     assert arrivals[-1] - arrivals[0] > 0  # the first chunk came before the last one
     folded = collect_chat(chunks)
     assert folded["choices"][0]["finish_reason"] == "length" and folded["usage"]["completion_tokens"] == 48
+
+
+@pytest.mark.vllm
+async def test_the_dispatcher_charges_what_the_engine_counts(vllm_server):
+    """Through the dispatcher, with the batch tier streamed 8 tokens a chunk: every chunk carries
+    the engine's count so far (the first token comes alone), and the tenant's counter follows
+    it, ending at the call's usage."""
+    async with VLLMServerBackend(vllm_server.url) as backend:
+        dispatcher = Dispatcher(backend, window=1, stream_interval={Tier.BATCH: 8})
+        queue = dispatcher._queue
+        counts, charged = [], []
+        async with dispatcher.stream(body(40), tenant="a", tier=Tier.BATCH) as chunks:
+            start = queue.counter("a")  # the prompt estimate: no prediction before a call ends
+            async for chunk in chunks:
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    counts.append(chunk["usage"]["completion_tokens"])
+                    charged.append(queue.counter("a") - start)
+            usage = chunk["usage"]
+    assert counts[0] == 1 and counts == sorted(counts) and counts[-1] == 40, counts
+    assert len(counts) < 40  # several tokens a chunk
+    assert charged == [2.0 * n for n in counts]
+    assert queue.counter("a") == usage["prompt_tokens"] + 2.0 * 40
 
 
 @pytest.mark.vllm

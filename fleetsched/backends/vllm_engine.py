@@ -149,6 +149,8 @@ class VLLMEngineBackend(Backend):
         model = body.get("model") or self.served_model_name
         # `created` is informational; the other backends leave it 0 too (no wall clock here).
         yield make_chunk(request_id, model, 0, role="assistant", content="")
+        options = body.get("stream_options") or {}
+        continuous = bool(options.get("include_usage") and options.get("continuous_usage_stats"))  # as vLLM's server
         prompt_tokens = completion_tokens = 0
         finish_reason: str | None = None
         self._in_flight += 1
@@ -162,7 +164,8 @@ class VLLMEngineBackend(Backend):
                     completion_tokens += len(completion.token_ids)
                     finish_reason = completion.finish_reason
                     if completion.text or finish_reason:
-                        yield make_chunk(request_id, model, 0, content=completion.text or None, finish_reason=finish_reason)
+                        usage = usage_dict(prompt_tokens, completion_tokens) if continuous else None
+                        yield make_chunk(request_id, model, 0, content=completion.text or None, finish_reason=finish_reason, usage=usage)
             finished = True
         except EngineDeadError as exc:
             raise BackendUnavailable(f"vLLM engine for {self.model!r} died: {exc}") from exc

@@ -131,9 +131,10 @@ class Dispatcher:
         self._rate_since: float | None = None
         self._rate_served = 0.0
         self._engine_ttfts: list[float] = []
-        #: Per tenant, a running mean of its calls' output tokens: the output a call is charged
-        #: when it takes its place (VTC with length prediction).
-        self._mean_output: dict[str, float] = {}
+        #: Per tenant, a running mean of the share of `max_tokens` its calls used: a call is
+        #: charged that share of its own `max_tokens` when it takes its place (VTC with length
+        #: prediction).
+        self._output_share: dict[str, float] = {}
         #: Replica names of a multi-replica backend (calls may be routed to one by affinity).
         replicas = getattr(backend, "replicas", None)
         self.replicas = frozenset(replicas) if isinstance(replicas, (Mapping, frozenset, set)) else frozenset()
@@ -200,6 +201,12 @@ class Dispatcher:
         """
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
         request = {**body, "priority": tier}
+        # Every chunk carries the engine's count of the tokens so far (vLLM's continuous usage
+        # stats): the tenant is charged what its call received, however the engine split the
+        # answer into chunks (the first token alone, then up to `stream_interval` a chunk, more
+        # when the reader falls behind).
+        options = {"continuous_usage_stats": True, **(body.get("stream_options") or {})}
+        request["stream_options"] = {**options, "include_usage": True}
         # Coarser streaming for lower tiers: fewer chunks for the engine's API server and for this
         # process to handle, so the calls that need every token at once get it sooner.
         tokens_per_chunk = self._stream_interval.get(tier, 1)
@@ -215,13 +222,14 @@ class Dispatcher:
         async def observed() -> AsyncIterator[Chunk]:
             async for chunk in upstream:
                 _note(chunk, record)
-                if chunk.get("choices"):
+                received = _tokens_so_far(chunk, record.streamed, tokens_per_chunk)
+                if received > record.streamed:
                     # Output beyond the prediction is charged as it streams, not when the call
                     # ends: a tenant's counter then counts what its calls in flight received.
                     before = max(record.predicted_output, record.streamed)
-                    record.streamed += tokens_per_chunk
-                    if record.streamed > before:
-                        self._queue.charge(record.tenant, (record.streamed - before) * OUTPUT_WEIGHT, record.tier)
+                    record.streamed = received
+                    if received > before:
+                        self._queue.charge(record.tenant, (received - before) * OUTPUT_WEIGHT, record.tier)
                 yield chunk
 
         try:
@@ -308,8 +316,9 @@ class Dispatcher:
         charged_output = max(record.predicted_output, record.streamed)
         if record.prompt_tokens or record.completion_tokens:
             used = (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT
-            mean = self._mean_output.get(record.tenant)
-            self._mean_output[record.tenant] = record.completion_tokens if mean is None else 0.8 * mean + 0.2 * record.completion_tokens
+            share = record.completion_tokens / max(1, record.max_tokens)
+            mean = self._output_share.get(record.tenant)
+            self._output_share[record.tenant] = share if mean is None else 0.8 * mean + 0.2 * share
         else:
             used = record.streamed * OUTPUT_WEIGHT
         self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
@@ -319,12 +328,14 @@ class Dispatcher:
         self.recorder.add_call(record)
 
     def _predict_output(self, tenant: str, max_tokens: int) -> int:
-        """The output a call of `tenant` is charged up front: its recent mean, at most `max_tokens`
-        (0 before its first call ends). Charging it when the call takes its place, not as its
-        tokens arrive, counts the calls in flight in the tenant's counter; the next picks then
-        balance the tenants' calls in flight, not only their finished ones."""
-        mean = self._mean_output.get(tenant)
-        return 0 if mean is None else min(max_tokens, round(mean))
+        """The output a call of `tenant` is charged up front: the share of `max_tokens` its
+        recent calls used, times this call's `max_tokens` (0 before its first call ends).
+        Charging it when the call takes its place, not as its tokens arrive, counts the calls in
+        flight in the tenant's counter; the next picks then balance the tenants' calls in flight,
+        not only their finished ones. A share, not a mean length: a tenant whose answers run to
+        their `max_tokens` is charged a long call's length, not its mean call's."""
+        share = self._output_share.get(tenant)
+        return 0 if share is None else min(max_tokens, round(share * max_tokens))
 
     @staticmethod
     def _cost(estimate: int, record: CallRecord) -> float:
@@ -479,6 +490,20 @@ class Dispatcher:
             self._rate,
             dict(self._refused_by),
         )
+
+
+def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:
+    """The output a call has received with `chunk`: the engine's count where the chunk carries
+    usage, else `tokens_per_chunk` more for a chunk with content (an estimate, corrected when
+    the call ends). Never less than `streamed`, the output charged so far."""
+    usage = chunk.get("usage")
+    if usage:
+        return max(streamed, usage.get("completion_tokens", 0))
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("tool_calls"):
+            return streamed + tokens_per_chunk
+    return streamed
 
 
 def _note(chunk: Chunk, record: CallRecord) -> None:

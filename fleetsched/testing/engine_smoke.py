@@ -2,9 +2,10 @@
 
     .venv-vllm/bin/python -m fleetsched.testing.engine_smoke .cache/tiny-model
 
-Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunks and usage, leaves
-a second call early and checks that nothing is left in flight. Prints one JSON line; exits 1 on
-failure. It is a script rather than a test because vLLM is not installed in the main virtualenv.
+Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunks and usage (on
+every chunk when asked for), leaves a second call early and checks that nothing is left in
+flight. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
+is not installed in the main virtualenv.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ async def check(model_dir: str) -> dict:
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant", chunks[0]
         assert chunks[-1]["usage"]["completion_tokens"] == 12, chunks[-1]
         assert folded["choices"][0]["finish_reason"] == "length", folded
+        # Usage on every chunk when asked for (as the dispatcher does): the count so far.
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        counts = [c["usage"]["completion_tokens"] async for c in backend.stream_chat({**request, "stream_options": options}) if c.get("usage")]
+        assert len(counts) > 2 and counts == sorted(counts) and counts[-1] == 12, counts
         async with aclosing(backend.stream_chat({**request, "max_tokens": 900})) as stream:
             async for _ in stream:
                 break

@@ -364,6 +364,11 @@ class SimBackend(Backend):
         if not _is_count(interval):
             raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r}")
         request.wake_every = max_tokens if body.get("stream") is False else interval
+        options = body.get("stream_options")
+        # As vLLM: usage on every chunk only with both asked for.
+        request.continuous_usage = bool(
+            isinstance(options, Mapping) and options.get("include_usage") and options.get("continuous_usage_stats")
+        )
         return request
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
@@ -456,7 +461,8 @@ class SimBackend(Backend):
                 count = request.num_output - request.delivered
                 role = "assistant" if request.delivered == 0 else None
                 request.delivered = request.num_output
-                yield make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count)
+                usage = usage_dict(request.prompt_tokens, request.num_output) if request.continuous_usage else None
+                yield make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, usage=usage)
                 if request.status == FINISHED and request.delivered == request.num_output:
                     usage = usage_dict(request.prompt_tokens, request.num_output)
                     yield make_chunk(cid, model, created, finish_reason="length", usage=usage)

@@ -55,7 +55,7 @@ class SimRequest:
     __slots__ = (
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
         "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
-        "engine", "coasting_since", "run_order", "collect", "first_token_at",
+        "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -78,6 +78,7 @@ class SimRequest:
         self.run_order = 0  # position in the running order (admission order)
         self.collect = False  # collected whole (`SimBackend.complete_chat`): no wake-up for the first token
         self.first_token_at: float | None = None  # when the first token came (set by the async loop)
+        self.continuous_usage = False  # usage on every chunk (`stream_options.continuous_usage_stats`)
 
     @property
     def num_computed(self) -> int:
