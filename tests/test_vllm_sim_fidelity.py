@@ -4,12 +4,13 @@ As ``fleetsched bench sim-fidelity`` does: a server of its own with the engine p
 CPU at nice 19 (as the shipped profile was calibrated), a profile fitted to it by the
 calibration sweep, its passes alternating with five runs of the unseen workload (concurrency 24,
 200-token prompts, answers of 16-112 tokens). Simulated throughput and TTFT p50 must be within
-15% of the measured medians. About three minutes.
+15% of the measured medians. About two and a half minutes.
 
-Not in the default run (`-m fidelity` selects it): the measured side moves with the machine's
-other load, and a CI run that fails on a noisy neighbour lands nothing. On this project's 2-core
-machine six bench runs had the fitted profile 0.7-8.5% off on throughput and 4.9-13.7% on TTFT
-p50; this test passed in 2.5 minutes.
+The measured side moves with the machine's other load (on this project's 2-core machine, the
+same loop ran at 3,800 and at 5,800 tok/s twenty minutes apart). A measurement that misses is
+taken once more, from a fresh sweep and fresh runs, and the test fails only if both miss: six
+bench runs had the fitted profile 0.7-8.5% off on throughput and 4.9-13.7% on TTFT p50, so one
+miss in a few runs is the machine, two in a row the sim. `-m fidelity` selects this test alone.
 """
 
 from __future__ import annotations
@@ -23,12 +24,22 @@ from fleetsched.testing.vllm_server import VLLMServer, default_engine_cpus, off_
 
 pytestmark = [pytest.mark.vllm, pytest.mark.fidelity]
 
+TOLERANCE = 0.15
+ATTEMPTS = 2
+
+
+def _within(result: dict) -> bool:
+    return result["throughput_rel_err"] <= TOLERANCE and result["ttft_p50_rel_err"] <= TOLERANCE
+
 
 def test_sim_matches_real_vllm_on_an_unseen_workload():
     require_vllm_setup()
     cpus = default_engine_cpus()
+    attempts = []
     with VLLMServer(max_model_len=1024, engine_nice=19, engine_cpus=cpus) as server, off_cpus(cpus):
-        result = real_fidelity(server.url, SimSettings(profile="tiny-cpu-vllm"))
-    assert result["compared"] == "profile fitted beside the runs"
-    assert result["throughput_rel_err"] <= 0.15, result
-    assert result["ttft_p50_rel_err"] <= 0.15, result
+        while len(attempts) < ATTEMPTS and not (attempts and _within(attempts[-1])):
+            attempts.append(real_fidelity(server.url, SimSettings(profile="tiny-cpu-vllm")))
+    errors = [(round(r["throughput_rel_err"], 3), round(r["ttft_p50_rel_err"], 3)) for r in attempts]
+    print(f"fidelity (throughput, TTFT p50 errors) per attempt: {errors}")
+    assert all(r["compared"] == "profile fitted beside the runs" for r in attempts)
+    assert _within(attempts[-1]), attempts
