@@ -15,7 +15,9 @@ naming the limit); the tenant's rate limits are taken from the shared state (429
 Retry-After); with ``X-Session-ID`` the call waits for its session's turn (session admission,
 keep-or-release across calls, replica placement); then the dispatcher (which sheds batch calls
 with 503 and Retry-After). Responses and streams are passed through as the backend produced
-them, usage included. A client that disconnects cancels its call, which aborts it at the engine.
+them, usage included: on every chunk of a stream, as the dispatcher asks the engine for it (it
+charges the tenant by the engine's count). A client that disconnects cancels its call, which
+aborts it at the engine.
 
 Calls without ``X-Session-ID`` go straight to the dispatcher: a one-call scheduler session would
 add admission bookkeeping to every stateless request and buy nothing (there is no tool time to

@@ -507,7 +507,8 @@ def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:
 
 
 def _note(chunk: Chunk, record: CallRecord) -> None:
-    """Observe one chunk: the first token's time, and the usage on the last chunk."""
+    """Observe one chunk: the first token's time, and its usage (the counts so far, on every
+    chunk of a stream that asked for continuous usage stats; the totals on the last)."""
     if record.first_token != record.first_token and chunk.get("choices"):  # still nan
         record.first_token = anyio.current_time()
     usage = chunk.get("usage")

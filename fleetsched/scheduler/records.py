@@ -25,7 +25,8 @@ class CallRecord:
     predicted_output: int = 0
     """Output tokens the dispatcher charged for this call when it took its place (a prediction)."""
     streamed: int = 0
-    """Output tokens received so far, counted as chunks arrive (the tokens a chunk carries, as asked)."""
+    """Output tokens received so far, counted as chunks arrive (the engine's count where a chunk
+    carries usage, else the tier's stream interval a chunk with content)."""
     error: str | None = None
 
     @property
