@@ -498,7 +498,7 @@ def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:
     the call ends). Never less than `streamed`, the output charged so far."""
     usage = chunk.get("usage")
     if usage:
-        return max(streamed, usage.get("completion_tokens", 0))
+        return max(streamed, usage.get("completion_tokens") or 0)
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta") or {}
         if delta.get("content") or delta.get("tool_calls"):
