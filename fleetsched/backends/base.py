@@ -113,6 +113,13 @@ def make_chunk(
     return chunk
 
 
+def wants_continuous_usage(body: ChatBody) -> bool:
+    """Whether a streamed call asks for usage on every chunk: as vLLM's server takes it, both
+    ``stream_options.include_usage`` and ``continuous_usage_stats``."""
+    options = body.get("stream_options")
+    return bool(isinstance(options, Mapping) and options.get("include_usage") and options.get("continuous_usage_stats"))
+
+
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import anyio
 
 from ..errors import BackendError, BackendUnavailable
-from .base import Backend, ChatBody, Chunk, EngineSignals, make_chunk, requested_max_tokens, usage_dict
+from .base import Backend, ChatBody, Chunk, EngineSignals, make_chunk, requested_max_tokens, usage_dict, wants_continuous_usage
 
 _request_ids = itertools.count(1)
 
@@ -149,8 +149,7 @@ class VLLMEngineBackend(Backend):
         model = body.get("model") or self.served_model_name
         # `created` is informational; the other backends leave it 0 too (no wall clock here).
         yield make_chunk(request_id, model, 0, role="assistant", content="")
-        options = body.get("stream_options") or {}
-        continuous = bool(options.get("include_usage") and options.get("continuous_usage_stats"))  # as vLLM's server
+        continuous = wants_continuous_usage(body)
         prompt_tokens = completion_tokens = 0
         finish_reason: str | None = None
         self._in_flight += 1

@@ -16,10 +16,10 @@ it, think for a second, and call again. Every call generates exactly `max_tokens
 (vLLM's ``ignore_eos``), a critical call a quarter of it; ``--max-tokens-spread`` varies the batch
 calls' lengths (the same draws in every mode). With equal lengths the calls in flight move in
 step, and the tenants' service figures with them; with varied ones (32-96 tokens) the fairness gap
-exceeded the VTC bound in two runs of two (506 and 598 tokens against 464): the dispatcher
-charges a call its tenant's mean output when it starts and the rest as it streams, so what the
-tenants have received lags what they were charged by their calls in flight, each by a different
-amount. The engine's saturated throughput and its unloaded TTFT are measured
+was within the VTC bound in two runs of three (388 and 154 tokens, then 566, against 464): the
+service figures count the tokens delivered, and a batch call's chunk comes every 64 tokens, so
+each call in flight holds up to 63 tokens generated but not yet counted, a different amount per
+tenant. The engine's saturated throughput and its unloaded TTFT are measured
 first, in the same run. Each mode starts its whole load in one instant (the critical agents'
 first calls beside a full window of batch calls, on fresh connections), which no later moment
 of the run repeats: the TTFT figures (``ttft_s``) leave out the calls made in its first

@@ -50,6 +50,7 @@ from ..base import (
     make_chunk,
     new_completion_id,
     usage_dict,
+    wants_continuous_usage,
 )
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step
 from ._kv_cache import CHARS_PER_TOKEN, block_hashes, prompt_text
@@ -364,11 +365,7 @@ class SimBackend(Backend):
         if not _is_count(interval):
             raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r}")
         request.wake_every = max_tokens if body.get("stream") is False else interval
-        options = body.get("stream_options")
-        # As vLLM: usage on every chunk only with both asked for.
-        request.continuous_usage = bool(
-            isinstance(options, Mapping) and options.get("include_usage") and options.get("continuous_usage_stats")
-        )
+        request.continuous_usage = wants_continuous_usage(body)
         return request
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
