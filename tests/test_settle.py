@@ -198,6 +198,32 @@ def test_a_pinned_reservation_holds_the_hole_until_it_turns_movable():
     pool.check_invariants()
 
 
+def test_a_reservation_about_to_be_pinned_slides_past_the_hole_beside_it_first():
+    pool, (r0, r1, r2, r3, r4) = row(settle_moves=1)
+    r1.movable = r2.movable = True
+    r0.release()  # the one move slides r1 down; the hole, now under movable r2, waits
+    assert pages(r1, r2) == [0, 4] and free_runs(pool) == [(2, 2), (10, 4)]
+    r2.movable = False  # its tool call ends: one last slide before it is pinned
+    assert pages(r1, r2) == [0, 2] and not r2.movable
+    assert free_runs(pool) == [(4, 2), (10, 4)]  # the hole waits under pinned r3 now
+    pool.check_invariants()
+
+
+def test_a_reservation_is_pinned_even_when_its_last_move_fails():
+    pool, (r0, r1, r2, r3, r4) = row(settle_moves=1)
+    r1.movable = r2.movable = True
+    r0.release()
+
+    def copy(r, m):
+        raise OSError("copy failed")
+
+    pool.set_move_callback(copy)
+    with pytest.raises(OSError):
+        r2.movable = False
+    assert not r2.movable and pages(r1, r2) == [0, 4]  # the move undone, the pin made
+    pool.check_invariants()
+
+
 def test_reservations_above_the_gap_slide_up():
     pool, (r0, r1, r2, r3, r4) = row(pages=10)
     r1.release()

@@ -85,7 +85,12 @@ class Reservation:
     @movable.setter
     def movable(self, value: bool) -> None:
         value = bool(value)
-        if value != self._movable:
+        if value == self._movable:
+            return
+        try:
+            if not value and not self._released:
+                self.pool._pinning(self)  # its last chance to move: it is still idle
+        finally:  # pinned even if a move callback raised
             self._movable = value
             if not self._released:
                 self.pool._movable_changed(self, value)
@@ -395,6 +400,9 @@ class MemoryPool(ABC):
         )
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _pinning(self, reservation: Reservation) -> None:
+        """Called while `reservation` is still movable, just before its owner pins it."""
 
     def _movable_changed(self, reservation: Reservation, movable: bool) -> None:
         self._movable_count[reservation.device] += 1 if movable else -1
