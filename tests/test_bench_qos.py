@@ -49,6 +49,7 @@ def test_verdict_reports_the_effective_overload_against_the_best_rate():
 
     def mode(tok_s: float, critical_p99: float = 1.0) -> dict:
         return {
+            "fairness_gap_sampled_tokens": {"p50": 120, "p90": 300, "max": 400, "samples": 120},
             "throughput_tok_s": tok_s,
             "ttft_s": {"critical": {"p50": 0.1, "p99": critical_p99}},
             "ttft_s_warmup_included": {"critical": {"p50": 0.1, "p99": 2 * critical_p99}},
@@ -72,8 +73,21 @@ def test_verdict_reports_the_effective_overload_against_the_best_rate():
         "critical_ttft_p99_over_unloaded_warmup_included": 5.0,
         "throughput_over_saturation": 0.95,
         "fairness_within_vtc_bound": True,
+        "fairness_within_vtc_bound_throughout": False,  # 400 sampled during the load > 2 x 168
     }
-    assert result["fairness_gap_tokens"] == 10
+    assert result["fairness_gap_tokens"] == 10 and result["vtc_bound_tokens"] == 336
+
+
+def test_the_service_gap_is_sampled_during_the_load():
+    tally = Tally()
+    tally.sample_gap()  # nothing served yet
+    for tenant, tokens in (("batch-a", 30), ("batch-b", 10), ("batch-c", 20)):
+        for _ in range(tokens):
+            tally.token(tenant)
+    tally.sample_gap()
+    assert tally.gaps == [0, 40]  # VTC-weighted: 2 a token
+    assert summarise(tally, 1.0, 0.0)["fairness_gap_sampled_tokens"] == {"p50": 20, "p90": 36, "max": 40, "samples": 2}
+    assert summarise(Tally(), 1.0, 0.0)["fairness_gap_sampled_tokens"]["max"] is None
 
 
 def test_the_ttft_figures_leave_out_the_calls_made_in_the_warmup():
