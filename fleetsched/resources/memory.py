@@ -78,7 +78,9 @@ class Reservation:
         """True while the owner is idle (in a tool call, say), so a compaction may move it.
 
         The owner sets it; while it is True the pool may change `offset` (after calling its
-        move callback, see `ExtentPool.set_move_callback`).
+        move callback, see `ExtentPool.set_move_callback`). Setting it back to False may move it
+        one last time first; if the move callback raises then, the error propagates and the
+        reservation is pinned all the same.
         """
         return self._movable
 
