@@ -102,9 +102,13 @@ class Tally:
     def never_started(self, tier: str, started: float, waited: float) -> None:
         self._add_ttft(tier, started, waited)
 
-    def sample_gap(self) -> None:
+    def gap(self) -> int:
+        """The batch tenants' service gap now: the largest less the smallest."""
         service = [self.service[t] for t in BATCH_TENANTS]
-        self.gaps.append(max(service) - min(service))
+        return max(service) - min(service)
+
+    def sample_gap(self) -> None:
+        self.gaps.append(self.gap())
 
 
 class CallTally:
@@ -353,11 +357,12 @@ def window_cap(max_num_seqs: int, critical_reserve: int, reserve: str) -> int:
     return max_num_seqs + (critical_reserve if reserve == "beyond-batch" else 0)
 
 
-async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tuple[dict[str, Any], Tally, list[CallRecord]]:
-    """The fleetsched mode's figures, its tally, and every call its scheduler recorded."""
+def fleetsched_settings(backend: dict[str, Any], args: argparse.Namespace) -> Settings:
+    """The fleetsched mode's settings on `backend` (its kind and options; the in-flight cap
+    is added)."""
     cap = window_cap(args.max_num_seqs, args.critical_reserve, args.reserve)
-    settings = Settings(
-        backend={"kind": "vllm-server", "urls": [url], "max_in_flight": min(args.window or cap, cap)},
+    return Settings(
+        backend={**backend, "max_in_flight": min(args.window or cap, cap)},
         dispatch={
             "min_share": {"batch": args.batch_min_share},
             "max_window": cap,
@@ -366,6 +371,11 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
         },
         tenants={"critical": {"tier": "critical"}, **{t: {"tier": "batch"} for t in BATCH_TENANTS}},
     )
+
+
+async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tuple[dict[str, Any], Tally, list[CallRecord]]:
+    """The fleetsched mode's figures, its tally, and every call its scheduler recorded."""
+    settings = fleetsched_settings({"kind": "vllm-server", "urls": [url]}, args)
     tally = Tally()
     async with Scheduler(settings) as scheduler:
 
@@ -400,9 +410,8 @@ def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> N
     # saturated rate it may be less (a probe that ran slow), and the JSON says by how much.
     offered_tok_s = result["offered_calls_per_s"] * args.max_tokens
     result["effective_overload"] = round(offered_tok_s / result["saturation_tok_s"], 2)
-    service = [tally.service[t] for t in BATCH_TENANTS]
     largest_request = PROMPT_TOKENS + 2 * (args.max_tokens + args.max_tokens_spread)
-    result["fairness_gap_tokens"] = max(service) - min(service)
+    result["fairness_gap_tokens"] = tally.gap()
     # The gap at the end of the load, and sampled during it: the largest of those is the
     # stricter reading (service at any moment, not only at the end).
     sampled = result["fairness_gap_sampled_tokens"] = result["modes"]["fleetsched"]["fairness_gap_sampled_tokens"]
