@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 
 from fleetsched.backends.base import Backend, ChatBody, Chunk, make_chunk, usage_dict
 from fleetsched.errors import Overloaded
-from fleetsched.gateway.app import _answer_for
+from fleetsched.gateway.app import Gateway, _answer_for
 from fleetsched.gateway.auth import KeyRing, hash_key
 from fleetsched.gateway.server import serve_in_thread
 from fleetsched.settings import Settings
@@ -279,3 +279,16 @@ def test_sessions_released_during_client_time():
         handles = gw.scheduler.running_sessions()
         assert sorted(h.counters.calls for h in handles) == [3, 3]
         assert all(h.parked_count >= 2 for h in handles)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.anyio
+async def test_the_gateway_starts_and_stops_on_the_embedded_sim_backend(anyio_backend):
+    # The sim backend runs its engine loop in a task group it enters in the gateway's task; the
+    # gateway once entered it after the scheduler and never left it, and every shutdown failed
+    # with "Attempted to exit a cancel scope that isn't the current task's current cancel scope".
+    gateway = Gateway(gateway_settings(backend={"kind": "sim"}))
+    async with gateway.running():
+        response = await gateway.scheduler.dispatcher.chat({"messages": MSG, "max_tokens": 3}, tenant="acme", tier=0)
+        assert response["usage"]["completion_tokens"] == 3
+    assert gateway.scheduler is None

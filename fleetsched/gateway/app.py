@@ -31,7 +31,7 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any
 
 import anyio
@@ -136,13 +136,15 @@ class Gateway:
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Gateway]:
         """Run the scheduler (and, with shared state, the fair-share sync) while the block lasts."""
+        # The backend is entered first and left last: one that runs tasks (the sim's engine loop)
+        # holds a task group in this task, which must close after the scheduler's.
+        backend = self.backend if self._own_backend else nullcontext()
         try:
             async with (
+                backend,
                 Scheduler(self._scheduler_settings, backend=self.backend, recorder=_SessionRecorder(keep_calls=False)) as scheduler,
                 anyio.create_task_group() as tg,
             ):
-                if self._own_backend:
-                    await self.backend.__aenter__()
                 self.scheduler = scheduler
                 self.sessions = SessionTable(
                     scheduler,
@@ -162,8 +164,6 @@ class Gateway:
             self.scheduler = None
             with anyio.CancelScope(shield=True):
                 await self.state.aclose()
-                if self._own_backend:
-                    await self.backend.aclose()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup

@@ -63,6 +63,10 @@ class GatewayBackend(Backend):
         await self.inner.__aenter__()
         return self
 
+    async def __aexit__(self, *exc_info: Any) -> None:
+        # The inner backend's own exit, not `aclose`: the sim's leaves the task group it entered.
+        await self.inner.__aexit__(*exc_info)
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 
