@@ -53,6 +53,7 @@ import httpx
 
 from ..backends.sim._fit import answer_draws
 from ..calibrate import KEEPALIVE_EXPIRY_S
+from ..errors import BackendUnavailable
 from ..gc_tuning import SERVING, gc_thresholds
 from ..policies.tiers import Tier
 from ..scheduler import CallRecord, Scheduler, percentile
@@ -287,8 +288,15 @@ async def measure_engine(url: str, max_tokens: int, spread: int = 0) -> dict[str
     short series and make the TTFT target look easier than it is.
     """
     clients = DirectClients(url)
+    warm_up = Tally()
     for _ in range(5):
-        await direct_call(clients.pick(), Tally(), Tier.CRITICAL, "probe", 8, priority=False)
+        await direct_call(clients.pick(), warm_up, Tier.CRITICAL, "probe", 8, priority=False)
+    if warm_up.errors:
+        await clients.aclose()
+        raise BackendUnavailable(
+            f"{warm_up.errors} of 5 probe calls to the vLLM server at {url} failed "
+            "(is it up and serving the tiny model? `fleetsched bench qos` without --url starts its own)"
+        )
     unloaded = Tally()
     for _ in range(50):
         await direct_call(clients.pick(), unloaded, Tier.CRITICAL, "probe", 8, priority=False)
@@ -481,7 +489,11 @@ def main(argv: list[str]) -> int:
     # This process is the load generator in every mode and fleetsched itself in the last: it
     # collects garbage as `fleetsched run` and `serve` do (see `fleetsched.gc_tuning`).
     with gc_thresholds(SERVING):
-        result = measure_all(args)
+        try:
+            result = measure_all(args)
+        except BackendUnavailable as exc:
+            print(f"fleetsched bench qos: {exc}", file=sys.stderr)
+            return 1
         if result is None:
             return 2
     result["gc_thresholds"] = list(SERVING)
