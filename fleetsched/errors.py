@@ -15,6 +15,8 @@ Every error the library raises on purpose derives from `FleetschedError`::
     ├── SessionFailed                      awaiting a handle whose agent raised
     ├── SessionCancelled                   awaiting a handle that was cancelled
     └── BackendError                       a model call failed
+        ├── InvalidRequest(ValueError)     the engine refuses the body as it stands (HTTP 400)
+        │   └── ContextTooLong             prompt plus max_tokens exceed the model's context
         ├── BackendUnavailable             connection refused, circuit open, server gone
         ├── Overloaded                     shed: its wait would exceed its SLA; carries retry_after_s
         │   └── RateLimited                the tenant's requests or tokens per minute are used up
@@ -106,6 +108,15 @@ class SessionCancelled(FleetschedError):
 
 class BackendError(FleetschedError):
     """A model call failed."""
+
+
+class InvalidRequest(BackendError, ValueError):
+    """The engine refuses this request as it stands (vLLM answers HTTP 400). Not retryable."""
+
+
+class ContextTooLong(InvalidRequest):
+    """Prompt plus completion exceed the model's context (``max_model_len``) or what the whole
+    KV cache can hold. OpenAI clients see it as a 400 with code ``context_length_exceeded``."""
 
 
 class BackendUnavailable(BackendError):

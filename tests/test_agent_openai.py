@@ -70,3 +70,17 @@ async def test_malformed_request_is_a_400_not_a_crash():
 
     async with Scheduler(settings()) as scheduler:
         assert await (await scheduler.submit(agent, tenant="acme")) == 400
+
+
+async def test_a_call_over_the_context_is_openais_context_length_400():
+    # Agent loops written for OpenAI catch this error to trim their history; it was a 500.
+    async def agent(ctx):
+        try:
+            await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=10**6)
+        except openai.BadRequestError as exc:
+            return exc.status_code, exc.code, exc.type
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        answer = await (await scheduler.submit(agent, tenant="acme"))
+    assert answer == (400, "context_length_exceeded", "invalid_request_error")
+    check_released(scheduler)

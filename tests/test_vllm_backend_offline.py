@@ -15,7 +15,7 @@ from openai import AsyncOpenAI
 from fleetsched.backends.base import collect_chat
 from fleetsched.backends.metrics import merge_signals, parse_vllm_metrics
 from fleetsched.backends.vllm_server import CircuitBreaker, VLLMServerBackend
-from fleetsched.errors import BackendError, BackendUnavailable, Overloaded
+from fleetsched.errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -181,7 +181,7 @@ async def test_4xx_is_not_retried_and_does_not_trip_the_breaker():
     backend = _backend([httpx2.Response(400, json={"error": {"message": "max_tokens too large"}})], seen, breaker_failures=1)
     with pytest.raises(BackendError) as info:
         _ = [c async for c in backend.stream_chat(BODY)]
-    assert type(info.value) is BackendError and "400" in str(info.value)
+    assert type(info.value) is InvalidRequest and "400" in str(info.value)  # the body: not retryable
     assert len(seen) == 1
     assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
     await backend.aclose()

@@ -18,7 +18,7 @@ import pytest
 from fleetsched.backends.base import collect_chat
 from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
 from fleetsched.backends.vllm_server import VLLMServerBackend
-from fleetsched.errors import BackendError, BackendUnavailable
+from fleetsched.errors import BackendError, BackendUnavailable, ContextTooLong, InvalidRequest
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import Dispatcher
 from fleetsched.testing.vllm_server import VLLMServer, free_port
@@ -201,9 +201,11 @@ async def test_cancellation_aborts_the_request_at_the_engine(vllm_server):
 async def test_client_errors_are_not_retried(vllm_server, caplog):
     caplog.set_level(logging.DEBUG, logger="fleetsched.backends.vllm_server")
     async with VLLMServerBackend(vllm_server.url, retry_attempts=5) as backend:
-        with pytest.raises(BackendError) as info:
+        with pytest.raises(ContextTooLong) as info:  # an InvalidRequest, as the sim raises it
             _ = [c async for c in backend.stream_chat(body(5000))]  # beyond --max-model-len (4096)
-    assert not isinstance(info.value, BackendUnavailable) and "400" in str(info.value)
+        with pytest.raises(InvalidRequest) as bad:
+            _ = [c async for c in backend.stream_chat({**body(4), "top_k": "many"})]
+    assert "400" in str(info.value) and not isinstance(bad.value, ContextTooLong)
     assert "retrying" not in caplog.text
 
 

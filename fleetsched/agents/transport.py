@@ -17,16 +17,19 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ..backends.base import Chunk
-from ..errors import BackendError, BackendUnavailable, DeadlineExceeded, Overloaded, RateLimited
+from ..errors import BackendError, BackendUnavailable, ContextTooLong, DeadlineExceeded, InvalidRequest, Overloaded, RateLimited
 
 if TYPE_CHECKING:
     from .context import SessionContext
 
 
-def error_response(status: int, message: str, kind: str, *, retry_after_s: float | None = None) -> httpx.Response:
-    """An OpenAI-style error body: ``{"error": {"message", "type", "code"}}``."""
+def error_response(
+    status: int, message: str, kind: str, *, retry_after_s: float | None = None, code: str | None = None
+) -> httpx.Response:
+    """An OpenAI-style error body: ``{"error": {"message", "type", "code"}}`` (`code`: OpenAI's
+    name for the error where it has one, else the status)."""
     headers = {"retry-after": f"{max(1, round(retry_after_s))}"} if retry_after_s is not None else {}
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code or status}}
     return httpx.Response(status, json=body, headers=headers)
 
 
@@ -38,6 +41,9 @@ def response_for(exc: BaseException) -> httpx.Response | None:
         return error_response(503, str(exc), "overloaded", retry_after_s=exc.retry_after_s)
     if isinstance(exc, DeadlineExceeded):
         return error_response(408, str(exc), "deadline_exceeded")
+    if isinstance(exc, InvalidRequest):  # the engine refused the body: the client's to change
+        code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
+        return error_response(400, str(exc), "invalid_request_error", code=code)
     if isinstance(exc, BackendUnavailable):
         return error_response(502, str(exc), "backend_unavailable")
     if isinstance(exc, BackendError):

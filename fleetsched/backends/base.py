@@ -20,6 +20,8 @@ from typing import Any
 
 import anyio
 
+from ..errors import ContextTooLong, InvalidRequest
+
 ChatBody = Mapping[str, Any]
 Chunk = dict[str, Any]
 
@@ -225,3 +227,15 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
 def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     value = body.get("max_completion_tokens") or body.get("max_tokens")
     return int(value) if value else default
+
+
+#: How vLLM words a request that does not fit the model's context (prompt, or prompt + max_tokens).
+_CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len")
+
+
+def invalid_request(message: str) -> InvalidRequest:
+    """The error for a body the engine refused: `ContextTooLong` when `message` (the engine's
+    own words) says the request does not fit the model's context, else `InvalidRequest`."""
+    if any(marker in message for marker in _CONTEXT_MARKERS):
+        return ContextTooLong(message)
+    return InvalidRequest(message)

@@ -21,8 +21,18 @@ from typing import Any, Literal
 
 import anyio
 
-from ..errors import BackendError, BackendUnavailable
-from .base import Backend, ChatBody, Chunk, EngineSignals, make_chunk, requested_max_tokens, usage_dict, wants_continuous_usage
+from ..errors import BackendUnavailable, InvalidRequest
+from .base import (
+    Backend,
+    ChatBody,
+    Chunk,
+    EngineSignals,
+    invalid_request,
+    make_chunk,
+    requested_max_tokens,
+    usage_dict,
+    wants_continuous_usage,
+)
 
 _request_ids = itertools.count(1)
 
@@ -113,9 +123,9 @@ class VLLMEngineBackend(Backend):
                 list(body["messages"]), tools=body.get("tools"), tokenize=False, add_generation_prompt=True
             )
         except KeyError:
-            raise BackendError("chat body has no 'messages'") from None
+            raise InvalidRequest("chat body has no 'messages'") from None
         except Exception as exc:  # jinja errors: the messages do not fit the model's template
-            raise BackendError(f"the chat template of {self.model!r} cannot render these messages: {exc}") from exc
+            raise InvalidRequest(f"the chat template of {self.model!r} cannot render these messages: {exc}") from exc
 
     def _sampling_params(self, body: ChatBody) -> Any:
         from vllm import SamplingParams
@@ -132,12 +142,13 @@ class VLLMEngineBackend(Backend):
                 **options,
             )
         except (TypeError, ValueError) as exc:
-            raise BackendError(f"invalid sampling parameters: {exc}") from exc
+            raise InvalidRequest(f"invalid sampling parameters: {exc}") from exc
 
     async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
         """Stream one chat completion from the engine (starting it first if needed).
 
-        Raises `BackendError` for a body the engine rejects (bad parameters, prompt too long) and
+        Raises `InvalidRequest` for a body the engine rejects (bad parameters; `ContextTooLong` for a
+        prompt too long) and
         `BackendUnavailable` when the engine is dead.
         """
         await self.start()
@@ -169,7 +180,7 @@ class VLLMEngineBackend(Backend):
         except EngineDeadError as exc:
             raise BackendUnavailable(f"vLLM engine for {self.model!r} died: {exc}") from exc
         except ValueError as exc:  # vLLM's validation errors (prompt longer than max_model_len, ...)
-            raise BackendError(f"vLLM engine rejected the call: {exc}") from exc
+            raise invalid_request(f"vLLM engine rejected the call: {exc}") from exc
         finally:
             self._in_flight -= 1
             if not finished and self._engine is not None:

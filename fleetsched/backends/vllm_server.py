@@ -33,7 +33,7 @@ from openai import AsyncOpenAI
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from ..errors import BackendError, BackendUnavailable, Overloaded
-from .base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, make_chunk, usage_dict
+from .base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
 
 try:  # openai >= 2 speaks httpx2; older releases speak httpx.
@@ -142,6 +142,8 @@ def translate_error(exc: BaseException, replica: str) -> BackendError:
             return Overloaded(f"vLLM replica {replica} is overloaded: {exc.message}", _retry_after(exc))
         if exc.status_code >= 500:
             return BackendUnavailable(f"vLLM replica {replica} failed with {exc.status_code}: {exc.message}")
+        if exc.status_code in (400, 422):  # the body as it stands: retrying cannot help
+            return invalid_request(f"vLLM replica {replica} rejected the call ({exc.status_code}): {exc.message}")
         return BackendError(f"vLLM replica {replica} rejected the call ({exc.status_code}): {exc.message}")
     if isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS)):
         return BackendUnavailable(f"cannot reach vLLM replica {replica}: {exc}")

@@ -41,7 +41,7 @@ from ..agents.transport import error_response, response_for
 from ..backends import create_backend
 from ..backends.base import Backend, estimate_prompt_tokens, requested_max_tokens
 from ..backends.vllm_server import REPLICA_KEY
-from ..errors import BackendError, FleetschedError, SchedulerClosed, SessionRejected
+from ..errors import BackendError, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
@@ -465,8 +465,9 @@ def _answer_for(exc: BaseException) -> httpx.Response:
     """The HTTP answer for an exception raised by a call."""
     cause = exc.__cause__
     status = getattr(cause, "status_code", None)
-    if isinstance(exc, BackendError) and isinstance(status, int) and 400 <= status < 500 and status != 429:
-        return error_response(status, str(exc), "invalid_request_error")  # the engine refused the body
+    refused = isinstance(exc, BackendError) and not isinstance(exc, InvalidRequest)  # those: 400 below
+    if refused and isinstance(status, int) and 400 <= status < 500 and status != 429:
+        return error_response(status, str(exc), "invalid_request_error")  # the engine refused the call
     if isinstance(exc, SessionRejected):
         return error_response(400, str(exc), "invalid_request_error")
     if isinstance(exc, SchedulerClosed):

@@ -38,7 +38,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from fleetsched.errors import BackendError, BackendUnavailable
+from fleetsched.errors import BackendUnavailable, ContextTooLong, InvalidRequest
 from fleetsched.settings import SimSettings
 
 from ..base import (
@@ -60,14 +60,6 @@ from ..._parking import Park, Unpark, park_event, parking_for_current_library, u
 TOKEN_TEXT = " tok"
 #: Completion length when the body names none (as `requested_max_tokens`).
 DEFAULT_MAX_TOKENS = 256
-
-
-class InvalidRequest(BackendError, ValueError):
-    """The engine refuses this request as it stands (vLLM answers HTTP 400). Not retryable."""
-
-
-class ContextTooLong(InvalidRequest):
-    """Prompt plus completion exceed ``max_model_len`` or what the whole KV cache can hold."""
 
 
 def _is_count(value: object) -> bool:
