@@ -19,7 +19,7 @@ import anyio
 from rich.console import Console
 
 from . import bench
-from .errors import ConfigError
+from .errors import BackendUnavailable, ConfigError
 from .gc_tuning import SERVING, gc_thresholds
 from .settings import Settings, load_settings
 
@@ -52,7 +52,7 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     total = len(plan(settings.workload))
     tracker = SlaTracker(settings.tenants, window_s=args.sla_window)
     async with Scheduler(settings) as scheduler:
-        feasibility = await check_feasibility(settings, scheduler.backend)
+        feasibility = await check_feasibility(settings, scheduler.backend, require_backend=True)
         for flagged in feasibility["unreachable"]:
             print(f"fleetsched: warning: {flagged['message']}", file=sys.stderr, flush=True)
         if feasibility["note"]:
@@ -132,7 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetsched: config error: {exc}", file=sys.stderr)
         return 2
     with gc_thresholds(SERVING):
-        anyio.run(_run, settings, args, console)
+        try:
+            anyio.run(_run, settings, args, console)
+        except BackendUnavailable as exc:
+            print(
+                f"fleetsched run: the {settings.backend.kind} backend cannot be reached: {exc} "
+                "(start the server, fix backend.urls, or run on the embedded engine: --backend sim)",
+                file=sys.stderr,
+            )
+            return 1
     return 0
 
 

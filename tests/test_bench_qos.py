@@ -9,7 +9,8 @@ import os
 import pytest
 
 from fleetsched.backends.sim._fit import answer_draws
-from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, main, summarise, verdict, window_cap
+from fleetsched import bench
+from fleetsched.bench.qos import CallTally, DirectClients, Tally, _cpus, summarise, verdict, window_cap
 from fleetsched.policies.tiers import Tier
 from fleetsched.testing.vllm_server import default_engine_cpus, free_port
 
@@ -149,6 +150,6 @@ def test_the_bench_load_on_the_sim_backend_stays_within_the_vtc_bound_throughout
 def test_a_server_that_does_not_answer_is_a_clear_error_not_a_traceback(capsys):
     # It was a ZeroDivisionError deep in the load generator once every probe call had failed.
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert main(["--url", closed, "--duration", "1"]) == 1
+    assert bench.run("qos", ["--url", closed, "--duration", "1"]) == 1
     err = capsys.readouterr().err
     assert f"5 of 5 probe calls to the vLLM server at {closed} failed" in err and "Traceback" not in err

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fleetsched.testing.vllm_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,6 +42,15 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     done = fleetsched("run", str(config))
     assert done.returncode == 2
     assert "tenants.acme.weight" in done.stderr and "greater than 0" in done.stderr
+
+
+def test_a_server_that_cannot_be_reached_stops_the_run_at_once():
+    # It used to run the whole workload, fail every call and exit 0.
+    closed = f"http://127.0.0.1:{free_port()}"
+    done = fleetsched("run", "examples/quickstart.toml", "--no-live", "--backend", "vllm-server", env={"FLEETSCHED_BACKEND__URLS": json.dumps([closed])})
+    assert done.returncode == 1
+    assert "the vllm-server backend cannot be reached" in done.stderr and "--backend sim" in done.stderr
+    assert "Traceback" not in done.stderr and "support-bot" not in done.stdout
 
 
 def test_env_overrides_and_its_errors(tmp_path):

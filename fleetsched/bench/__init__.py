@@ -6,6 +6,9 @@ Each benchmark is a module here with ``main(argv) -> int``.
 from __future__ import annotations
 
 import importlib
+import sys
+
+from ..errors import BackendUnavailable
 
 BENCHMARKS = {
     "overhead": "what the scheduler itself costs per session and per call (instant backend)",
@@ -22,4 +25,8 @@ def run(name: str, argv: list[str]) -> int:
         known = ", ".join(sorted(BENCHMARKS))
         raise SystemExit(f"fleetsched bench: unknown benchmark {name!r}; known: {known}")
     module = importlib.import_module(f"fleetsched.bench.{name.replace('-', '_')}")
-    return module.main(argv)
+    try:
+        return module.main(argv)
+    except BackendUnavailable as exc:  # a --url or --backend that does not answer
+        print(f"fleetsched bench {name}: {exc}", file=sys.stderr)
+        return 1
