@@ -40,7 +40,8 @@ def _load(path: str, backend: str | None) -> Settings:
     return settings
 
 
-async def _run(settings: Settings, args: argparse.Namespace, console: Console) -> dict:
+async def _run(settings: Settings, args: argparse.Namespace, console: Console) -> dict | None:
+    """Run the workload and print its tables; the report, or None when the run could not start."""
     from .agents.workload import plan, run_workload
     from .display import live_view
     from .observability.feasibility import check_feasibility
@@ -63,7 +64,12 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
             if args.metrics_port is not None:
                 from .observability.metrics import registry_for, serve_metrics
 
-                port = await tg.start(serve_metrics, registry_for(scheduler, tracker), args.metrics_host, args.metrics_port)
+                try:
+                    port = await tg.start(serve_metrics, registry_for(scheduler, tracker), args.metrics_host, args.metrics_port)
+                except OSError as exc:  # the port is taken, the host is not ours, ...
+                    where = f"{args.metrics_host}:{args.metrics_port}"
+                    print(f"fleetsched run: cannot serve metrics on {where}: {exc.strerror or exc}", file=sys.stderr)
+                    return None
                 print(f"fleetsched: metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr, flush=True)
             tg.start_soon(timeline.run)
             if not args.no_live:
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with gc_thresholds(SERVING):
         try:
-            anyio.run(_run, settings, args, console)
+            if anyio.run(_run, settings, args, console) is None:
+                return 1
         except BackendUnavailable as exc:
             print(
                 f"fleetsched run: the {settings.backend.kind} backend cannot be reached: {exc} "

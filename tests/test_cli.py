@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,17 @@ def test_a_server_that_cannot_be_reached_stops_the_run_at_once():
     assert done.returncode == 1
     assert "the vllm-server backend cannot be reached" in done.stderr and "--backend sim" in done.stderr
     assert "Traceback" not in done.stderr and "support-bot" not in done.stdout
+
+
+def test_a_metrics_port_in_use_is_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = fleetsched("run", "examples/quickstart.toml", "--no-live", "--metrics-port", str(port))
+    assert done.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_env_overrides_and_its_errors(tmp_path):
