@@ -15,7 +15,7 @@ from fleetsched import (
     SessionState,
     UnknownTenant,
 )
-from fleetsched.errors import ConfigError, QuotaExceeded
+from fleetsched.errors import ConfigError, InvalidRequest, QuotaExceeded
 from fleetsched.settings import load_settings
 
 from .helpers import check_released, settings
@@ -38,6 +38,9 @@ def sleeper(seconds: float, log: list | None = None, label: object = None):
 async def broken(ctx):
     await anyio.sleep(1)
     raise RuntimeError("tool exploded")
+
+
+MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 async def chatter(ctx):
@@ -299,6 +302,31 @@ async def test_bad_input_is_refused_at_once():
             await scheduler.submit(chatter, tenant="acme", deadline_s=-1)
         assert await (await scheduler.submit(chatter, tenant="acme", memory=GB)) == "ok"
     assert scheduler.statistics().finished == {"rejected": 2, "done": 1}
+    check_released(scheduler)
+
+
+@pytest.mark.parametrize("backend", ["instant", "sim"])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ({"messages": "hello"}, "messages: expected a list of {role, content} objects, got 'hello'"),
+        ({"messages": ["hello"]}, "messages: expected a list of {role, content} objects"),
+        ({"messages": MESSAGES, "max_tokens": "8"}, "max_tokens: expected an integer >= 1, got '8'"),
+        ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens: expected an integer >= 1, got 2.5"),
+        ({"messages": MESSAGES, "max_tokens": -4}, "max_tokens: expected an integer >= 1, got -4"),
+    ],
+)
+async def test_a_malformed_call_fails_its_session_naming_the_field(backend, call, message):
+    # They were an AttributeError ('str' object has no attribute 'get'), a ValueError from int()
+    # or, on the instant backend, no error at all.
+    async def agent(ctx):
+        await ctx.chat(**call)
+
+    async with Scheduler(settings(backend={"kind": backend})) as scheduler:
+        with pytest.raises(SessionFailed) as info:
+            await (await scheduler.submit(agent, tenant="acme"))
+        assert await (await scheduler.submit(chatter, tenant="acme"))  # nobody else harmed: an answer
+    assert isinstance(info.value.__cause__, InvalidRequest) and message in str(info.value.__cause__)
     check_released(scheduler)
 
 

@@ -16,6 +16,7 @@ import anyio
 import httpx
 
 from ..backends.base import Chunk
+from ..errors import InvalidRequest
 from ..scheduler.session import Activity
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ class SessionContext:
 
     def _body(self, messages: Sequence[Mapping[str, Any]] | None, body: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         out = dict(body or {})
+        if isinstance(messages, (str, bytes, Mapping)):  # list() would take it apart
+            raise InvalidRequest(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}")
         if messages is not None:
             out["messages"] = list(messages)
         out.update(kwargs)

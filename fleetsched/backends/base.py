@@ -206,27 +206,44 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
     body (``messages``) or a completions body (``prompt``).
 
     Used for ordering and fair-share accounting before the engine has counted; the engine's
-    own ``usage`` replaces it once the call completes.
+    own ``usage`` replaces it once the call completes. Raises `InvalidRequest` for messages that
+    are not a list of ``{"role", "content"}`` objects.
     """
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return max(1, len(prompt) // 4)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return max(1, len(prompt[0]) // 4)
+    messages = body.get("messages") or ()
     chars = 0
-    for message in body.get("messages") or ():
-        content = message.get("content")
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(part.get("text", "")) for part in content if isinstance(part, Mapping))
-        chars += 16  # role and chat-template framing
+    try:
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(part.get("text", "")) for part in content if isinstance(part, Mapping))
+            chars += 16  # role and chat-template framing
+    except (AttributeError, TypeError):  # checked here, where they are read anyway: no cost when right
+        raise InvalidRequest(
+            f"messages: expected a list of {{role, content}} objects with text content, got {messages!r:.80}"
+        ) from None
     return max(1, chars // 4)
 
 
 def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
+    """The completion tokens `body` asks for (``max_completion_tokens``, else ``max_tokens``), or
+    `default` where it names none; raises `InvalidRequest` for a value that is not a count."""
     value = body.get("max_completion_tokens") or body.get("max_tokens")
-    return int(value) if value else default
+    if not value:
+        return default
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):
+        count = 0
+    if count < 1 or count != value or isinstance(value, bool):  # "8", 2.5 and True are not counts
+        raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {value!r}")
+    return count
 
 
 #: How vLLM words a request that does not fit the model's context (prompt, or prompt + max_tokens).
