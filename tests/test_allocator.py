@@ -162,6 +162,32 @@ def test_too_large_fails_at_once():
     assert info.value.largest == 16 * PAGE
 
 
+class _Index:
+    """An integer type that is not an int (as numpy's are)."""
+
+    def __index__(self) -> int:
+        return 3 * PAGE
+
+
+@pytest.mark.parametrize("make", [lambda: pool(8 * PAGE), lambda: CountingPool([DeviceSpec("gpu0", 8 * PAGE)])])
+def test_a_size_that_is_not_a_whole_number_of_bytes_is_refused(make):
+    # 1.5 used to be granted and turned the pool's counts into floats; "x" failed inside a comparison.
+    p = make()
+    for bad in (1.5, "x", True, None):
+        with pytest.raises(TypeError, match="whole number of bytes, got"):
+            p.reserve_nowait(bad)
+    for bad in (0, -PAGE):
+        with pytest.raises(ValueError, match="> 0 bytes"):
+            p.reserve_nowait(bad)
+    r = p.reserve_nowait(PAGE)
+    with pytest.raises(TypeError, match="must hold a whole number of bytes, got 2.5"):
+        r.resize_nowait(2.5)
+    assert p.statistics().allocated == PAGE and type(p.statistics().allocated) is int
+    r.release()
+    r = p.reserve_nowait(_Index())  # numpy's integers are sizes too
+    assert r.nbytes == 3 * PAGE and type(r.nbytes) is int
+
+
 def test_seeds_example_counts_one_fragmentation_failure_per_request():
     p = pool(80 * PAGE)
     a, b, c = (p.reserve_nowait(20 * PAGE, owner=x) for x in "abc")

@@ -26,6 +26,7 @@ address space, no fragmentation); the fragmentation-aware allocators live beside
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import OrderedDict
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -159,6 +160,20 @@ class _Waiter:
     result: Reservation | None = None
 
 
+def _whole_bytes(nbytes: object, verb: str) -> int:
+    """`nbytes` as an int (numpy's integers too); raises TypeError for a size that is not a whole
+    number of bytes (a float would make the pool's counts floats) and ValueError for one <= 0."""
+    try:
+        if isinstance(nbytes, bool):
+            raise TypeError
+        whole = operator.index(nbytes)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"a reservation must {verb} a whole number of bytes, got {nbytes!r}") from None
+    if whole <= 0:
+        raise ValueError(f"a reservation must {verb} > 0 bytes, got {whole}")
+    return whole
+
+
 class MemoryPool(ABC):
     """Base of every pool: quotas, waiters and accounting. Subclasses decide placement."""
 
@@ -240,15 +255,16 @@ class MemoryPool(ABC):
             raise ValueError(f"memory quota of tenant {tenant!r} must be > 0 bytes, got {nbytes}")
         self._quotas[tenant] = nbytes
 
-    def check(self, nbytes: int, tenant: str | None = None) -> None:
-        """Raise at once if `nbytes` could never be granted: too large, or over the whole quota."""
-        if nbytes <= 0:
-            raise ValueError(f"a reservation must ask for > 0 bytes, got {nbytes}")
+    def check(self, nbytes: int, tenant: str | None = None) -> int:
+        """Raise at once if `nbytes` could never be granted: not a whole number of bytes, too
+        large, or over the whole quota. Returns it as an int."""
+        nbytes = _whole_bytes(nbytes, "ask for")
         if nbytes > self.largest_device:
             raise RequestTooLarge(nbytes, self.largest_device)
         quota = self._quotas.get(tenant) if tenant is not None else None
         if quota is not None and nbytes > quota:
             raise QuotaExceeded(tenant or "", nbytes, quota)
+        return nbytes
 
     def reserve_nowait(
         self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
@@ -262,7 +278,7 @@ class MemoryPool(ABC):
     def _reserve_nowait(
         self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object
     ) -> Reservation:
-        self.check(nbytes, tenant)
+        nbytes = self.check(nbytes, tenant)
         if any(w.priority <= priority and not self._quota_blocks(w.tenant, w.nbytes) for w in self._waiters):
             raise WouldBlock(f"{len(self._waiters)} reservation(s) already waiting ahead")
         if self._quota_blocks(tenant, nbytes):
@@ -286,8 +302,7 @@ class MemoryPool(ABC):
         """
         if reservation.pool is not self or reservation._released:
             raise ValueError(f"cannot resize {reservation!r}: not a live reservation of this pool")
-        if nbytes <= 0:
-            raise ValueError(f"a reservation must hold > 0 bytes, got {nbytes}")
+        nbytes = _whole_bytes(nbytes, "hold")
         capacity = self._device_capacity(reservation.device)
         if nbytes > capacity:
             raise RequestTooLarge(nbytes, capacity)
@@ -322,6 +337,7 @@ class MemoryPool(ABC):
         self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
     ) -> Reservation:
         """Wait for a reservation, FIFO within `priority`. Cancel-safe."""
+        nbytes = self.check(nbytes, tenant)
         waiter = _Waiter(nbytes, owner, tenant, priority, next(self._seq), device, anyio.Event())
         try:
             return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=waiter)
