@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from unittest.mock import ANY
 
 import anyio
 import httpx
@@ -292,3 +293,22 @@ async def test_the_gateway_starts_and_stops_on_the_embedded_sim_backend(anyio_ba
         response = await gateway.scheduler.dispatcher.chat({"messages": MSG, "max_tokens": 3}, tenant="acme", tier=0)
         assert response["usage"]["completion_tokens"] == 3
     assert gateway.scheduler is None
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_a_startup_failure_tells_the_server_why_in_one_line(anyio_backend):
+    # Here: no vLLM in this environment for the in-process engine. The message reached uvicorn
+    # wrapped in two ExceptionGroup reprs.
+    gateway = Gateway(gateway_settings(backend={"kind": "vllm-engine", "engine_model_path": "/nonexistent"}))
+    messages, sent = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}], []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    await gateway({"type": "lifespan"}, receive, send)
+    assert sent == [{"type": "lifespan.startup.failed", "message": ANY}]
+    assert sent[0]["message"].startswith("BackendUnavailable: backend kind 'vllm-engine' needs vLLM installed")

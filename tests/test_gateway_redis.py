@@ -153,8 +153,13 @@ def test_unreachable_redis_is_a_503_not_a_500():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     s = gateway_settings(gateway={"redis_url": f"redis://127.0.0.1:{port}/0"})
-    with serve_in_thread(s) as (_, url):
+    with serve_in_thread(s) as (gateway, url):
         with pytest.raises(openai.APIStatusError) as caught:
-            client(url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
-    assert caught.value.status_code == 503
+            client(url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1)  # rate-limited: Redis
+        # A tenant without limits needs no Redis: served. (The fair-share sync's first read once
+        # took the whole gateway down when Redis was away at start.)
+        reply = client(url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        assert gateway.scheduler is not None
+    assert caught.value.status_code == 503 and caught.value.body["type"] == "state_unavailable"
     assert caught.value.response.headers["retry-after"] == "1"
+    assert reply.usage.completion_tokens == 1

@@ -175,28 +175,43 @@ class Gateway:
                 await receive()  # lifespan.shutdown
         except BaseException as exc:
             if not started:
-                await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                    exc = exc.exceptions[0]  # the task groups' wrapping says nothing to the operator
+                await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
                 return
             raise
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _sync_fair_share(self) -> None:
-        """Charge this instance's fair-share counters with the service its peers gave."""
+        """Charge this instance's fair-share counters with the service its peers gave.
+
+        The first counters read are the baseline. While Redis cannot be reached (from the start,
+        too) the local counters stand alone, calls get 503 at the rate limits, and the sync tries
+        again a period later: the gateway serves again as soon as Redis is back."""
         assert self.scheduler is not None
         dispatcher = self.scheduler.dispatcher
-        last = await self.state.usage()
+        last: dict[str, float] | None = None
+        failing = False
         while True:
-            await anyio.sleep(FAIR_SHARE_SYNC_S)
             try:
                 totals = await self.state.usage()
             except Exception as exc:  # Redis away for a moment: keep the local counters
-                logger.warning("fair-share sync failed: %r", exc)
-                continue
-            for tenant, total in totals.items():
-                peers = total - last.get(tenant, 0.0) - self._local_usage.pop(tenant, 0.0)
-                if peers > 0 and tenant in self.settings.tenants:
-                    dispatcher.charge_external(tenant, peers)
-            last = totals
+                if not failing:  # once per outage, not once a period
+                    logger.warning("fair-share sync failed (retrying every %.0f s): %r", FAIR_SHARE_SYNC_S, exc)
+                failing = True
+            else:
+                if failing:
+                    logger.warning("fair-share sync works again")
+                failing = False
+                if last is None:
+                    self._local_usage.clear()  # the baseline counts what this instance served so far
+                else:
+                    for tenant, total in totals.items():
+                        peers = total - last.get(tenant, 0.0) - self._local_usage.pop(tenant, 0.0)
+                        if peers > 0 and tenant in self.settings.tenants:
+                            dispatcher.charge_external(tenant, peers)
+                last = totals
+            await anyio.sleep(FAIR_SHARE_SYNC_S)
 
     # -- ASGI ------------------------------------------------------------------------------------
 
