@@ -12,6 +12,7 @@ import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -304,6 +305,15 @@ class BackendSettings(_Section):
     sim: SimSettings = Field(default_factory=SimSettings)
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
     """vLLM server replicas (kind "vllm-server"): root URLs, without the ``/v1`` suffix."""
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"each must be http://host:port or https://host:port; {url!r} is not")
+        return value
     api_key: str = "EMPTY"
     """Bearer token sent to the vLLM servers (vLLM's ``--api-key``)."""
     retry_attempts: int = Field(4, ge=1)

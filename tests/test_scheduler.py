@@ -339,6 +339,8 @@ async def test_a_malformed_call_fails_its_session_naming_the_field(backend, call
         ({"tenants": {"a": {"tier": "gold"}}}, "tenants.a.tier"),
         ({"resources": {"devices": []}}, "resources.devices"),
         ({"scheduler": {"max_sesions": 3}}, "scheduler.max_sesions"),
+        ({"backend": {"urls": ["localhost:8000"]}}, "backend.urls"),
+        ({"backend": {"urls": ["ftp://host"]}}, "backend.urls"),
     ],
 )
 def test_invalid_settings_name_the_key(overrides, key):
