@@ -282,6 +282,16 @@ def test_sessions_released_during_client_time():
         assert all(h.parked_count >= 2 for h in handles)
 
 
+def test_a_session_that_can_never_run_is_a_400_and_leaves_no_session_behind():
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "memory_quota": "1GB", "session_memory": "2GB"}}
+    with serve_in_thread(gateway_settings(tenants)) as (gw, url):
+        c = client(url).with_options(default_headers={"X-Session-ID": "big"})
+        for _ in range(2):  # the second finds no half-made session in the table
+            with pytest.raises(openai.BadRequestError, match="memory quota"):
+                c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        assert len(gw.sessions) == 0 and not gw.scheduler.running_sessions()
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 @pytest.mark.anyio
 async def test_the_gateway_starts_and_stops_on_the_embedded_sim_backend(anyio_backend):

@@ -11,9 +11,12 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -163,3 +166,29 @@ def test_unreachable_redis_is_a_503_not_a_500():
     assert caught.value.status_code == 503 and caught.value.body["type"] == "state_unavailable"
     assert caught.value.response.headers["retry-after"] == "1"
     assert reply.usage.completion_tokens == 1
+
+
+def test_concurrent_first_calls_of_a_session_make_one_session(redis_url):
+    # Each call awaits Redis for the session's placement; the table was read before that await,
+    # so calls arriving together each saw no session and each submitted one (slots and memory
+    # held twice, the extra ones until they idled out).
+    flush(redis_url)
+    with serve_in_thread(gateway_settings(gateway={"redis_url": redis_url})) as (gateway, url):
+        clients = [httpx.Client(base_url=url, timeout=30) for _ in range(8)]
+        for c in clients:  # connections open before the race, so the calls arrive together
+            c.get("/health")
+        for attempt in range(5):
+            start = threading.Barrier(len(clients))
+            headers = {"authorization": f"Bearer {ACME}", "x-session-id": f"together-{attempt}"}
+
+            def call(c: httpx.Client) -> int:
+                start.wait()
+                return c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2}, headers=headers).status_code
+
+            with ThreadPoolExecutor(len(clients)) as pool:
+                assert list(pool.map(call, clients)) == [200] * len(clients)
+        stats = gateway.scheduler.statistics()
+        assert len(gateway.sessions) == 5
+        assert stats.running_total + stats.parked + stats.queued_total == 5
+        for c in clients:
+            c.close()

@@ -73,17 +73,22 @@ class SessionTable:
 
         Raises what `Scheduler.submit` raises for a session that can never run."""
         key = f"{tenant}/{session_id}"
-        session = self._sessions.get(key)
         proposal = Placement(self._instance, self._pick_replica() if callable(self._pick_replica) else None)
         placement = await self._state.place(key, proposal, self._idle_s)
+        # Looked up after that await, and a new session entered at once: calls of a new session
+        # that arrive together make one session, not one each.
+        session = self._sessions.get(key)
         if session is None or session.closed:
-            session = GatewaySession(key, placement)
+            session = self._sessions[key] = GatewaySession(key, placement)
             turn = _Turn()
             session.send.send_nowait(turn)
-            session.handle = await self._scheduler.submit(
-                self._agent(session), tenant=tenant, name=f"gateway:{key}", kind="gateway"
-            )
-            self._sessions[key] = session
+            try:
+                session.handle = await self._scheduler.submit(
+                    self._agent(session), tenant=tenant, name=f"gateway:{key}", kind="gateway"
+                )
+            except BaseException:  # rejected: never runnable
+                self._close(session)
+                raise
         else:
             session.placement = placement
             turn = _Turn()
