@@ -278,8 +278,9 @@ class VLLMServerBackend(Backend):
     async def stream_chat(self, body: ChatBody, *, replica: str | None = None) -> AsyncIterator[Chunk]:
         """Stream one chat completion; see the module docstring for routing and retries.
 
-        Raises `BackendUnavailable` (unreachable, 5xx, breaker open), `Overloaded` (429/503) or
-        `BackendError` (the server rejected the body). Leaving the iteration early or being
+        Raises `BackendUnavailable` (unreachable, 5xx, breaker open), `Overloaded` (429/503),
+        `InvalidRequest` (the server rejected the body; `ContextTooLong` for one over the context)
+        or `BackendError` (another 4xx). Leaving the iteration early or being
         cancelled closes the HTTP stream, and vLLM aborts the request.
         """
         request = dict(body)
