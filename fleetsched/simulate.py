@@ -13,7 +13,9 @@ staggered over the first seconds); new sessions stop at the end and those runnin
 ``--find-max-sessions`` answers "how many agents fit at these SLAs?": it scales the fleet (all
 entries together, keeping the tier mix) and binary-searches the largest total that still meets
 every tenant's SLA (`SlaSettings`: ttft_p99_s, latency_p95_s, deadline_s, min_tokens_per_s; and
-no failed calls), one virtual-time run per probe.
+no failed calls), one virtual-time run per probe. Sessions that wait for admission count: their
+wait is held to the tenant's TTFT objective, so a fleet larger than the scheduler's slots (or
+memory) admit does not fit. The search needs a tenant of the workload with an objective.
 
 Cost: one engine step per generated token wakes a stream only every ``stream_interval`` tokens;
 simulate sets it to 8 (vLLM's own knob; the first token always comes at once) unless the config or
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import sys
@@ -155,26 +158,39 @@ class SlaCheck:
 
 
 def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[SlaCheck]:
-    """Every tenant's SLA targets against what the run recorded (call errors count against it)."""
+    """Every tenant's SLA targets against what the run recorded (call errors count against it).
+
+    Sessions count as well as calls: a session's wait for admission (until it ended, for one
+    never admitted) is held to the tenant's TTFT objective, since its first token cannot come
+    sooner; and every session that ended, whatever its end, to its deadline. Otherwise a fleet
+    larger than the scheduler admits would meet every objective: its extra sessions only wait.
+    """
     from .scheduler.records import percentile
 
     checks = []
     calls_by: dict[str, list[Any]] = {}
     for call in scheduler.recorder.calls:
         calls_by.setdefault(call.tenant, []).append(call)
+    sessions_by: dict[str, list[Any]] = {}
+    for session in scheduler.recorder.sessions:
+        if session.state != "rejected":  # refused at once: they never waited
+            sessions_by.setdefault(session.tenant, []).append(session)
     for name, tenant in settings.tenants.items():
         calls = calls_by.get(name, [])
-        if not calls:
+        sessions = sessions_by.get(name, [])
+        if not calls and not sessions:
             continue
         ok = [c for c in calls if c.error is None]
         sla = tenant.sla
         checks.append(SlaCheck(name, "call_errors", 0, len(calls) - len(ok)))
         if sla.ttft_p99_s is not None:
             checks.append(SlaCheck(name, "ttft_p99_s", sla.ttft_p99_s, percentile([c.ttft_s for c in ok], 99)))
+            waits = [(s.finished if math.isnan(s.admitted) else s.admitted) - s.submitted for s in sessions]
+            checks.append(SlaCheck(name, "admission_wait_p99_s", sla.ttft_p99_s, percentile(waits, 99)))
         if sla.latency_p95_s is not None:
             checks.append(SlaCheck(name, "latency_p95_s", sla.latency_p95_s, percentile([c.latency_s for c in ok], 95)))
         if sla.deadline_s is not None:
-            spans = [s.finished - s.submitted for s in scheduler.recorder.sessions if s.tenant == name and s.state == "done"]
+            spans = [s.finished - s.submitted for s in sessions]
             checks.append(SlaCheck(name, "deadline_s", sla.deadline_s, max(spans, default=0.0)))
         if sla.min_tokens_per_s is not None:
             tokens = sum(c.completion_tokens for c in ok)
@@ -214,6 +230,19 @@ def find_max_sessions(
     return {"max_sessions": lo, "bounded_by_limit": False, "probes": probes, "agents": _mix(agents, lo)}
 
 
+def _check_targets(settings: Settings) -> None:
+    """A capacity search needs an objective to miss: raise ConfigError when no tenant of the
+    workload sets one (every fleet size would "meet" them, up to the search's limit)."""
+    tenants = sorted({m.tenant for m in settings.workload.agents})
+    if not any(settings.tenants[t].sla.model_dump(exclude_none=True) for t in tenants if t in settings.tenants):
+        raise ConfigError(
+            "tenants.<name>.sla",
+            f"--find-max-sessions needs an objective to meet, and none of the workload's tenants "
+            f"({', '.join(tenants)}) sets one: give one an sla with ttft_p99_s, latency_p95_s, deadline_s "
+            "or min_tokens_per_s",
+        )
+
+
 def _mix(agents: list[AgentMix], total: int) -> dict[str, int]:
     if total == 0:
         return {}
@@ -239,6 +268,8 @@ def main(argv: list[str]) -> int:
         settings = sim_settings(settings, args.profile, args.stream_interval)
         if args.find_max_sessions and duration is None:
             raise ConfigError("--duration", "--find-max-sessions needs --duration (each probe holds the fleet that long)")
+        if args.find_max_sessions:
+            _check_targets(settings)
     except (ConfigError, ValueError) as exc:
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2
@@ -247,7 +278,12 @@ def main(argv: list[str]) -> int:
         result = find_max_sessions(settings, duration, echo=echo, loop=args.loop)  # type: ignore[arg-type]
         result["probes"] = {str(k): v for k, v in sorted(result["probes"].items())}
         text = json.dumps(result, indent=2)
-        print(text if args.json else f"largest fleet meeting every SLA: {result['max_sessions']} sessions {result['agents']}")
+        if args.json:
+            print(text)
+        elif result["bounded_by_limit"]:
+            print(f"every fleet up to {result['max_sessions']} sessions meets every SLA (the search stops there) {result['agents']}")
+        else:
+            print(f"largest fleet meeting every SLA: {result['max_sessions']} sessions {result['agents']}")
     else:
         report, _ = simulate(settings, duration, args.loop)
         text = json.dumps(report, indent=2)

@@ -75,6 +75,22 @@ def test_find_max_sessions_is_the_edge_of_the_sla():
     assert all(c.ok for c in sla_checks(scheduler, scaled, report["duration_s"]))
 
 
+def test_sessions_left_waiting_for_admission_do_not_fit():
+    # With 8 session slots, every fleet up to the search's limit used to "meet" the SLA: the
+    # sessions beyond the slots only waited, and waiting sessions make no calls to be late.
+    base = sim_settings(fleet(count=4, ttft_p99_s=5.0))
+    settings = base.model_copy(update={"scheduler": base.scheduler.model_copy(update={"max_sessions": 8})})
+    result = find_max_sessions(settings, 60.0, echo=lambda _: None, limit=512)
+    assert not result["bounded_by_limit"] and 8 <= result["max_sessions"] < 128  # measured: 62
+
+
+def test_the_search_needs_an_objective(tmp_path, capsys):
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 4\n')
+    assert cli_main(["simulate", str(config), "--duration", "1m", "--find-max-sessions"]) == 2
+    assert "none of the workload's tenants (a) sets one" in capsys.readouterr().err
+
+
 def test_cli_simulate_json(tmp_path, capsys):
     config = tmp_path / "fleet.toml"
     config.write_text(
