@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 import httpx
 
+from ._args import positive_int
 from .backends.sim._fit import PARAMS, Fit, Measurement, Workload, fit_profile
 from .backends.sim._profiles import dump_profile
 from .settings import SimSettings
@@ -287,16 +288,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", help="served model name (default: the server's first)")
     parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128], help="clients, comma-separated")
     parser.add_argument("--shapes", type=_shapes, default=[(64, 128), (384, 32), (160, 96)], help="PROMPT:MAX_TOKENS pairs")
-    parser.add_argument("--rounds", type=int, default=4, help="requests per client per point")
-    parser.add_argument("--repeats", type=int, default=3, help="passes over the whole sweep; each point is the median of its passes")
+    parser.add_argument("--rounds", type=positive_int, default=4, help="requests per client per point")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="passes over the whole sweep; each point is the median of its passes")
     parser.add_argument(
         "--stream-interval", type=int, default=STREAM_INTERVAL, help="tokens per streamed chunk (the first comes at once); 1 streams every token"
     )
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--kv-cache-tokens", type=int, default=524288)
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    parser.add_argument("--block-size", type=positive_int, default=128)
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=524288)
+    parser.add_argument("--max-model-len", type=positive_int, default=1024)
     parser.add_argument("--description", default="a vLLM server measured by fleetsched calibrate")
     args = parser.parse_args(argv)
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import anyio
 
+from ._args import positive_int
 from .errors import ConfigError, FleetschedError
 from .gc_tuning import SIMULATING, gc_thresholds
 from .settings import AgentMix, Settings, load_settings
@@ -254,7 +255,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config", help="TOML settings file (tenants, workload; the backend becomes sim)")
     parser.add_argument("--duration", help="hold the fleet this long in virtual time (90s, 15m, 2h)")
     parser.add_argument("--profile", help="sim profile: a shipped name or a TOML file (default: the config's)")
-    parser.add_argument("--stream-interval", type=int, help=f"tokens per streamed chunk (default {SIMULATE_STREAM_INTERVAL})")
+    parser.add_argument("--stream-interval", type=positive_int, help=f"tokens per streamed chunk (default {SIMULATE_STREAM_INTERVAL})")
     parser.add_argument("--find-max-sessions", action="store_true", help="search the largest fleet that meets every SLA")
     parser.add_argument("--loop", choices=LOOPS, default="asyncio", help="event loop under the virtual clock (default asyncio)")
     parser.add_argument("--report", metavar="FILE.json", help="write the report (or the search's result) as JSON")

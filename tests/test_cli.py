@@ -87,3 +87,15 @@ def test_bench_overhead_prints_json():
     data = json.loads(done.stdout)
     assert data["sessions"] == 500 and data["calls"] == 250
     assert {"p50", "p99"} <= set(data["added_latency_ms"]) and data["peak_rss_mb"] > 0
+
+
+def test_a_bench_option_out_of_range_is_a_usage_error_naming_it():
+    # --sessions 0 ended in a StatisticsError traceback; --rate 0 printed NaN figures.
+    for argv, message in [
+        (["bench", "allocator", "--sessions", "0"], "argument --sessions: expected an integer >= 1, got '0'"),
+        (["bench", "gateway", "--rate", "0"], "argument --rate: expected a number > 0, got '0'"),
+        (["bench", "qos", "--max-tokens", "8", "--max-tokens-spread", "8"], "--max-tokens-spread (8) must be below --max-tokens (8)"),
+        (["simulate", "examples/quickstart.toml", "--stream-interval", "0"], "argument --stream-interval: expected an integer >= 1"),
+    ]:
+        done = fleetsched(*argv)
+        assert done.returncode == 2 and message in done.stderr, (argv, done.stderr[-300:])

@@ -71,6 +71,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .._args import non_negative_float, positive_float, positive_int, unit_float
 from ..errors import WouldBlock
 from ..resources import (
     DEFAULT_STRATEGY,
@@ -543,11 +544,11 @@ def _aggregate(rows: list[dict[str, float]]) -> dict[str, float]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench allocator", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--sessions", type=int, default=4000, help="sessions per trace (default 4000)")
+    parser.add_argument("--sessions", type=positive_int, default=4000, help="sessions per trace (default 4000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--load", type=float, default=LOAD, help=f"offered load, fraction of capacity (default {LOAD})")
-    parser.add_argument("--idle-scale", type=float, default=1.0, help="scale the sessions' idle (movable) shares")
-    parser.add_argument("--threshold", type=float, default=0.3, help="compact_threshold for the threshold row (default 0.3)")
+    parser.add_argument("--load", type=positive_float, default=LOAD, help=f"offered load, fraction of capacity (default {LOAD})")
+    parser.add_argument("--idle-scale", type=non_negative_float, default=1.0, help="scale the sessions' idle (movable) shares")
+    parser.add_argument("--threshold", type=unit_float, default=0.3, help="compact_threshold for the threshold row (default 0.3)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated names")
     args = parser.parse_args(argv)
     names = [n for n in args.strategies.split(",") if n]

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .._args import positive_float, positive_int
+
 API_KEY = "fs-bench-key"
 _BODY = {"model": "fleetsched-tiny", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 8}
 
@@ -317,11 +319,11 @@ def bench_vllm(rate: float, duration_s: float, connections: int) -> dict[str, An
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench gateway", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--rate", type=float, default=1000.0, help="requests per second against the instant backend")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds of measured load per server")
-    parser.add_argument("--connections", type=int, default=64, help="keep-alive connections at most")
+    parser.add_argument("--rate", type=positive_float, default=1000.0, help="requests per second against the instant backend")
+    parser.add_argument("--duration", type=positive_float, default=10.0, help="seconds of measured load per server")
+    parser.add_argument("--connections", type=positive_int, default=64, help="keep-alive connections at most")
     parser.add_argument("--vllm", action="store_true", help="also measure in front of the real CPU vLLM")
-    parser.add_argument("--vllm-rate", type=float, default=20.0, help="requests per second against vLLM")
+    parser.add_argument("--vllm-rate", type=positive_float, default=20.0, help="requests per second against vLLM")
     parser.add_argument("--serve", choices=["direct", "gateway"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)

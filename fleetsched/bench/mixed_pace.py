@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 import trio.testing
 
+from .._args import positive_float, positive_int
 from ..agents.workload import run_workload
 from ..scheduler import Scheduler, percentile
 from ..settings import Settings
@@ -147,11 +148,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench mixed-pace", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["sim", "vllm-server"], default="sim", help="sim (virtual time) or a real vLLM")
     parser.add_argument("--url", help="vllm-server: a running server (default: start one)")
-    parser.add_argument("--seconds", type=float, default=90.0, help="vllm-server: real seconds per mode")
-    parser.add_argument("--time-scale", type=float, default=0.1, help="vllm-server: tool and think times scaled by this")
-    parser.add_argument("--hours", type=float, default=0.5, help="simulated hours per mode")
-    parser.add_argument("--max-sessions", type=int, default=48, help="concurrent sessions (the same in both modes)")
-    parser.add_argument("--arrival-rate", type=float, default=3.0, help="sessions submitted per second")
+    parser.add_argument("--seconds", type=positive_float, default=90.0, help="vllm-server: real seconds per mode")
+    parser.add_argument("--time-scale", type=positive_float, default=0.1, help="vllm-server: tool and think times scaled by this")
+    parser.add_argument("--hours", type=positive_float, default=0.5, help="simulated hours per mode")
+    parser.add_argument("--max-sessions", type=positive_int, default=48, help="concurrent sessions (the same in both modes)")
+    parser.add_argument("--arrival-rate", type=positive_float, default=3.0, help="sessions submitted per second")
     parser.add_argument("--engine-nice", type=int, default=19,
                         help="vllm-server: niceness of the engine processes of the server it starts (see VLLMServer.engine_nice)")
     parser.add_argument("--json", action="store_true")

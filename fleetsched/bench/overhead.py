@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
+from .._args import positive_int
 from ..backends.base import Backend, ChatBody, Chunk
 from ..backends.instant import InstantBackend
 from ..scheduler import Scheduler, percentile
@@ -131,9 +132,9 @@ async def _direct_phase(sessions: int, calls: int) -> dict[str, float]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=10_000, help="concurrent sessions in the memory phase")
-    parser.add_argument("--latency-sessions", type=int, default=1_000, help="concurrent sessions in the latency phase")
-    parser.add_argument("--calls", type=int, default=50, help="calls per session in the latency phase")
+    parser.add_argument("--sessions", type=positive_int, default=10_000, help="concurrent sessions in the memory phase")
+    parser.add_argument("--latency-sessions", type=positive_int, default=1_000, help="concurrent sessions in the latency phase")
+    parser.add_argument("--calls", type=positive_int, default=50, help="calls per session in the latency phase")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 

@@ -51,6 +51,7 @@ from typing import Any
 import anyio
 import httpx
 
+from .._args import non_negative_int, positive_float, positive_int, unit_float
 from ..backends.sim._fit import answer_draws
 from ..calibrate import KEEPALIVE_EXPIRY_S
 from ..errors import BackendUnavailable
@@ -446,28 +447,28 @@ def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--url", help="a running vLLM with --scheduling-policy priority (all modes use it; direct-fcfs then sends no priority)")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds of load per mode")
-    parser.add_argument("--overload", type=float, default=2.5, help="offered load over the saturated rate")
+    parser.add_argument("--duration", type=positive_float, default=30.0, help="seconds of load per mode")
+    parser.add_argument("--overload", type=positive_float, default=2.5, help="offered load over the saturated rate")
     parser.add_argument(
         "--warmup", type=float, default=2.0,
         help="seconds at the start of each mode whose calls the TTFT figures leave out (ttft_s_warmup_included has them)",
     )
-    parser.add_argument("--max-tokens", type=int, default=64, help="batch calls' mean answer length (critical calls': a quarter of it)")
-    parser.add_argument("--max-tokens-spread", type=int, default=0, help="batch calls' answers vary by +- this many tokens, uniform")
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="batch calls' mean answer length (critical calls': a quarter of it)")
+    parser.add_argument("--max-tokens-spread", type=non_negative_int, default=0, help="batch calls' answers vary by +- this many tokens, uniform")
     parser.add_argument(
         "--window", type=int, help="fleetsched's initial in-flight window (default and most: --max-num-seqs, plus --critical-reserve beyond the batch)"
     )
-    parser.add_argument("--max-num-seqs", type=int, default=32 + CRITICAL_AGENTS,
+    parser.add_argument("--max-num-seqs", type=positive_int, default=32 + CRITICAL_AGENTS,
                         help="the engine's running batch (of the servers it starts, or the one at --url); with --reserve in-batch, "
                         "fleetsched's batch calls get all of it but --critical-reserve")
     # 64 tokens a chunk against 16, alternating on one server (2 pairs of 30 s): throughput 7,506 and 8,103 tok/s
     # against 6,379 and 7,513, critical TTFT p99 66 and 49 ms against 71 and 75.
-    parser.add_argument("--batch-stream-interval", type=int, default=64, help="tokens per streamed chunk fleetsched asks for batch calls")
-    parser.add_argument("--critical-reserve", type=int, default=CRITICAL_AGENTS, help="places of fleetsched's window kept for critical calls")
+    parser.add_argument("--batch-stream-interval", type=positive_int, default=64, help="tokens per streamed chunk fleetsched asks for batch calls")
+    parser.add_argument("--critical-reserve", type=non_negative_int, default=CRITICAL_AGENTS, help="places of fleetsched's window kept for critical calls")
     parser.add_argument("--reserve", choices=RESERVES, default="in-batch",
                         help="the reserved places: engine slots kept free (a critical call joins the next step), or places beyond the "
                         "engine's batch (a critical call waits in vLLM's queue for a running call to end)")
-    parser.add_argument("--batch-min-share", type=float, default=0.05)
+    parser.add_argument("--batch-min-share", type=unit_float, default=0.05)
     parser.add_argument("--engine-nice", type=int, default=19,
                         help="niceness of the engine processes of servers it starts (0: as they come; see VLLMServer.engine_nice)")
     # Pinned, on 2 cores, the critical TTFT p99 under fleetsched was 0.135-0.153 s against 0.336 s
@@ -485,7 +486,10 @@ def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_tokens_spread >= args.max_tokens:
+        parser.error(f"--max-tokens-spread ({args.max_tokens_spread}) must be below --max-tokens ({args.max_tokens})")
     # This process is the load generator in every mode and fleetsched itself in the last: it
     # collects garbage as `fleetsched run` and `serve` do (see `fleetsched.gc_tuning`).
     with gc_thresholds(SERVING):

@@ -1,0 +1,46 @@
+"""Argument types for the command line: a bad value is argparse's usage error naming the option
+(exit code 2), not a traceback from deep inside a run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T", int, float)
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    return _checked(text, float, lambda v: 0 < v < math.inf, "a number > 0")
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    return _checked(text, float, lambda v: 0 <= v < math.inf, "a number >= 0")
+
+
+def unit_float(text: str) -> float:
+    """A number from 0 to 1."""
+    return _checked(text, float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
+
+
+def _checked(text: str, kind: Callable[[str], T], ok: Callable[[T], bool], expected: str) -> T:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):  # nan fails every comparison, so it is refused too
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
