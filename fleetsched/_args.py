@@ -21,6 +21,11 @@ def non_negative_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
+def tcp_port(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: any free one)."""
+    return _checked(text, int, lambda v: 0 <= v <= 65535, "a port from 0 to 65535")
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     return _checked(text, float, lambda v: 0 < v < math.inf, "a number > 0")

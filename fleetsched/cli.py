@@ -19,6 +19,7 @@ import anyio
 from rich.console import Console
 
 from . import bench
+from ._args import positive_float, tcp_port
 from .errors import BackendUnavailable, ConfigError
 from .gc_tuning import SERVING, gc_thresholds
 from .settings import Settings, load_settings
@@ -98,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--backend", choices=["sim", "instant", "vllm-server", "vllm-engine"], help="override backend.kind")
     run.add_argument("--report", metavar="FILE.json", help="write the run's figures as JSON")
     run.add_argument("--no-live", action="store_true", help="no live view, only the final table")
-    run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on PORT (0: any free port, printed on stderr)")
+    run.add_argument("--metrics-port", type=tcp_port, metavar="PORT", help="serve Prometheus metrics on PORT (0: any free port, printed on stderr)")
     run.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics server listens on (default 127.0.0.1)")
-    run.add_argument("--sla-window", type=float, default=60.0, metavar="S", help="rolling window of the live SLA attainment (default 60 s)")
-    run.add_argument("--sample-interval", type=float, default=0.5, metavar="S", help="timeline sampling period in the report (default 0.5 s)")
+    run.add_argument("--sla-window", type=positive_float, default=60.0, metavar="S", help="rolling window of the live SLA attainment (default 60 s)")
+    run.add_argument("--sample-interval", type=positive_float, default=0.5, metavar="S", help="timeline sampling period in the report (default 0.5 s)")
 
     bench_cmd = commands.add_parser("bench", help="run a benchmark", add_help=False)
     bench_cmd.add_argument("name", nargs="?", help=", ".join(f"{k}: {v}" for k, v in bench.BENCHMARKS.items()))

@@ -96,6 +96,8 @@ def test_a_bench_option_out_of_range_is_a_usage_error_naming_it():
         (["bench", "gateway", "--rate", "0"], "argument --rate: expected a number > 0, got '0'"),
         (["bench", "qos", "--max-tokens", "8", "--max-tokens-spread", "8"], "--max-tokens-spread (8) must be below --max-tokens (8)"),
         (["simulate", "examples/quickstart.toml", "--stream-interval", "0"], "argument --stream-interval: expected an integer >= 1"),
+        (["run", "examples/quickstart.toml", "--sample-interval", "0"], "argument --sample-interval: expected a number > 0"),
+        (["serve", "--port", "70000"], "argument --port: expected a port from 0 to 65535, got '70000'"),
     ]:
         done = fleetsched(*argv)
         assert done.returncode == 2 and message in done.stderr, (argv, done.stderr[-300:])

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .._args import tcp_port
 from ..errors import ConfigError
 from ..gc_tuning import SERVING, gc_thresholds
 from ..settings import Settings, load_settings
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched serve", description="Serve the OpenAI-compatible multi-tenant gateway.")
     parser.add_argument("--config", help="TOML settings file (tenants with api_keys, backend, [gateway])")
     parser.add_argument("--host", help="override gateway.host")
-    parser.add_argument("--port", type=int, help="override gateway.port")
+    parser.add_argument("--port", type=tcp_port, help="override gateway.port")
     parser.add_argument("--hash-key", metavar="KEY", help="print the stored form (sha256:...) of KEY and exit")
     parser.add_argument("--new-key", action="store_true", help="print a new random key and its stored form, and exit")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
