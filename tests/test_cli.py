@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
 
 from fleetsched.testing.vllm_server import free_port
 
@@ -101,3 +105,32 @@ def test_a_bench_option_out_of_range_is_a_usage_error_naming_it():
     ]:
         done = fleetsched(*argv)
         assert done.returncode == 2 and message in done.stderr, (argv, done.stderr[-300:])
+
+
+def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path):
+    # The gateway on its default backend (the embedded sim) as users start it; stopping it once
+    # ended in a cancel-scope error from the lifespan.
+    config = tmp_path / "gateway.toml"
+    key = fleetsched("serve", "--hash-key", "fs-test-key").stdout.strip()
+    config.write_text(f'[tenants.acme]\napi_keys = ["{key}"]\n')
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fleetsched.cli", "serve", "--config", str(config), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):  # up to 30 s to start
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        reply = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer fs-test-key"}, timeout=10)
+        assert reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=30)
+    assert server.returncode == 0, err[-2000:]
+    assert "Traceback" not in err and "ERROR" not in err, err[-2000:]

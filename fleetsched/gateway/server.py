@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(uvicorn_config(gateway, host, port))
     print(f"fleetsched gateway on http://{host}:{port}/v1 (instance {gateway.instance})", file=sys.stderr, flush=True)
     with gc_thresholds(SERVING):
-        server.run()
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn shut down, then re-raised the Ctrl-C it caught: a clean stop
+            pass
     return 0 if server.started else 1
 
 
