@@ -91,6 +91,15 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``fleetsched`` command: its exit status (130 when stopped by Ctrl-C, as shells count it)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # the run stopped where it was: say so, without a traceback
+        print("fleetsched: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched", description="Run fleets of LLM agents on shared inference.")
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -134,3 +134,14 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path):
         _, err = server.communicate(timeout=30)
     assert server.returncode == 0, err[-2000:]
     assert "Traceback" not in err and "ERROR" not in err, err[-2000:]
+
+
+def test_ctrl_c_stops_a_run_with_one_line_and_status_130():
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fleetsched.cli", "run", "examples/quickstart.toml", "--no-live"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(3)  # the quick start runs for about 18 s
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=30)
+    assert run.returncode == 130 and err == "fleetsched: interrupted\n"
