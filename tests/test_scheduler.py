@@ -305,6 +305,19 @@ async def test_bad_input_is_refused_at_once():
     check_released(scheduler)
 
 
+async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
+    def plain(ctx):
+        return "done"
+
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(TypeError, match="agent: expected an async function taking the session's context, got 'plain'"):
+            await scheduler.submit("plain", tenant="acme")  # type: ignore[arg-type]
+        with pytest.raises(SessionFailed) as info:
+            await (await scheduler.submit(plain, tenant="acme"))
+    assert "the agent returned str, not an awaitable: define it with `async def`" in str(info.value.__cause__)
+    check_released(scheduler)
+
+
 @pytest.mark.parametrize("backend", ["instant", "sim"])
 @pytest.mark.parametrize(
     ("call", "message"),

@@ -18,6 +18,7 @@ reservation in `_finish`.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
@@ -239,6 +240,8 @@ class Scheduler:
         """A checked, counted session in the QUEUED state, and the time of its submission."""
         if not self._accepting:
             raise SchedulerClosed("the scheduler is not accepting sessions (enter it with `async with` first)")
+        if not callable(agent):
+            raise TypeError(f"agent: expected an async function taking the session's context, got {agent!r:.80}")
         tenant_settings = self.settings.tenants.get(tenant)
         if tenant_settings is None:
             raise UnknownTenant(tenant, list(self.settings.tenants))
@@ -353,7 +356,12 @@ class Scheduler:
                 handle._set_state(SessionState.RUNNING, anyio.current_time())
                 handle.activity = Activity.THINKING
                 try:
-                    handle.result = await handle.agent(ctx)
+                    running = handle.agent(ctx)
+                    if not inspect.isawaitable(running):
+                        raise TypeError(
+                            f"the agent returned {type(running).__name__}, not an awaitable: define it with `async def`"
+                        )
+                    handle.result = await running
                     outcome = SessionState.DONE
                 except Exception as exc:
                     handle.error = exc
