@@ -148,8 +148,7 @@ class VLLMEngineBackend(Backend):
         """Stream one chat completion from the engine (starting it first if needed).
 
         Raises `InvalidRequest` for a body the engine rejects (bad parameters; `ContextTooLong` for a
-        prompt too long) and
-        `BackendUnavailable` when the engine is dead.
+        prompt too long) and `BackendUnavailable` when the engine is dead.
         """
         await self.start()
         from vllm.v1.engine.exceptions import EngineDeadError
