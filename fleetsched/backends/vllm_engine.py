@@ -153,6 +153,11 @@ class VLLMEngineBackend(Backend):
         await self.start()
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        try:  # vLLM's errors caused by the request; older releases raise ValueError for them
+            from vllm.exceptions import VLLMClientError as RequestRefused
+        except ImportError:
+            RequestRefused = ValueError  # noqa: N806
+
         prompt = self._prompt(body)
         params = self._sampling_params(body)
         request_id = f"fs-engine-{next(_request_ids)}"
@@ -178,7 +183,7 @@ class VLLMEngineBackend(Backend):
             finished = True
         except EngineDeadError as exc:
             raise BackendUnavailable(f"vLLM engine for {self.model!r} died: {exc}") from exc
-        except ValueError as exc:  # vLLM's validation errors (prompt longer than max_model_len, ...)
+        except (ValueError, RequestRefused) as exc:  # validation errors (prompt longer than max_model_len, ...)
             raise invalid_request(f"vLLM engine rejected the call: {exc}") from exc
         finally:
             self._in_flight -= 1

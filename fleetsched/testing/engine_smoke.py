@@ -4,7 +4,8 @@
 
 Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunks and usage (on
 every chunk when asked for), leaves a second call early and checks that nothing is left in
-flight. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
+flight, then that a prompt over the context is refused with `ContextTooLong` and one with bad
+sampling parameters with `InvalidRequest`. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
 is not installed in the main virtualenv.
 """
 
@@ -18,6 +19,7 @@ import anyio
 
 from fleetsched.backends.base import collect_chat
 from fleetsched.backends.vllm_engine import VLLMEngineBackend
+from fleetsched.errors import ContextTooLong, InvalidRequest
 
 
 async def check(model_dir: str) -> dict:
@@ -42,6 +44,20 @@ async def check(model_dir: str) -> dict:
             async for _ in stream:
                 break
         assert (await backend.signals()).running == 0
+        # Refusals are the same errors as on the other backends.
+        try:
+            long_prompt = [{"role": "user", "content": "hi " * 3000}]  # over max_model_len (1,024)
+            _ = [c async for c in backend.stream_chat({**request, "messages": long_prompt})]
+        except ContextTooLong:
+            pass
+        else:
+            raise AssertionError("a prompt over max_model_len was not refused with ContextTooLong")
+        try:
+            _ = [c async for c in backend.stream_chat({**request, "temperature": "hot"})]
+        except InvalidRequest as exc:
+            assert not isinstance(exc, ContextTooLong), exc
+        else:
+            raise AssertionError("bad sampling parameters were not refused with InvalidRequest")
     return {"ok": True, "engine_start_s": round(started_s, 1), "usage": folded["usage"]}
 
 
