@@ -15,7 +15,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
 from .errors import ConfigError
 from .policies.tiers import Tier
@@ -441,6 +441,13 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
         if key == "(root)" and ": " in message:
             key, _, message = message.partition(": ")
         raise ConfigError(key, f"{message} (got {error.get('input')!r})" if key != "(root)" and "input" in error else message) from None
+    except SettingsError as exc:  # an environment variable whose value is not JSON where JSON is needed
+        section = re.search(r'field "(\w+)"', str(exc))  # pydantic-settings names the section so
+        raise ConfigError(
+            f"FLEETSCHED_{section[1].upper()}__..." if section else "environment",
+            f"an environment variable of this section does not parse: {exc.__cause__ or exc} "
+            "(lists and tables are written as JSON: FLEETSCHED_BACKEND__URLS='[\"http://host:8000\"]')",
+        ) from None
     except ValueError as exc:  # a TOML syntax error
         raise ConfigError(str(path or "fleetsched.toml"), str(exc)) from None
     finally:

@@ -76,6 +76,13 @@ def test_env_overrides_and_its_errors(tmp_path):
     assert done.returncode == 2 and "scheduler.max_sessions" in done.stderr
 
 
+def test_an_environment_list_that_is_not_json_names_the_variable():
+    # It was reported as an error of the TOML file, which was fine.
+    done = fleetsched("run", "examples/quickstart.toml", env={"FLEETSCHED_BACKEND__URLS": "http://host:8000"})
+    assert done.returncode == 2
+    assert "config error: FLEETSCHED_BACKEND__...: an environment variable of this section does not parse" in done.stderr
+
+
 def test_unknown_workload_tenant_and_missing_file(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text('[tenants.acme]\n[[workload.agents]]\ntenant = "ghost"\ncount = 1\n')
