@@ -305,15 +305,6 @@ class BackendSettings(_Section):
     sim: SimSettings = Field(default_factory=SimSettings)
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
     """vLLM server replicas (kind "vllm-server"): root URLs, without the ``/v1`` suffix."""
-
-    @field_validator("urls")
-    @classmethod
-    def _http_urls(cls, value: list[str]) -> list[str]:
-        for url in value:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"each must be http://host:port or https://host:port; {url!r} is not")
-        return value
     api_key: str = "EMPTY"
     """Bearer token sent to the vLLM servers (vLLM's ``--api-key``)."""
     retry_attempts: int = Field(4, ge=1)
@@ -337,6 +328,15 @@ class BackendSettings(_Section):
     """vllm-engine: prompt plus completion tokens of one request at most."""
     engine_scheduling_policy: Literal["fcfs", "priority"] = "priority"
     """vllm-engine: the scheduler's queue policy (priority honours the request's ``priority``)."""
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"each must be http://host:port or https://host:port; {url!r} is not")
+        return value
 
 
 class AgentMix(_Section):
