@@ -45,7 +45,7 @@ def _checked(text: str, kind: Callable[[str], T], ok: Callable[[T], bool], expec
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if not ok(value):  # nan fails every comparison, so it is refused too
+        value = None
+    if value is None or not ok(value):  # nan fails every comparison, so it is refused too
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value

@@ -102,12 +102,12 @@ def unreachable(settings: Settings, unloaded_ttft_s: dict[str, float], prompt_to
     return out
 
 
-async def check_feasibility(settings: Settings, backend: Backend, *, require_backend: bool = False) -> dict[str, Any]:
+async def check_feasibility(settings: Settings, backend: Backend) -> dict[str, Any]:
     """The report's ``sla.feasibility``: the unloaded TTFT per tenant and the unreachable SLAs.
 
     For the sim backend it is computed; for others one probe call is made. A failing probe is
-    skipped with a note, except that with `require_backend` a backend that cannot be reached
-    raises its `BackendUnavailable` (a run against it could only fail every call).
+    skipped with a note, but a backend that cannot be reached raises its `BackendUnavailable`:
+    a run against it could only fail every call.
     """
     prompts = tenant_prompt_tokens(settings)
     kind = settings.backend.kind
@@ -124,9 +124,7 @@ async def check_feasibility(settings: Settings, backend: Backend, *, require_bac
             with anyio.fail_after(30):
                 measured = await probe_unloaded_ttft_s(backend, settings.backend.model)
         except BackendUnavailable:
-            if require_backend:
-                raise
-            floors, note = {}, "unloaded TTFT not probed: the backend cannot be reached"
+            raise
         except Exception as exc:  # any other failure: skip the check, say why
             floors = {}
             note = f"unloaded TTFT not probed: {type(exc).__name__}: {exc}"

@@ -164,11 +164,11 @@ def _whole_bytes(nbytes: object, verb: str) -> int:
     """`nbytes` as an int (numpy's integers too); raises TypeError for a size that is not a whole
     number of bytes (a float would make the pool's counts floats) and ValueError for one <= 0."""
     try:
-        if isinstance(nbytes, bool):
-            raise TypeError
         whole = operator.index(nbytes)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"a reservation must {verb} a whole number of bytes, got {nbytes!r}") from None
+        whole = None
+    if whole is None or isinstance(nbytes, bool):
+        raise TypeError(f"a reservation must {verb} a whole number of bytes, got {nbytes!r}")
     if whole <= 0:
         raise ValueError(f"a reservation must {verb} > 0 bytes, got {whole}")
     return whole
