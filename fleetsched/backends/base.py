@@ -246,6 +246,18 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     return count
 
 
+def check_fits(max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
+    """Raise `ContextTooLong` when the prompt and the completion asked for exceed the model's
+    context, as vLLM's OpenAI server refuses them (its engine alone would cut the answer short)."""
+    total = prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ContextTooLong(
+            f"this model's maximum context length is {max_model_len} tokens, but the request "
+            f"needs {total} ({prompt_tokens} in the messages, {max_tokens} in the completion); "
+            "shorten the messages or lower max_tokens"
+        )
+
+
 #: How vLLM words a request that does not fit the model's context (prompt, or prompt + max_tokens).
 _CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len")
 

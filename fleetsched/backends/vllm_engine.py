@@ -27,6 +27,7 @@ from .base import (
     ChatBody,
     Chunk,
     EngineSignals,
+    check_fits,
     invalid_request,
     make_chunk,
     requested_max_tokens,
@@ -77,6 +78,7 @@ class VLLMEngineBackend(Backend):
         )
         self._engine: Any = None
         self._tokenizer: Any = None
+        self._max_model_len = max_model_len  # the engine's own, once it is built
         self._start_lock = anyio.Lock()
         self._in_flight = 0
 
@@ -109,6 +111,7 @@ class VLLMEngineBackend(Backend):
             try:
                 engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
                 self._tokenizer = engine.get_tokenizer()
+                self._max_model_len = engine.model_config.max_model_len
             except Exception as exc:
                 raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
             self._engine = engine
@@ -117,15 +120,18 @@ class VLLMEngineBackend(Backend):
         await self.start()
         return self
 
-    def _prompt(self, body: ChatBody) -> str:
+    def _prompt(self, body: ChatBody) -> list[int]:
+        """The chat template applied to the messages, as token IDs: tokenised as vLLM's OpenAI
+        server does (the template carries the special tokens), and counted against the context."""
         try:
-            return self._tokenizer.apply_chat_template(
+            text = self._tokenizer.apply_chat_template(
                 list(body["messages"]), tools=body.get("tools"), tokenize=False, add_generation_prompt=True
             )
         except KeyError:
             raise InvalidRequest("chat body has no 'messages'") from None
         except Exception as exc:  # jinja errors: the messages do not fit the model's template
             raise InvalidRequest(f"the chat template of {self.model!r} cannot render these messages: {exc}") from exc
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
     def _sampling_params(self, body: ChatBody) -> Any:
         from vllm import SamplingParams
@@ -160,6 +166,7 @@ class VLLMEngineBackend(Backend):
 
         prompt = self._prompt(body)
         params = self._sampling_params(body)
+        check_fits(self._max_model_len, len(prompt), params.max_tokens)
         request_id = f"fs-engine-{next(_request_ids)}"
         model = body.get("model") or self.served_model_name
         # `created` is informational; the other backends leave it 0 too (no wall clock here).
@@ -170,7 +177,7 @@ class VLLMEngineBackend(Backend):
         self._in_flight += 1
         finished = False
         try:
-            outputs = self._engine.generate(prompt, params, request_id, priority=int(body.get("priority") or 0))
+            outputs = self._engine.generate({"prompt_token_ids": prompt}, params, request_id, priority=int(body.get("priority") or 0))
             async with aclosing(outputs):
                 async for output in outputs:
                     prompt_tokens = len(output.prompt_token_ids or ()) or prompt_tokens

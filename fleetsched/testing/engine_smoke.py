@@ -4,9 +4,10 @@
 
 Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunks and usage (on
 every chunk when asked for), leaves a second call early and checks that nothing is left in
-flight, then that a prompt over the context is refused with `ContextTooLong` and one with bad
-sampling parameters with `InvalidRequest`. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
-is not installed in the main virtualenv.
+flight, then that a prompt over the context, or max_tokens past it, is refused with
+`ContextTooLong` and one with bad sampling parameters with `InvalidRequest`. Prints one JSON
+line; exits 1 on failure. It is a script rather than a test because vLLM is not installed in
+the main virtualenv.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ async def check(model_dir: str) -> dict:
             pass
         else:
             raise AssertionError("a prompt over max_model_len was not refused with ContextTooLong")
+        try:  # a short prompt asking for more than the context holds: refused, as vLLM's server does
+            _ = [c async for c in backend.stream_chat({**request, "max_tokens": 2000})]
+        except ContextTooLong as exc:
+            assert "2000 in the completion" in str(exc), exc
+        else:
+            raise AssertionError("max_tokens past max_model_len was not refused with ContextTooLong")
         try:
             _ = [c async for c in backend.stream_chat({**request, "temperature": "hot"})]
         except InvalidRequest as exc:

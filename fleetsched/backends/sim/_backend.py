@@ -47,6 +47,7 @@ from ..base import (
     Chunk,
     EngineSignals,
     chat_completion,
+    check_fits,
     make_chunk,
     new_completion_id,
     usage_dict,
@@ -338,13 +339,8 @@ class SimBackend(Backend):
             max_tokens = given
         else:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, s.max_model_len - prompt))
+        check_fits(s.max_model_len, prompt, max_tokens)
         total = prompt + max_tokens
-        if total > s.max_model_len:
-            raise ContextTooLong(
-                f"this model's maximum context length is {s.max_model_len} tokens, but the request "
-                f"needs {total} ({prompt} in the messages, {max_tokens} in the completion); "
-                "shorten the messages or lower max_tokens"
-            )
         capacity = (s.kv_cache_tokens // s.block_size) * s.block_size
         if total > capacity:
             raise ContextTooLong(
