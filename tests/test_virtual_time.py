@@ -7,6 +7,7 @@ import time
 
 import anyio
 import pytest
+import sniffio
 
 from fleetsched.virtual_time import run_virtual
 
@@ -53,6 +54,22 @@ def test_a_worker_thread_still_wakes_the_loop():
         return await anyio.to_thread.run_sync(lambda: time.sleep(0.05) or "done")
 
     assert run_virtual(main) == "done"
+
+
+def test_the_loop_declares_itself_to_sniffio_while_it_runs_only():
+    """`anyio.current_time()` finds the asyncio backend without sniffing for a task; a worker
+    thread (sync code) and the code after the run see no async library."""
+
+    def in_thread() -> str | None:
+        return sniffio.thread_local.name
+
+    async def main() -> tuple[str | None, str, str | None]:
+        return sniffio.thread_local.name, sniffio.current_async_library(), await anyio.to_thread.run_sync(in_thread)
+
+    assert run_virtual(main) == ("asyncio", "asyncio", None)
+    assert sniffio.thread_local.name is None
+    with pytest.raises(sniffio.AsyncLibraryNotFoundError):
+        sniffio.current_async_library()
 
 
 def test_the_clock_starts_at_zero_jumps_to_each_timer_and_never_goes_back():
