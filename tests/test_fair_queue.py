@@ -113,8 +113,14 @@ def test_invalid_weight():
 
 def test_parse_tier():
     assert Tier.parse("Critical") is Tier.CRITICAL
+    assert Tier.parse(2) is Tier.BATCH
     with pytest.raises(ValueError, match="expected one of critical, standard, batch"):
         Tier.parse("gold")
+    with pytest.raises(ValueError, match="unknown tier 9"):
+        Tier.parse(9)
+    for value, kind in ((1.5, "float"), ([], "list"), (True, "bool"), (b"batch", "bytes")):  # not names nor numbers
+        with pytest.raises(ValueError, match=f"not a {kind}"):
+            Tier.parse(value)  # type: ignore[arg-type]
 
 
 def test_minimum_share_for_a_lower_band():

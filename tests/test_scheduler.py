@@ -300,6 +300,10 @@ async def test_bad_input_is_refused_at_once():
             await scheduler.submit(chatter, tenant="acme", memory=9 * GB)
         with pytest.raises(ValueError, match="deadline_s"):
             await scheduler.submit(chatter, tenant="acme", deadline_s=-1)
+        with pytest.raises(ValueError, match="deadline_s must be a number of seconds > 0, got '5'"):
+            await scheduler.submit(chatter, tenant="acme", deadline_s="5")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="a tier is one of critical, standard, batch .or its number., not a float"):
+            await scheduler.submit(chatter, tenant="acme", tier=1.5)  # type: ignore[arg-type]
         assert await (await scheduler.submit(chatter, tenant="acme", memory=GB)) == "ok"
     assert scheduler.statistics().finished == {"rejected": 2, "done": 1}
     check_released(scheduler)

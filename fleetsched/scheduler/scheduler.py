@@ -248,8 +248,8 @@ class Scheduler:
         tier = Tier.parse(tier) if tier is not None else tenant_settings.tier
         if memory is None:
             memory = int(tenant_settings.session_memory or self.settings.scheduler.session_memory)
-        if deadline_s is not None and not deadline_s > 0:
-            raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s}")
+        if deadline_s is not None and (not isinstance(deadline_s, (int, float)) or isinstance(deadline_s, bool) or not deadline_s > 0):
+            raise ValueError(f"deadline_s must be a number of seconds > 0, got {deadline_s!r}")
         deadline_s = deadline_s or tenant_settings.sla.deadline_s
         now = anyio.current_time()
         handle = SessionHandle(
