@@ -14,6 +14,7 @@ Every error the library raises on purpose derives from `FleetschedError`::
     ├── QuotaExceeded(ValueError)          asks for more than the tenant's whole quota
     ├── SessionFailed                      awaiting a handle whose agent raised
     ├── SessionCancelled                   awaiting a handle that was cancelled
+    ├── SessionEnded(RuntimeError)         a session's context used after the session ended
     └── BackendError                       a model call failed
         ├── InvalidRequest(ValueError)     the engine refuses the body as it stands (HTTP 400)
         │   └── ContextTooLong             prompt plus max_tokens exceed the model's context
@@ -104,6 +105,10 @@ class SessionFailed(FleetschedError):
 
 class SessionCancelled(FleetschedError):
     """Raised when awaiting a handle whose session was cancelled."""
+
+
+class SessionEnded(FleetschedError, RuntimeError):
+    """A session's context was used after the session ended (by a task that outlived its agent)."""
 
 
 class BackendError(FleetschedError):

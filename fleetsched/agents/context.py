@@ -16,7 +16,7 @@ import anyio
 import httpx
 
 from ..backends.base import Chunk
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, SessionEnded
 from ..scheduler.session import Activity
 
 if TYPE_CHECKING:
@@ -31,15 +31,22 @@ class SessionContext:
     def __init__(
         self, handle: SessionHandle, dispatcher: Dispatcher, *, model: str, ttft_slo_s: float = math.inf, pace: Any = None
     ) -> None:
-        """`pace` (the scheduler) is told when tools start and end: `tool_started(handle, name)`,
-        ``await tool_finished(handle, name, seconds)``."""
+        """`pace` (the scheduler) is told when tools start and end, `tool_started(handle, name)`
+        and ``await tool_finished(handle, name, seconds)``, and asked before a model call
+        ``await busy(handle)``: a session parked in a tool waits there to be re-admitted."""
         self._pace = pace
         self._handle = handle
         self._dispatcher = dispatcher
         self.model = model
         self._ttft_slo_s = ttft_slo_s
         self._openai: Any = None
-        self._tool_depth = 0
+        #: `tool` blocks open, in every task of the session: the tool period lasts from the first
+        #: one's start to the last one's end.
+        self._tools_open = 0
+        self._tool_name = ""
+        self._tool_start = 0.0
+        #: Streams of ``ctx.openai`` an agent may leave unclosed; closed when the session ends.
+        self._open_streams: set[Any] = set()
 
     @property
     def session_id(self) -> int:
@@ -99,11 +106,14 @@ class SessionContext:
     ) -> dict[str, Any]:
         """One chat completion (OpenAI request fields as keywords); returns the response dict."""
         request = self._body(messages, body, kwargs)
+        await self._busy()
         handle = self._handle
         handle.activity = Activity.MODEL_CALL
+        handle.calls_in_flight += 1
         try:
             response = await self._dispatcher.chat(request, **self._route())
         finally:
+            handle.calls_in_flight -= 1
             handle.activity = Activity.THINKING
         self._count(response.get("usage") or {})
         return response
@@ -114,6 +124,7 @@ class SessionContext:
     ) -> AsyncIterator[AsyncIterator[Chunk]]:
         """``async with ctx.stream(messages) as chunks: async for chunk in chunks: ...``"""
         request = self._body(messages, body, kwargs)
+        await self._busy()
         handle = self._handle
         handle.activity = Activity.MODEL_CALL
         usage: dict[str, int] = {}
@@ -124,10 +135,12 @@ class SessionContext:
                     usage.update(chunk["usage"])
                 yield chunk
 
+        handle.calls_in_flight += 1
         try:
             async with self._dispatcher.stream(request, **self._route()) as chunks:
                 yield counted(chunks)
         finally:
+            handle.calls_in_flight -= 1
             handle.activity = Activity.THINKING
             self._count(usage)
 
@@ -137,32 +150,58 @@ class SessionContext:
 
         Meanwhile the session's memory may be moved by a compaction, or its slot and memory lent
         to waiting sessions (the scheduler's keep-or-release policy); leaving the block then
-        waits until the session is re-admitted.
+        waits until the session is re-admitted. Blocks nested or open at once in several tasks
+        of the session make one tool period, from the first's start to the last's end; a model
+        call inside it ends the session's idleness (it is re-admitted first if it was parked).
         """
-        if self._tool_depth:  # nested in another tool period: that one accounts for the time
-            yield
-            return
-        self._tool_depth += 1
+        if not isinstance(name, str):
+            raise TypeError(f"tool name: expected a str, got {name!r:.80}")
+        self._check_live()
         handle = self._handle
-        handle.activity = Activity.TOOL
-        reservation = handle.reservation
-        if reservation is not None:
-            reservation.movable = True  # idle: a compaction may move its memory meanwhile
-        start = anyio.current_time()
-        if self._pace is not None:
-            self._pace.tool_started(handle, name)
+        self._tools_open += 1
+        if self._tools_open == 1:  # the session's tool period begins
+            self._tool_name, self._tool_start = name, anyio.current_time()
+            handle.activity = Activity.TOOL
+            if handle.reservation is not None:
+                handle.reservation.movable = True  # idle: a compaction may move its memory meanwhile
+            if self._pace is not None:
+                self._pace.tool_started(handle, name)
         try:
             yield
         finally:
-            self._tool_depth -= 1
-            if reservation is not None:
-                reservation.movable = False
-            seconds = anyio.current_time() - start
-            handle.counters.tool_calls += 1
-            handle.counters.tool_s += seconds
-            if self._pace is not None:
-                await self._pace.tool_finished(handle, name, seconds)
-            handle.activity = Activity.THINKING
+            self._tools_open -= 1
+            if self._tools_open == 0:  # the period ends: pinned again, and re-admitted if parked
+                if handle.reservation is not None:
+                    handle.reservation.movable = False
+                seconds = anyio.current_time() - self._tool_start
+                handle.counters.tool_calls += 1
+                handle.counters.tool_s += seconds
+                if self._pace is not None:
+                    await self._pace.tool_finished(handle, self._tool_name, seconds)
+                handle.activity = Activity.THINKING
+
+    def _check_live(self) -> None:
+        handle = self._handle
+        if handle.done:
+            raise SessionEnded(
+                f"{handle.name} has ended ({handle.state}): its context makes no more model calls "
+                "and marks no tools (a task that outlived the agent kept it)"
+            )
+
+    async def _busy(self) -> None:
+        """Before a model call: the session must be live, and hold its slot and memory."""
+        self._check_live()
+        handle = self._handle
+        if self._tools_open:  # a model call inside a tool period: the session is not idle now
+            if handle.reservation is not None:
+                handle.reservation.movable = False
+        if self._pace is not None and (self._tools_open or not handle._holds_slot):
+            await self._pace.busy(handle)
+
+    async def _close(self) -> None:
+        """The session ended: end the calls of ``ctx.openai`` streams the agent left open."""
+        while self._open_streams:
+            await self._open_streams.pop().aclose()
 
     def _route(self) -> dict[str, Any]:
         """The dispatcher's arguments for a call of this session: who, how urgent, where.

@@ -54,12 +54,21 @@ def response_for(exc: BaseException) -> httpx.Response | None:
 
 
 class _EventStream(httpx.AsyncByteStream):
-    """Server-sent events over an already opened dispatcher stream; closing it ends the call."""
+    """Server-sent events over an already opened dispatcher stream; closing it ends the call.
 
-    def __init__(self, opened: AbstractAsyncContextManager[AsyncIterator[Chunk]], chunks: AsyncIterator[Chunk]) -> None:
+    It stays in `open_streams` (its session's) until closed: an agent that leaves the SDK's
+    stream without closing it (``break`` out of ``async for``) holds a place of the dispatcher's
+    window until its session ends, which closes it then.
+    """
+
+    def __init__(
+        self, opened: AbstractAsyncContextManager[AsyncIterator[Chunk]], chunks: AsyncIterator[Chunk], open_streams: set[Any]
+    ) -> None:
         self._opened = opened
         self._chunks = chunks
         self._closed = False
+        self._open_streams = open_streams
+        open_streams.add(self)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
@@ -72,6 +81,7 @@ class _EventStream(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            self._open_streams.discard(self)
             await self._opened.__aexit__(None, None, None)
 
 
@@ -102,4 +112,4 @@ class SessionTransport(httpx.AsyncBaseTransport):
             if answer is None:
                 raise
             return answer
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, self._ctx._open_streams))

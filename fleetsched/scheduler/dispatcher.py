@@ -32,7 +32,7 @@ from ..backends.base import (
     requested_max_tokens,
 )
 from .._parking import Park, Unpark, parking_for_current_library
-from ..errors import BackendUnavailable, DeadlineExceeded, Overloaded, RateLimited
+from ..errors import BackendUnavailable, DeadlineExceeded, InvalidRequest, Overloaded, RateLimited
 from ..policies.fair_queue import Entry, FairQueue
 from ..policies.tiers import Tier
 from ..resources.ratelimit import TenantRateLimits
@@ -199,13 +199,16 @@ class Dispatcher:
         early aborts the call at the engine. `replica` (the session's placement) routes the call to
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
+        given_options = body.get("stream_options") or {}
+        if not isinstance(given_options, Mapping):
+            raise InvalidRequest(f"stream_options: expected an object, got {given_options!r:.80}")
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
         request = {**body, "priority": tier}
         # Every chunk carries the engine's count of the tokens so far (vLLM's continuous usage
         # stats): the tenant is charged what its call received, however the engine split the
         # answer into chunks (the first token alone, then up to `stream_interval` a chunk, more
         # when the reader falls behind).
-        options = {"continuous_usage_stats": True, **(body.get("stream_options") or {})}
+        options = {"continuous_usage_stats": True, **given_options}
         request["stream_options"] = {**options, "include_usage": True}
         # Coarser streaming for lower tiers: fewer chunks for the engine's API server and for this
         # process to handle, so the calls that need every token at once get it sooner.

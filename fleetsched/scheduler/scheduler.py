@@ -70,6 +70,16 @@ class SchedulerStatistics:
         return sum(self.running.values())
 
 
+def _fails_the_session(exc: BaseException) -> bool:
+    """Whether an exception out of an agent is its session's failure: any but cancellation,
+    KeyboardInterrupt and SystemExit (a GeneratorExit or a BaseException subclass of the agent's
+    own fails its session alone, not the whole scheduler)."""
+    passing = (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit)
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(lambda e: isinstance(e, passing)) is None
+    return not isinstance(exc, passing)
+
+
 class Scheduler:
     """Runs agent sessions under admission control. Use as ``async with Scheduler(...) as s:``.
 
@@ -124,6 +134,7 @@ class Scheduler:
         self._task_group: TaskGroup | None = None
         self._exit_stack: AsyncExitStack | None = None
         self._accepting = False
+        self._closing = False
         self._admitting = False
         self._running: dict[int, SessionHandle] = {}
         self._live = 0
@@ -157,19 +168,23 @@ class Scheduler:
         try:
             if exc_type is None:
                 with anyio.move_on_after(self.settings.scheduler.drain_grace_s):
-                    await self._idle.wait()
-            for entry in list(self._queue):
-                self._cancel_queued(entry.item)
-            # Sessions that `run` started live in their callers' tasks, outside the task group:
-            # cancel them, and wait for them to give back what they hold before the backend closes.
-            for handle in list(self._running.values()):
-                handle.cancel()
-            self._task_group.cancel_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await self._idle.wait()
+                    await self._idle.wait()  # a cancellation from outside ends the drain too
         finally:
-            # The block's own exception propagates as it is, not wrapped in the task group's.
-            await self._exit_stack.__aexit__(None, None, None)
+            self._closing = True  # nothing is admitted from here on
+            try:
+                for entry in list(self._queue):
+                    self._cancel_queued(entry.item)
+                # Sessions that `run` started live in their callers' tasks, outside the task
+                # group: cancel them, and wait for them to give back what they hold before the
+                # backend closes.
+                for handle in list(self._running.values()):
+                    handle.cancel()
+                self._task_group.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await self._idle.wait()
+            finally:
+                # The block's own exception propagates as it is, not wrapped in the task group's.
+                await self._exit_stack.__aexit__(None, None, None)
 
     # -- submitting ------------------------------------------------------------------------------
 
@@ -279,6 +294,10 @@ class Scheduler:
         pressure_before = bool(self._queue)
         handle._entry = self._queue.push(Entry(handle.tenant, int(handle.tier), now, handle))
         self._admit_ready()
+        if handle.state is SessionState.QUEUED and handle.deadline < math.inf:
+            assert self._task_group is not None
+            handle._queue_timer = anyio.CancelScope()
+            self._task_group.start_soon(self._expire_queued, handle, handle._queue_timer)
         if self._queue and not pressure_before:
             self._reconsider_tools(now)  # sessions now wait: tools kept for lack of pressure may park
 
@@ -286,7 +305,7 @@ class Scheduler:
 
     def _admit_ready(self) -> None:
         """Admit queued sessions, in policy order, while a slot and memory are both free."""
-        if self._admitting or self._task_group is None:
+        if self._admitting or self._task_group is None or self._closing:
             return
         self._admitting = True
         try:
@@ -323,7 +342,7 @@ class Scheduler:
         """Start `handle` without queueing it when nobody waits and a slot and memory are free
         (the fast path: what `_admit_ready` would do for a queue of one). With `spawn` False the
         caller runs the session itself (`run`)."""
-        if self._queue or self._admitting or self._task_group is None or not self.slots.can_take(handle.tenant):
+        if self._queue or self._admitting or self._task_group is None or self._closing or not self.slots.can_take(handle.tenant):
             return False
         try:
             reservation = self.pool.reserve_nowait(handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier))
@@ -338,6 +357,9 @@ class Scheduler:
         handle._holds_slot = True
         handle.reservation = reservation
         handle._entry = None
+        if handle._queue_timer is not None:
+            handle._queue_timer.cancel()
+            handle._queue_timer = None
         handle._scope = anyio.CancelScope(deadline=handle.deadline)
         handle._set_state(SessionState.ADMITTED, now)
         self._running[handle.id] = handle
@@ -355,6 +377,8 @@ class Scheduler:
             with scope:
                 handle._set_state(SessionState.RUNNING, anyio.current_time())
                 handle.activity = Activity.THINKING
+                # Cancelled (or past its deadline) between admission and now: the agent never starts.
+                await anyio.lowlevel.checkpoint_if_cancelled()
                 try:
                     running = handle.agent(ctx)
                     if not inspect.isawaitable(running):
@@ -363,13 +387,18 @@ class Scheduler:
                         )
                     handle.result = await running
                     outcome = SessionState.DONE
-                except Exception as exc:
+                except BaseException as exc:
+                    if not _fails_the_session(exc):
+                        raise  # cancellation, Ctrl-C, exit: not the session's own failure
                     handle.error = exc
                     outcome = SessionState.FAILED
             if outcome is None and scope.cancelled_caught and not handle._cancel_requested:
                 handle.error = DeadlineExceeded(f"{handle.name} passed its deadline")
                 outcome = SessionState.FAILED
         finally:
+            if ctx._open_streams:
+                with anyio.CancelScope(shield=True):
+                    await ctx._close()
             self._finish(handle, outcome or SessionState.CANCELLED)
 
     def _finish(self, handle: SessionHandle, state: SessionState) -> None:
@@ -389,12 +418,27 @@ class Scheduler:
             reservation.release()  # the pool's release listener admits the next sessions
         self._admit_ready()
 
+    async def _expire_queued(self, handle: SessionHandle, timer: anyio.CancelScope) -> None:
+        """Fail `handle` with `DeadlineExceeded` if it still waits in the queue at its deadline
+        (admission cancels the timer)."""
+        with timer:
+            await anyio.sleep_until(handle.deadline)
+            handle.error = DeadlineExceeded(f"{handle.name} passed its deadline while queued")
+            self._drop_queued(handle, SessionState.FAILED)
+
     def _cancel_queued(self, handle: SessionHandle) -> None:
+        self._drop_queued(handle, SessionState.CANCELLED)
+
+    def _drop_queued(self, handle: SessionHandle, state: SessionState) -> None:
+        """Take a queued session out of the queue, ending it in `state`."""
         if handle.state is not SessionState.QUEUED or handle._entry is None:
             return
         self._queue.remove(handle._entry)
         handle._entry = None
-        handle._set_state(SessionState.CANCELLED, anyio.current_time())
+        if handle._queue_timer is not None:
+            handle._queue_timer.cancel()
+            handle._queue_timer = None
+        handle._set_state(state, anyio.current_time())
         self._record(handle)
         self._session_ended()
         self._admit_ready()  # the head may have been the one blocking
@@ -450,23 +494,34 @@ class Scheduler:
 
     async def tool_finished(self, handle: SessionHandle, tool: str, seconds: float) -> None:
         """A session left a tool: learn its duration; if it was parked, wait to be re-admitted."""
-        self._in_tool.pop(handle, None)
         self._tool_stats.observe(tool, seconds)
+        await self.busy(handle)
+
+    async def busy(self, handle: SessionHandle) -> None:
+        """`handle` is busy again (its tool period ended, or it makes a model call inside one): it
+        is no longer parked in this period, and if it was parked, it waits to be re-admitted."""
+        self._in_tool.pop(handle, None)
         if handle._park_timer is not None:
             handle._park_timer.cancel()
             handle._park_timer = None
-        if not handle._holds_slot:
-            await self._readmit(handle)
+        if handle._holds_slot or handle.done:
+            return
+        if handle._readmitting is None:
+            handle._readmitting = anyio.Lock()
+        async with handle._readmitting:  # tasks of one session waiting at once: one re-admission
+            if not handle._holds_slot and not handle.done:
+                await self._readmit(handle)
 
     async def _park_after(self, handle: SessionHandle, ttl: float, timer: anyio.CancelScope) -> None:
         with timer:
             await anyio.sleep(ttl)
-            if handle._park_timer is timer and handle.activity is Activity.TOOL:
+            if handle._park_timer is timer and handle in self._in_tool:
                 self._park(handle)
 
     def _park(self, handle: SessionHandle) -> None:
-        """Give the slot and memory of a session in a tool to whoever waits."""
-        if not handle._holds_slot or handle.done:
+        """Give the slot and memory of a session in a tool to whoever waits (not while a model
+        call of the session, from another of its tasks, is under way)."""
+        if not handle._holds_slot or handle.done or handle.calls_in_flight:
             return
         self.slots.give(handle.tenant)
         handle._holds_slot = False

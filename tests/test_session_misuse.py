@@ -1,0 +1,264 @@
+"""Agents that misuse their session, and callers that give up on the scheduler: each gets a
+clear error or a clean end, nothing stays held, and no other session is harmed.
+
+Every test here failed before its fix (each was seen failing first)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import trio.testing
+
+from fleetsched import DeadlineExceeded, InvalidRequest, Scheduler, SessionCancelled, SessionEnded, SessionFailed
+from fleetsched.scheduler.session import SessionState
+from fleetsched.virtual_time import VirtualTimeLoop
+
+from .helpers import check_released, settings
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    """Both event loops, on virtual time."""
+    if request.param == "asyncio":
+        return ("asyncio", {"loop_factory": VirtualTimeLoop})
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+
+GB = 10**9
+MESSAGES = [{"role": "user", "content": "hello " * 20}]
+
+
+def one_slot(**scheduler):
+    return settings(scheduler={"max_sessions": 1, "drain_grace_s": 600, **scheduler})
+
+
+async def hold(seconds: float):
+    async def agent(ctx):
+        await anyio.sleep(seconds)
+        return "held"
+
+    return agent
+
+
+async def test_a_context_kept_after_its_session_ended_is_refused_and_holds_nothing():
+    """A task that outlives its agent keeps `ctx`: its calls and tool marks raise `SessionEnded`
+    (a tool mark re-admitted the ended session: a slot and memory held for good)."""
+    kept = []
+
+    async def leaky(ctx):
+        kept.append(ctx)
+        return "ok"
+
+    async with Scheduler(one_slot(tool_policy="release")) as scheduler:
+        assert await (await scheduler.submit(leaky, tenant="acme")) == "ok"
+        ctx = kept[0]
+        with pytest.raises(SessionEnded, match="session-.* has ended .done."):
+            async with ctx.tool("search"):
+                pass
+        with pytest.raises(SessionEnded):
+            await ctx.chat(MESSAGES, max_tokens=4)
+        with pytest.raises(SessionEnded):
+            async with ctx.stream(MESSAGES, max_tokens=4):
+                pass
+        check_released(scheduler)
+        assert await (await scheduler.submit(await hold(1), tenant="acme")) == "held"
+    check_released(scheduler)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize(("b_starts", "periods", "tool_s"), [(0.5, 1, 1.5), (2.0, 2, 2.0)])
+async def test_tools_of_two_tasks_of_one_session_are_readmitted_once(slots, b_starts, periods, tool_s):
+    """Two tasks of a session each in a tool, the session parked meanwhile. Overlapping blocks
+    make one tool period; "b" opening while "a" waits to be re-admitted waits with it: the
+    session is re-admitted once (before: the agent ran a second time with 2 slots, hung with 1)."""
+    starts = []
+
+    async def agent(ctx):
+        starts.append(anyio.current_time())
+
+        async def tool(name: str, after: float) -> None:
+            await anyio.sleep(after)
+            async with ctx.tool(name):
+                await anyio.sleep(1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tool, "a", 0)
+            tg.start_soon(tool, "b", b_starts)
+        return "ok"
+
+    async with Scheduler(settings(scheduler={"max_sessions": slots, "tool_policy": "release"})) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        await anyio.sleep(0.1)
+        blockers = [await scheduler.submit(await hold(10), tenant="acme") for _ in range(slots)]
+        with anyio.fail_after(60):
+            assert await handle == "ok"
+        for blocker in blockers:
+            assert await blocker == "held"
+    assert len(starts) == 1
+    assert handle.parked_count == 1
+    assert handle.counters.tool_calls == periods and handle.counters.tool_s == tool_s
+    check_released(scheduler)
+
+
+async def test_a_model_call_inside_a_tool_waits_for_the_parked_session_to_be_readmitted():
+    """A tool that is itself a model call (a sub-agent): the parked session is re-admitted first,
+    so two sessions never have calls in flight on one slot."""
+    answered = []
+
+    async def sub_agent(ctx):
+        async with ctx.tool("ask-llm"):  # the release policy parks it at once: `other` waits
+            reply = await ctx.chat(MESSAGES, max_tokens=8)
+            answered.append(anyio.current_time() - ctx._handle.timestamps[SessionState.QUEUED])
+        return reply["usage"]["completion_tokens"]
+
+    async def other(ctx):
+        await anyio.sleep(5)
+        return "other"
+
+    s = settings(
+        scheduler={"max_sessions": 1, "tool_policy": "release"},
+        backend={"kind": "sim"},
+        resources={"strategy": "counting", "devices": [{"name": "gpu0", "memory": "1GB"}]},
+    )
+    async with Scheduler(s) as scheduler:
+        first = await scheduler.submit(sub_agent, tenant="acme", memory=GB)
+        second = await scheduler.submit(other, tenant="acme", memory=GB)
+        assert await first == 8 and await second == "other"
+    # The call waited for `other` to end: answered after its re-admission at 5 s, not sent while parked.
+    assert answered[0] > 5.0
+    assert first.parked_count == 1
+    check_released(scheduler)
+
+
+async def test_cancel_right_after_submit_never_starts_the_agent():
+    started = []
+
+    async def agent(ctx):
+        started.append(True)
+        await ctx.chat(MESSAGES, max_tokens=4)
+        return "ran"
+
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        assert handle.state is SessionState.ADMITTED
+        handle.cancel()
+        with pytest.raises(SessionCancelled):
+            await handle
+    assert started == [] and scheduler.dispatcher.statistics().calls_started == 0
+    check_released(scheduler)
+
+
+async def test_a_queued_session_fails_at_its_deadline_and_leaves_the_queue():
+    ran = []
+
+    async def agent(ctx):
+        ran.append(True)
+        return "late"
+
+    async with Scheduler(one_slot()) as scheduler:
+        blocker = await scheduler.submit(await hold(100), tenant="acme")
+        late = await scheduler.submit(agent, tenant="acme", deadline_s=5)
+        with pytest.raises(SessionFailed) as info:
+            await late
+        assert anyio.current_time() - late.timestamps[SessionState.QUEUED] == 5.0
+        assert isinstance(info.value.__cause__, DeadlineExceeded)
+        assert "passed its deadline while queued" in str(info.value.__cause__)
+        assert scheduler.statistics().queued_total == 0
+        # Admitted in time, a session's deadline timer goes with its admission.
+        prompt = await scheduler.submit(await hold(1), tenant="acme", deadline_s=200)
+        assert await blocker == "held" and await prompt == "held"
+    assert ran == []
+    assert scheduler.statistics().finished == {"done": 2, "failed": 1}
+    check_released(scheduler)
+
+
+async def test_leaving_an_openai_stream_without_closing_it_frees_its_place_when_the_session_ends():
+    """``break`` out of the SDK's stream, no ``close()``: the call held a place of the window for
+    good (with a window of one, every later call waited forever)."""
+
+    async def breaker(ctx):
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=500, stream=True)
+        async for _ in stream:
+            break
+        return "left"
+
+    async def chatter(ctx):
+        return (await ctx.chat(MESSAGES, max_tokens=5))["usage"]["completion_tokens"]
+
+    s = settings(backend={"kind": "sim", "max_in_flight": 1}, dispatch={"adaptive_window": False})
+    async with Scheduler(s) as scheduler:
+        assert await (await scheduler.submit(breaker, tenant="acme")) == "left"
+        assert scheduler.statistics().dispatcher.in_flight == 0
+        with anyio.fail_after(60):
+            assert await (await scheduler.submit(chatter, tenant="acme")) == 5
+    check_released(scheduler)
+
+
+async def test_stream_options_that_are_not_an_object_are_refused_before_taking_a_place():
+    async def agent(ctx):
+        async with ctx.stream(MESSAGES, max_tokens=4, stream_options="yes please"):
+            pass
+
+    s = settings(backend={"kind": "instant", "max_in_flight": 1}, dispatch={"adaptive_window": False})
+    async with Scheduler(s) as scheduler:
+        with pytest.raises(SessionFailed) as info:
+            await (await scheduler.submit(agent, tenant="acme"))
+        assert isinstance(info.value.__cause__, InvalidRequest)
+        assert "stream_options: expected an object, got 'yes please'" in str(info.value.__cause__)
+        assert scheduler.statistics().dispatcher.in_flight == 0
+    check_released(scheduler)
+
+
+class AgentsOwnBaseException(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("error", [GeneratorExit, AgentsOwnBaseException])
+async def test_a_base_exception_from_an_agent_fails_its_session_alone(error):
+    async def bad(ctx):
+        await anyio.sleep(1)
+        raise error()
+
+    async with Scheduler(settings()) as scheduler:
+        good = await scheduler.submit(await hold(5), tenant="acme")
+        with pytest.raises(SessionFailed) as info:
+            await (await scheduler.submit(bad, tenant="acme"))
+        assert isinstance(info.value.__cause__, error)
+        assert await good == "held"
+    assert scheduler.statistics().finished == {"failed": 1, "done": 1}
+    check_released(scheduler)
+
+
+async def test_cancelled_from_outside_during_its_drain_the_scheduler_still_ends_every_session():
+    """The code around ``async with Scheduler`` gives up while it drains: sessions that `run`
+    started and queued ones are cancelled, nothing stays held (before: a queued session was
+    admitted after the exit, holding its slot and memory for good)."""
+
+    async def long(ctx):
+        for _ in range(100):
+            await anyio.sleep(1)
+            await ctx.chat(MESSAGES, max_tokens=2)
+        return "done"
+
+    outcomes: dict[str, str] = {}
+
+    async def run_one(scheduler: Scheduler) -> None:
+        try:
+            await scheduler.run(long, tenant="acme")
+        except SessionCancelled:
+            outcomes["run"] = "cancelled"
+
+    start = anyio.current_time()
+    async with anyio.create_task_group() as outer:
+        with anyio.move_on_after(5):
+            async with Scheduler(settings(scheduler={"max_sessions": 1, "drain_grace_s": 30})) as scheduler:
+                outer.start_soon(run_one, scheduler)
+                await anyio.sleep(0.1)
+                queued = await scheduler.submit(long, tenant="acme")
+        assert anyio.current_time() - start == 5.0
+        check_released(scheduler)
+    assert outcomes == {"run": "cancelled"}
+    assert queued.state is SessionState.CANCELLED
+    assert scheduler.statistics().finished == {"cancelled": 2}
