@@ -106,8 +106,9 @@ class SessionContext:
     ) -> dict[str, Any]:
         """One chat completion (OpenAI request fields as keywords); returns the response dict."""
         request = self._body(messages, body, kwargs)
-        await self._busy()
         handle = self._handle
+        if self._tools_open or not handle._holds_slot:  # in a tool period, parked, or ended
+            await self._busy()
         handle.activity = Activity.MODEL_CALL
         handle.calls_in_flight += 1
         try:
@@ -124,8 +125,9 @@ class SessionContext:
     ) -> AsyncIterator[AsyncIterator[Chunk]]:
         """``async with ctx.stream(messages) as chunks: async for chunk in chunks: ...``"""
         request = self._body(messages, body, kwargs)
-        await self._busy()
         handle = self._handle
+        if self._tools_open or not handle._holds_slot:  # in a tool period, parked, or ended
+            await self._busy()
         handle.activity = Activity.MODEL_CALL
         usage: dict[str, int] = {}
 
@@ -189,13 +191,13 @@ class SessionContext:
             )
 
     async def _busy(self) -> None:
-        """Before a model call: the session must be live, and hold its slot and memory."""
+        """Before a model call: the session must be live, and hold its slot and memory (a model
+        call inside a tool period ends the session's idleness)."""
         self._check_live()
         handle = self._handle
-        if self._tools_open:  # a model call inside a tool period: the session is not idle now
-            if handle.reservation is not None:
-                handle.reservation.movable = False
-        if self._pace is not None and (self._tools_open or not handle._holds_slot):
+        if self._tools_open and handle.reservation is not None:
+            handle.reservation.movable = False
+        if self._pace is not None:
             await self._pace.busy(handle)
 
     async def _close(self) -> None:

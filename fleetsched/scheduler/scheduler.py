@@ -377,8 +377,8 @@ class Scheduler:
             with scope:
                 handle._set_state(SessionState.RUNNING, anyio.current_time())
                 handle.activity = Activity.THINKING
-                # Cancelled (or past its deadline) between admission and now: the agent never starts.
-                await anyio.lowlevel.checkpoint_if_cancelled()
+                if scope.cancel_called:  # cancelled, or past its deadline, since its admission
+                    await anyio.lowlevel.checkpoint()  # delivers it: the agent never starts
                 try:
                     running = handle.agent(ctx)
                     if not inspect.isawaitable(running):
