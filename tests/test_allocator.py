@@ -317,6 +317,20 @@ def test_resize_respects_quota_and_released():
         r.resize_nowait(PAGE)
 
 
+@pytest.mark.parametrize("kind", ["extent", "counting"])
+def test_bad_quotas_devices_and_priorities_are_refused_by_name(kind):
+    """nan switched a tenant's quota off; an unknown device or a priority of "high" were taken."""
+    p = pool(16 * PAGE, 16 * PAGE) if kind == "extent" else CountingPool([DeviceSpec("gpu0", 10), DeviceSpec("gpu1", 10)])
+    for quota in (float("nan"), 1.5, "5", 0, True):
+        with pytest.raises(ValueError, match=f"memory quota of tenant 't' must be a whole number of bytes > 0, got {quota!r}"):
+            p.set_quota("t", quota)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown device 'gpu9'; this pool's devices: gpu0, gpu1"):
+        p.reserve_nowait(PAGE, device="gpu9")
+    with pytest.raises(TypeError, match="priority: expected an integer .lower is sooner., got 'high'"):
+        p.reserve_nowait(PAGE, priority="high")  # type: ignore[arg-type]
+    assert not p.reservations() and p.statistics().allocated == 0
+
+
 def test_counting_pool_resizes_too():
     p = CountingPool([DeviceSpec("a", 10)])
     r = p.reserve_nowait(4)

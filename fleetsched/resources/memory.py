@@ -251,9 +251,13 @@ class MemoryPool(ABC):
         if nbytes is None:
             self._quotas.pop(tenant, None)
             return
-        if nbytes <= 0:
-            raise ValueError(f"memory quota of tenant {tenant!r} must be > 0 bytes, got {nbytes}")
-        self._quotas[tenant] = nbytes
+        try:
+            whole = operator.index(nbytes)  # numpy's integers too; nan would switch the quota off
+        except TypeError:
+            whole = 0
+        if isinstance(nbytes, bool) or whole <= 0:
+            raise ValueError(f"memory quota of tenant {tenant!r} must be a whole number of bytes > 0, got {nbytes!r}")
+        self._quotas[tenant] = whole
 
     def check(self, nbytes: int, tenant: str | None = None) -> int:
         """Raise at once if `nbytes` could never be granted: not a whole number of bytes, too
@@ -273,7 +277,14 @@ class MemoryPool(ABC):
 
         Retrying after a refusal with the same (hashable) `owner` counts one fragmentation failure.
         """
+        self._check_placement(priority, device)
         return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=owner)
+
+    def _check_placement(self, priority: int, device: str | None) -> None:
+        if device is not None and device not in self._allocated:
+            raise ValueError(f"unknown device {device!r}; this pool's devices: {', '.join(self._allocated)}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority: expected an integer (lower is sooner), got {priority!r}")
 
     def _reserve_nowait(
         self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object
@@ -338,6 +349,7 @@ class MemoryPool(ABC):
     ) -> Reservation:
         """Wait for a reservation, FIFO within `priority`. Cancel-safe."""
         nbytes = self.check(nbytes, tenant)
+        self._check_placement(priority, device)
         waiter = _Waiter(nbytes, owner, tenant, priority, next(self._seq), device, anyio.Event())
         try:
             return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=waiter)
