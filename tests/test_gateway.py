@@ -282,6 +282,27 @@ def test_sessions_released_during_client_time():
         assert all(h.parked_count >= 2 for h in handles)
 
 
+def test_a_new_session_whose_client_gave_up_before_admission_is_not_kept():
+    """One slot, held by session "a" until it idles out. Session "b"'s only call gives up while it
+    waits for admission: "b" is dropped, so "c" is admitted when "a" expires (before: "b" was
+    admitted then with no client, and held the slot for another idle period)."""
+    s = gateway_settings(scheduler={"max_sessions": 1, "tool_policy": "keep"}, gateway={"session_idle_s": 2})
+    with serve_in_thread(s) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+
+        def call(session: str, timeout: float) -> httpx.Response:
+            body = {"messages": MSG, "max_tokens": 1}
+            return httpx.post(url + "/v1/chat/completions", json=body, headers={**headers, "x-session-id": session}, timeout=timeout)
+
+        start = time.monotonic()
+        assert call("a", 10).status_code == 200
+        with pytest.raises(httpx.ReadTimeout):
+            call("b", 0.5)
+        assert _wait_for(lambda: len(gw.sessions) == 1 and gw.scheduler.statistics().queued_total == 0)
+        assert call("c", 10).status_code == 200
+        assert time.monotonic() - start < 3.5  # "a" expired at about 2 s; a kept "b" would hold until 4
+
+
 def test_a_session_that_can_never_run_is_a_400_and_leaves_no_session_behind():
     tenants = {"acme": {"api_keys": [hash_key(ACME)], "memory_quota": "1GB", "session_memory": "2GB"}}
     with serve_in_thread(gateway_settings(tenants)) as (gw, url):

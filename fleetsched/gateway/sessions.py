@@ -46,6 +46,9 @@ class GatewaySession:
     placement: Placement
     handle: SessionHandle | None = None
     closed: bool = False
+    #: Calls waiting for their turn, and turns handed out so far.
+    waiting: int = 0
+    served: int = 0
 
     def __post_init__(self) -> None:
         self.send, self.receive = anyio.create_memory_object_stream[_Turn](math.inf)
@@ -93,12 +96,22 @@ class SessionTable:
             session.placement = placement
             turn = _Turn()
             session.send.send_nowait(turn)
+        session.waiting += 1
         try:
-            await turn.ready.wait()
+            try:
+                await turn.ready.wait()
+            finally:
+                session.waiting -= 1
             yield session
         finally:
             turn.abandoned = True
             turn.done.set()
+            if not turn.ready.is_set() and session.served == 0 and session.waiting == 0 and not session.closed:
+                # The only call of a session not yet served left before its turn (its client gave
+                # up waiting for admission): no session is left behind to hold a slot until idle.
+                self._close(session)
+                assert session.handle is not None
+                session.handle.cancel()
 
     def _agent(self, session: GatewaySession):  # noqa: ANN202 - an Agent
         async def serve(ctx: SessionContext) -> None:
@@ -106,6 +119,7 @@ class SessionTable:
                 turn = session.receive.receive_nowait()
                 while True:
                     if not turn.abandoned:
+                        session.served += 1
                         turn.ready.set()
                         await turn.done.wait()
                     next_turn = None
