@@ -162,9 +162,15 @@ def test_unreachable_redis_is_a_503_not_a_500():
         # A tenant without limits needs no Redis: served. (The fair-share sync's first read once
         # took the whole gateway down when Redis was away at start.)
         reply = client(url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
-        assert gateway.scheduler is not None
-    assert caught.value.status_code == 503 and caught.value.body["type"] == "state_unavailable"
-    assert caught.value.response.headers["retry-after"] == "1"
+        # A session's placement is in Redis: a 503 too (it was a 500 "internal error").
+        with pytest.raises(openai.APIStatusError) as placing:
+            client(url, ACME).with_options(default_headers={"X-Session-ID": "s1"}).chat.completions.create(
+                model="m", messages=MSG, max_tokens=1
+            )
+        assert gateway.scheduler is not None and len(gateway.sessions) == 0
+    for refused in (caught, placing):
+        assert refused.value.status_code == 503 and refused.value.body["type"] == "state_unavailable"
+        assert refused.value.response.headers["retry-after"] == "1"
     assert reply.usage.completion_tokens == 1
 
 

@@ -51,7 +51,7 @@ from .auth import Identity, KeyRing
 from .backend import ENDPOINT_KEY, GatewayBackend, collect_completion
 from .metrics import GatewayMetrics
 from .sessions import SESSION_ID, SessionTable
-from .state import SharedState, create_state
+from .state import SharedState, StateUnavailable, create_state
 from .validate import Invalid, check_chat, check_completion
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class Gateway:
                 totals = await self.state.usage()
             except Exception as exc:  # Redis away for a moment: keep the local counters
                 if not failing:  # once per outage, not once a period
-                    logger.warning("fair-share sync failed (retrying every %.0f s): %r", FAIR_SHARE_SYNC_S, exc)
+                    logger.warning("fair-share sync failed (retrying every %g s): %r", FAIR_SHARE_SYNC_S, exc)
                 failing = True
             else:
                 if failing:
@@ -326,13 +326,7 @@ class Gateway:
             wait = await self.state.take(tenant, prompt + requested_max_tokens(body))
         except Exception as exc:  # the shared state (Redis) is unreachable: a 503, not our 500
             logger.warning("shared state unavailable for tenant %r: %r", tenant, exc)
-            return await _error(
-                send,
-                error_response(
-                    503, "the gateway's shared state (Redis) is unavailable; retry shortly", "state_unavailable",
-                    retry_after_s=1.0,
-                ),
-            )
+            return await _error(send, _answer_for(StateUnavailable(str(exc))))
         if wait > 0:
             return await _error(
                 send,
@@ -487,6 +481,10 @@ def _answer_for(exc: BaseException) -> httpx.Response:
         return error_response(400, str(exc), "invalid_request_error")
     if isinstance(exc, SchedulerClosed):
         return error_response(503, str(exc), "unavailable", retry_after_s=1)
+    if isinstance(exc, StateUnavailable):
+        return error_response(
+            503, "the gateway's shared state (Redis) is unavailable; retry shortly", "state_unavailable", retry_after_s=1
+        )
     answer = response_for(exc)
     if answer is None:
         return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")

@@ -26,7 +26,7 @@ import anyio
 from ..agents.context import SessionContext
 from ..scheduler import Scheduler
 from ..scheduler.session import SessionHandle
-from .state import Placement, SharedState
+from .state import Placement, SharedState, StateUnavailable
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
@@ -77,7 +77,10 @@ class SessionTable:
         Raises what `Scheduler.submit` raises for a session that can never run."""
         key = f"{tenant}/{session_id}"
         proposal = Placement(self._instance, self._pick_replica() if callable(self._pick_replica) else None)
-        placement = await self._state.place(key, proposal, self._idle_s)
+        try:
+            placement = await self._state.place(key, proposal, self._idle_s)
+        except Exception as exc:  # Redis away: a 503 to retry, not our 500
+            raise StateUnavailable(f"the gateway's shared state (Redis) is unavailable: {exc!r}") from exc
         # Looked up after that await, and a new session entered at once: calls of a new session
         # that arrive together make one session, not one each.
         session = self._sessions.get(key)

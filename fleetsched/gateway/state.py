@@ -22,7 +22,12 @@ from dataclasses import asdict, dataclass
 
 import anyio
 
+from ..errors import FleetschedError
 from ..resources.ratelimit import RateLimit, TenantRateLimits
+
+
+class StateUnavailable(FleetschedError):
+    """The shared state (Redis) cannot be reached: the gateway answers 503, retry shortly."""
 
 
 @dataclass(frozen=True, slots=True)
