@@ -151,12 +151,22 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": true}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
         (b"\xff\xfe", None),
+        # Unpaired surrogates: the echoed model broke the answer (a cut stream, an ERROR log).
+        (b'{"model": "m\\ud800", "messages": [{"role": "user", "content": "x"}], "stream": true}', "model"),
+        (b'{"messages": [{"role": "user", "content": "x\\udc00"}]}', "messages.0.content"),
+        ('{"messages": [{"role": "user", "content": "x"}], "model": "m\\ud800"}'.encode("utf-16"), "model"),
     ],
 )
 def test_malformed_bodies_are_400(url, body, param):
     response = httpx.post(url + "/v1/chat/completions", content=body, headers={"authorization": f"Bearer {ACME}"})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_surrogate_pair_is_text_and_served(url):
+    body = b'{"model": "m\\ud83d\\ude00", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 1}'
+    response = httpx.post(url + "/v1/chat/completions", content=body, headers={"authorization": f"Bearer {ACME}"})
+    assert response.status_code == 200 and response.json()["model"] == "m\U0001f600"
 
 
 def test_body_over_the_limit_is_413():
@@ -224,6 +234,30 @@ class SlowBackend(Backend):
         except BaseException:
             self.aborted += 1
             raise
+
+
+class BrokenBackend(Backend):
+    """Streams one chunk, then fails with an error that is not one of fleetsched's (a bug of a
+    backend, say): the one failure no real backend here can be made to produce."""
+
+    name = "broken"
+
+    async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        yield make_chunk("chatcmpl-broken", "m", 0, role="assistant", content="a")
+        raise RuntimeError("the backend broke mid-stream")
+
+
+def test_a_stream_that_fails_mid_way_with_any_error_ends_with_an_error_event(caplog):
+    """Before: only fleetsched's own errors were turned into the last event; any other left the
+    response unfinished (the client saw a cut connection, uvicorn logged an ERROR)."""
+    with serve_in_thread(gateway_settings(), backend=BrokenBackend()) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": MSG, "stream": True}, headers=headers) as r:
+            events = [line for line in r.iter_lines() if line]
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+    assert r.status_code == 200 and len(events) == 2
+    assert json.loads(events[-1].removeprefix("data: "))["error"]["type"] == "internal_error"
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
 
 
 def _wait_for(condition, timeout_s: float = 5.0) -> bool:

@@ -52,7 +52,7 @@ from .backend import ENDPOINT_KEY, GatewayBackend, collect_completion
 from .metrics import GatewayMetrics
 from .sessions import SESSION_ID, SessionTable
 from .state import SharedState, StateUnavailable, create_state
-from .validate import Invalid, check_chat, check_completion
+from .validate import Invalid, check_chat, check_completion, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +302,7 @@ class Gateway:
             return await _error(send, raw)
         try:
             body = (check_chat if endpoint == "chat" else check_completion)(json.loads(raw))
+            check_text(raw, body)
         except Invalid as exc:
             return await _error(send, _invalid(str(exc), exc.param))
         except (ValueError, RecursionError) as exc:
@@ -422,7 +423,7 @@ class Gateway:
                             done.note(chunk)
                             await send({"type": "http.response.body", "body": b"data: " + _dumps(chunk) + b"\n\n", "more_body": True})
                     tail = b"data: [DONE]\n\n"
-                except FleetschedError as exc:  # mid-stream: the error travels as an event
+                except Exception as exc:  # mid-stream: the error travels as an event, the stream ends
                     logger.warning("stream of tenant %r failed: %r", tenant, exc)
                     error = json.loads(_answer_for(exc).content)
                     tail = b"data: " + _dumps(error) + b"\n\n"

@@ -6,6 +6,7 @@ travel to the backend untouched (vLLM checks its own extras and its 400 is passe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,39 @@ class Invalid(ValueError):
     def __init__(self, param: str | None, message: str) -> None:
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
+
+
+#: A JSON escape of a UTF-16 surrogate: valid only as the half of a pair (an emoji escaped, say).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_text(raw: bytes, body: Any) -> None:
+    """Refuse a lone UTF-16 surrogate (``"\\ud800"`` unpaired) in any string of the request,
+    naming where: no text holds one, and an answer echoing it could not be encoded. Looked for
+    only when the raw body has such an escape at all (rarely: valid pairs have them too), or is
+    not plain UTF-8 JSON (a BOM, UTF-16)."""
+    if _SURROGATE_ESCAPE.search(raw) or raw[:1] not in b"{[ \t\r\n":
+        where = _lone_surrogate(body, "")
+        if where is not None:
+            raise Invalid(where or None, "contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which is not text")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """Where in `value` a string with a lone surrogate is (a dotted path), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _lone_surrogate(key, path) is not None:
+            return path or "(a key)"
+        found = _lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _number(body: Mapping[str, Any], name: str, low: float | None = None, high: float | None = None) -> None:
