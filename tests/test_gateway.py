@@ -247,6 +247,28 @@ class BrokenBackend(Backend):
         raise RuntimeError("the backend broke mid-stream")
 
 
+@pytest.mark.parametrize("case", ["refused by the engine", "abandoned, not streamed"])
+def test_tokens_per_minute_come_back_from_a_call_refused_or_abandoned(case):
+    """A budget of 1,000 tokens a minute; the first call asks for 800 and is refused by the engine
+    (400) or left by its client before the answer: the second, as large, still fits (before: 429,
+    only a streamed call left early got its tokens back)."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "tokens_per_minute": 1000}}
+    refused = case == "refused by the engine"
+    s = gateway_settings(tenants, backend={"kind": "sim"}) if refused else gateway_settings(tenants)
+    with serve_in_thread(s, **({} if refused else {"backend": SlowBackend()})) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        if refused:
+            bad = {"messages": MSG, "max_tokens": 800, "stream_interval": 0}  # the sim engine refuses it
+            assert httpx.post(url + "/v1/chat/completions", json=bad, headers=headers).status_code == 400
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 800}, headers=headers, timeout=0.5)
+            assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+        again = {"messages": MSG, "max_tokens": 800, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=again, headers=headers) as r:
+            assert r.status_code == 200
+
+
 def test_a_stream_that_fails_mid_way_with_any_error_ends_with_an_error_event(caplog):
     """Before: only fleetsched's own errors were turned into the last event; any other left the
     response unfinished (the client saw a cut connection, uvicorn logged an ERROR)."""

@@ -355,7 +355,7 @@ class Gateway:
                     logger.warning("call of tenant %r failed: %r", tenant, exc)
             finally:
                 tg.cancel_scope.cancel()
-        await self._settle(tenant, max_tokens or requested_max_tokens(body), done)
+        await self._settle(tenant, prompt, max_tokens or requested_max_tokens(body), done)
         return done.status
 
     async def _session_call(
@@ -431,15 +431,18 @@ class Gateway:
         finally:
             in_flight[tenant] -= 1
 
-    async def _settle(self, tenant: str, max_tokens: int, done: _Outcome) -> None:
-        """After a call: refund unused tokens, count tokens and fair-share service."""
-        if done.status != 200:
-            return
-        self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
+    async def _settle(self, tenant: str, prompt: int, max_tokens: int, done: _Outcome) -> None:
+        """After a call: refund the tokens it did not use to the tenant's tokens per minute
+        (whatever its outcome: a call refused or failed gets its prompt back too), and count a
+        served call's tokens and fair-share service."""
+        unused = max_tokens - done.completion_tokens + (prompt if done.status >= 400 else 0)
+        served = done.status == 200
+        if served:
+            self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
         with anyio.CancelScope(shield=True):
             try:
-                await self.state.refund(tenant, max_tokens - done.completion_tokens)
-                if self.state.shared:
+                await self.state.refund(tenant, unused)
+                if served and self.state.shared:
                     cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
                     self._local_usage[tenant] = self._local_usage.get(tenant, 0.0) + cost
                     await self.state.add_usage(tenant, cost)
