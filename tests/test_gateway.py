@@ -82,6 +82,16 @@ async def test_async_sdk_streaming(url, anyio_backend):
 def test_models_and_health(url):
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     assert [m.id for m in client(url).models.list()] == ["fleetsched-tiny"]
+    head = httpx.head(url + "/health")
+    assert head.status_code == 200 and head.content == b""
+
+
+def test_a_method_not_allowed_says_which_are(url):
+    """RFC 9110: a 405 names the methods allowed (it had no Allow header)."""
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/models", "GET, HEAD")):
+        response = httpx.request(method, url + path)
+        assert response.status_code == 405 and response.headers["allow"] == allowed
+        assert response.json()["error"]["type"] == "method_not_allowed"
 
 
 def test_missing_and_wrong_key_get_401_openai_style(url):

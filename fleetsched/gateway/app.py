@@ -235,8 +235,12 @@ class Gateway:
             await _error(send, error_response(404, f"no such endpoint: {scope['path']}", "not_found"))
             return
         method, endpoint = route
-        if scope["method"] != method:
-            await _error(send, error_response(405, f"{scope['path']} takes {method}", "method_not_allowed"))
+        allowed = f"{method}, HEAD" if method == "GET" else method
+        if scope["method"] != method and not (scope["method"] == "HEAD" and method == "GET"):  # the server drops HEAD's body
+            await _send(
+                send, 405, error_response(405, f"{scope['path']} takes {allowed}", "method_not_allowed").content,
+                headers=[(b"allow", allowed.encode())],
+            )  # fmt: skip
             return
         if endpoint == "health":
             ok = self.scheduler is not None
