@@ -369,6 +369,31 @@ def test_a_new_session_whose_client_gave_up_before_admission_is_not_kept():
         assert time.monotonic() - start < 3.5  # "a" expired at about 2 s; a kept "b" would hold until 4
 
 
+def test_shutdown_answers_calls_waiting_for_admission_at_once():
+    """Both slots held by idle sessions (tools kept, 60 s idle), a third session's call waits
+    for admission, the server shuts down: that call gets a 503 and the server stops at once
+    (before: the shutdown waited for an idle session to expire, 60 s here, 300 by default)."""
+    import threading
+
+    s = gateway_settings(scheduler={"max_sessions": 2, "tool_policy": "keep"}, gateway={"session_idle_s": 60})
+    headers = {"authorization": f"Bearer {ACME}"}
+    answers: list[httpx.Response] = []
+    with serve_in_thread(s) as (gw, url):
+
+        def call(session: str) -> httpx.Response:
+            body = {"messages": MSG, "max_tokens": 1}
+            return httpx.post(url + "/v1/chat/completions", json=body, headers={**headers, "x-session-id": session}, timeout=30)
+
+        assert call("s1").status_code == 200 and call("s2").status_code == 200
+        waiting = threading.Thread(target=lambda: answers.append(call("s3")))
+        waiting.start()
+        assert _wait_for(lambda: gw.scheduler.statistics().queued_total == 1)
+        start = time.monotonic()
+    waiting.join(10)
+    assert time.monotonic() - start < 5
+    assert answers[0].status_code == 503 and "shutting down" in answers[0].json()["error"]["message"]
+
+
 def test_a_session_that_can_never_run_is_a_400_and_leaves_no_session_behind():
     tenants = {"acme": {"api_keys": [hash_key(ACME)], "memory_quota": "1GB", "session_memory": "2GB"}}
     with serve_in_thread(gateway_settings(tenants)) as (gw, url):

@@ -165,6 +165,12 @@ class Gateway:
             with anyio.CancelScope(shield=True):
                 await self.state.aclose()
 
+    def stop_waiting(self) -> None:
+        """The server begins to shut down: session calls still waiting for their turn, and new
+        ones, get a 503; calls under way finish (the server waits for them)."""
+        if self.sessions is not None:
+            self.sessions.close_all()
+
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
         started = False

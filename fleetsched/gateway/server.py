@@ -26,6 +26,20 @@ from .app import Gateway
 from .auth import hash_key, new_key
 
 
+def gateway_server(gateway: Gateway, host: str, port: int, **overrides: Any) -> Any:
+    """A uvicorn server for `gateway` that, when it begins to shut down (a signal, or
+    ``should_exit``), first tells the gateway: calls waiting for a session's admission then get
+    a 503 at once instead of holding the shutdown until the sessions before them idle out."""
+    import uvicorn
+
+    class GatewayServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            gateway.stop_waiting()
+            await super().shutdown(sockets)
+
+    return GatewayServer(uvicorn_config(gateway, host, port, **overrides))
+
+
 def uvicorn_config(app: Any, host: str, port: int, **overrides: Any) -> Any:
     """A uvicorn config tuned for the gateway: httptools, uvloop if installed, no access log."""
     import uvicorn
@@ -67,11 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not len(gateway.keys):
         print("fleetsched serve: warning: no API keys configured; every call will get 401", file=sys.stderr)
-    import uvicorn
-
     host = args.host or settings.gateway.host
     port = args.port if args.port is not None else settings.gateway.port
-    server = uvicorn.Server(uvicorn_config(gateway, host, port))
+    server = gateway_server(gateway, host, port)
     print(f"fleetsched gateway on http://{host}:{port}/v1 (instance {gateway.instance})", file=sys.stderr, flush=True)
     with gc_thresholds(SERVING):
         try:
@@ -84,10 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 @contextmanager
 def serve_in_thread(settings: Settings, *, host: str = "127.0.0.1", port: int = 0, **gateway_options: Any) -> Iterator[tuple[Gateway, str]]:
     """Run a gateway on uvicorn in a daemon thread; yields it and its root URL (``http://host:port``)."""
-    import uvicorn
-
     gateway = Gateway(settings, **gateway_options)
-    server = uvicorn.Server(uvicorn_config(gateway, host, port, loop="asyncio"))
+    server = gateway_server(gateway, host, port, loop="asyncio")
     thread = threading.Thread(target=server.run, name="fleetsched-gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30  # wall-clock ok: waits on another thread

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import anyio
 
 from ..agents.context import SessionContext
+from ..errors import SchedulerClosed
 from ..scheduler import Scheduler
 from ..scheduler.session import SessionHandle
 from .state import Placement, SharedState, StateUnavailable
@@ -32,12 +33,13 @@ SESSION_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
 
 class _Turn:
-    __slots__ = ("ready", "done", "abandoned")
+    __slots__ = ("ready", "done", "abandoned", "granted")
 
     def __init__(self) -> None:
         self.ready = anyio.Event()
         self.done = anyio.Event()
         self.abandoned = False
+        self.granted = False  # by the session (else the session ended first)
 
 
 @dataclass(eq=False)
@@ -66,6 +68,7 @@ class SessionTable:
         self._idle_s = idle_s
         self._pick_replica = pick_replica
         self._sessions: dict[str, GatewaySession] = {}
+        self._closing = False
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -74,7 +77,10 @@ class SessionTable:
     async def call(self, tenant: str, session_id: str) -> AsyncIterator[GatewaySession]:
         """Hold the session's turn for one call: waits for (re-)admission, released on exit.
 
-        Raises what `Scheduler.submit` raises for a session that can never run."""
+        Raises what `Scheduler.submit` raises for a session that can never run, and
+        `SchedulerClosed` once the gateway shuts down (to a call still waiting for its turn)."""
+        if self._closing:
+            raise SchedulerClosed("the gateway is shutting down")
         key = f"{tenant}/{session_id}"
         proposal = Placement(self._instance, self._pick_replica() if callable(self._pick_replica) else None)
         try:
@@ -105,6 +111,8 @@ class SessionTable:
                 await turn.ready.wait()
             finally:
                 session.waiting -= 1
+            if self._closing and not turn.granted:
+                raise SchedulerClosed("the gateway is shutting down; this session's call was still waiting for its turn")
             yield session
         finally:
             turn.abandoned = True
@@ -123,6 +131,7 @@ class SessionTable:
                 while True:
                     if not turn.abandoned:
                         session.served += 1
+                        turn.granted = True
                         turn.ready.set()
                         await turn.done.wait()
                     next_turn = None
@@ -156,7 +165,9 @@ class SessionTable:
                 break
 
     def close_all(self) -> None:
-        """End every session (the gateway is shutting down)."""
+        """End every session (the gateway is shutting down): calls under way finish, calls
+        waiting for their turn get `SchedulerClosed`, and so do new ones."""
+        self._closing = True
         for session in list(self._sessions.values()):
             self._close(session)
             if session.handle is not None:
