@@ -394,6 +394,31 @@ def test_shutdown_answers_calls_waiting_for_admission_at_once():
     assert answers[0].status_code == 503 and "shutting down" in answers[0].json()["error"]["message"]
 
 
+def test_a_session_past_its_deadline_ends_its_call_and_refuses_its_id():
+    """Tenant deadline 1 s; each call streams one chunk, then waits 30 s (before: a call under
+    way ran past the deadline to its end, and the next call of the id silently began a new
+    session)."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "sla": {"deadline_s": 1}}}
+    with serve_in_thread(gateway_settings(tenants), backend=SlowBackend()) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+
+        def post(session: str, **body) -> httpx.Response:
+            return httpx.post(
+                url + "/v1/chat/completions", json={"messages": MSG, **body}, headers={**headers, "x-session-id": session}, timeout=10
+            )
+
+        start = time.monotonic()
+        late = post("s1")
+        assert late.status_code == 408 and "passed its deadline during this call" in late.json()["error"]["message"]
+        assert time.monotonic() - start < 5
+        refused = post("s1")
+        assert refused.status_code == 408 and "needs a new X-Session-ID" in refused.json()["error"]["message"]
+        streamed = post("s2", stream=True)
+        events = [line for line in streamed.text.splitlines() if line]
+        assert streamed.status_code == 200 and json.loads(events[-1].removeprefix("data: "))["error"]["code"] == 408
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0 and len(gw.sessions) == 0)
+
+
 def test_a_session_that_can_never_run_is_a_400_and_leaves_no_session_behind():
     tenants = {"acme": {"api_keys": [hash_key(ACME)], "memory_quota": "1GB", "session_memory": "2GB"}}
     with serve_in_thread(gateway_settings(tenants)) as (gw, url):

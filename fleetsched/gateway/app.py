@@ -41,7 +41,7 @@ from ..agents.transport import error_response, response_for
 from ..backends import create_backend
 from ..backends.base import Backend, estimate_prompt_tokens, requested_max_tokens
 from ..backends.vllm_server import REPLICA_KEY
-from ..errors import BackendError, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
+from ..errors import BackendError, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
@@ -409,29 +409,38 @@ class Gateway:
         in_flight = self.metrics.in_flight
         in_flight[tenant] = in_flight.get(tenant, 0) + 1
         try:
+            # A session's deadline bounds its calls under way too (the scheduler ends the session
+            # then; a call runs in the request's task): past it, a 408, or an error event.
             if endpoint == "chat" and not streaming:
-                response = await dispatcher.chat(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline)
+                with anyio.CancelScope(deadline=deadline) as budget:
+                    response = await dispatcher.chat(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline)
+                _check_budget(budget)
                 done.note(response)
                 done.status = await _send(send, 200, _dumps(response))
                 return
             async with dispatcher.stream(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline) as chunks:
+                with anyio.CancelScope(deadline=deadline) as budget:
+                    if not streaming:
+                        collected = [chunk async for chunk in chunks]
+                    else:  # the first chunk before the headers: a failure up to here is still an HTTP error
+                        first = await anext(chunks, None)
+                _check_budget(budget)
                 if not streaming:
-                    collected = [chunk async for chunk in chunks]
                     response = collect_completion(collected)
                     done.note(response)
                     done.status = await _send(send, 200, _dumps(response))
                     return
-                # The first chunk before the headers: a failure up to here is still an HTTP error.
-                first = await anext(chunks, None)
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 done.started, done.status = True, 200
                 try:
-                    if first is not None:
-                        done.note(first)
-                        await send({"type": "http.response.body", "body": b"data: " + _dumps(first) + b"\n\n", "more_body": True})
-                        async for chunk in chunks:
-                            done.note(chunk)
-                            await send({"type": "http.response.body", "body": b"data: " + _dumps(chunk) + b"\n\n", "more_body": True})
+                    with anyio.CancelScope(deadline=deadline) as budget:
+                        if first is not None:
+                            done.note(first)
+                            await send({"type": "http.response.body", "body": b"data: " + _dumps(first) + b"\n\n", "more_body": True})
+                            async for chunk in chunks:
+                                done.note(chunk)
+                                await send({"type": "http.response.body", "body": b"data: " + _dumps(chunk) + b"\n\n", "more_body": True})
+                    _check_budget(budget)
                     tail = b"data: [DONE]\n\n"
                 except Exception as exc:  # mid-stream: the error travels as an event, the stream ends
                     logger.warning("stream of tenant %r failed: %r", tenant, exc)
@@ -474,6 +483,11 @@ class _Outcome:
         if usage:
             self.prompt_tokens = usage.get("prompt_tokens") or 0
             self.completion_tokens = usage.get("completion_tokens") or 0
+
+
+def _check_budget(budget: anyio.CancelScope) -> None:
+    if budget.cancelled_caught:
+        raise DeadlineExceeded("the session passed its deadline during this call")
 
 
 def _invalid(message: str, param: str | None, *, code: str = "invalid_request_error") -> httpx.Response:

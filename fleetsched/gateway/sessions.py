@@ -10,7 +10,8 @@ and then the next call waits for re-admission. After `idle_s` without a call the
 
 Calls of one session are served one at a time, in arrival order. The call itself runs in the
 request's own task (so a client disconnect cancels it at once) with the session's identity,
-tier and deadline.
+tier and deadline. A session past its tenant's ``sla.deadline_s`` ends: its call under way gets a
+408 (an error event if streamed), and its id is refused with a 408 for an idle period after.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import anyio
 
 from ..agents.context import SessionContext
-from ..errors import SchedulerClosed
+from ..errors import DeadlineExceeded, SchedulerClosed
 from ..scheduler import Scheduler
 from ..scheduler.session import SessionHandle
 from .state import Placement, SharedState, StateUnavailable
@@ -69,6 +70,8 @@ class SessionTable:
         self._pick_replica = pick_replica
         self._sessions: dict[str, GatewaySession] = {}
         self._closing = False
+        #: Sessions that ended at their deadline, until when their id is refused (an idle period).
+        self._past_deadline: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -82,6 +85,10 @@ class SessionTable:
         if self._closing:
             raise SchedulerClosed("the gateway is shutting down")
         key = f"{tenant}/{session_id}"
+        if self._past_deadline and self._past_deadline.get(key, -math.inf) > anyio.current_time():
+            raise DeadlineExceeded(
+                f"session {session_id!r} passed its deadline (sla.deadline_s); a new session needs a new X-Session-ID"
+            )
         proposal = Placement(self._instance, self._pick_replica() if callable(self._pick_replica) else None)
         try:
             placement = await self._state.place(key, proposal, self._idle_s)
@@ -149,8 +156,16 @@ class SessionTable:
                     turn = next_turn
             finally:
                 self._close(session)
+                if anyio.current_time() >= ctx.deadline:  # ended by its deadline: its id stays refused a while
+                    self._remember_past_deadline(session.key)
 
         return serve
+
+    def _remember_past_deadline(self, key: str) -> None:
+        now = anyio.current_time()
+        if len(self._past_deadline) >= 10_000:  # forget those whose idle period is over
+            self._past_deadline = {k: until for k, until in self._past_deadline.items() if until > now}
+        self._past_deadline[key] = now + self._idle_s
 
     def _close(self, session: GatewaySession) -> None:
         if session.closed:
