@@ -262,3 +262,20 @@ async def test_cancelled_from_outside_during_its_drain_the_scheduler_still_ends_
     assert outcomes == {"run": "cancelled"}
     assert queued.state is SessionState.CANCELLED
     assert scheduler.statistics().finished == {"cancelled": 2}
+
+
+async def test_a_stream_read_after_its_block_raises_rather_than_ending_quietly():
+    """Read after ``async with ctx.stream(...)`` ended, the stream gave no chunks and no error:
+    an agent took the cut answer for a whole one."""
+
+    async def agent(ctx):
+        async with ctx.stream(MESSAGES, max_tokens=20) as chunks:
+            first = await chunks.__anext__()
+        rest = [chunk async for chunk in chunks]
+        return first, rest
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        with pytest.raises(SessionFailed) as info:
+            await (await scheduler.submit(agent, tenant="acme"))
+    assert "read inside its `async with` block only" in str(info.value.__cause__)
+    check_released(scheduler)

@@ -130,18 +130,22 @@ class SessionContext:
             await self._busy()
         handle.activity = Activity.MODEL_CALL
         usage: dict[str, int] = {}
+        block_open = True
 
         async def counted(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
             async for chunk in chunks:
                 if chunk.get("usage"):
                     usage.update(chunk["usage"])
                 yield chunk
+            if not block_open:  # the call ended with the block: its chunks did not all come
+                raise RuntimeError("a stream of ctx.stream() is read inside its `async with` block only")
 
         handle.calls_in_flight += 1
         try:
             async with self._dispatcher.stream(request, **self._route()) as chunks:
                 yield counted(chunks)
         finally:
+            block_open = False
             handle.calls_in_flight -= 1
             handle.activity = Activity.THINKING
             self._count(usage)
