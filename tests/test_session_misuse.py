@@ -279,3 +279,115 @@ async def test_a_stream_read_after_its_block_raises_rather_than_ending_quietly()
             await (await scheduler.submit(agent, tenant="acme"))
     assert "read inside its `async with` block only" in str(info.value.__cause__)
     check_released(scheduler)
+
+
+async def test_a_session_ending_while_a_task_waits_to_be_readmitted_releases_everything():
+    """A task outliving the agent's scope waits in a model call for the parked session's
+    re-admission when the session passes its deadline: the call raises `SessionEnded` (before:
+    the ended session was re-admitted later and held its slot and memory for good)."""
+    outcome = []
+    s = settings(
+        scheduler={"max_sessions": 1, "tool_policy": "release", "drain_grace_s": 0},
+        resources={"strategy": "counting", "devices": [{"name": "gpu0", "memory": "1GB"}]},
+    )
+    async with anyio.create_task_group() as outer:
+        async with Scheduler(s) as scheduler:
+
+            async def late_call(ctx):
+                await anyio.sleep(1)  # the session is parked in its tool by then
+                try:
+                    await ctx.chat(MESSAGES, max_tokens=2)
+                except SessionEnded:
+                    outcome.append("refused")
+
+            async def agent(ctx):
+                outer.start_soon(late_call, ctx)
+                async with ctx.tool("search"):
+                    await anyio.sleep(10)
+
+            ended = await scheduler.submit(agent, tenant="acme", memory=GB, deadline_s=5)
+            other = await scheduler.submit(await hold(20), tenant="acme", memory=GB)
+            assert await other == "held"
+            assert ended.state is SessionState.FAILED
+            check_released(scheduler)
+    assert outcome == ["refused"]
+
+
+async def test_a_call_under_way_holds_off_parking_and_moving_until_it_ends():
+    """A tool period begins in one task while another task's call is under way: the memory is
+    not movable and the session not parked during the call, and it parks as soon as the call
+    ends (before: movable during the call, and the refused park never came back)."""
+    seen = []
+
+    async def agent(ctx):
+        async def call() -> None:
+            await ctx.chat(MESSAGES, max_tokens=400)
+
+        async def tool() -> None:
+            await anyio.sleep(0.01)
+            async with ctx.tool("search"):
+                seen.append((ctx._handle.calls_in_flight, ctx.reservation.movable))
+                await anyio.sleep(100)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            tg.start_soon(tool)
+
+    async def other(ctx):
+        return anyio.current_time()
+
+    s = settings(
+        scheduler={"max_sessions": 1, "tool_policy": "release"},
+        backend={"kind": "sim"},
+        resources={"strategy": "counting", "devices": [{"name": "gpu0", "memory": "1GB"}]},
+    )
+    async with Scheduler(s) as scheduler:
+        start = anyio.current_time()
+        session = await scheduler.submit(agent, tenant="acme", memory=GB)
+        admitted_at = await (await scheduler.submit(other, tenant="acme", memory=GB))
+        await session
+    assert seen == [(1, False)]
+    assert session.parked_count == 1
+    assert admitted_at - start < 5  # the call's end, not the tool's (100 s)
+    check_released(scheduler)
+
+
+async def test_a_call_waiting_for_readmission_is_not_sent_by_a_park_in_the_same_instant():
+    """Task b's call waits for the parked session's re-admission; task c's tool period began
+    meanwhile, and its park timer fires as the session is resumed (adaptive policy): the call
+    still goes out only with the slot and memory held (before: sent with neither)."""
+    sent = []
+    s = settings(
+        scheduler={"max_sessions": 1, "tool_policy": "adaptive", "drain_grace_s": 60},
+        resources={"strategy": "counting", "devices": [{"name": "gpu0", "memory": "1GB"}]},
+    )
+    async with Scheduler(s) as scheduler:
+        dispatch = scheduler.dispatcher.chat
+
+        async def observed(body, **route):  # records the session's holdings as each call is sent
+            sent.append((session._holds_slot, session.reservation is not None))
+            return await dispatch(body, **route)
+
+        scheduler.dispatcher.chat = observed  # type: ignore[method-assign]
+
+        async def agent(ctx):
+            async def tool(name: str, after: float) -> None:
+                await anyio.sleep(after)
+                async with ctx.tool(name):
+                    await anyio.sleep(3)
+
+            async def call() -> None:
+                await anyio.sleep(2)
+                await ctx.chat(MESSAGES, max_tokens=2)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tool, "x", 0)
+                tg.start_soon(call)
+                tg.start_soon(tool, "y", 5)
+            return "ok"
+
+        session = await scheduler.submit(agent, tenant="acme", memory=GB)
+        other = await scheduler.submit(await hold(5), tenant="acme", memory=GB)
+        assert await session == "ok" and await other == "held"
+    assert sent == [(True, True)]
+    check_released(scheduler)

@@ -43,6 +43,7 @@ class SessionContext:
         #: `tool` blocks open, in every task of the session: the tool period lasts from the first
         #: one's start to the last one's end.
         self._tools_open = 0
+        self._tool_idle = False  # the tool period has seen no model call of its own
         self._tool_name = ""
         self._tool_start = 0.0
         #: Streams of ``ctx.openai`` an agent may leave unclosed; closed when the session ends.
@@ -107,15 +108,14 @@ class SessionContext:
         """One chat completion (OpenAI request fields as keywords); returns the response dict."""
         request = self._body(messages, body, kwargs)
         handle = self._handle
-        if self._tools_open or not handle._holds_slot:  # in a tool period, parked, or ended
-            await self._busy()
-        handle.activity = Activity.MODEL_CALL
-        handle.calls_in_flight += 1
+        handle.calls_in_flight += 1  # from here: the session is not parked under the call
         try:
+            if self._tools_open or not handle._holds_slot:  # in a tool period, parked, or ended
+                await self._busy()
+            handle.activity = Activity.MODEL_CALL
             response = await self._dispatcher.chat(request, **self._route())
         finally:
-            handle.calls_in_flight -= 1
-            handle.activity = Activity.THINKING
+            self._call_ended()
         self._count(response.get("usage") or {})
         return response
 
@@ -126,9 +126,6 @@ class SessionContext:
         """``async with ctx.stream(messages) as chunks: async for chunk in chunks: ...``"""
         request = self._body(messages, body, kwargs)
         handle = self._handle
-        if self._tools_open or not handle._holds_slot:  # in a tool period, parked, or ended
-            await self._busy()
-        handle.activity = Activity.MODEL_CALL
         usage: dict[str, int] = {}
         block_open = True
 
@@ -140,14 +137,16 @@ class SessionContext:
             if not block_open:  # the call ended with the block: its chunks did not all come
                 raise RuntimeError("a stream of ctx.stream() is read inside its `async with` block only")
 
-        handle.calls_in_flight += 1
+        handle.calls_in_flight += 1  # from here: the session is not parked under the call
         try:
+            if self._tools_open or not handle._holds_slot:  # in a tool period, parked, or ended
+                await self._busy()
+            handle.activity = Activity.MODEL_CALL
             async with self._dispatcher.stream(request, **self._route()) as chunks:
                 yield counted(chunks)
         finally:
             block_open = False
-            handle.calls_in_flight -= 1
-            handle.activity = Activity.THINKING
+            self._call_ended()
             self._count(usage)
 
     @asynccontextmanager
@@ -167,8 +166,9 @@ class SessionContext:
         self._tools_open += 1
         if self._tools_open == 1:  # the session's tool period begins
             self._tool_name, self._tool_start = name, anyio.current_time()
+            self._tool_idle = True
             handle.activity = Activity.TOOL
-            if handle.reservation is not None:
+            if handle.reservation is not None and not handle.calls_in_flight:
                 handle.reservation.movable = True  # idle: a compaction may move its memory meanwhile
             if self._pace is not None:
                 self._pace.tool_started(handle, name)
@@ -199,10 +199,24 @@ class SessionContext:
         call inside a tool period ends the session's idleness)."""
         self._check_live()
         handle = self._handle
-        if self._tools_open and handle.reservation is not None:
-            handle.reservation.movable = False
+        if self._tools_open:
+            self._tool_idle = False
+            if handle.reservation is not None:
+                handle.reservation.movable = False
         if self._pace is not None:
             await self._pace.busy(handle)
+        self._check_live()  # it may have ended while it waited to be re-admitted
+
+    def _call_ended(self) -> None:
+        handle = self._handle
+        handle.calls_in_flight -= 1
+        handle.activity = Activity.TOOL if self._tools_open else Activity.THINKING
+        if self._tools_open and self._tool_idle and not handle.calls_in_flight and not handle.done:
+            # The last call under way ended inside a tool period that began after it: idle now.
+            if handle.reservation is not None:
+                handle.reservation.movable = True
+            if self._pace is not None:
+                self._pace.call_ended(handle)
 
     async def _close(self) -> None:
         """The session ended: end the calls of ``ctx.openai`` streams the agent left open."""

@@ -396,10 +396,12 @@ class Scheduler:
                 handle.error = DeadlineExceeded(f"{handle.name} passed its deadline")
                 outcome = SessionState.FAILED
         finally:
-            if ctx._open_streams:
-                with anyio.CancelScope(shield=True):
-                    await ctx._close()
-            self._finish(handle, outcome or SessionState.CANCELLED)
+            try:
+                if ctx._open_streams:
+                    with anyio.CancelScope(shield=True):
+                        await ctx._close()
+            finally:
+                self._finish(handle, outcome or SessionState.CANCELLED)
 
     def _finish(self, handle: SessionHandle, state: SessionState) -> None:
         """Give back everything the session holds; then admit whoever can run now."""
@@ -407,6 +409,10 @@ class Scheduler:
         self._in_tool.pop(handle, None)
         if handle._park_timer is not None:
             handle._park_timer.cancel()
+        if handle._readmit is not None:  # a task of the session still waits to be re-admitted: it never will be
+            self._queue.remove(handle._readmit_entry)
+            handle._readmit.set()
+            handle._readmit = None
         if handle._holds_slot:
             self.slots.give(handle.tenant)
             handle._holds_slot = False
@@ -423,8 +429,9 @@ class Scheduler:
         (admission cancels the timer)."""
         with timer:
             await anyio.sleep_until(handle.deadline)
-            handle.error = DeadlineExceeded(f"{handle.name} passed its deadline while queued")
-            self._drop_queued(handle, SessionState.FAILED)
+            if handle.state is SessionState.QUEUED:
+                handle.error = DeadlineExceeded(f"{handle.name} passed its deadline while queued")
+                self._drop_queued(handle, SessionState.FAILED)
 
     def _cancel_queued(self, handle: SessionHandle) -> None:
         self._drop_queued(handle, SessionState.CANCELLED)
@@ -509,8 +516,18 @@ class Scheduler:
         if handle._readmitting is None:
             handle._readmitting = anyio.Lock()
         async with handle._readmitting:  # tasks of one session waiting at once: one re-admission
-            if not handle._holds_slot and not handle.done:
+            while not handle._holds_slot and not handle.done:
                 await self._readmit(handle)
+
+    def call_ended(self, handle: SessionHandle) -> None:
+        """The last model call under way of `handle` ended while one of its tasks is in a tool
+        period that began meanwhile: the park the call held off is planned now."""
+        tool = self._in_tool.get(handle)
+        if tool is not None and handle._holds_slot:
+            if handle._park_timer is not None:
+                handle._park_timer.cancel()
+                handle._park_timer = None
+            self._plan_park(handle, tool[0], tool[1], anyio.current_time())
 
     async def _park_after(self, handle: SessionHandle, ttl: float, timer: anyio.CancelScope) -> None:
         with timer:
@@ -536,7 +553,7 @@ class Scheduler:
         handle._readmit = granted = anyio.Event()
         # deadline -1 sorts before new sessions (deadline 0) of the tenant; arrival keeps its age.
         entry = Entry(handle.tenant, int(handle.tier), handle.timestamps[SessionState.QUEUED], handle, deadline=-1.0)
-        self._queue.push(entry)
+        handle._readmit_entry = self._queue.push(entry)
         self._admit_ready()
         try:
             await granted.wait()  # _resume may have set it already, during _admit_ready above

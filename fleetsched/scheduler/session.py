@@ -93,6 +93,7 @@ class SessionHandle:
         self._park_timer: anyio.CancelScope | None = None
         self._queue_timer: anyio.CancelScope | None = None  # fails it at its deadline while queued
         self._readmit: anyio.Event | None = None
+        self._readmit_entry: Entry | None = None
         self._readmitting: anyio.Lock | None = None  # one re-admission at a time (made when needed)
         #: Model calls of the session under way (it is not parked meanwhile).
         self.calls_in_flight = 0
