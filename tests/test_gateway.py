@@ -231,15 +231,16 @@ class SlowBackend(Backend):
 
     name = "slow"
 
-    def __init__(self) -> None:
+    def __init__(self, wait_s: float = 30) -> None:
         self.started = 0
         self.aborted = 0
+        self.wait_s = wait_s
 
     async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
         self.started += 1
         try:
             yield make_chunk("chatcmpl-slow", "m", 0, role="assistant", content="a")
-            await anyio.sleep(30)
+            await anyio.sleep(self.wait_s)
             yield make_chunk("chatcmpl-slow", "m", 0, finish_reason="stop", usage=usage_dict(1, 1))
         except BaseException:
             self.aborted += 1
@@ -417,6 +418,44 @@ def test_a_session_past_its_deadline_ends_its_call_and_refuses_its_id():
         events = [line for line in streamed.text.splitlines() if line]
         assert streamed.status_code == 200 and json.loads(events[-1].removeprefix("data: "))["error"]["code"] == 408
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0 and len(gw.sessions) == 0)
+
+
+def test_a_session_past_its_deadline_before_its_first_call_is_served_gets_a_408():
+    """Tenant b's deadline is 1 s. Its session waits for admission behind the only slot (held by
+    an idle session of a): a 408 at the deadline (before: no answer ever; the session failed in
+    the queue, its agent never ran, and the call waited on it, and so did the id's later calls).
+    Then, with a's slow call holding the window's only place, b's streamed call waits for the
+    place: a 408 at the deadline too (before: sent to the engine past it, a 200)."""
+    import threading
+
+    tenants = {"a": {"api_keys": [hash_key(ACME)]}, "b": {"api_keys": [hash_key(GLOBEX)], "sla": {"deadline_s": 1}}}
+    s = gateway_settings(tenants, scheduler={"max_sessions": 1, "tool_policy": "keep"}, gateway={"session_idle_s": 3})
+    with serve_in_thread(s) as (gw, url):
+
+        def post(key: str, session: str) -> httpx.Response:
+            headers = {"authorization": f"Bearer {key}", "x-session-id": session}
+            return httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}, headers=headers, timeout=10)
+
+        assert post(ACME, "holder").status_code == 200
+        start = time.monotonic()
+        late = post(GLOBEX, "late")
+        assert late.status_code == 408 and "before its first call was served" in late.json()["error"]["message"]
+        assert time.monotonic() - start < 2.5
+        assert post(GLOBEX, "late").status_code == 408  # the id stays refused for an idle period
+        assert _wait_for(lambda: len(gw.sessions) == 0)
+
+    s = gateway_settings(tenants, backend={"kind": "instant", "max_in_flight": 1}, dispatch={"adaptive_window": False})
+    with serve_in_thread(s, backend=SlowBackend(wait_s=3)) as (gw, url):
+        hog = threading.Thread(
+            target=lambda: httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers={"authorization": f"Bearer {ACME}"}, timeout=40)
+        )
+        hog.start()
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 1)
+        start = time.monotonic()
+        body = {"messages": MSG, "stream": True}
+        waited = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {GLOBEX}", "x-session-id": "s"}, timeout=10)
+        assert waited.status_code == 408 and time.monotonic() - start < 2.5
+    hog.join(10)
 
 
 def test_a_session_that_can_never_run_is_a_400_and_leaves_no_session_behind():

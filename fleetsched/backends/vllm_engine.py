@@ -133,7 +133,7 @@ class VLLMEngineBackend(Backend):
             raise InvalidRequest(f"the chat template of {self.model!r} cannot render these messages: {exc}") from exc
         return self._tokenizer.encode(text, add_special_tokens=False)
 
-    def _sampling_params(self, body: ChatBody) -> Any:
+    def _sampling_params(self, body: ChatBody, prompt_tokens: int) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -141,9 +141,12 @@ class VLLMEngineBackend(Backend):
         stop = body.get("stop")
         if stop is not None:
             options["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        # As vLLM's server: a call that names no length may fill the rest of the context.
+        max_tokens = requested_max_tokens(body, default=max(1, self._max_model_len - prompt_tokens))
+        check_fits(self._max_model_len, prompt_tokens, max_tokens)
         try:
             return SamplingParams(
-                max_tokens=requested_max_tokens(body),
+                max_tokens=max_tokens,
                 output_kind=RequestOutputKind.DELTA,
                 **options,
             )
@@ -165,8 +168,7 @@ class VLLMEngineBackend(Backend):
             RequestRefused = ValueError  # noqa: N806
 
         prompt = self._prompt(body)
-        params = self._sampling_params(body)
-        check_fits(self._max_model_len, len(prompt), params.max_tokens)
+        params = self._sampling_params(body, len(prompt))
         request_id = f"fs-engine-{next(_request_ids)}"
         model = body.get("model") or self.served_model_name
         # `created` is informational; the other backends leave it 0 too (no wall clock here).

@@ -31,7 +31,7 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from typing import Any
 
 import anyio
@@ -418,8 +418,10 @@ class Gateway:
                 done.note(response)
                 done.status = await _send(send, 200, _dumps(response))
                 return
-            async with dispatcher.stream(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline) as chunks:
-                with anyio.CancelScope(deadline=deadline) as budget:
+            async with AsyncExitStack() as stack:
+                with anyio.CancelScope(deadline=deadline) as budget:  # the wait for a place included
+                    stream = dispatcher.stream(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline)
+                    chunks = await stack.enter_async_context(stream)
                     if not streaming:
                         collected = [chunk async for chunk in chunks]
                     else:  # the first chunk before the headers: a failure up to here is still an HTTP error

@@ -94,6 +94,8 @@ class SessionTable:
             placement = await self._state.place(key, proposal, self._idle_s)
         except Exception as exc:  # Redis away: a 503 to retry, not our 500
             raise StateUnavailable(f"the gateway's shared state (Redis) is unavailable: {exc!r}") from exc
+        if self._closing:  # began to shut down meanwhile
+            raise SchedulerClosed("the gateway is shutting down")
         # Looked up after that await, and a new session entered at once: calls of a new session
         # that arrive together make one session, not one each.
         session = self._sessions.get(key)
@@ -115,11 +117,14 @@ class SessionTable:
         session.waiting += 1
         try:
             try:
-                await turn.ready.wait()
+                if session.served:
+                    await turn.ready.wait()
+                else:
+                    await self._first_turn(session, turn)
             finally:
                 session.waiting -= 1
-            if self._closing and not turn.granted:
-                raise SchedulerClosed("the gateway is shutting down; this session's call was still waiting for its turn")
+            if not turn.granted:
+                self._refuse_ungranted(session, session_id)
             yield session
         finally:
             turn.abandoned = True
@@ -130,6 +135,34 @@ class SessionTable:
                 self._close(session)
                 assert session.handle is not None
                 session.handle.cancel()
+
+    async def _first_turn(self, session: GatewaySession, turn: _Turn) -> None:
+        """Wait for a turn of a session that has served none yet: it may end before its agent
+        starts (past its deadline in the queue, or cancelled), which closes it and ends the wait."""
+        handle = session.handle
+        assert handle is not None
+        async with anyio.create_task_group() as tg:
+
+            async def close_when_ended() -> None:
+                await handle.ended()
+                self._close(session)  # releases every turn still waiting
+
+            tg.start_soon(close_when_ended)
+            await turn.ready.wait()
+            tg.cancel_scope.cancel()
+
+    def _refuse_ungranted(self, session: GatewaySession, session_id: str) -> None:
+        """A turn released by the session's end rather than granted by it: refused during a
+        shutdown, and when the session ended before serving any call (else, an expiry racing
+        with the call, it goes ahead without the session)."""
+        if self._closing:
+            raise SchedulerClosed("the gateway is shutting down; this session's call was still waiting for its turn")
+        handle = session.handle
+        if session.served == 0 and handle is not None and handle.done:
+            if isinstance(handle.error, DeadlineExceeded):
+                self._remember_past_deadline(session.key)
+                raise DeadlineExceeded(f"session {session_id!r} passed its deadline before its first call was served")
+            raise SchedulerClosed(f"session {session_id!r} ended ({handle.state}) before serving this call")
 
     def _agent(self, session: GatewaySession):  # noqa: ANN202 - an Agent
         async def serve(ctx: SessionContext) -> None:

@@ -142,6 +142,10 @@ class SessionHandle:
     def __await__(self) -> Generator[Any, None, Any]:
         return self.wait().__await__()
 
+    async def ended(self) -> None:
+        """Wait until the session ends, whatever its outcome (nothing raised)."""
+        await self._done.wait()
+
     # -- used by the scheduler -------------------------------------------------------------------
 
     def _set_state(self, state: SessionState, now: float) -> None:

@@ -5,9 +5,9 @@
 Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunks and usage (on
 every chunk when asked for), leaves a second call early and checks that nothing is left in
 flight, then that a prompt over the context, or max_tokens past it, is refused with
-`ContextTooLong` and one with bad sampling parameters with `InvalidRequest`. Prints one JSON
-line; exits 1 on failure. It is a script rather than a test because vLLM is not installed in
-the main virtualenv.
+`ContextTooLong` (a call naming no max_tokens fills the context's rest), and one with bad
+sampling parameters with `InvalidRequest`. Prints one JSON line; exits 1 on failure. It is a
+script rather than a test because vLLM is not installed in the main virtualenv.
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ async def check(model_dir: str) -> dict:
             assert "2000 in the completion" in str(exc), exc
         else:
             raise AssertionError("max_tokens past max_model_len was not refused with ContextTooLong")
+        # No max_tokens, a prompt near the context: served, the answer filling the rest of it.
+        near = {"messages": [{"role": "user", "content": "hi " * 480}], "ignore_eos": True}
+        tail = [c async for c in backend.stream_chat(near)][-1]["usage"]
+        assert tail["prompt_tokens"] + tail["completion_tokens"] == 1024, tail
         try:
             _ = [c async for c in backend.stream_chat({**request, "temperature": "hot"})]
         except InvalidRequest as exc:
