@@ -210,8 +210,11 @@ class SessionContext:
     def _call_ended(self) -> None:
         handle = self._handle
         handle.calls_in_flight -= 1
-        handle.activity = Activity.TOOL if self._tools_open else Activity.THINKING
-        if self._tools_open and self._tool_idle and not handle.calls_in_flight and not handle.done:
+        if not self._tools_open:  # the common case
+            handle.activity = Activity.THINKING
+            return
+        handle.activity = Activity.TOOL
+        if self._tool_idle and not handle.calls_in_flight and not handle.done:
             # The last call under way ended inside a tool period that began after it: idle now.
             if handle.reservation is not None:
                 handle.reservation.movable = True
