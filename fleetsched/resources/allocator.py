@@ -220,10 +220,18 @@ class ExtentPool(MemoryPool):
         if self._move_callback is None:
             return
         try:
-            self._move_callback(r, move)
+            self._call_back(self._move_callback, r, move)
         except BaseException:
             space.move(move.dst, move.src)
             raise
+
+    def _call_back(self, callback: Callable[[Reservation, Move], None], r: Reservation, move: Move) -> None:
+        """Call a move callback; meanwhile the pool refuses changes (the move is half made)."""
+        self._moving = True
+        try:
+            callback(r, move)
+        finally:
+            self._moving = False
 
     # -- the index of live extents and settling ------------------------------------------------
 
@@ -532,7 +540,7 @@ class ExtentPool(MemoryPool):
                 space.allocate(move.dst, move.length)
                 try:
                     if move_callback is not None:
-                        move_callback(r, move)
+                        self._call_back(move_callback, r, move)
                 except BaseException:
                     space.move(move.dst, move.src)
                     raise

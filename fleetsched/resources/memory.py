@@ -90,6 +90,7 @@ class Reservation:
         value = bool(value)
         if value == self._movable:
             return
+        self.pool._check_not_moving("setting a reservation's movable flag")
         try:
             if not value and not self._released:
                 self.pool._pinning(self)  # its last chance to move: it is still idle
@@ -158,6 +159,7 @@ class _Waiter:
     device: str | None
     event: anyio.Event
     result: Reservation | None = None
+    error: Exception | None = None  # refused while it waited (its quota lowered below it)
 
 
 def _whole_bytes(nbytes: object, verb: str) -> int:
@@ -174,6 +176,16 @@ def _whole_bytes(nbytes: object, verb: str) -> int:
     return whole
 
 
+def _valid_quota(tenant: str, nbytes: object) -> int:
+    try:
+        whole = operator.index(nbytes)  # type: ignore[arg-type]  # numpy's integers too; nan would switch the quota off
+    except TypeError:
+        whole = 0
+    if isinstance(nbytes, bool) or whole <= 0:
+        raise ValueError(f"memory quota of tenant {tenant!r} must be a whole number of bytes > 0, got {nbytes!r}")
+    return whole
+
+
 class MemoryPool(ABC):
     """Base of every pool: quotas, waiters and accounting. Subclasses decide placement."""
 
@@ -184,9 +196,8 @@ class MemoryPool(ABC):
         if len(set(names)) != len(names):
             raise ValueError(f"device names must be unique, got {names}")
         self.devices = tuple(devices)
-        self._quotas: dict[str, int] = {}
-        for tenant, quota in (quotas or {}).items():
-            self.set_quota(tenant, quota)
+        self._quotas: dict[str, int] = {tenant: _valid_quota(tenant, quota) for tenant, quota in (quotas or {}).items()}
+        self._moving = False  # a move callback runs: the pool refuses changes meanwhile
         self._by_tenant: dict[str, int] = {}
         self._allocated: dict[str, int] = {d.name: 0 for d in devices}
         self._live: set[Reservation] = set()
@@ -248,16 +259,17 @@ class MemoryPool(ABC):
 
     def set_quota(self, tenant: str, nbytes: int | None) -> None:
         """Cap the bytes `tenant` may hold at once (None removes the cap)."""
+        self._check_not_moving("changing a quota")
         if nbytes is None:
             self._quotas.pop(tenant, None)
+            self._released_memory()  # waiters the quota held back may fit now
             return
-        try:
-            whole = operator.index(nbytes)  # numpy's integers too; nan would switch the quota off
-        except TypeError:
-            whole = 0
-        if isinstance(nbytes, bool) or whole <= 0:
-            raise ValueError(f"memory quota of tenant {tenant!r} must be a whole number of bytes > 0, got {nbytes!r}")
-        self._quotas[tenant] = whole
+        whole = self._quotas[tenant] = _valid_quota(tenant, nbytes)
+        for waiter in [w for w in self._waiters if w.tenant == tenant and w.nbytes > whole]:  # can never fit now
+            self._waiters.remove(waiter)
+            waiter.error = QuotaExceeded(tenant, waiter.nbytes, whole)
+            waiter.event.set()
+        self._released_memory()  # a raised quota may let waiters in
 
     def check(self, nbytes: int, tenant: str | None = None) -> int:
         """Raise at once if `nbytes` could never be granted: not a whole number of bytes, too
@@ -280,7 +292,13 @@ class MemoryPool(ABC):
         self._check_placement(priority, device)
         return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=owner)
 
+    def _check_not_moving(self, change: str) -> None:
+        """Refuse a change of the pool made from inside a move callback (its move is half made)."""
+        if self._moving:
+            raise RuntimeError(f"{change} from inside a move callback: make the change after the callback returns")
+
     def _check_placement(self, priority: int, device: str | None) -> None:
+        self._check_not_moving("reserving")
         if device is not None and device not in self._allocated:
             raise ValueError(f"unknown device {device!r}; this pool's devices: {', '.join(self._allocated)}")
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -313,6 +331,7 @@ class MemoryPool(ABC):
         """
         if reservation.pool is not self or reservation._released:
             raise ValueError(f"cannot resize {reservation!r}: not a live reservation of this pool")
+        self._check_not_moving("resizing a reservation")
         nbytes = _whole_bytes(nbytes, "hold")
         capacity = self._device_capacity(reservation.device)
         if nbytes > capacity:
@@ -340,7 +359,7 @@ class MemoryPool(ABC):
         self._allocated[reservation.device] += size - old_size
         if tenant is not None:
             self._by_tenant[tenant] += delta
-        if size < old_size:
+        if size < old_size or delta < 0:  # memory, or only quota, came free
             self._released_memory()
         return moved
 
@@ -367,6 +386,8 @@ class MemoryPool(ABC):
                 self._refused.pop(waiter, None)
                 self._wake()
             raise
+        if waiter.error is not None:
+            raise waiter.error
         assert waiter.result is not None
         return waiter.result
 
@@ -385,6 +406,7 @@ class MemoryPool(ABC):
         """Give a reservation back and hand the memory to waiters. Idempotent."""
         if reservation._released or reservation.pool is not self:
             return
+        self._check_not_moving("releasing a reservation")
         reservation._released = True
         if reservation._movable:
             self._movable_count[reservation.device] -= 1
@@ -399,8 +421,14 @@ class MemoryPool(ABC):
     def _released_memory(self) -> None:
         """Memory came free (a release, a shrink, a compaction): serve waiters, tell listeners."""
         self._wake()
+        failed: BaseException | None = None
         for listener in list(self._listeners):
-            listener()
+            try:
+                listener()
+            except Exception as exc:  # the others still hear of it; the first error propagates after
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def add_release_listener(self, callback: Callable[[], None]) -> None:
         """Call `callback()` (synchronously) after every release, so admission can retry."""
@@ -493,7 +521,7 @@ class MemoryPool(ABC):
     def _wake(self) -> None:
         """Hand freed memory to waiters in order; stop at the first that does not fit."""
         for waiter in list(self._waiters):
-            if self._quota_blocks(waiter.tenant, waiter.nbytes):
+            if waiter.event.is_set() or self._quota_blocks(waiter.tenant, waiter.nbytes):
                 continue
             reservation = self._try_place(
                 waiter.nbytes, waiter.owner, waiter.tenant, waiter.priority, waiter.device, key=waiter

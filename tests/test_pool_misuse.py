@@ -1,0 +1,119 @@
+"""Memory pools under misuse and odd timing: move callbacks that reach back into the pool,
+quotas changed while requests wait, a shrink that frees quota only, listeners that fail.
+
+Each test failed before its fix (found by a probe of the pools' API)."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from fleetsched.errors import QuotaExceeded
+from fleetsched.resources import CountingPool, DeviceSpec, ExtentPool
+
+MB = 1 << 20
+pytestmark = pytest.mark.anyio
+
+
+def holey_pool() -> tuple[ExtentPool, list]:
+    """Eight 1-page reservations, holes at 1, 3 and 5, the one at 2 movable."""
+    pool = ExtentPool([DeviceSpec("g0", 8 * MB)], page_size=MB, strategy="first-fit", settle=False)
+    held = [pool.reserve_nowait(MB, owner=i) for i in range(8)]
+    for i in (1, 3, 5):
+        held[i].release()
+    held[2].movable = True
+    return pool, held
+
+
+def accounts_agree(pool: ExtentPool) -> None:
+    pool.check_invariants()
+    assert pool.statistics().allocated == sum(r.size for r in pool.reservations())
+
+
+@pytest.mark.parametrize("how", ["on-demand compaction", "a compaction plan"])
+@pytest.mark.parametrize("reentry", ["release the moved one", "release another", "pin the moved one", "reserve"])
+def test_a_move_callback_that_changes_the_pool_is_refused_and_the_move_undone(how, reentry):
+    """Before: the pool was corrupted (two reservations on one page, bytes leaked, a waiter
+    granted twice, a movable count of -1) or failed with a bare KeyError."""
+    pool, held = holey_pool()
+
+    def callback(reservation, move):
+        if reentry == "release the moved one":
+            reservation.release()
+        elif reentry == "release another":
+            held[0].release()
+        elif reentry == "pin the moved one":
+            reservation.movable = False
+        else:
+            pool.reserve_nowait(MB, owner="inside")
+
+    pool.set_move_callback(callback)
+    with pytest.raises(RuntimeError, match="from inside a move callback: make the change after the callback returns"):
+        if how == "on-demand compaction":
+            pool.reserve_nowait(2 * MB, owner="new")  # needs the hole that moving 2 opens
+        else:
+            pool.apply_plan(pool.plan_compaction(threshold=0.0))
+    accounts_agree(pool)
+    assert len(pool.reservations()) == 5 and held[2].offset == 2 * MB and held[2].movable
+    pool.set_move_callback(None)
+    assert pool.reserve_nowait(2 * MB, owner="new").size == 2 * MB  # after the callback: it works
+    accounts_agree(pool)
+
+
+@pytest.mark.parametrize("kind", ["extent", "counting"])
+async def test_a_quota_raised_lets_its_waiter_in_and_one_lowered_below_it_refuses_it(kind):
+    """Before: set_quota woke nobody (the waiter, and everyone behind it, waited for good)."""
+    devices = [DeviceSpec("g0", 64 * MB)]
+    pool = ExtentPool(devices, page_size=MB, quotas={"t": 4 * MB}) if kind == "extent" else CountingPool(devices, quotas={"t": 4 * MB})
+    pool.reserve_nowait(4 * MB, tenant="t")
+    outcomes: list[object] = []
+
+    async def wait_for(nbytes: int) -> None:
+        try:
+            outcomes.append(await pool.acquire(nbytes, tenant="t"))
+        except QuotaExceeded as exc:
+            outcomes.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_for, 2 * MB)
+        await anyio.sleep(1)
+        pool.set_quota("t", 8 * MB)
+        await anyio.sleep(1)
+        assert pool.statistics().by_tenant == {"t": 6 * MB}
+        tg.start_soon(wait_for, 7 * MB)  # within the quota of 8, over the room it leaves
+        await anyio.sleep(1)
+        pool.set_quota("t", 6 * MB)  # below the 7 asked: never grantable now
+    assert outcomes[0].nbytes == 2 * MB  # type: ignore[union-attr]
+    assert isinstance(outcomes[1], QuotaExceeded) and "quota is 6,291,456 bytes" in str(outcomes[1])
+    assert pool.statistics().waiting == 0
+
+
+async def test_a_shrink_that_frees_quota_but_no_page_lets_the_tenants_waiter_in():
+    pool = ExtentPool([DeviceSpec("g0", 64 * MB)], page_size=MB, quotas={"t": 4 * MB})
+    whole = pool.reserve_nowait(4 * MB, tenant="t")
+    granted = []
+
+    async def waiter() -> None:
+        granted.append(await pool.acquire(MB // 2, tenant="t"))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.sleep(1)
+        whole.resize_nowait(4 * MB - MB // 2)  # still 4 pages held, half a page of quota free
+    assert whole.size == 4 * MB and len(granted) == 1
+
+
+def test_a_failing_release_listener_does_not_keep_the_others_from_hearing():
+    pool = CountingPool([DeviceSpec("g0", 8 * MB)])
+    heard: list[str] = []
+
+    def broken() -> None:
+        heard.append("broken")
+        raise ValueError("listener bug")
+
+    pool.add_release_listener(broken)
+    pool.add_release_listener(lambda: heard.append("admission"))
+    reservation = pool.reserve_nowait(MB)
+    with pytest.raises(ValueError, match="listener bug"):
+        reservation.release()
+    assert heard == ["broken", "admission"] and pool.statistics().allocated == 0
