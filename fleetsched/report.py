@@ -228,7 +228,7 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
             else:
                 target, value = f"{o['target'] * 1e3:,.0f} ms", "-" if o["value"] is None else f"{o['value'] * 1e3:,.0f} ms"
             attainment = "-" if o["attainment"] is None else f"{o['attainment']:.1%}"
-            verdict = "met" if o["met"] else "MISSED"
+            verdict = "not measured" if o["met"] is None else "met" if o["met"] else "MISSED"
             if t["tenant"] in unreachable and objective == "ttft_p99":
                 verdict += " (unreachable)"
             breaches = ", ".join(f"{n} {REASON_TEXT[r]}" for r, n in sorted(o["breaches"].items(), key=lambda kv: -kv[1]))

@@ -351,14 +351,14 @@ class AgentMix(_Section):
     """Model calls per session."""
     prompt_tokens: int = Field(256, ge=1)
     max_tokens: int = Field(64, ge=1)
-    tool_s: float = Field(0.0, ge=0)
+    tool_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Seconds spent in a tool between turns: the value ("fixed"), the mean ("exponential"), or
     the low end ("uniform", up to `tool_s_max`)."""
     tool_dist: Literal["fixed", "exponential", "uniform"] = "fixed"
-    tool_s_max: float | None = Field(None, gt=0)
+    tool_s_max: float | None = Field(None, gt=0, allow_inf_nan=False)
     tool_name: str = "tool"
     """The tool's name, under which its durations are learned."""
-    think_s: float = Field(0.0, ge=0)
+    think_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Seconds of agent-side work between turns."""
     session_memory: ByteSize | None = None
 

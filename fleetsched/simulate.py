@@ -47,12 +47,19 @@ SIMULATE_STREAM_INTERVAL = 8
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
+#: The longest `--duration` taken: a year of virtual time (the wall time grows with it).
+MAX_DURATION_S = 365 * 86400.0
+
+
 def parse_duration(text: str) -> float:
     """Seconds in ``"90"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"``; ValueError otherwise."""
     parts = re.findall(r"(\d+(?:\.\d+)?)\s*(min|[smhd]?)", text.strip().lower())
     if not parts or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text.strip().lower()):
         raise ValueError(f"not a duration: {text!r} (examples: 90s, 15m, 2h, 1h30m)")
-    return sum(float(n) * _UNITS[u] for n, u in parts)
+    seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if not 0 < seconds <= MAX_DURATION_S:
+        raise ValueError(f"--duration must be more than 0 and at most 365 days of virtual time, got {text!r}")
+    return seconds
 
 
 def sim_settings(settings: Settings, profile: str | None = None, stream_interval: int | None = None) -> Settings:
@@ -92,10 +99,13 @@ async def _fleet(scheduler: Any, agents: list[AgentMix], duration_s: float, seed
             except FleetschedError:
                 await anyio.sleep(1.0)  # rejected or failed (recorded by the scheduler); do not spin
 
-    async with anyio.create_task_group() as tg:
-        for index, mix in enumerate(agents):
-            for _ in range(mix.count):
-                tg.start_soon(member, index, mix, rng.uniform(0, ramp))
+    # At the end, the sessions still running get `drain_grace_s` to finish; then they are
+    # cancelled (as leaving the scheduler's block does), so a 600-s tool call cannot stretch the run.
+    with anyio.move_on_after(duration_s + scheduler.settings.scheduler.drain_grace_s):
+        async with anyio.create_task_group() as tg:
+            for index, mix in enumerate(agents):
+                for _ in range(mix.count):
+                    tg.start_soon(member, index, mix, rng.uniform(0, ramp))
 
 
 async def _simulate(settings: Settings, duration_s: float | None) -> tuple[dict[str, Any], Any]:
@@ -173,12 +183,17 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
     for call in scheduler.recorder.calls:
         calls_by.setdefault(call.tenant, []).append(call)
     sessions_by: dict[str, list[Any]] = {}
+    rejected: dict[str, int] = {}
     for session in scheduler.recorder.sessions:
-        if session.state != "rejected":  # refused at once: they never waited
+        if session.state == "rejected":  # refused at once (they could never run): no wait to count
+            rejected[session.tenant] = rejected.get(session.tenant, 0) + 1
+        else:
             sessions_by.setdefault(session.tenant, []).append(session)
     for name, tenant in settings.tenants.items():
         calls = calls_by.get(name, [])
         sessions = sessions_by.get(name, [])
+        if name in rejected:  # a fleet whose sessions cannot run does not fit, whatever else it met
+            checks.append(SlaCheck(name, "rejected_sessions", 0, rejected[name]))
         if not calls and not sessions:
             continue
         ok = [c for c in calls if c.error is None]
@@ -192,7 +207,7 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
             checks.append(SlaCheck(name, "latency_p95_s", sla.latency_p95_s, percentile([c.latency_s for c in ok], 95)))
         if sla.deadline_s is not None:
             spans = [s.finished - s.submitted for s in sessions]
-            checks.append(SlaCheck(name, "deadline_s", sla.deadline_s, max(spans, default=0.0)))
+            checks.append(SlaCheck(name, "deadline_s", sla.deadline_s, max(spans, default=math.nan)))
         if sla.min_tokens_per_s is not None:
             tokens = sum(c.completion_tokens for c in ok)
             checks.append(SlaCheck(name, "min_tokens_per_s", sla.min_tokens_per_s, tokens / duration_s))
@@ -208,27 +223,29 @@ def find_max_sessions(
     probes: dict[int, bool] = {}
 
     def meets(total: int) -> bool:
-        scaled = settings.model_copy(update={"workload": settings.workload.model_copy(update={"agents": scale_fleet(agents, total)})})
+        mix = scale_fleet(agents, total)
+        scaled = settings.model_copy(update={"workload": settings.workload.model_copy(update={"agents": mix})})
         report, scheduler = simulate(scaled, duration_s, loop)
         checks = sla_checks(scheduler, scaled, report["duration_s"])
         failed = [c for c in checks if not c.ok]
-        probes[total] = not failed
+        ran = sum(m.count for m in mix)  # each kind at least 1: may exceed `total`
+        probes[ran] = not failed
         verdict = "meets every SLA" if not failed else "misses " + ", ".join(f"{c.tenant}.{c.metric} ({c.value:.3g} vs {c.target:.3g})" for c in failed)
-        echo(f"  {total:6d} sessions: {report['throughput_tok_s']} tok/s, {verdict} [{report['wall_s']:.1f} s wall]")
+        echo(f"  {ran:6d} sessions: {_throughput(report)}, {verdict} [{report['wall_s']:.1f} s wall]")
         return not failed
 
     lo, hi = 0, max(1, sum(m.count for m in agents))
     while meets(hi):  # grow until a fleet fails
         lo, hi = hi, hi * 2
         if hi > limit:
-            return {"max_sessions": lo, "bounded_by_limit": True, "probes": probes, "agents": _mix(agents, lo)}
+            return {"max_sessions": _size(agents, lo), "bounded_by_limit": True, "probes": probes, "agents": _mix(agents, lo)}
     while hi - lo > max(1, lo // 50):  # to within 2%
         mid = (lo + hi) // 2
         if meets(mid):
             lo = mid
         else:
             hi = mid
-    return {"max_sessions": lo, "bounded_by_limit": False, "probes": probes, "agents": _mix(agents, lo)}
+    return {"max_sessions": _size(agents, lo), "bounded_by_limit": False, "probes": probes, "agents": _mix(agents, lo)}
 
 
 def _check_targets(settings: Settings) -> None:
@@ -242,6 +259,16 @@ def _check_targets(settings: Settings) -> None:
             f"({', '.join(tenants)}) sets one: give one an sla with ttft_p99_s, latency_p95_s, deadline_s "
             "or min_tokens_per_s",
         )
+
+
+def _size(agents: list[AgentMix], total: int) -> int:
+    """Sessions in the fleet `scale_fleet` makes of `total` (0 stays 0)."""
+    return sum(_mix(agents, total).values())
+
+
+def _throughput(report: dict[str, Any]) -> str:
+    value = report.get("throughput_tok_s")
+    return "- tok/s" if value is None else f"{value} tok/s"
 
 
 def _mix(agents: list[AgentMix], total: int) -> dict[str, int]:
@@ -262,7 +289,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
     try:
-        duration = parse_duration(args.duration) if args.duration else None
+        duration = parse_duration(args.duration) if args.duration is not None else None
         settings = load_settings(args.config)
         if not settings.workload.agents:
             raise ConfigError("workload.agents", "the config describes no agents to run")

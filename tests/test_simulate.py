@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fleetsched.cli import main as cli_main
-from fleetsched.settings import Settings
+from fleetsched.settings import ResourceSettings, Settings
 from fleetsched.simulate import find_max_sessions, parse_duration, scale_fleet, sim_settings, simulate, sla_checks
 
 pytest.importorskip("trio")
@@ -35,6 +35,44 @@ def test_parse_duration(text: str, seconds: float):
 def test_parse_duration_rejects_junk():
     with pytest.raises(ValueError, match="2h"):
         parse_duration("two hours")
+    for nothing in ("0", "0s", "", "99999999999999999999d"):  # ran an empty report, or for ever
+        with pytest.raises(ValueError):
+            parse_duration(nothing)
+
+
+def test_sessions_still_running_at_the_end_get_the_drain_grace_only():
+    """A 600-s tool call in a 60-s simulation: the run ends at 60 s plus the 5-s drain (before:
+    at 1,805 s, its throughput diluted accordingly)."""
+    base = fleet(count=2)
+    agents = [m.model_copy(update={"tool_s": 600.0}) for m in base.workload.agents]
+    settings = sim_settings(base.model_copy(update={
+        "workload": base.workload.model_copy(update={"agents": agents}),
+        "scheduler": base.scheduler.model_copy(update={"drain_grace_s": 5.0}),
+    }))  # fmt: skip
+    report, _ = simulate(settings, 60.0)
+    assert 60 <= report["duration_s"] <= 66
+
+
+def test_a_fleet_whose_sessions_are_rejected_does_not_fit():
+    """Sessions larger than the only device are rejected: the search's first probe fails (before:
+    "every fleet up to 49,152 sessions meets every SLA", having measured nothing)."""
+    base = sim_settings(fleet(count=2, ttft_p99_s=5.0))
+    settings = base.model_copy(update={
+        "scheduler": base.scheduler.model_copy(update={"session_memory": 8 * 10**9}),
+        "resources": ResourceSettings(devices=[{"name": "g", "memory": "4GB"}]),
+    })  # fmt: skip
+    result = find_max_sessions(settings, 10.0, echo=lambda _: None, limit=64)
+    assert result["max_sessions"] == 0 and not any(result["probes"].values())
+
+
+def test_the_search_labels_a_fleet_with_the_sessions_it_ran():
+    """Each kind runs at least one session, so a probe may hold more sessions than asked: it is
+    recorded under the sessions that ran (before: a fleet of 3 was reported as 2)."""
+    settings = sim_settings(fleet(count=10, ttft_p99_s=0.5))
+    result = find_max_sessions(settings, 10.0, echo=lambda _: None, limit=64)
+    for size, _ in result["probes"].items():
+        assert size == sum(m.count for m in scale_fleet(settings.workload.agents, size))
+    assert result["max_sessions"] == sum(result["agents"].values())
 
 
 def test_sim_settings_switch_to_sim_and_raise_the_stream_interval():

@@ -145,3 +145,19 @@ def test_unloaded_ttft_of_the_sim_engine_by_hand():
     sim = SimSettings(max_num_batched_tokens=100, step_base_s=0.01, step_per_token_s=0.001, step_per_context_token_s=0.0, step_per_seq_s=0.002)
     # 250 tokens: chunks 100, 100, 50 -> 3 x (0.01 + 0.002) + 0.25
     assert sim_unloaded_ttft_s(sim, 250) == pytest.approx(0.286)
+
+
+def test_an_objective_with_nothing_to_measure_is_neither_met_nor_missed():
+    """A tenant with no calls and no sessions (all rejected, or none in the workload): before,
+    every objective read "met"."""
+    tenants = {
+        "idle": TenantSettings(sla={"ttft_p99_s": 1.0, "deadline_s": 10.0, "min_tokens_per_s": 5.0}),
+        "busy": TenantSettings(sla={"ttft_p99_s": 1.0}),
+    }
+    recorder = Recorder()
+    recorder.add_call(call(0.0, 0.0, 0.5, 2.0, tenant="busy"))
+    rows, _ = evaluate(recorder, tenants)
+    idle = next(row for row in rows if row.tenant == "idle")
+    assert [o.met for o in idle.objectives] == [None, None, None] and idle.met is None
+    busy = next(row for row in rows if row.tenant == "busy")
+    assert busy.met is True

@@ -49,6 +49,13 @@ async def test_trace_sessions_arrive_at_their_times(tmp_path):
         ('{"at": -1, "tenant": "acme"}', "workload.trace line 2"),
         ('{"tenant": "acme", "turns": 0}', "workload.trace line 2: turns"),
         ("[1, 2]", "workload.trace line 2"),
+        # Before: a TypeError traceback (null, a list) or a run that never ended (inf).
+        ('{"at": null, "tenant": "acme"}', "workload.trace line 2"),
+        ('{"at": [1], "tenant": "acme"}', "workload.trace line 2"),
+        ('{"at": Infinity, "tenant": "acme"}', "workload.trace line 2"),
+        ('{"at": "inf", "tenant": "acme"}', "workload.trace line 2"),
+        ('{"tenant": "acme", "think_s": Infinity}', "workload.trace line 2: think_s"),
+        ('{"tenant": "acme", "count": 5}', "workload.trace line 2"),  # was taken, and ignored
     ],
 )
 def test_bad_trace_lines_are_named(tmp_path, line, key):
@@ -56,6 +63,13 @@ def test_bad_trace_lines_are_named(tmp_path, line, key):
     with pytest.raises(ConfigError) as info:
         plan(WorkloadSettings(trace=trace), ["acme"])
     assert info.value.key == key
+
+
+def test_a_trace_that_is_not_utf8_is_named(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b'{"tenant": "acme"}\n\xff\xfe\n')
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        plan(WorkloadSettings(trace=trace), ["acme"])
 
 
 def test_unknown_tenant_and_missing_trace(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ def filler_text(tokens: int, rng: random.Random) -> str:
     """About `tokens` tokens of text (4 characters a token, as the estimators count)."""
     corpus = _corpus()
     length = tokens * 4
-    start = rng.randrange(len(corpus) - length) if length < len(corpus) else 0
+    if length >= len(corpus):  # longer than the corpus (about 260k tokens): it repeats
+        return (corpus * (length // len(corpus) + 1))[:length]
+    start = rng.randrange(len(corpus) - length)
     return corpus[start : start + length]
 
 
@@ -66,7 +69,7 @@ def scripted_chat_agent(mix: AgentMix, rng: random.Random) -> Agent:
             messages.append({"role": "assistant", "content": response["choices"][0]["message"]["content"] or ""})
             if turn == mix.turns - 1:
                 break
-            if mix.tool_s:
+            if mix.tool_s or mix.tool_s_max:  # a uniform time from 0 is a tool call too
                 async with ctx.tool(mix.tool_name):
                     await anyio.sleep(tool_time(mix, rng))
                 messages.append({"role": "user", "content": f"tool result {turn}: " + filler_text(16, rng)})
@@ -90,9 +93,11 @@ def read_trace(path: Path) -> list[tuple[float, AgentMix]]:
     naming the line and the field that is wrong."""
     sessions = []
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError("workload.trace", f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("workload.trace", f"{path} is not UTF-8 text (byte {exc.start}): a trace is JSON lines") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -101,9 +106,11 @@ def read_trace(path: Path) -> list[tuple[float, AgentMix]]:
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise ValueError("a line must be a JSON object")
-            at = float(record.pop("at", 0.0))
-            if not at >= 0:
-                raise ValueError(f"at must be >= 0 seconds, got {at}")
+            at = record.pop("at", 0.0)
+            if isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at < math.inf:
+                raise ValueError(f"at must be a finite number of seconds >= 0, got {at!r}")
+            if "count" in record:
+                raise ValueError("count: a trace line is one session (write one line per session)")
             mix = AgentMix.model_validate({"count": 1, **record})
         except ValidationError as exc:
             error = exc.errors()[0]

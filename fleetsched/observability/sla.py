@@ -142,10 +142,14 @@ class ObjectiveResult:
         return self.met_events / self.events if self.events else math.nan
 
     @property
-    def met(self) -> bool:
+    def met(self) -> bool | None:
+        """Whether the objective was met; None when there was nothing to measure (no event, or
+        no traffic for ``min_tokens_per_s``), which is neither met nor missed."""
+        if not self.events or math.isnan(self.value) and self.objective == "min_tokens_per_s":
+            return None
         if self.objective == "min_tokens_per_s":
-            return not self.value < self.target  # nan (no traffic) does not count as missed
-        return not self.events or self.met_events >= QUANTILE[self.objective] * self.events - 1e-9
+            return not self.value < self.target
+        return self.met_events >= QUANTILE[self.objective] * self.events - 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +162,12 @@ class TenantSla:
     """Refused calls by reason (shed, rate-limited), whether or not an objective was set."""
 
     @property
-    def met(self) -> bool:
-        return all(o.met for o in self.objectives)
+    def met(self) -> bool | None:
+        """False if an objective was missed, else True if one was met, else None (none measured)."""
+        verdicts = [o.met for o in self.objectives]
+        if False in verdicts:
+            return False
+        return True if True in verdicts else None
 
 
 def evaluate(recorder: Recorder, tenants: Mapping[str, TenantSettings]) -> tuple[list[TenantSla], list[Breach]]:
