@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -49,3 +51,18 @@ def _checked(text: str, kind: Callable[[str], T], ok: Callable[[T], bool], expec
     if value is None or not ok(value):  # nan fails every comparison, so it is refused too
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def writable_file(text: str) -> str:
+    """A file path that can be written: checked before a run, not after it (the results would
+    be lost)."""
+    path = Path(text)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(parent)!r} to write it in")
+    if not os.access(parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permission denied)")
+    return text
+

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import httpx
 
-from ._args import positive_int
+from ._args import positive_int, writable_file
 from .backends.sim._fit import PARAMS, Fit, Measurement, Workload, fit_profile
 from .backends.sim._profiles import dump_profile
 from .settings import SimSettings
@@ -274,24 +274,46 @@ def profile_document(base: SimSettings, samples: list[Sample], fit: Fit, url: st
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """Comma-separated integers >= 1, one at least."""
+    values = [positive_int(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected integers >= 1, comma-separated (e.g. 1,4,16)")
+    return values
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
-    return [(int(p), int(m)) for p, m in (item.split(":") for item in text.split(",") if item)]
+    """Comma-separated PROMPT:MAX_TOKENS pairs of integers >= 1, one at least."""
+    try:
+        shapes = [(positive_int(p), positive_int(m)) for p, m in (item.split(":") for item in text.split(",") if item.strip())]
+    except ValueError:  # not a pair
+        shapes = []
+    if not shapes:
+        raise argparse.ArgumentTypeError("expected PROMPT:MAX_TOKENS pairs of integers >= 1, comma-separated (e.g. 64:128,384:32)")
+    return shapes
+
+
+def _url(text: str) -> str:
+    """An http(s) URL with a host."""
+    try:
+        url = httpx.URL(text)
+    except httpx.InvalidURL as exc:
+        raise argparse.ArgumentTypeError(f"not a URL: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"expected an http(s)://host:port URL, got {text!r}")
+    return text
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True, help="the vLLM server's root URL (without /v1)")
-    parser.add_argument("--out", required=True, metavar="PROFILE.toml")
+    parser.add_argument("--url", required=True, type=_url, help="the vLLM server's root URL (without /v1)")
+    parser.add_argument("--out", required=True, type=writable_file, metavar="PROFILE.toml")
     parser.add_argument("--model", help="served model name (default: the server's first)")
     parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128], help="clients, comma-separated")
     parser.add_argument("--shapes", type=_shapes, default=[(64, 128), (384, 32), (160, 96)], help="PROMPT:MAX_TOKENS pairs")
     parser.add_argument("--rounds", type=positive_int, default=4, help="requests per client per point")
     parser.add_argument("--repeats", type=positive_int, default=3, help="passes over the whole sweep; each point is the median of its passes")
     parser.add_argument(
-        "--stream-interval", type=int, default=STREAM_INTERVAL, help="tokens per streamed chunk (the first comes at once); 1 streams every token"
+        "--stream-interval", type=positive_int, default=STREAM_INTERVAL, help="tokens per streamed chunk (the first comes at once); 1 streams every token"
     )
     parser.add_argument("--max-num-seqs", type=positive_int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)

@@ -19,7 +19,7 @@ import anyio
 from rich.console import Console
 
 from . import bench
-from ._args import positive_float, tcp_port
+from ._args import positive_float, tcp_port, writable_file
 from .errors import BackendUnavailable, ConfigError
 from .gc_tuning import SERVING, gc_thresholds
 from .settings import Settings, load_settings
@@ -106,7 +106,7 @@ def _main(argv: list[str] | None) -> int:
     run = commands.add_parser("run", help="run the workload a config describes")
     run.add_argument("config", help="TOML settings file (tenants, backend, workload)")
     run.add_argument("--backend", choices=["sim", "instant", "vllm-server", "vllm-engine"], help="override backend.kind")
-    run.add_argument("--report", metavar="FILE.json", help="write the run's figures as JSON")
+    run.add_argument("--report", type=writable_file, metavar="FILE.json", help="write the run's figures as JSON")
     run.add_argument("--no-live", action="store_true", help="no live view, only the final table")
     run.add_argument("--metrics-port", type=tcp_port, metavar="PORT", help="serve Prometheus metrics on PORT (0: any free port, printed on stderr)")
     run.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics server listens on (default 127.0.0.1)")

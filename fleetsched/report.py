@@ -164,17 +164,30 @@ def load_report(path: str | Path) -> dict[str, Any]:
     """Read a run report; raises `ReportSchemaError` unless it is a ``fleetsched.run/2`` document."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), parse_constant=_no_constant)
     except FileNotFoundError:
         raise ReportSchemaError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except OSError as exc:  # a directory, no permission
+        raise ReportSchemaError(f"{path}: cannot read it ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise ReportSchemaError(f"{path}: not a JSON run report ({exc})") from None
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != SCHEMA:
         found = f"schema {schema!r}" if schema else "no 'schema' field"
         hint = " (written by an older fleetsched: run it again to get a new report)" if str(schema).startswith("fleetsched.run/") else ""
         raise ReportSchemaError(f"{path}: {found}, but this fleetsched reads only {SCHEMA!r}{hint}")
+    missing = [name for name in _SECTIONS if name not in data]
+    if missing:
+        raise ReportSchemaError(f"{path}: a {SCHEMA} report without {', '.join(missing)} (cut short, or edited?)")
     return data
+
+
+#: What `fleetsched report` reads of a report (a report always has them, some null).
+_SECTIONS = ("duration_s", "backend", "throughput_tok_s", "tenants", "sla", "distributions", "timeline")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number a report holds (it writes null for what it did not measure)")
 
 
 def _ms(value: float | None) -> str:
@@ -185,7 +198,8 @@ def tenant_table(report: dict[str, Any]) -> Any:
     """A rich Table of the report's per-tenant rows."""
     from rich.table import Table
 
-    table = Table(title=f"fleetsched run: {report['duration_s']:.1f} s on {report['backend']}, {report['throughput_tok_s']} tok/s")
+    throughput = "-" if report["throughput_tok_s"] is None else report["throughput_tok_s"]
+    table = Table(title=f"fleetsched run: {report['duration_s']:.1f} s on {report['backend']}, {throughput} tok/s")
     for column in ("tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"):
         table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
     for t in report["tenants"]:

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from pydantic import ValidationError
 
-from ._args import positive_int
+from ._args import positive_int, writable_file
 from .errors import ConfigError, FleetschedError
 from .gc_tuning import SIMULATING, gc_thresholds
 from .settings import AgentMix, Settings, load_settings
@@ -285,15 +286,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stream-interval", type=positive_int, help=f"tokens per streamed chunk (default {SIMULATE_STREAM_INTERVAL})")
     parser.add_argument("--find-max-sessions", action="store_true", help="search the largest fleet that meets every SLA")
     parser.add_argument("--loop", choices=LOOPS, default="asyncio", help="event loop under the virtual clock (default asyncio)")
-    parser.add_argument("--report", metavar="FILE.json", help="write the report (or the search's result) as JSON")
+    parser.add_argument("--report", type=writable_file, metavar="FILE.json", help="write the report (or the search's result) as JSON")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
     try:
         duration = parse_duration(args.duration) if args.duration is not None else None
         settings = load_settings(args.config)
-        if not settings.workload.agents:
-            raise ConfigError("workload.agents", "the config describes no agents to run")
-        settings = sim_settings(settings, args.profile, args.stream_interval)
+        if duration is None:  # the workload runs as `fleetsched run` runs it: check it as run does
+            from .agents.workload import plan
+
+            if not plan(settings.workload, settings.tenants):
+                raise ConfigError("workload", "the config describes no sessions to run (agents or a trace)")
+        elif not settings.workload.agents:
+            raise ConfigError("workload.agents", "--duration holds a fleet of the config's agents, and it describes none")
+        elif settings.workload.trace:
+            print("fleetsched simulate: note: workload.trace is replayed without --duration only; ignored", file=sys.stderr)
+        try:
+            settings = sim_settings(settings, args.profile, args.stream_interval)
+        except ValidationError as exc:  # a bad --profile, or a field of [backend.sim]
+            error = exc.errors()[0]
+            raise ConfigError(".".join(str(p) for p in error["loc"]) or "backend.sim", error["msg"]) from None
         if args.find_max_sessions and duration is None:
             raise ConfigError("--duration", "--find-max-sessions needs --duration (each probe holds the fleet that long)")
         if args.find_max_sessions:

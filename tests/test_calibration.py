@@ -83,6 +83,26 @@ def test_nnls_clamps_at_zero():
     assert x[1] == 0.0 and x[0] >= 0
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--concurrency", "", "expected integers >= 1"),
+        ("--concurrency", "0", "expected an integer >= 1"),
+        ("--shapes", "64", "PROMPT:MAX_TOKENS pairs"),
+        ("--stream-interval", "0", "expected an integer >= 1"),
+        ("--url", "http://[::1", "not a URL"),
+        ("--url", "127.0.0.1:8000", "expected an http(s)://host:port URL"),
+        ("--out", "/nonexistent/p.toml", "no directory '/nonexistent'"),
+    ],
+)
+def test_calibrate_arguments_are_checked_before_the_sweep(option, value, message, tmp_path, capsys):
+    """Before: tracebacks (an empty list, an invalid URL) or a sweep that failed only later."""
+    args = {"--url": "http://127.0.0.1:9", "--out": str(tmp_path / "p.toml"), option: value}
+    with pytest.raises(SystemExit) as exit_:
+        calibrate_main([part for item in args.items() for part in item])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_calibrate_reports_an_unreachable_server(tmp_path, capsys):
     out = tmp_path / "p.toml"
     assert calibrate_main(["--url", "http://127.0.0.1:9", "--out", str(out), "--concurrency", "1"]) == 1

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from fleetsched.testing.vllm_server import free_port
 
@@ -152,3 +153,13 @@ def test_ctrl_c_stops_a_run_with_one_line_and_status_130():
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=30)
     assert run.returncode == 130 and err == "fleetsched: interrupted\n"
+
+
+@pytest.mark.parametrize("command", [["run", "examples/quickstart.toml"], ["simulate", "examples/quickstart.toml", "--duration", "5s"]])
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(command, capsys):
+    """Before: a FileNotFoundError traceback after the whole run, its results lost."""
+    from fleetsched.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([*command, "--report", "/nonexistent/run.json"])
+    assert exit_.value.code == 2 and "no directory '/nonexistent' to write it in" in capsys.readouterr().err

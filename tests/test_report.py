@@ -88,6 +88,26 @@ def test_other_schema_versions_get_a_clear_error(report, tmp_path, capsys):
         load_report(garbage)
 
 
+def test_a_report_cut_short_or_holding_nan_is_refused_by_name(report, tmp_path, capsys):
+    """Before: a KeyError traceback (no distributions), "inf s" and "nan%" shown as figures, an
+    IsADirectoryError for a directory, a FileExistsError for an --out that is a file."""
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps({"schema": SCHEMA, **{k: v for k, v in report.items() if k not in ("distributions", "timeline")}}))
+    with pytest.raises(ReportSchemaError, match="report without distributions, timeline"):
+        load_report(cut)
+    nan = tmp_path / "nan.json"
+    nan.write_text(json.dumps(report).replace('"duration_s": ', '"duration_s": NaN, "x": ', 1))
+    with pytest.raises(ReportSchemaError, match="NaN is not a number a report holds"):
+        load_report(nan)
+    with pytest.raises(ReportSchemaError, match="cannot read it"):
+        load_report(tmp_path)
+    good = tmp_path / "good.json"
+    write_report(report, good)
+    (tmp_path / "taken").write_text("")
+    assert render_main([str(good), "--out", str(tmp_path / "taken")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
 def test_unreachable_ttft_is_flagged_at_start(tmp_path):
     config = tmp_path / "fast.toml"
     config.write_text(

@@ -155,3 +155,23 @@ def test_both_loops_simulate_the_same_fleet_alike():
     for key in ("calls", "throughput_tok_s"):
         assert on_asyncio[key] == pytest.approx(on_trio[key], rel=0.05), key
     assert on_asyncio["sim"]["engine_busy_frac"] == pytest.approx(on_trio["sim"]["engine_busy_frac"], rel=0.05)
+
+
+def test_simulate_checks_a_trace_before_the_run_and_runs_one_without_agents(tmp_path, capsys):
+    """Before: a bad trace line was a 53-line traceback, a config with a trace and no agents
+    was refused, and a bad --profile printed pydantic's multi-line dump."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"tenant": "a", "turns": 1}\n{not json\n')
+    config = tmp_path / "trace.toml"
+    config.write_text(f'[tenants.a]\n[workload]\ntrace = "{trace}"\n')
+    assert cli_main(["simulate", str(config)]) == 2
+    assert "workload.trace line 2" in capsys.readouterr().err
+    trace.write_text('{"tenant": "a", "turns": 1}\n')
+    assert cli_main(["simulate", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tenants"][0]["calls"] == 1
+    agents = tmp_path / "agents.toml"
+    agents.write_text('[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 1\n')
+    assert cli_main(["simulate", str(agents), "--duration", "5s", "--profile", "BAD"]) == 2
+    err = capsys.readouterr().err
+    assert "no sim profile 'BAD'" in err and len(err.strip().splitlines()) == 1
+

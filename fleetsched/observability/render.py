@@ -240,7 +240,7 @@ img {{ max-width: 100%; }} .bad {{ color: #b00; }}
 <h1>fleetsched run: {report['duration_s']:.1f} s on {html.escape(report['backend'])}</h1>
 <p>{sum(report['sessions'].values())} sessions ({html.escape(', '.join(f'{k} {v}' for k, v in report['sessions'].items()))}),
 {report['calls']:,} calls, {report.get('refused_calls', 0):,} refused, {report['completion_tokens']:,} tokens generated,
-{report['throughput_tok_s']} tok/s. Schema {html.escape(report['schema'])}.</p>
+{"-" if report['throughput_tok_s'] is None else report['throughput_tok_s']} tok/s. Schema {html.escape(report['schema'])}.</p>
 <h2>Tenants</h2>{_table(tenant_cols, tenants)}
 <h2>SLA</h2>{_table(SLA_COLUMNS, sla_rows(report))}
 <h3>Breaches by reason ({sla['breaches']['total']})</h3>{_table(["reason", "breaches"], by_reason)}
@@ -273,7 +273,13 @@ def main(argv: list[str]) -> int:
     except ReportSchemaError as exc:
         print(f"fleetsched report: {exc}", file=sys.stderr)
         return 2
-    paths = render(report, Path(args.out))
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file there, or no permission
+        print(f"fleetsched report: --out {out}: cannot make that directory ({exc.strerror})", file=sys.stderr)
+        return 2
+    paths = render(report, out)
     for path in paths:
         print(path)
     return 0
