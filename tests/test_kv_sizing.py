@@ -89,6 +89,25 @@ def test_parse_errors():
         parse_vllm_cache_config("vllm:num_requests_running 0\n")
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         parse_vllm_cache_config('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n')
+    with pytest.raises(ValueError, match="num_gpu_blocks"):  # was an OverflowError
+        parse_vllm_cache_config('vllm:cache_config_info{block_size="16",num_gpu_blocks="inf"} 1.0\n')
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [  # before: 0 bytes, negative or float sizes, true taken for one layer, heads that cannot be grouped
+        (lambda: session_bytes(100, bytes_per_token=0), "bytes_per_token must be an integer > 0, got 0"),
+        (lambda: session_bytes(100, bytes_per_token=1.5), "bytes_per_token must be an integer > 0, got 1.5"),
+        (lambda: session_bytes(100.5, bytes_per_token=8), "context_tokens must be an integer > 0"),
+        (lambda: session_bytes(100, bytes_per_token=8, block_size=True), "block_size must be an integer > 0"),
+        (lambda: kv_bytes_per_token({**LLAMA3_8B, "num_hidden_layers": True}), "num_hidden_layers must be a positive integer"),
+        (lambda: kv_bytes_per_token({**LLAMA3_8B, "num_key_value_heads": 5}), "num_key_value_heads 5 does not divide"),
+        (lambda: kv_bytes_per_token({**LLAMA3_8B, "num_key_value_heads": 64}), "num_key_value_heads 64 does not divide"),
+    ],
+)
+def test_sizes_that_are_no_counts_are_refused_by_name(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 def test_kv_device_and_page_from_a_server_capacity():

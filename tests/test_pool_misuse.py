@@ -117,3 +117,17 @@ def test_a_failing_release_listener_does_not_keep_the_others_from_hearing():
     with pytest.raises(ValueError, match="listener bug"):
         reservation.release()
     assert heard == ["broken", "admission"] and pool.statistics().allocated == 0
+
+
+def test_the_pools_figures_for_several_devices():
+    """An empty pool of two devices read a fragmentation of 0.5 (free memory split between
+    devices counted as fragmentation), and the counting pool said 0 reservations everywhere."""
+    for pool in (
+        CountingPool([DeviceSpec("a", 8 * MB), DeviceSpec("b", 8 * MB)]),
+        ExtentPool([DeviceSpec("a", 8 * MB), DeviceSpec("b", 8 * MB)], page_size=MB),
+    ):
+        assert pool.statistics().fragmentation == 0.0
+        pool.reserve_nowait(MB, device="a")
+        assert [d.reservations for d in pool.statistics().devices] == [1, 0]
+        assert pool.statistics().fragmentation == 0.0
+

@@ -70,13 +70,15 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
 
     def need(key: str) -> int:
         value = data.get(key)
-        if not isinstance(value, int) or value <= 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
         return value
 
     layers = need("num_hidden_layers")
     heads = need("num_attention_heads")
     kv_heads = need("num_key_value_heads") if data.get("num_key_value_heads") is not None else heads
+    if heads % kv_heads:  # grouped-query attention shares each KV head among a whole group
+        raise ValueError(f"model config: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
     if data.get("head_dim") is not None:
         head_dim = need("head_dim")
     else:
@@ -100,16 +102,20 @@ def session_bytes(
 
     Give either `config` (read with `kv_bytes_per_token`) or `bytes_per_token`.
     """
-    if context_tokens <= 0:
-        raise ValueError(f"context_tokens must be > 0, got {context_tokens}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
+    _count("context_tokens", context_tokens)
+    _count("block_size", block_size)
     if bytes_per_token is None:
         if config is None:
             raise ValueError("session_bytes needs a model config or bytes_per_token")
         bytes_per_token = kv_bytes_per_token(config, dtype=dtype)
+    _count("bytes_per_token", bytes_per_token)
     blocks = -(-context_tokens // block_size)
     return blocks * block_size * bytes_per_token
+
+
+def _count(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be an integer > 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +172,7 @@ def _number(labels: Mapping[str, str], key: str, *, required: bool = True) -> in
     raw = labels.get(key)
     try:
         value = int(float(raw)) if raw is not None else 0
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf
         value = 0
     if value <= 0 and required:
         raise ValueError(f"vllm:cache_config_info: {key} is {raw!r}, not a positive number")

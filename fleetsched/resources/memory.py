@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -146,7 +146,10 @@ class MemoryStatistics:
 
     @property
     def fragmentation(self) -> float:
-        return (self.free - self.largest_free) / self.free if self.free else 0.0
+        """The seeds' rate over the pool: each device's free bytes outside its largest free
+        extent, over all free bytes (free memory split between devices is not fragmentation:
+        an empty pool of two devices reads 0)."""
+        return sum(d.free - d.largest_free for d in self.devices) / self.free if self.free else 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -244,11 +247,12 @@ class MemoryPool(ABC):
         return next(d.capacity for d in self.devices if d.name == device)
 
     def _device_statistics(self) -> tuple[DeviceStatistics, ...]:
+        held = Counter(r.device for r in self._live)
         stats = []
         for d in self.devices:
             allocated = self._allocated[d.name]
             free = d.capacity - allocated
-            stats.append(DeviceStatistics(d.name, d.capacity, allocated, free, free, 0.0, 0.0, 0, 0))
+            stats.append(DeviceStatistics(d.name, d.capacity, allocated, free, free, 0.0, 0.0, 0, held[d.name]))
         return tuple(stats)
 
     # -- public API ------------------------------------------------------------------------------
