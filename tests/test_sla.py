@@ -161,3 +161,21 @@ def test_an_objective_with_nothing_to_measure_is_neither_met_nor_missed():
     assert [o.met for o in idle.objectives] == [None, None, None] and idle.met is None
     busy = next(row for row in rows if row.tenant == "busy")
     assert busy.met is True
+
+
+def test_agents_whose_first_call_exceeds_the_context_are_named_at_start():
+    """Before: every call failed with ContextTooLong, and nothing said why at start."""
+    from fleetsched.observability.feasibility import over_context
+    from fleetsched.settings import Settings
+
+    def settings(prompt_tokens: int, kind: str = "sim") -> Settings:
+        return Settings(
+            tenants={"a": {}},
+            backend={"kind": kind, "sim": {"profile": "tiny-cpu-vllm"}},
+            workload={"agents": [{"tenant": "a", "count": 1, "prompt_tokens": prompt_tokens, "max_tokens": 16}]},
+        )
+
+    assert over_context(settings(100)) == []
+    (message,) = over_context(settings(5000))
+    assert "workload.agents[0] (a)" in message and "over the model's context of 1024" in message
+    assert over_context(settings(5000, kind="instant")) == []  # no context known

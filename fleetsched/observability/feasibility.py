@@ -133,9 +133,35 @@ async def check_feasibility(settings: Settings, backend: Backend) -> dict[str, A
             floors = {name: measured for name in prompts}
             prompts = {name: probe_body()[1] for name in prompts}
     flagged = unreachable(settings, floors, prompts)
+    too_long = over_context(settings)
+    if too_long:
+        note = "; ".join([*too_long, *([note] if note else [])])
     return {
         "method": method,
         "unloaded_ttft_s": {name: round(v, 6) for name, v in floors.items()},
         "unreachable": [u.as_dict() for u in flagged],
         "note": note,
     }
+
+
+def over_context(settings: Settings) -> list[str]:
+    """The workload's agents whose first call already exceeds the model's context (where the
+    settings know it: the sim and the in-process engine): every call of theirs will fail."""
+    from ..agents.workload import SYSTEM_PROMPT
+
+    kind = settings.backend.kind
+    limit = settings.backend.sim.max_model_len if kind == "sim" else settings.backend.engine_max_model_len if kind == "vllm-engine" else None
+    if limit is None:
+        return []
+    out = []
+    for index, mix in enumerate(settings.workload.agents):
+        prompt = estimate_prompt_tokens(
+            {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "x" * 4 * mix.prompt_tokens}]}
+        )
+        if prompt + mix.max_tokens > limit:
+            out.append(
+                f"workload.agents[{index}] ({mix.kind or mix.tenant}): its first call needs about {prompt + mix.max_tokens} tokens "
+                f"({prompt} prompt + {mix.max_tokens} max_tokens), over the model's context of {limit}: "
+                "every call will fail with ContextTooLong"
+            )
+    return out
