@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T", int, float)

@@ -190,6 +190,12 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a number a report holds (it writes null for what it did not measure)")
 
 
+def throughput_text(report: dict[str, Any]) -> str:
+    """The run's throughput as shown: ``"1234.5 tok/s"``, or ``"- tok/s"`` when not measured."""
+    value = report.get("throughput_tok_s")
+    return "- tok/s" if value is None else f"{value} tok/s"
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:,.0f}"
 
@@ -198,8 +204,7 @@ def tenant_table(report: dict[str, Any]) -> Any:
     """A rich Table of the report's per-tenant rows."""
     from rich.table import Table
 
-    throughput = "-" if report["throughput_tok_s"] is None else report["throughput_tok_s"]
-    table = Table(title=f"fleetsched run: {report['duration_s']:.1f} s on {report['backend']}, {throughput} tok/s")
+    table = Table(title=f"fleetsched run: {report['duration_s']:.1f} s on {report['backend']}, {throughput_text(report)}")
     for column in ("tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"):
         table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
     for t in report["tenants"]:

@@ -422,6 +422,12 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, toml)
 
 
+def first_error(exc: ValidationError) -> tuple[str, str]:
+    """The first error of `exc`: its field as a dotted key ("" at the root) and its message."""
+    error = exc.errors()[0]
+    return ".".join(str(part) for part in error["loc"]), error["msg"].removeprefix("Value error, ")
+
+
 def load_settings(path: str | Path | None = None, **overrides: object) -> Settings:
     """Read settings from `path` (or ./fleetsched.toml), the environment and `overrides`.
 
@@ -436,8 +442,8 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         error = exc.errors()[0]
-        key = ".".join(str(part) for part in error["loc"]) or "(root)"
-        message = error["msg"].removeprefix("Value error, ")
+        key, message = first_error(exc)
+        key = key or "(root)"
         if key == "(root)" and ": " in message:
             key, _, message = message.partition(": ")
         raise ConfigError(key, f"{message} (got {error.get('input')!r})" if key != "(root)" and "input" in error else message) from None

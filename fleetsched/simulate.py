@@ -41,7 +41,8 @@ from pydantic import ValidationError
 from ._args import positive_int, writable_file
 from .errors import ConfigError, FleetschedError
 from .gc_tuning import SIMULATING, gc_thresholds
-from .settings import AgentMix, Settings, load_settings
+from .report import throughput_text
+from .settings import AgentMix, Settings, first_error, load_settings
 from .virtual_time import LOOPS, Loop, run_virtual
 
 SIMULATE_STREAM_INTERVAL = 8
@@ -232,7 +233,7 @@ def find_max_sessions(
         ran = sum(m.count for m in mix)  # each kind at least 1: may exceed `total`
         probes[ran] = not failed
         verdict = "meets every SLA" if not failed else "misses " + ", ".join(f"{c.tenant}.{c.metric} ({c.value:.3g} vs {c.target:.3g})" for c in failed)
-        echo(f"  {ran:6d} sessions: {_throughput(report)}, {verdict} [{report['wall_s']:.1f} s wall]")
+        echo(f"  {ran:6d} sessions: {throughput_text(report)}, {verdict} [{report['wall_s']:.1f} s wall]")
         return not failed
 
     lo, hi = 0, max(1, sum(m.count for m in agents))
@@ -267,11 +268,6 @@ def _size(agents: list[AgentMix], total: int) -> int:
     return sum(_mix(agents, total).values())
 
 
-def _throughput(report: dict[str, Any]) -> str:
-    value = report.get("throughput_tok_s")
-    return "- tok/s" if value is None else f"{value} tok/s"
-
-
 def _mix(agents: list[AgentMix], total: int) -> dict[str, int]:
     if total == 0:
         return {}
@@ -304,8 +300,8 @@ def main(argv: list[str]) -> int:
         try:
             settings = sim_settings(settings, args.profile, args.stream_interval)
         except ValidationError as exc:  # a bad --profile, or a field of [backend.sim]
-            error = exc.errors()[0]
-            raise ConfigError(".".join(str(p) for p in error["loc"]) or "backend.sim", error["msg"]) from None
+            field, message = first_error(exc)
+            raise ConfigError(field or "backend.sim", message) from None
         if args.find_max_sessions and duration is None:
             raise ConfigError("--duration", "--find-max-sessions needs --duration (each probe holds the fleet that long)")
         if args.find_max_sessions:

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from ..errors import ConfigError, FleetschedError
 from ..scheduler import Scheduler, SessionHandle
 from ..scheduler.session import Agent
-from ..settings import AgentMix, WorkloadSettings
+from ..settings import AgentMix, WorkloadSettings, first_error
 
 _WORDS = "the fleet of agents shares one engine and every tenant gets its fair part of tokens".split()
 SYSTEM_PROMPT = "You are a careful assistant. Use the tools when they help, and answer briefly."
@@ -113,9 +113,8 @@ def read_trace(path: Path) -> list[tuple[float, AgentMix]]:
                 raise ValueError("count: a trace line is one session (write one line per session)")
             mix = AgentMix.model_validate({"count": 1, **record})
         except ValidationError as exc:
-            error = exc.errors()[0]
-            field = ".".join(str(p) for p in error["loc"])
-            raise ConfigError(f"{key}: {field}", error["msg"]) from None
+            field, message = first_error(exc)
+            raise ConfigError(f"{key}: {field}", message) from None
         except ValueError as exc:  # JSON syntax, or `at`
             raise ConfigError(key, str(exc)) from None
         sessions.append((at, mix))

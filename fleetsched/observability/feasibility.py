@@ -17,7 +17,7 @@ import anyio
 
 from ..backends.base import Backend, estimate_prompt_tokens
 from ..errors import BackendUnavailable
-from ..settings import Settings, SimSettings
+from ..settings import AgentMix, Settings, SimSettings
 
 _PROBE_TEXT = "Reply with one word."
 
@@ -56,19 +56,20 @@ def sim_unloaded_ttft_s(sim: SimSettings, prompt_tokens: int) -> float:
 
 def tenant_prompt_tokens(settings: Settings) -> dict[str, int]:
     """Each tenant's shortest first prompt in the workload, as the dispatcher estimates it."""
-    from ..agents.workload import SYSTEM_PROMPT
-
     out = {}
     for name in settings.tenants:
-        sizes = [
-            estimate_prompt_tokens(
-                {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "x" * 4 * m.prompt_tokens}]}
-            )
-            for m in settings.workload.agents
-            if m.tenant == name
-        ]
+        sizes = [first_prompt_tokens(m) for m in settings.workload.agents if m.tenant == name]
         out[name] = min(sizes) if sizes else probe_body()[1]
     return out
+
+
+def first_prompt_tokens(mix: AgentMix) -> int:
+    """The prompt of an agent's first call (system prompt included), as the dispatcher estimates it."""
+    from ..agents.workload import SYSTEM_PROMPT
+
+    return estimate_prompt_tokens(
+        {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "x" * 4 * mix.prompt_tokens}]}
+    )
 
 
 def probe_body() -> tuple[dict[str, Any], int]:
@@ -147,17 +148,13 @@ async def check_feasibility(settings: Settings, backend: Backend) -> dict[str, A
 def over_context(settings: Settings) -> list[str]:
     """The workload's agents whose first call already exceeds the model's context (where the
     settings know it: the sim and the in-process engine): every call of theirs will fail."""
-    from ..agents.workload import SYSTEM_PROMPT
-
     kind = settings.backend.kind
     limit = settings.backend.sim.max_model_len if kind == "sim" else settings.backend.engine_max_model_len if kind == "vllm-engine" else None
     if limit is None:
         return []
     out = []
     for index, mix in enumerate(settings.workload.agents):
-        prompt = estimate_prompt_tokens(
-            {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "x" * 4 * mix.prompt_tokens}]}
-        )
+        prompt = first_prompt_tokens(mix)
         if prompt + mix.max_tokens > limit:
             out.append(
                 f"workload.agents[{index}] ({mix.kind or mix.tenant}): its first call needs about {prompt + mix.max_tokens} tokens "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ReportSchemaError
-from ..report import SLA_COLUMNS, load_report, sla_rows
+from ..report import SLA_COLUMNS, load_report, sla_rows, throughput_text
 
 PLOTS = ("ttft_cdf.png", "throughput.png", "queue_depth.png", "memory.png", "sla_attainment.png")
 TIER_COLORS = {"critical": "tab:red", "standard": "tab:blue", "batch": "tab:green"}
@@ -83,7 +83,7 @@ def plot_throughput(report: dict[str, Any], path: Path) -> None:
         t, tokens = tl["t"], tl["completion_tokens"]
         rates = [(tokens[i] - tokens[i - 1]) / (t[i] - t[i - 1]) if t[i] > t[i - 1] else 0.0 for i in range(1, len(t))]
         ax.step(t[1:], rates, where="pre", color="tab:purple", label="generated tokens/s")
-        ax.axhline(report["throughput_tok_s"] or 0, color="grey", linestyle="--", linewidth=1, label=f"run mean {report['throughput_tok_s']} tok/s")
+        ax.axhline(report["throughput_tok_s"] or 0, color="grey", linestyle="--", linewidth=1, label=f"run mean {throughput_text(report)}")
         ax.legend(fontsize=8)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("tokens / s")
@@ -240,7 +240,7 @@ img {{ max-width: 100%; }} .bad {{ color: #b00; }}
 <h1>fleetsched run: {report['duration_s']:.1f} s on {html.escape(report['backend'])}</h1>
 <p>{sum(report['sessions'].values())} sessions ({html.escape(', '.join(f'{k} {v}' for k, v in report['sessions'].items()))}),
 {report['calls']:,} calls, {report.get('refused_calls', 0):,} refused, {report['completion_tokens']:,} tokens generated,
-{"-" if report['throughput_tok_s'] is None else report['throughput_tok_s']} tok/s. Schema {html.escape(report['schema'])}.</p>
+{throughput_text(report)}. Schema {html.escape(report['schema'])}.</p>
 <h2>Tenants</h2>{_table(tenant_cols, tenants)}
 <h2>SLA</h2>{_table(SLA_COLUMNS, sla_rows(report))}
 <h3>Breaches by reason ({sla['breaches']['total']})</h3>{_table(["reason", "breaches"], by_reason)}

@@ -180,13 +180,11 @@ def _whole_bytes(nbytes: object, verb: str) -> int:
 
 
 def _valid_quota(tenant: str, nbytes: object) -> int:
+    """`nbytes` as a quota: a whole number of bytes > 0 (nan would switch the quota off)."""
     try:
-        whole = operator.index(nbytes)  # type: ignore[arg-type]  # numpy's integers too; nan would switch the quota off
-    except TypeError:
-        whole = 0
-    if isinstance(nbytes, bool) or whole <= 0:
-        raise ValueError(f"memory quota of tenant {tenant!r} must be a whole number of bytes > 0, got {nbytes!r}")
-    return whole
+        return _whole_bytes(nbytes, "hold")
+    except (TypeError, ValueError):
+        raise ValueError(f"memory quota of tenant {tenant!r} must be a whole number of bytes > 0, got {nbytes!r}") from None
 
 
 class MemoryPool(ABC):
