@@ -20,6 +20,17 @@ def settings(tenants: dict[str, dict[str, Any]] | None = None, **sections: dict[
     return Settings(tenants=tenants or {"acme": {}}, **sections)
 
 
+def virtual_loop(name: str) -> tuple[str, dict[str, Any]]:
+    """An `anyio_backend` value: the asyncio or trio loop on virtual time."""
+    if name == "asyncio":
+        from fleetsched.virtual_time import VirtualTimeLoop
+
+        return ("asyncio", {"loop_factory": VirtualTimeLoop})
+    import trio.testing
+
+    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+
+
 def check_released(scheduler: Any) -> None:
     """The invariants after every session ended: no slot, no memory, nothing queued."""
     stats = scheduler.statistics()

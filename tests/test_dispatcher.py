@@ -11,13 +11,13 @@ from functools import partial
 
 import anyio
 import pytest
-import trio.testing
 
 from fleetsched.backends.base import Backend, estimate_prompt_tokens, make_chunk, usage_dict
 from fleetsched.errors import DeadlineExceeded
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import Dispatcher
-from fleetsched.virtual_time import VirtualTimeLoop
+
+from .helpers import virtual_loop
 
 pytestmark = pytest.mark.anyio
 
@@ -25,9 +25,7 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(params=["trio", "asyncio"])
 def anyio_backend(request):
     """Both loops on virtual time: a waiting call parks differently on each (see `_parking`)."""
-    if request.param == "asyncio":
-        return ("asyncio", {"loop_factory": VirtualTimeLoop})
-    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+    return virtual_loop(request.param)
 
 
 class SlowBackend(Backend):
@@ -368,7 +366,7 @@ async def test_the_critical_reserve_holds_when_the_window_shrinks():
     assert started == {"vip:0.1"}
 
 
-@pytest.mark.parametrize("anyio_backend", [("asyncio", {"loop_factory": VirtualTimeLoop})])
+@pytest.mark.parametrize("anyio_backend", [virtual_loop("asyncio")])
 @pytest.mark.parametrize("stagger", [True, False])
 async def test_calls_granted_together_start_one_per_turn_of_the_loop_when_staggered(stagger: bool):
     """Four calls end together and hand their places to four queued ones: staggered, those open

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
-import trio.testing
 
 from fleetsched import DeadlineExceeded, InvalidRequest, Scheduler, SessionCancelled, SessionEnded, SessionFailed
 from fleetsched.scheduler.session import SessionState
-from fleetsched.virtual_time import VirtualTimeLoop
 
-from .helpers import check_released, settings
+from .helpers import check_released, settings, virtual_loop
 
 pytestmark = pytest.mark.anyio
 
@@ -21,9 +19,7 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request):
     """Both event loops, on virtual time."""
-    if request.param == "asyncio":
-        return ("asyncio", {"loop_factory": VirtualTimeLoop})
-    return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
+    return virtual_loop(request.param)
 
 
 GB = 10**9
