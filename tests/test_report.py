@@ -130,3 +130,13 @@ def test_unreachable_ttft_is_flagged_at_start(tmp_path):
     assert [u["tenant"] for u in feasibility["unreachable"]] == ["eager"]
     assert feasibility["unreachable"][0]["unloaded_s"] > 0.0005
     assert "(unreachable)" in done.stdout
+
+
+def test_a_tenant_missing_from_the_timelines_attainment_is_drawn_without_its_line(report, tmp_path):
+    """Before: matplotlib's ValueError (x and y must have same first dimension) from the plot."""
+    edited = json.loads(json.dumps(report))
+    del edited["timeline"]["attainment"]["pager"]
+    path = tmp_path / "run.json"
+    write_report(edited, path)
+    assert render_main([str(path), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "sla_attainment.png").read_bytes()[:4] == b"\x89PNG"

@@ -184,10 +184,12 @@ def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
         _empty(over_time)
     else:
         for t in tenants:
-            values = tl["attainment"].get(t["tenant"], [])
+            values = tl["attainment"].get(t["tenant"])
+            if values is None:  # a report edited by hand, or merged: nothing to draw for this tenant
+                continue
             over_time.plot(tl["t"], [None if v is None else 100 * v for v in values], label=t["tenant"])
         over_time.set_ylim(0, 105)
-        if tenants:
+        if over_time.get_legend_handles_labels()[0]:
             over_time.legend(fontsize=8, loc="lower right")
     over_time.set_title(f"Rolling attainment (worst objective, {tl['window_s'] if tl else '-'} s window)")
     over_time.set_xlabel("time since start (s)")
