@@ -2,7 +2,8 @@
 
 The schema is documented field by field in ``docs/report-schema.md``. `build_report` makes it
 from a finished scheduler (``fleetsched run`` and ``fleetsched simulate`` both use it),
-`load_report` reads one back and refuses any other schema version with `ReportSchemaError`.
+`load_report` reads one back and refuses any other schema version, or a report whose fields are
+missing or of the wrong type, with `ReportSchemaError`.
 `tenant_table` and `sla_table` are the tables printed at the end of a run.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 from .errors import ReportSchemaError
 from .observability.sla import OBJECTIVES, QUANTILE, REASON_TEXT, REASONS, evaluate
 from .policies.tiers import Tier
+from .report_shape import check_shape
 from .scheduler import Scheduler, summarise
 from .scheduler.records import sorted_percentile
 
@@ -161,7 +163,10 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
-    """Read a run report; raises `ReportSchemaError` unless it is a ``fleetsched.run/2`` document."""
+    """Read a run report; raises `ReportSchemaError` unless it is a ``fleetsched.run/2`` document.
+
+    The message names the first field missing or of the wrong type (a report edited by hand).
+    """
     path = Path(path)
     try:
         data = json.loads(path.read_text(), parse_constant=_no_constant)
@@ -179,6 +184,7 @@ def load_report(path: str | Path) -> dict[str, Any]:
     missing = [name for name in _SECTIONS if name not in data]
     if missing:
         raise ReportSchemaError(f"{path}: a {SCHEMA} report without {', '.join(missing)} (cut short, or edited?)")
+    check_shape(data, str(path))
     return data
 
 
@@ -250,7 +256,7 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
             verdict = "not measured" if o["met"] is None else "met" if o["met"] else "MISSED"
             if t["tenant"] in unreachable and objective == "ttft_p99":
                 verdict += " (unreachable)"
-            breaches = ", ".join(f"{n} {REASON_TEXT[r]}" for r, n in sorted(o["breaches"].items(), key=lambda kv: -kv[1]))
+            breaches = ", ".join(f"{n} {REASON_TEXT.get(r, r)}" for r, n in sorted(o["breaches"].items(), key=lambda kv: -kv[1]))
             rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", _UNITS[objective], target, value, attainment, verdict, breaches or refused_text])
     return rows
 

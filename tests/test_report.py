@@ -140,3 +140,54 @@ def test_a_tenant_missing_from_the_timelines_attainment_is_drawn_without_its_lin
     write_report(edited, path)
     assert render_main([str(path), "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "sla_attainment.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _edited(report, edit):
+    edited = json.loads(json.dumps(report))
+    edit(edited)
+    return edited
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r["tenants"][0].pop("sla"), r"tenants\.0\.sla: Field required"),
+        (lambda r: r["tenants"][1].__setitem__("weight", "2"), r"tenants\.1\.weight: Input should be a valid number \(got '2'\)"),
+        (lambda r: r.__setitem__("backend", None), r"backend: Input should be a valid string \(got None\)"),
+        (lambda r: r.__setitem__("distributions", None), r"distributions: Input should be an object \(got None\)"),
+        (lambda r: r["distributions"]["ttft_s"]["tier"].__setitem__("critical", [0.1, 0.2]), r"distributions\.ttft_s\.tier\.critical: List should have at least 101 items"),
+        (lambda r: r["timeline"]["attainment"].__setitem__("pager", [0.5]), r"timeline\.attainment\.pager: 1 values for the \d+ times of timeline\.t"),
+        (lambda r: r["timeline"].__setitem__("in_flight", "3"), r"timeline\.in_flight: Input should be a valid list"),
+        (lambda r: r.pop("memory"), r"memory: Field required"),
+    ],
+)
+def test_a_report_edited_by_hand_is_refused_naming_the_field(report, tmp_path, capsys, edit, message):
+    """Before: a KeyError, TypeError or matplotlib ValueError traceback from the plot or page that read it."""
+    path = tmp_path / "edited.json"
+    write_report(_edited(report, edit), path)
+    with pytest.raises(ReportSchemaError, match=message):
+        load_report(path)
+    assert render_main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fleetsched report: {path}: ") and len(err.splitlines()) == 1
+
+
+def test_a_number_too_large_for_a_float_is_refused(report, tmp_path):
+    """Before: JSON's 1e400 read as inf, and the page said 'fleetsched run: inf s'."""
+    path = tmp_path / "inf.json"
+    path.write_text(json.dumps(report).replace('"duration_s": ', '"duration_s": 1e400, "x": ', 1))
+    with pytest.raises(ReportSchemaError, match=r"duration_s: Input should be a finite number"):
+        load_report(path)
+
+
+def test_an_unknown_breach_reason_or_a_null_unreachable_list_still_renders(report, tmp_path):
+    """Before: KeyError 'weird' (the SLA table) and TypeError (iterating None, the HTML page)."""
+
+    def edit(r):
+        r["tenants"][0]["sla"]["objectives"]["ttft_p99"]["breaches"] = {"weird": 3}
+        r["sla"]["feasibility"]["unreachable"] = None
+
+    path = tmp_path / "run.json"
+    write_report(_edited(report, edit), path)
+    assert render_main([str(path), "--out", str(tmp_path / "out")]) == 0
+    assert "3 weird" in (tmp_path / "out" / "index.html").read_text()

@@ -221,7 +221,7 @@ def render_html(report: dict[str, Any]) -> str:
     sla = report["sla"]
     by_reason = [[r, n] for r, n in sla["breaches"]["by_reason"].items()]
     feasibility = sla.get("feasibility") or {}
-    flagged = "".join(f"<li class='bad'>{html.escape(u['message'])}</li>" for u in feasibility.get("unreachable", []))
+    flagged = "".join(f"<li class='bad'>{html.escape(u['message'])}</li>" for u in feasibility.get("unreachable") or [])
     note = f"<li>{html.escape(feasibility['note'])}</li>" if feasibility.get("note") else ""
     floors = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (feasibility.get("unloaded_ttft_s") or {}).items())
     feasibility_html = (

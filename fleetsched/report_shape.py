@@ -1,0 +1,153 @@
+"""The shape of a ``fleetsched.run/2`` report: the fields that ``fleetsched report`` reads.
+
+`check_shape(data)` raises `ReportSchemaError` naming the first field that is missing, of the
+wrong type or not finite (``tenants.0.sla: Field required``), and a timeline series that is not
+aligned with the timeline's ``t``. Fields nobody reads back (``sim``, ``wall_s``, ...) are not
+checked, and the report is used as read: these models only check it. ``docs/report-schema.md``
+documents every field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ReportSchemaError
+from .settings import first_error
+
+
+class _Shape(BaseModel):
+    # strict: a "10" where a number belongs is an edit to point out, not to read as 10
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class _Percentiles(_Shape):
+    p50: float | None
+    p99: float | None
+
+
+class _Objective(_Shape):
+    target: float
+    value: float | None
+    attainment: float | None
+    met: bool | None
+    breaches: dict[str, int]
+
+
+class _TenantSla(_Shape):
+    refused: dict[str, int]
+    objectives: dict[str, _Objective]
+
+
+class _Tenant(_Shape):
+    tenant: str
+    tier: str
+    weight: float
+    sessions_done: int
+    sessions_failed: int
+    calls: int
+    ttft_s: _Percentiles
+    latency_s: _Percentiles
+    prompt_tokens: int
+    completion_tokens: int
+    sla: _TenantSla
+
+
+class _Breaches(_Shape):
+    total: int
+    by_reason: dict[str, int]
+
+
+class _Unreachable(_Shape):
+    tenant: str
+    message: str
+
+
+class _Feasibility(_Shape):
+    method: str | None = None
+    unloaded_ttft_s: dict[str, float] | None = None
+    unreachable: list[_Unreachable] | None = None
+    note: str | None = None
+
+
+class _Sla(_Shape):
+    breaches: _Breaches
+    feasibility: _Feasibility | None = None
+
+
+_Quantiles = Annotated[list[float], Field(min_length=101, max_length=101)]
+
+
+class _Cdfs(_Shape):
+    tenant: dict[str, _Quantiles | None]
+    tier: dict[str, _Quantiles | None]
+
+
+class _Distributions(_Shape):
+    ttft_s: _Cdfs
+
+
+class _Timeline(_Shape):
+    window_s: float
+    t: list[float]
+    completion_tokens: list[float]
+    queued_sessions: dict[str, list[float]]
+    queued_calls: dict[str, list[float]]
+    running_sessions: list[float]
+    in_flight: list[float]
+    window: list[float]
+    memory_allocated_bytes: dict[str, list[float]]
+    fragmentation: dict[str, list[float]]
+    attainment: dict[str, list[float | None]]
+
+
+class _Device(_Shape):
+    name: str
+    total_bytes: int
+
+
+class _Memory(_Shape):
+    devices: list[_Device] = []
+
+
+class _Report(_Shape):
+    backend: str
+    duration_s: float
+    sessions: dict[str, int]
+    calls: int
+    refused_calls: int = 0
+    completion_tokens: int
+    throughput_tok_s: float | None
+    memory: _Memory
+    tenants: list[_Tenant]
+    sla: _Sla
+    distributions: _Distributions
+    timeline: _Timeline | None
+
+
+def check_shape(data: dict[str, Any], source: str) -> None:
+    """Raise `ReportSchemaError` (``"SOURCE: FIELD: what is wrong"``) unless `data` renders."""
+    try:
+        _Report.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field, message = first_error(exc)
+        if error["type"] == "model_type":  # pydantic would name the model class
+            message = "Input should be an object"
+        got = "" if error["type"] == "missing" else f" (got {_short(error['input'])})"
+        raise ReportSchemaError(f"{source}: {field or '(root)'}: {message}{got}") from None
+    timeline = data["timeline"]
+    if timeline is not None:
+        n = len(timeline["t"])
+        for name in _Timeline.model_fields:
+            value = timeline[name]
+            for key, values in value.items() if isinstance(value, dict) else [(None, value)] if isinstance(value, list) else []:
+                if len(values) != n:
+                    where = f"timeline.{name}" if key is None else f"timeline.{name}.{key}"
+                    raise ReportSchemaError(f"{source}: {where}: {len(values)} values for the {n} times of timeline.t (its series are aligned with t)")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
