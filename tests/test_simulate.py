@@ -175,3 +175,21 @@ def test_simulate_checks_a_trace_before_the_run_and_runs_one_without_agents(tmp_
     err = capsys.readouterr().err
     assert "no sim profile 'BAD'" in err and len(err.strip().splitlines()) == 1
 
+
+
+def test_calls_cancelled_at_the_end_of_a_probe_are_no_call_errors():
+    """Calls still under way when the probe's drain grace ends are cancelled with their session:
+    no event of the SLA (as in the report), so no failure of the fleet. Before: each counted as a
+    call error, and a search failed fleets for the cut that ends every probe ("misses
+    solo.call_errors (62 vs 0)" with an infinite TTFT objective)."""
+    base = sim_settings(fleet(count=2, ttft_p99_s=5.0))
+    agents = [m.model_copy(update={"max_tokens": 4000, "think_s": 0.0, "tool_s": 0.0}) for m in base.workload.agents]
+    settings = base.model_copy(update={
+        "workload": base.workload.model_copy(update={"agents": agents}),
+        "scheduler": base.scheduler.model_copy(update={"drain_grace_s": 1.0}),
+    })  # fmt: skip
+    report, scheduler = simulate(settings, 10.0)
+    assert any(c.error == "CancelledError" for c in scheduler.recorder.calls)  # the case at hand
+    checks = {(c.tenant, c.metric): c for c in sla_checks(scheduler, settings, report["duration_s"])}
+    assert checks[("live", "call_errors")].value == 0 and checks[("bulk", "call_errors")].value == 0
+    assert all(c.ok for c in checks.values())

@@ -44,7 +44,8 @@ REASON_TEXT = {
     "failed": "call failed",
 }
 _REFUSED = {"Overloaded": "shed", "RateLimited": "rate-limited"}
-_CANCELLED = frozenset({"Cancelled", "CancelledError"})
+#: A call's `error` when it was cancelled with its session: no event of any objective.
+CANCELLED = frozenset({"Cancelled", "CancelledError"})
 
 
 def targets(sla: SlaSettings) -> dict[str, float]:
@@ -78,7 +79,7 @@ def _reason(wait_s: float, value_s: float) -> str:
 
 def call_events(call: CallRecord, goals: Mapping[str, float]) -> list[tuple[str, bool, Breach | None]]:
     """(objective, met, breach or None) for each call objective in `goals`; [] for a cancelled call."""
-    if not goals or call.error in _CANCELLED:
+    if not goals or call.error in CANCELLED:
         return []
     events: list[tuple[str, bool, Breach | None]] = []
     for objective, value in (("ttft_p99", call.ttft_s), ("latency_p95", call.latency_s)):
