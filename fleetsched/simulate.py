@@ -224,34 +224,59 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
 def find_max_sessions(
     settings: Settings, duration_s: float, echo: Any = print, limit: int = 1 << 16, loop: Loop = "asyncio"
 ) -> dict[str, Any]:
-    """The largest fleet (total sessions, tier mix kept) whose run meets every tenant's SLA."""
+    """The largest fleet (total sessions, tier mix kept) whose run meets every tenant's SLA.
+
+    The result: ``max_sessions`` (0: even the smallest fleet, one session of each kind, misses),
+    ``bounded_by_limit``, ``probes`` ({sessions run: met}), ``agents`` (the fleet found),
+    ``smallest_misses`` (what the smallest fleet missed, when it was run and missed) and
+    ``unreachable`` (the start-up check's messages: objectives an idle engine cannot meet).
+    """
     agents = settings.workload.agents
     probes: dict[int, bool] = {}
+    misses: dict[int, str] = {}
+    unreachable: list[str] = []
 
     def meets(total: int) -> bool:
         mix = scale_fleet(agents, total)
+        ran = sum(m.count for m in mix)  # each kind at least 1: may exceed `total`
+        if ran in probes:  # a fleet of this size ran already (deterministic virtual time)
+            return probes[ran]
         scaled = settings.model_copy(update={"workload": settings.workload.model_copy(update={"agents": mix})})
         report, scheduler = simulate(scaled, duration_s, loop)
+        if not probes:
+            unreachable.extend(u["message"] for u in report["sla"]["feasibility"]["unreachable"])
         checks = sla_checks(scheduler, scaled, report["duration_s"])
         failed = [c for c in checks if not c.ok]
-        ran = sum(m.count for m in mix)  # each kind at least 1: may exceed `total`
         probes[ran] = not failed
-        verdict = "meets every SLA" if not failed else "misses " + ", ".join(f"{c.tenant}.{c.metric} ({c.value:.3g} vs {c.target:.3g})" for c in failed)
+        if failed:
+            misses[ran] = ", ".join(f"{c.tenant}.{c.metric} ({c.value:.3g} vs {c.target:.3g})" for c in failed)
+        verdict = "misses " + misses[ran] if failed else "meets every SLA"
         echo(f"  {ran:6d} sessions: {throughput_text(report)}, {verdict} [{report['wall_s']:.1f} s wall]")
         return not failed
+
+    def result(lo: int, bounded: bool) -> dict[str, Any]:
+        smallest = _size(agents, 1)
+        return {
+            "max_sessions": _size(agents, lo),
+            "bounded_by_limit": bounded,
+            "probes": probes,
+            "agents": _mix(agents, lo),
+            "smallest_misses": misses.get(smallest) if lo == 0 else None,
+            "unreachable": unreachable,
+        }
 
     lo, hi = 0, max(1, sum(m.count for m in agents))
     while meets(hi):  # grow until a fleet fails
         lo, hi = hi, hi * 2
         if hi > limit:
-            return {"max_sessions": _size(agents, lo), "bounded_by_limit": True, "probes": probes, "agents": _mix(agents, lo)}
+            return result(lo, bounded=True)
     while hi - lo > max(1, lo // 50):  # to within 2%
         mid = (lo + hi) // 2
         if meets(mid):
             lo = mid
         else:
             hi = mid
-    return {"max_sessions": _size(agents, lo), "bounded_by_limit": False, "probes": probes, "agents": _mix(agents, lo)}
+    return result(lo, bounded=False)
 
 
 def _check_targets(settings: Settings) -> None:
@@ -318,8 +343,14 @@ def main(argv: list[str]) -> int:
         result = find_max_sessions(settings, duration, echo=echo, loop=args.loop)  # type: ignore[arg-type]
         result["probes"] = {str(k): v for k, v in sorted(result["probes"].items())}
         text = json.dumps(result, indent=2)
+        for message in result["unreachable"]:
+            print(f"fleetsched simulate: warning: {message}", file=sys.stderr)
         if args.json:
             print(text)
+        elif result["max_sessions"] == 0:
+            smallest = _size(settings.workload.agents, 1)
+            kinds = " (one of each kind)" if len(settings.workload.agents) > 1 else ""
+            print(f"no fleet meets every SLA: the smallest, {smallest} session{'s' if smallest > 1 else ''}{kinds}, misses {result['smallest_misses']}")
         elif result["bounded_by_limit"]:
             print(f"every fleet up to {result['max_sessions']} sessions meets every SLA (the search stops there) {result['agents']}")
         else:

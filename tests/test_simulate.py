@@ -193,3 +193,20 @@ def test_calls_cancelled_at_the_end_of_a_probe_are_no_call_errors():
     checks = {(c.tenant, c.metric): c for c in sla_checks(scheduler, settings, report["duration_s"])}
     assert checks[("live", "call_errors")].value == 0 and checks[("bulk", "call_errors")].value == 0
     assert all(c.ok for c in checks.values())
+
+
+def test_a_search_where_even_the_smallest_fleet_misses_says_so_and_why(tmp_path, capsys):
+    """A TTFT objective below the idle engine's: before, the search printed "largest fleet meeting
+    every SLA: 0 sessions {}" (no fleet of 0 was run; nothing said what was missed or that the
+    objective cannot be met), having run its smallest fleet twice."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[tenants.solo]\nsla = { ttft_p99_s = 0.0001 }\n[tenants.other]\nsla = { latency_p95_s = 100 }\n'
+        '[[workload.agents]]\ntenant = "solo"\ncount = 4\n[[workload.agents]]\ntenant = "other"\ncount = 4\n'
+    )
+    assert cli_main(["simulate", str(config), "--duration", "20s", "--find-max-sessions"]) == 0
+    out, err = capsys.readouterr()
+    probes = [line for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert len(probes) == len(set(line.split(":")[0] for line in probes))  # each fleet run once
+    assert out.splitlines()[-1].startswith("no fleet meets every SLA: the smallest, 2 sessions (one of each kind), misses solo.ttft_p99_s")
+    assert "tenant 'solo': sla.ttft_p99_s = 0.0001 s cannot be met" in err
