@@ -265,7 +265,8 @@ def find_max_sessions(
             "unreachable": unreachable,
         }
 
-    lo, hi = 0, max(1, sum(m.count for m in agents))
+    # From the config's fleet, but not past the limit: a config of millions would run them all first.
+    lo, hi = 0, min(max(1, sum(m.count for m in agents)), limit)
     while meets(hi):  # grow until a fleet fails
         lo, hi = hi, hi * 2
         if hi > limit:

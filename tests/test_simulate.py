@@ -210,3 +210,20 @@ def test_a_search_where_even_the_smallest_fleet_misses_says_so_and_why(tmp_path,
     assert len(probes) == len(set(line.split(":")[0] for line in probes))  # each fleet run once
     assert out.splitlines()[-1].startswith("no fleet meets every SLA: the smallest, 2 sessions (one of each kind), misses solo.ttft_p99_s")
     assert "tenant 'solo': sla.ttft_p99_s = 0.0001 s cannot be met" in err
+
+
+def test_a_fleet_larger_than_the_searchs_limit_starts_the_search_at_the_limit(monkeypatch):
+    """Ten million sessions in the config: before, the first probe ran all of them (no answer in
+    minutes, memory growing), though the search stops at its limit anyway."""
+    import fleetsched.simulate as module
+
+    settings = sim_settings(fleet(count=10_000_000, ttft_p99_s=5.0))
+    real = module.simulate
+
+    def bounded(scaled, *args, **kwargs):
+        assert sum(m.count for m in scaled.workload.agents) <= 64, "a probe past the search's limit"
+        return real(scaled, *args, **kwargs)
+
+    monkeypatch.setattr(module, "simulate", bounded)
+    result = find_max_sessions(settings, 10.0, echo=lambda _: None, limit=64)
+    assert result["bounded_by_limit"] and result["max_sessions"] == 64 and list(result["probes"]) == [64]
