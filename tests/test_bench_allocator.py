@@ -92,3 +92,16 @@ def test_unpacked_counts_what_first_fit_decreasing_leaves_out():
     assert _unpacked([3, 2, 2], [4, 3]) == 0
     assert _unpacked([3, 3], [4, 2]) == 3
     assert _unpacked([], []) == 0
+
+
+@pytest.mark.parametrize("value", ["bogus", "best-fit,bogus", ",", ""])
+def test_bad_strategies_are_a_usage_error_naming_the_option(value, capsys):
+    """Before: a ValueError traceback from the replay ("bogus"), or a run of no strategy at all
+    whose tables were empty ("," and "")."""
+    from fleetsched.bench.allocator import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--sessions", "10", "--strategies", value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "argument --strategies:" in err and "known: frag-aware" in err
+    assert "Traceback" not in err

@@ -549,9 +549,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--load", type=positive_float, default=LOAD, help=f"offered load, fraction of capacity (default {LOAD})")
     parser.add_argument("--idle-scale", type=non_negative_float, default=1.0, help="scale the sessions' idle (movable) shares")
     parser.add_argument("--threshold", type=unit_float, default=0.3, help="compact_threshold for the threshold row (default 0.3)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated names")
+    parser.add_argument("--strategies", type=_strategy_names, default=list(STRATEGIES), help="comma-separated names")
     args = parser.parse_args(argv)
-    names = [n for n in args.strategies.split(",") if n]
+    names = args.strategies
     generated = traces(args.sessions, args.seed, args.load, args.idle_scale)
     shipped = {t.name: {n: replay(t, n) for n in names} for t in generated}
     on_demand = {t.name: {n: replay(t, n, settle=False) for n in names} for t in generated}
@@ -620,6 +620,16 @@ def main(argv: list[str]) -> int:
         print("\n== targets ==")
         print(json.dumps(result["targets"], indent=2))
     return 0
+
+
+def _strategy_names(text: str) -> list[str]:
+    """``--strategies``: placement strategies by name, comma-separated, each once."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        what = f"unknown strategy {unknown[0]!r}" if unknown else "no strategy named"
+        raise argparse.ArgumentTypeError(f"{what}; known: {', '.join(STRATEGIES)}")
+    return names
 
 
 def _targets(shipped: dict, on_demand: dict, placement: dict, threshold: dict) -> dict[str, object]:
