@@ -153,3 +153,35 @@ def test_a_server_that_does_not_answer_is_a_clear_error_not_a_traceback(capsys):
     assert bench.run("qos", ["--url", closed, "--duration", "1"]) == 1
     err = capsys.readouterr().err
     assert f"5 of 5 probe calls to the vLLM server at {closed} failed" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--window", "-3"], "--window"),  # was a ValidationError traceback when the last mode built its settings
+        (["--window", "0"], "--window"),  # was taken as "the default", silently
+        (["--warmup", "nan"], "--warmup"),  # every call then fell out of (or into) the TTFT figures
+        (["--warmup", "-1"], "--warmup"),
+        (["--engine-cpus", "-1"], "--engine-cpus"),  # was an OSError from pinning, after the server started
+        (["--engine-cpus", "0,x"], "--engine-cpus"),
+    ],
+)
+def test_bad_option_values_are_usage_errors_naming_the_option(argv, named, capsys):
+    """Parsed only: `main` with these would start vLLM servers on the old code."""
+    from fleetsched.bench.qos import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {named}: expected" in err
+
+
+def test_engine_cpus_this_machine_lacks_are_a_usage_error(capsys):
+    """Before: sched_setaffinity's OSError once the first server had started (minutes in)."""
+    from fleetsched.bench.qos import parse_args
+
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--engine-cpus", str(missing)])
+    assert exited.value.code == 2 and f"--engine-cpus: CPU {missing} is not one this process may run on" in capsys.readouterr().err
+    assert parse_args(["--engine-cpus", str(missing), "--url", "http://127.0.0.1:1"]).engine_cpus  # pins nothing there

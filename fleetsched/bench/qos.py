@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -51,7 +52,7 @@ from typing import Any
 import anyio
 import httpx
 
-from .._args import non_negative_int, positive_float, positive_int, unit_float
+from .._args import non_negative_float, non_negative_int, positive_float, positive_int, unit_float
 from ..backends.sim._fit import answer_draws
 from ..calibrate import KEEPALIVE_EXPIRY_S
 from ..errors import BackendUnavailable
@@ -438,7 +439,16 @@ def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> N
 
 
 def _cpus(text: str) -> frozenset[int]:
-    return frozenset() if text == "none" else frozenset(int(c) for c in text.split(","))
+    """``--engine-cpus``: CPU numbers, comma-separated, or ``none``."""
+    if text == "none":
+        return frozenset()
+    try:
+        cpus = frozenset(int(c) for c in text.split(","))
+    except ValueError:
+        cpus = None
+    if cpus is None or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"expected CPU numbers, comma-separated (0,1), or 'none', got {text!r}")
+    return cpus
 
 
 def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.splitlines()[0]) -> argparse.ArgumentParser:
@@ -450,13 +460,13 @@ def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.
     parser.add_argument("--duration", type=positive_float, default=30.0, help="seconds of load per mode")
     parser.add_argument("--overload", type=positive_float, default=2.5, help="offered load over the saturated rate")
     parser.add_argument(
-        "--warmup", type=float, default=2.0,
+        "--warmup", type=non_negative_float, default=2.0,
         help="seconds at the start of each mode whose calls the TTFT figures leave out (ttft_s_warmup_included has them)",
     )
     parser.add_argument("--max-tokens", type=positive_int, default=64, help="batch calls' mean answer length (critical calls': a quarter of it)")
     parser.add_argument("--max-tokens-spread", type=non_negative_int, default=0, help="batch calls' answers vary by +- this many tokens, uniform")
     parser.add_argument(
-        "--window", type=int, help="fleetsched's initial in-flight window (default and most: --max-num-seqs, plus --critical-reserve beyond the batch)"
+        "--window", type=positive_int, help="fleetsched's initial in-flight window (default and most: --max-num-seqs, plus --critical-reserve beyond the batch)"
     )
     parser.add_argument("--max-num-seqs", type=positive_int, default=32 + CRITICAL_AGENTS,
                         help="the engine's running batch (of the servers it starts, or the one at --url); with --reserve in-batch, "
@@ -485,11 +495,21 @@ def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.
     return parser
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """`build_parser`'s options, with the checks between them (argparse's exit 2 when they fail)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_tokens_spread >= args.max_tokens:
         parser.error(f"--max-tokens-spread ({args.max_tokens_spread}) must be below --max-tokens ({args.max_tokens})")
+    if args.url is None and args.engine_cpus and hasattr(os, "sched_getaffinity"):  # it pins the servers it starts
+        mine = os.sched_getaffinity(0)
+        if lacking := sorted(args.engine_cpus - mine):
+            parser.error(f"--engine-cpus: CPU {lacking[0]} is not one this process may run on ({', '.join(map(str, sorted(mine)))})")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     # This process is the load generator in every mode and fleetsched itself in the last: it
     # collects garbage as `fleetsched run` and `serve` do (see `fleetsched.gc_tuning`).
     with gc_thresholds(SERVING):
