@@ -400,6 +400,8 @@ class Settings(BaseSettings):
     def _workload_tenants_declared(self) -> Settings:
         if not self.tenants:
             raise ValueError("tenants: at least one tenant must be declared")
+        if "" in self.tenants:  # the gateway's metrics label requests without a valid key tenant=""
+            raise ValueError("tenants: a tenant's name must not be empty")
         for i, mix in enumerate(self.workload.agents):
             if mix.tenant not in self.tenants:
                 raise ValueError(

@@ -498,3 +498,16 @@ async def test_a_startup_failure_tells_the_server_why_in_one_line(anyio_backend)
     await gateway({"type": "lifespan"}, receive, send)
     assert sent == [{"type": "lifespan.startup.failed", "message": ANY}]
     assert sent[0]["message"].startswith("BackendUnavailable: backend kind 'vllm-engine' needs vLLM installed")
+
+
+def test_a_tenant_named_empty_is_refused_its_label_is_the_unauthenticated_requests(tmp_path):
+    """The gateway counts requests without a valid key under tenant="", and a tenant sees the
+    series labelled with its name: a tenant named "" saw everyone's 401s as its own (and in a
+    report or a table it had no name)."""
+    from fleetsched.errors import ConfigError
+    from fleetsched.settings import load_settings
+
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.""]\ntier = "batch"\n')
+    with pytest.raises(ConfigError, match=r"^tenants: a tenant's name must not be empty"):
+        load_settings(config)
