@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from fleetsched.backends.base import Backend, ChatBody, Chunk, make_chunk, usage_dict
 from fleetsched.errors import Overloaded
@@ -291,6 +292,24 @@ def test_a_stream_that_fails_mid_way_with_any_error_ends_with_an_error_event(cap
     assert r.status_code == 200 and len(events) == 2
     assert json.loads(events[-1].removeprefix("data: "))["error"]["type"] == "internal_error"
     assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
+
+
+def test_a_stream_that_fails_mid_way_is_counted_as_a_stream_error_not_a_success():
+    """Its 200 was sent, so requests_total says 200; the failure is counted in
+    stream_errors_total, and the histogram of successful calls leaves it out (before: counted
+    as a success, nothing said it failed)."""
+    with serve_in_thread(gateway_settings(), backend=BrokenBackend()) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": MSG, "stream": True}, headers=headers) as r:
+            list(r.iter_lines())
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+        text = httpx.get(url + "/metrics", headers=headers).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    errors = [s for s in families["fleetsched_gateway_stream_errors"].samples if s.name.endswith("_total")]
+    assert [(s.labels, s.value) for s in errors] == [({"tenant": "acme", "endpoint": "chat"}, 1.0)]
+    requests = [s for s in families["fleetsched_gateway_requests"].samples if s.name.endswith("_total")]
+    assert [(s.labels["code"], s.value) for s in requests] == [("200", 1.0)]
+    assert "fleetsched_gateway_request_seconds" not in families or not families["fleetsched_gateway_request_seconds"].samples
 
 
 def _wait_for(condition, timeout_s: float = 5.0) -> bool:

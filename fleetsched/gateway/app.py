@@ -297,12 +297,17 @@ class Gateway:
         if tenant is None or identity.settings is None:
             await _error(send, error_response(403, "the admin key makes no model calls; use a tenant's key", "permission_denied"))
             return
-        status = await self._answer(endpoint, identity, headers, receive, send)
+        done = _Outcome()
+        status = await self._answer(endpoint, identity, headers, receive, send, done)
         if status:
-            self.metrics.record(tenant, endpoint, status, anyio.current_time() - start)
+            seconds = anyio.current_time() - start
+            self.metrics.record(tenant, endpoint, status, seconds, failed_mid_stream=done.failed_mid_stream)
 
-    async def _answer(self, endpoint: str, identity: Identity, headers: dict[bytes, bytes], receive: Receive, send: Send) -> int:
-        """Serve one model call; returns the status sent (0: the client went away)."""
+    async def _answer(
+        self, endpoint: str, identity: Identity, headers: dict[bytes, bytes], receive: Receive, send: Send, done: _Outcome
+    ) -> int:
+        """Serve one model call, noting its outcome in `done`; returns the status sent (0: the
+        client went away)."""
         tenant, tenant_settings = identity.tenant, identity.settings
         assert tenant is not None and tenant_settings is not None
         raw = await _read_body(receive, self.settings.gateway.max_body_bytes)
@@ -348,7 +353,6 @@ class Gateway:
         if endpoint == "completions":
             body[ENDPOINT_KEY] = "completions"
         session_id = headers.get(SESSION_HEADER)
-        done = _Outcome()
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
             try:
@@ -360,7 +364,10 @@ class Gateway:
                 else:
                     await self._session_call(endpoint, body, streaming, identity, session_id, send, done)
             except Exception as exc:
-                done.status = await _error(send, _answer_for(exc)) if not done.started else 200
+                if done.started:
+                    done.status, done.failed_mid_stream = 200, True
+                else:
+                    done.status = await _error(send, _answer_for(exc))
                 if not isinstance(exc, FleetschedError) or isinstance(exc, BackendError) and done.status >= 500:
                     logger.warning("call of tenant %r failed: %r", tenant, exc)
             finally:
@@ -446,6 +453,7 @@ class Gateway:
                     tail = b"data: [DONE]\n\n"
                 except Exception as exc:  # mid-stream: the error travels as an event, the stream ends
                     logger.warning("stream of tenant %r failed: %r", tenant, exc)
+                    done.failed_mid_stream = True
                     error = json.loads(_answer_for(exc).content)
                     tail = b"data: " + _dumps(error) + b"\n\n"
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -472,11 +480,13 @@ class Gateway:
 
 
 class _Outcome:
-    __slots__ = ("status", "started", "prompt_tokens", "completion_tokens")
+    __slots__ = ("status", "started", "failed_mid_stream", "prompt_tokens", "completion_tokens")
 
     def __init__(self) -> None:
         self.status = 0
         self.started = False
+        #: The stream ended in an error event after its 200 was sent.
+        self.failed_mid_stream = False
         self.prompt_tokens = 0
         self.completion_tokens = 0
 

@@ -17,12 +17,18 @@ class GatewayMetrics:
         self.requests: dict[tuple[str, str, int], int] = {}
         self.tokens: dict[tuple[str, str], int] = {}
         self.in_flight: dict[str, int] = {}
+        self.stream_errors: dict[tuple[str, str], int] = {}
         self.latency: dict[str, list[float]] = {}  # per tenant: bucket counts, then sum, count
 
-    def record(self, tenant: str, endpoint: str, status: int, seconds: float | None = None) -> None:
+    def record(self, tenant: str, endpoint: str, status: int, seconds: float | None = None, *, failed_mid_stream: bool = False) -> None:
+        """Count one answered request. A stream that failed after its 200 was sent counts under
+        code 200 (what the client got) and in ``stream_errors``, and not in the latency of
+        successful calls."""
         key = (tenant, endpoint, status)
         self.requests[key] = self.requests.get(key, 0) + 1
-        if seconds is not None and status == 200:
+        if failed_mid_stream:
+            self.stream_errors[tenant, endpoint] = self.stream_errors.get((tenant, endpoint), 0) + 1
+        elif seconds is not None and status == 200:
             row = self.latency.get(tenant)
             if row is None:
                 row = self.latency[tenant] = [0.0] * (len(LATENCY_BUCKETS_S) + 2)
@@ -50,6 +56,13 @@ class GatewayMetrics:
         for (t, endpoint, status), n in sorted(self.requests.items()):
             if mine(t):
                 lines.append(f'fleetsched_gateway_requests_total{{tenant="{_q(t)}",endpoint="{endpoint}",code="{status}"}} {n}')
+        lines += [
+            "# HELP fleetsched_gateway_stream_errors_total Streams that ended in an error event after their 200 was sent.",
+            "# TYPE fleetsched_gateway_stream_errors_total counter",
+        ]
+        for (t, endpoint), n in sorted(self.stream_errors.items()):
+            if mine(t):
+                lines.append(f'fleetsched_gateway_stream_errors_total{{tenant="{_q(t)}",endpoint="{endpoint}"}} {n}')
         lines += [
             "# HELP fleetsched_gateway_tokens_total Tokens served, by tenant and kind (prompt, completion).",
             "# TYPE fleetsched_gateway_tokens_total counter",
