@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from fleetsched.bench import mixed_pace
+
 
 def test_mixed_pace_bench_json():
     done = subprocess.run(
@@ -19,3 +23,11 @@ def test_mixed_pace_bench_json():
         assert 0 < figures["engine_busy_frac"] <= 1
     # Deterministic on virtual time: lending the slots of sessions in long tools serves more.
     assert modes["fleetsched"]["sessions_per_hour"] > modes["baseline"]["sessions_per_hour"]
+
+
+def test_a_url_with_the_sim_backend_is_a_usage_error(capsys):
+    """Before: --url was ignored without a word and the bench ran on the sim backend."""
+    with pytest.raises(SystemExit) as exited:
+        mixed_pace.main(["--url", "http://127.0.0.1:1", "--hours", "0.001"])
+    assert exited.value.code == 2
+    assert "--url needs --backend vllm-server" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import pytest
 from fleetsched.backends.sim import SimBackend
 from fleetsched.backends.sim._fit import Workload, closed_loop, theta_of
 from fleetsched.backends.sim._profiles import dump_profile, load_profile, shipped_profiles
+from fleetsched.bench import sim_fidelity
 from fleetsched.bench.sim_fidelity import HERMES, HERMES_TABLE, hermes_table, qwen_table
 from fleetsched.errors import ConfigError
 from fleetsched.settings import SimSettings, load_settings
@@ -86,3 +87,11 @@ def test_qwen_reproduces_the_static_batch_ratio_and_says_what_it_cannot_match():
     assert "continuous_default" not in table["matched"]
     assert modes["serial"]["sim_qps"] < 2  # one ~1 s request at a time, not the table's 12 QPS
     assert 0.9 < modes["serial"]["sim_latency_s"] < 1.3  # the table's serial P50 (1.1 s)
+
+
+def test_sim_fidelity_refuses_a_url_with_no_real(capsys):
+    """Before: --url was ignored without a word when --no-real skipped the comparison."""
+    with pytest.raises(SystemExit) as exited:
+        sim_fidelity.main(["--url", "http://127.0.0.1:1", "--no-real", "--no-speed"])
+    assert exited.value.code == 2
+    assert "--url names the server of the real-vLLM comparison" in capsys.readouterr().err

@@ -157,6 +157,8 @@ def main(argv: list[str]) -> int:
                         help="vllm-server: niceness of the engine processes of the server it starts (see VLLMServer.engine_nice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.url and args.backend != "vllm-server":
+        parser.error("--url needs --backend vllm-server (the sim backend runs on virtual time, with no server)")
     result: dict[str, Any] = {"backend": args.backend, "max_sessions": args.max_sessions, "modes": {}}
     if args.backend == "vllm-server":
         real_modes(args, result)

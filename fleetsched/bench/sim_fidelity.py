@@ -331,6 +331,8 @@ def main(argv: list[str]) -> int:
         "the shipped profile is compared beside it (default); --no-calibrate: the shipped profile alone",
     )
     args = parser.parse_args(argv)
+    if args.url and args.no_real:
+        parser.error("--url names the server of the real-vLLM comparison, which --no-real skips: give one or the other")
 
     result: dict[str, Any] = {"reference_tables": [hermes_table(), qwen_table()]}
     if not args.no_real:
