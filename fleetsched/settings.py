@@ -141,9 +141,12 @@ class DispatchSettings(_Section):
     min_share: dict[str, float] = Field(default_factory=lambda: {"standard": 0.1, "batch": 0.05})
     """Least share of the engine's service (tokens) a backlogged lower tier gets, by tier name."""
     adaptive_window: bool = True
-    """Size the in-flight window from the engine's signals (starts at backend.max_in_flight)."""
+    """Size the in-flight window from the engine's signals (starts at backend.max_in_flight,
+    held to min_window..max_window)."""
     min_window: int = Field(4, ge=1)
+    """Adaptive: the window never shrinks below this."""
     max_window: int = Field(512, ge=1)
+    """Adaptive: the window never grows above this (the engine's max_num_seqs, say)."""
     window_interval_s: float = Field(0.5, gt=0)
     waiting_target: int = Field(2, ge=0)
     """Calls waiting inside the engine tolerated before the window shrinks."""

@@ -7,12 +7,14 @@ from functools import partial
 import anyio
 import pytest
 
+from fleetsched import Scheduler
 from fleetsched.errors import Overloaded, RateLimited
 from fleetsched.policies.tiers import Tier
 from fleetsched.policies.window import AimdWindow, WindowSignals
 from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits, TokenBucket
 from fleetsched.scheduler import Dispatcher
 
+from .helpers import settings
 from .test_dispatcher import SlowBackend, body
 
 
@@ -48,6 +50,24 @@ def test_window_bounds():
     policy = AimdWindow(min_window=4, max_window=33)
     assert policy.next_window(signals(window=33, in_flight=33)) == 33
     assert policy.next_window(signals(window=4, engine_waiting=9)) == 4
+
+
+def test_window_grows_from_below_min_window_to_it_at_once():
+    # A window below min_window (the start, backend.max_in_flight, may be) is raised to it, not by one.
+    assert AimdWindow(min_window=20, max_window=100).next_window(signals(window=4, in_flight=4)) == 20
+    assert AimdWindow(min_window=4, max_window=8).next_window(signals(window=64, in_flight=64)) == 8
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("max_in_flight", "expected"), [(64, 8), (2, 4), (6, 6)])
+async def test_adaptive_window_starts_within_min_and_max_window(max_in_flight, expected):
+    # The window starts at backend.max_in_flight, held to [min_window, max_window]: before, a burst
+    # at the start went to the engine 64 at once with max_window 8.
+    s = settings(backend={"kind": "instant", "max_in_flight": max_in_flight}, dispatch={"min_window": 4, "max_window": 8})
+    async with Scheduler(s) as scheduler:
+        assert scheduler.statistics().dispatcher.window == expected
+    off = settings(backend={"kind": "instant", "max_in_flight": 64}, dispatch={"adaptive_window": False, "max_window": 8})
+    assert Scheduler(off).dispatcher.window == 64  # a fixed window is max_in_flight as it stands
 
 
 def test_token_bucket():

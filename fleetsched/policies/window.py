@@ -41,10 +41,15 @@ class AimdWindow:
     ttft_floor_s: float | None = None
 
     def next_window(self, s: WindowSignals) -> int:
-        """The window to use next. Pure apart from remembering the lowest TTFT seen."""
+        """The window to use next, within [min_window, max_window] (a window outside them, as
+        the starting one may be, is brought inside at once). Pure apart from remembering the
+        lowest TTFT seen."""
+        return max(self.min_window, min(self.max_window, self._next(s)))
+
+    def _next(self, s: WindowSignals) -> int:
         if s.ttft_s is not None and s.ttft_s > 0:
             self.ttft_floor_s = s.ttft_s if self.ttft_floor_s is None else min(self.ttft_floor_s, s.ttft_s)
-        shrink = max(self.min_window, int(s.window * self.decrease))
+        shrink = int(s.window * self.decrease)
         if s.preemptions > 0 or (s.kv_cache_usage is not None and s.kv_cache_usage >= 0.98):
             return shrink
         if s.engine_waiting is not None and s.engine_waiting > self.waiting_target:
@@ -58,5 +63,5 @@ class AimdWindow:
         if slow:
             return shrink
         if s.queued > 0 and s.in_flight >= s.window:
-            return min(self.max_window, s.window + 1)
-        return max(self.min_window, min(self.max_window, s.window))
+            return s.window + 1
+        return s.window

@@ -118,9 +118,12 @@ class Scheduler:
             for name, t in tenants.items()
             if t.requests_per_minute or t.tokens_per_minute
         }
+        window = self.settings.backend.max_in_flight
+        if dispatch.adaptive_window:  # the controller keeps it within its bounds from the start
+            window = max(dispatch.min_window, min(dispatch.max_window, window))
         self.dispatcher = Dispatcher(
             self.backend,
-            window=self.settings.backend.max_in_flight,
+            window=window,
             critical_reserve=dispatch.critical_reserve,
             stream_interval={int(Tier.parse(tier)): n for tier, n in dispatch.stream_interval.items()},
             weights=weights,
