@@ -84,6 +84,15 @@ def test_aging_promotes_a_waiting_lower_band():
     assert q.peek(20.0).item == "old-batch"
 
 
+def test_aging_with_a_tiny_aging_period_promotes_at_once():
+    # scheduler.aging_s only needs to be > 0: with 1e-310 a wait of 0.1 s is more periods than a
+    # float holds (it was an OverflowError out of the scheduler's admission).
+    q = FairQueue(aging_s=1e-310)
+    q.push(Entry("batchy", Tier.BATCH, 0.0, "old-batch"))
+    q.push(Entry("crit", Tier.CRITICAL, 0.05, "crit"))
+    assert q.peek(0.1).item == "old-batch"
+
+
 def test_remove_and_eligibility():
     q = FairQueue()
     a = q.push(Entry("a", 1, 0, "a"))

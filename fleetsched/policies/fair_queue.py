@@ -227,8 +227,9 @@ class FairQueue:
     def _band(self, head: Entry, now: float) -> int:
         if self._aging_s is None or head.tier == 0:
             return head.tier
-        promoted = math.floor(max(0.0, now - head.arrival) / self._aging_s)
-        return max(0, head.tier - promoted)
+        # Capped before the floor: a wait of many periods (a tiny aging_s) overflows to inf.
+        promoted = math.floor(min(float(head.tier), max(0.0, now - head.arrival) / self._aging_s))
+        return head.tier - promoted
 
     def _pop(self, entry: Entry) -> None:
         queue = self._queues[(entry.tenant, entry.tier)]
