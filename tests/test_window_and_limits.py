@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import anyio
@@ -100,6 +101,24 @@ async def test_dispatcher_refuses_over_the_rate_limit_with_retry_after():
     assert len(backend.started) == 3 and dispatcher.statistics().rate_limited == 1
     await anyio.sleep(20)
     await dispatcher.chat(body("ok again"), tenant="a", tier=1)
+
+
+@pytest.mark.anyio
+async def test_rate_limit_refusal_names_the_limit_and_what_the_call_asks():
+    # Before, both read "tenant 'a' is over its requests or tokens per minute": which limit, and
+    # that one call asked more than a minute's tokens, were left to guess.
+    limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=10), "b": RateLimit(requests_per_minute=1)})
+    dispatcher = Dispatcher(SlowBackend(0.0), window=4, rate_limits=limits)
+    big = body("x" * 200, max_tokens=16)  # about 66 tokens: more than a minute's worth
+    await dispatcher.chat(big, tenant="a", tier=1)  # taken from the full bucket, which goes below 0
+    with pytest.raises(RateLimited) as info:
+        await dispatcher.chat(big, tenant="a", tier=1)
+    message = str(info.value)
+    assert "tokens_per_minute (10)" in message and "requests" not in message
+    assert re.search(r"this call asks \d+ tokens \(prompt plus max_tokens\), more than a minute's", message)
+    await dispatcher.chat(body("one"), tenant="b", tier=1)
+    with pytest.raises(RateLimited, match=r"tenant 'b' is over its requests_per_minute \(1\)"):
+        await dispatcher.chat(body("two"), tenant="b", tier=1)
 
 
 @pytest.mark.anyio

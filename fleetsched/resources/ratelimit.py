@@ -78,6 +78,23 @@ class TenantRateLimits:
             token_bucket.take(tokens, now)
         return 0.0
 
+    def shortfall(self, tenant: str, tokens: float, now: float) -> str:
+        """Which of `tenant`'s limits keeps one request of `tokens` tokens from being taken now,
+        in words for an error message ("" when none does)."""
+        short = []
+        requests = self._requests.get(tenant)
+        if requests is not None and requests.wait_s(1, now) > 0:
+            short.append(f"requests_per_minute ({requests.capacity:g})")
+        bucket = self._tokens.get(tenant)
+        if bucket is not None and bucket.wait_s(tokens, now) > 0:
+            asks = f"this call asks {tokens:.0f} tokens (prompt plus max_tokens)"
+            if tokens > bucket.capacity:
+                asks += ", more than a minute's: it goes through when the bucket is full"
+            else:
+                asks += f", {max(0.0, bucket.tokens):.0f} are left"
+            short.append(f"tokens_per_minute ({bucket.capacity:g}): {asks}")
+        return " and its ".join(short)
+
     def refund(self, tenant: str, tokens: float) -> None:
         """Give back tokens charged up front but not used (max_tokens not all generated)."""
         bucket = self._tokens.get(tenant)

@@ -290,11 +290,13 @@ class Dispatcher:
                     retry_after_s=wait,
                 )
         if self._limits is not None:
-            wait = self._limits.try_take(tenant, estimate + requested_max_tokens(body), now)
+            tokens = estimate + requested_max_tokens(body)
+            wait = self._limits.try_take(tenant, tokens, now)
             if wait > 0:
                 self._rate_limited += 1
                 self._refuse(tenant, tier, session, now, "rate-limited", "RateLimited")
-                raise RateLimited(f"tenant {tenant!r} is over its requests or tokens per minute", retry_after_s=wait)
+                short = self._limits.shortfall(tenant, tokens, now)
+                raise RateLimited(f"tenant {tenant!r} is over its {short}", retry_after_s=wait)
         record = CallRecord(tenant, tier, session, now)
         record.max_tokens = requested_max_tokens(body)
         record.predicted_output = self._predict_output(tenant, record.max_tokens)
