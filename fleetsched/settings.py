@@ -411,7 +411,33 @@ class Settings(BaseSettings):
                     f"workload.agents.{i}.tenant: {mix.tenant!r} is not a declared tenant "
                     f"(declared: {', '.join(self.tenants)})"
                 )
+            self._check_admissible(i, mix)
         return self
+
+    def _check_admissible(self, i: int, mix: AgentMix) -> None:
+        """Refuse an agent mix whose sessions would each be rejected at submission (the run would
+        only count them failed): more memory than the tenant's quota or than any device holds."""
+        tenant = self.tenants[mix.tenant]
+        memory, source = next(
+            (value, key)
+            for value, key in (
+                (mix.session_memory, f"workload.agents.{i}.session_memory"),
+                (tenant.session_memory, f"tenants.{mix.tenant}.session_memory"),
+                (self.scheduler.session_memory, "scheduler.session_memory"),
+            )
+            if value is not None
+        )
+        largest = max(int(device.memory) for device in self.resources.devices)
+        if tenant.memory_quota is not None and memory > tenant.memory_quota:
+            limit = f"tenant {mix.tenant!r}'s memory_quota of {int(tenant.memory_quota):,} bytes"
+        elif memory > largest:
+            limit = f"the largest device holds (resources.devices: {largest:,} bytes)"
+        else:
+            return
+        raise ValueError(
+            f"workload.agents.{i}: a session reserves {int(memory):,} bytes ({source}), more than {limit}: "
+            "none of these sessions could be admitted"
+        )
 
     @classmethod
     def settings_customise_sources(

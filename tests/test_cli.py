@@ -93,6 +93,23 @@ def test_unknown_workload_tenant_and_missing_file(tmp_path):
     assert done.returncode == 2 and "no such file" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("sections", "why"),
+    [
+        # memory_quota "1GB" is below the default session_memory of 1 GiB.
+        ('[tenants.acme]\nmemory_quota = "1GB"\n', "more than tenant 'acme''s memory_quota of 1,000,000,000 bytes"),
+        ('[tenants.acme]\nsession_memory = "100GB"\n', "more than the largest device holds (resources.devices: 80,000,000,000 bytes)"),
+    ],
+)
+def test_a_workload_whose_sessions_could_never_be_admitted_is_a_config_error(tmp_path, sections, why):
+    # It ran and printed "failed 2" for the tenant, without a word of why (each was rejected at submission).
+    config = tmp_path / "never.toml"
+    config.write_text(sections + '[[workload.agents]]\ntenant = "acme"\ncount = 2\n')
+    done = fleetsched("run", str(config), "--no-live")
+    assert done.returncode == 2, done.stdout
+    assert "config error: workload.agents.0: a session reserves" in done.stderr and why in done.stderr
+
+
 def test_bench_overhead_prints_json():
     done = fleetsched("bench", "overhead", "--sessions", "500", "--latency-sessions", "50", "--calls", "5", "--json")
     assert done.returncode == 0, done.stderr
