@@ -474,10 +474,11 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
     except ValidationError as exc:
         error = exc.errors()[0]
         key, message = first_error(exc)
+        got = bool(key) and "input" in error  # at the root the input is the whole config
         key = key or "(root)"
-        if key == "(root)" and ": " in message:
+        if key == "(root)" and ": " in message:  # a check across sections names its key itself
             key, _, message = message.partition(": ")
-        raise ConfigError(key, f"{message} (got {error.get('input')!r})" if key != "(root)" and "input" in error else message) from None
+        raise ConfigError(key, f"{message} (got {error.get('input')!r})" if got else message) from None
     except SettingsError as exc:  # an environment variable whose value is not JSON where JSON is needed
         section = re.search(r'field "(\w+)"', str(exc))  # pydantic-settings names the section so
         raise ConfigError(

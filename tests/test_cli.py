@@ -89,6 +89,7 @@ def test_unknown_workload_tenant_and_missing_file(tmp_path):
     config.write_text('[tenants.acme]\n[[workload.agents]]\ntenant = "ghost"\ncount = 1\n')
     done = fleetsched("run", str(config))
     assert done.returncode == 2 and "workload.agents.0.tenant" in done.stderr and "ghost" in done.stderr
+    assert "(got {" not in done.stderr  # not the whole config echoed after the message
     done = fleetsched("run", str(tmp_path / "nope.toml"))
     assert done.returncode == 2 and "no such file" in done.stderr
 
