@@ -164,8 +164,8 @@ class DispatchSettings(_Section):
     @field_validator("stream_interval")
     @classmethod
     def _intervals(cls, value: dict[str, int]) -> dict[str, int]:
+        _tiers_once(value)
         for tier, tokens in value.items():
-            Tier.parse(tier)
             if tokens < 1:
                 raise ValueError(f"stream interval of {tier!r} must be >= 1, got {tokens}")
         return value
@@ -175,8 +175,8 @@ class DispatchSettings(_Section):
     @field_validator("min_share")
     @classmethod
     def _shares(cls, value: dict[str, float]) -> dict[str, float]:
+        _tiers_once(value)
         for tier, share in value.items():
-            Tier.parse(tier)
             if not 0 <= share < 1:
                 raise ValueError(f"share of {tier!r} must be in [0, 1), got {share}")
         if sum(value.values()) >= 1:
@@ -188,6 +188,16 @@ class DispatchSettings(_Section):
         if self.min_window > self.max_window:
             raise ValueError(f"min_window ({self.min_window}) is above max_window ({self.max_window})")
         return self
+
+
+def _tiers_once(value: dict[str, object]) -> None:
+    """Each key a tier's name, and no tier named twice (in two spellings: the last would win)."""
+    seen: dict[Tier, str] = {}
+    for name in value:
+        tier = Tier.parse(name)
+        if tier in seen:
+            raise ValueError(f"tier {tier} is named twice ({seen[tier]!r} and {name!r})")
+        seen[tier] = name
 
 
 class DeviceSettings(_Section):

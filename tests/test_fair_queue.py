@@ -4,8 +4,10 @@ from collections import Counter
 
 import pytest
 
+from fleetsched.errors import ConfigError
 from fleetsched.policies.fair_queue import Entry, FairQueue
 from fleetsched.policies.tiers import Tier
+from fleetsched.settings import load_settings
 
 
 def drain(queue: FairQueue, now: float = 0.0) -> list[Entry]:
@@ -158,3 +160,11 @@ def test_minimum_share_is_not_banked_while_idle():
 def test_minimum_shares_must_leave_room():
     with pytest.raises(ValueError, match="less than 1"):
         FairQueue(min_share={1: 0.6, 2: 0.5})
+
+
+@pytest.mark.parametrize("field", ["min_share", "stream_interval"])
+def test_a_tier_named_twice_in_dispatch_settings_is_refused(field):
+    # {batch = 0.5, BATCH = 0.4} passed (0.9 < 1) and the dispatcher kept whichever came last.
+    values = {"min_share": (0.5, 0.4), "stream_interval": (64, 8)}[field]
+    with pytest.raises(ConfigError, match=rf"dispatch.{field}: tier batch is named twice \('batch' and 'BATCH'\)"):
+        load_settings(None, dispatch={field: {"batch": values[0], "BATCH": values[1]}})
