@@ -122,6 +122,23 @@ async def test_rate_limit_refusal_names_the_limit_and_what_the_call_asks():
 
 
 @pytest.mark.anyio
+async def test_a_call_cancelled_before_its_place_gives_its_rate_limit_back():
+    # Its request and tokens were taken when it queued for the window; it never reached the
+    # backend, yet the tenant's next call was refused for a minute.
+    limits = TenantRateLimits({"a": RateLimit(requests_per_minute=1, tokens_per_minute=1000)})
+    backend = SlowBackend(10.0)
+    dispatcher = Dispatcher(backend, window=1, rate_limits=limits)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("holds the place"), tenant="other", tier=1))
+        await anyio.sleep(1)
+        with anyio.move_on_after(1):
+            await dispatcher.chat(body("gives up", max_tokens=900), tenant="a", tier=1)
+        assert dispatcher.statistics().in_flight == 1 and dispatcher.statistics().queued == 0
+        await dispatcher.chat(body("goes", max_tokens=900), tenant="a", tier=1)
+    assert backend.started == ["holds the place", "goes"]
+
+
+@pytest.mark.anyio
 async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objective():
     backend = SlowBackend(1.0)
     dispatcher = Dispatcher(backend, window=1, shed_after_s={"bulk": 5.0})

@@ -95,6 +95,13 @@ class TenantRateLimits:
             short.append(f"tokens_per_minute ({bucket.capacity:g}): {asks}")
         return " and its ".join(short)
 
+    def untake(self, tenant: str, tokens: float) -> None:
+        """Give back a whole `try_take`, request and tokens: the call never reached the backend."""
+        requests = self._requests.get(tenant)
+        if requests is not None:
+            requests.give_back(1)
+        self.refund(tenant, tokens)
+
     def refund(self, tenant: str, tokens: float) -> None:
         """Give back tokens charged up front but not used (max_tokens not all generated)."""
         bucket = self._tokens.get(tenant)

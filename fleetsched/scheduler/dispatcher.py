@@ -289,8 +289,8 @@ class Dispatcher:
                     f"its TTFT objective of {self._shed_after_s[tenant]:.1f} s",
                     retry_after_s=wait,
                 )
+        tokens = estimate + requested_max_tokens(body)
         if self._limits is not None:
-            tokens = estimate + requested_max_tokens(body)
             wait = self._limits.try_take(tenant, tokens, now)
             if wait > 0:
                 self._rate_limited += 1
@@ -300,9 +300,14 @@ class Dispatcher:
         record = CallRecord(tenant, tier, session, now)
         record.max_tokens = requested_max_tokens(body)
         record.predicted_output = self._predict_output(tenant, record.max_tokens)
-        waited = await self._acquire(tenant, tier, self._cost(estimate, record), due, now)
-        if self._stagger and tier > Tier.CRITICAL:
-            await self._wait_turn(tier)
+        try:
+            waited = await self._acquire(tenant, tier, self._cost(estimate, record), due, now)
+            if self._stagger and tier > Tier.CRITICAL:
+                await self._wait_turn(tier)
+        except BaseException:  # cancelled before it reached the backend: it used none of the limits
+            if self._limits is not None:
+                self._limits.untake(tenant, tokens)
+            raise
         record.started = anyio.current_time() if waited else now
         return record, estimate
 
