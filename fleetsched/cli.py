@@ -71,7 +71,8 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
                     where = f"{args.metrics_host}:{args.metrics_port}"
                     print(f"fleetsched run: cannot serve metrics on {where}: {exc.strerror or exc}", file=sys.stderr)
                     return None
-                print(f"fleetsched: metrics on http://{args.metrics_host}:{port}/metrics", file=sys.stderr, flush=True)
+                host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host  # IPv6, as URLs write it
+                print(f"fleetsched: metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
             tg.start_soon(timeline.run)
             if not args.no_live:
                 tg.start_soon(lambda: live_view(scheduler, total, console, tracker=tracker))

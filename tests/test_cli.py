@@ -70,6 +70,17 @@ def test_a_metrics_port_in_use_is_a_clear_error():
     assert "Traceback" not in done.stderr
 
 
+def test_the_metrics_url_printed_for_an_ipv6_host_is_a_url(tmp_path):
+    # It printed http://::1:PORT/metrics, which no client reads as a host and a port.
+    config = tmp_path / "one.toml"
+    config.write_text('[tenants.acme]\n[[workload.agents]]\ntenant = "acme"\ncount = 1\nturns = 1\n')
+    done = fleetsched("run", str(config), "--no-live", "--metrics-port", "0", "--metrics-host", "::1")
+    if "cannot serve metrics" in done.stderr:
+        pytest.skip(f"no IPv6 loopback here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert "fleetsched: metrics on http://[::1]:" in done.stderr
+
+
 def test_env_overrides_and_its_errors(tmp_path):
     config = tmp_path / "ok.toml"
     config.write_text('[tenants.acme]\n[[workload.agents]]\ntenant = "acme"\ncount = 1\n')
