@@ -57,7 +57,8 @@ class TenantSettings(_Section):
     requests_per_minute: float | None = Field(None, gt=0)
     """Model calls per minute (token bucket, burst of one minute); None: unlimited."""
     tokens_per_minute: float | None = Field(None, gt=0)
-    """Prompt plus max_tokens per minute, charged at call time, unused output refunded."""
+    """Prompt plus max_tokens per minute, charged at call time, output not received refunded
+    (a failed call's too)."""
     sla: SlaSettings = Field(default_factory=SlaSettings)
     api_keys: list[str] = Field(default_factory=list)
     """The gateway's API keys of this tenant, stored hashed: ``sha256:<64 hex digits>`` (make one

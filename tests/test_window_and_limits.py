@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from fleetsched import Scheduler
-from fleetsched.errors import Overloaded, RateLimited
+from fleetsched.errors import ContextTooLong, Overloaded, RateLimited
 from fleetsched.policies.tiers import Tier
 from fleetsched.policies.window import AimdWindow, WindowSignals
 from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits, TokenBucket
@@ -136,6 +136,28 @@ async def test_a_call_cancelled_before_its_place_gives_its_rate_limit_back():
         assert dispatcher.statistics().in_flight == 1 and dispatcher.statistics().queued == 0
         await dispatcher.chat(body("goes", max_tokens=900), tenant="a", tier=1)
     assert backend.started == ["holds the place", "goes"]
+
+
+class ShortContextBackend(SlowBackend):
+    """Refuses a call asking more than 100 tokens of output, as an engine refuses one over its context."""
+
+    async def stream_chat(self, body):
+        if body.get("max_tokens", 1) > 100:
+            raise ContextTooLong(f"max_tokens {body['max_tokens']} is over the context")
+        async for chunk in super().stream_chat(body):
+            yield chunk
+
+
+@pytest.mark.anyio
+async def test_a_call_refused_by_the_engine_gives_its_unused_output_back():
+    # max_tokens is charged up front and what the call did not generate is refunded; a call that
+    # failed was refunded nothing, so one call with max_tokens far too large (the engine refused
+    # it at once) left the tenant 99 minutes in debt.
+    limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=10_000)})
+    dispatcher = Dispatcher(ShortContextBackend(0.0), window=4, rate_limits=limits)
+    with pytest.raises(ContextTooLong):
+        await dispatcher.chat(body("too long", max_tokens=1_000_000), tenant="a", tier=1)
+    await dispatcher.chat(body("fits", max_tokens=100), tenant="a", tier=1)
 
 
 @pytest.mark.anyio

@@ -316,8 +316,8 @@ class Dispatcher:
         record.backend_s = now - record.started
         if record.first_token == record.first_token:  # not nan
             self._engine_ttfts.append(record.first_token - record.started)
-        if self._limits is not None and record.error is None:
-            self._limits.refund(record.tenant, record.max_tokens - record.completion_tokens)
+        if self._limits is not None:  # output not received is not charged, whether the call failed or not
+            self._limits.refund(record.tenant, record.max_tokens - max(record.completion_tokens, record.streamed))
         # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.
         self._measure_rate(now, self._cost(estimate, record))
         # Correct what was charged (the prompt estimate, and the larger of the predicted output
