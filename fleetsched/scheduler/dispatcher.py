@@ -289,7 +289,8 @@ class Dispatcher:
                     f"its TTFT objective of {self._shed_after_s[tenant]:.1f} s",
                     retry_after_s=wait,
                 )
-        tokens = estimate + requested_max_tokens(body)
+        max_tokens = requested_max_tokens(body)
+        tokens = estimate + max_tokens
         if self._limits is not None:
             wait = self._limits.try_take(tenant, tokens, now)
             if wait > 0:
@@ -298,7 +299,7 @@ class Dispatcher:
                 short = self._limits.shortfall(tenant, tokens, now)
                 raise RateLimited(f"tenant {tenant!r} is over its {short}", retry_after_s=wait)
         record = CallRecord(tenant, tier, session, now)
-        record.max_tokens = requested_max_tokens(body)
+        record.max_tokens = max_tokens
         record.predicted_output = self._predict_output(tenant, record.max_tokens)
         try:
             waited = await self._acquire(tenant, tier, self._cost(estimate, record), due, now)
