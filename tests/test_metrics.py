@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,3 +117,23 @@ def test_metrics_scraped_from_a_running_fleetsched_run(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_calls_cancelled_with_their_session_have_their_own_outcome():
+    """A call cut by its session's cancellation (at the drain deadline, say) is no error: before,
+    it counted as outcome="error", so an error-rate alert fired on a normal shutdown."""
+    from fleetsched.observability.metrics import SchedulerCollector
+    from fleetsched.observability.sla import SlaTracker
+    from fleetsched.scheduler import CallRecord, Scheduler
+    from fleetsched.settings import Settings
+
+    async def main() -> dict[str, float]:
+        settings = Settings(backend={"kind": "instant"}, tenants={"t": {}})
+        async with Scheduler(settings) as scheduler:
+            for error in (None, "CancelledError", "Cancelled", "ContextTooLong"):
+                scheduler.recorder.add_call(CallRecord("t", 1, 0, 0.0, error=error))
+            collector = SchedulerCollector(scheduler, SlaTracker(settings.tenants))
+            calls = next(f for f in collector.collect() if f.name == "fleetsched_calls")
+            return {s.labels["outcome"]: s.value for s in calls.samples if s.name.endswith("_total")}
+
+    assert anyio.run(main) == {"ok": 1, "cancelled": 2, "error": 1}

@@ -14,7 +14,7 @@ fleetsched_sessions                             gauge    tenant, state (queued, 
 fleetsched_sessions_finished_total              counter  tenant, state (done, failed, cancelled, rejected)
 fleetsched_calls_in_flight                      gauge    backend
 fleetsched_in_flight_window                     gauge    backend
-fleetsched_calls_total                          counter  tenant, tier, outcome (ok, error)
+fleetsched_calls_total                          counter  tenant, tier, outcome (ok, error, cancelled)
 fleetsched_calls_refused_total                  counter  tenant, reason (shed, rate-limited)
 fleetsched_ttft_seconds                         histo    tenant, tier
 fleetsched_call_latency_seconds                 histo    tenant, tier
@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 
 from ..policies.tiers import Tier
 from ..scheduler import Scheduler
-from .sla import SlaTracker
+from .sla import CANCELLED, SlaTracker
 
 #: Histogram upper bounds in seconds (TTFT and call latency alike).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
@@ -90,7 +90,8 @@ class SchedulerCollector(Collector):
         calls = recorder.calls
         for call in calls[self._cursors[0] :]:
             key = (call.tenant, str(Tier(call.tier)))
-            outcome = "ok" if call.error is None else "error"
+            # cancelled: cut with its session (at the drain deadline, say), not an error of the call
+            outcome = "ok" if call.error is None else "cancelled" if call.error in CANCELLED else "error"
             self._calls[(*key, outcome)] = self._calls.get((*key, outcome), 0) + 1
             tokens = self._tokens.setdefault(call.tenant, [0, 0])
             tokens[0] += call.prompt_tokens
