@@ -136,6 +136,17 @@ def test_rate_limited_429_with_retry_after():
         with pytest.raises(openai.RateLimitError) as caught:
             c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
     assert caught.value.status_code == 429 and int(caught.value.response.headers["retry-after"]) >= 1
+    assert "requests_per_minute (2)" in caught.value.message  # before: "over its requests or tokens per minute"
+
+
+def test_a_429_says_when_one_call_asks_more_than_a_minutes_tokens():
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "tokens_per_minute": 100}})
+    with serve_in_thread(s) as (_, url):
+        c = client(url, GLOBEX)
+        c.chat.completions.create(model="m", messages=MSG, max_tokens=150)  # a full bucket lets it through
+        with pytest.raises(openai.RateLimitError) as caught:
+            c.chat.completions.create(model="m", messages=MSG, max_tokens=150)
+    assert "tokens_per_minute (100)" in caught.value.message and "more than a minute's" in caught.value.message
 
 
 def test_shed_is_503_with_retry_after():

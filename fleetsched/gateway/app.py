@@ -46,7 +46,7 @@ from ..resources.ratelimit import RateLimit
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
 from ..scheduler.records import Recorder
-from ..settings import Settings
+from ..settings import Settings, TenantSettings
 from .auth import Identity, KeyRing
 from .backend import ENDPOINT_KEY, GatewayBackend, collect_completion
 from .metrics import GatewayMetrics
@@ -338,17 +338,16 @@ class Gateway:
                     code="context_length_exceeded",
                 ),
             )
+        tokens = prompt + requested_max_tokens(body)
         try:
-            wait = await self.state.take(tenant, prompt + requested_max_tokens(body))
+            wait = await self.state.take(tenant, tokens)
         except Exception as exc:  # the shared state (Redis) is unreachable: a 503, not our 500
             logger.warning("shared state unavailable for tenant %r: %r", tenant, exc)
             return await _error(send, _answer_for(StateUnavailable(str(exc))))
         if wait > 0:
             return await _error(
                 send,
-                error_response(
-                    429, f"tenant {tenant!r} is over its requests or tokens per minute", "rate_limit_exceeded", retry_after_s=wait
-                ),
+                error_response(429, _over_limits(tenant, tenant_settings, tokens), "rate_limit_exceeded", retry_after_s=wait),
             )
         if endpoint == "completions":
             body[ENDPOINT_KEY] = "completions"
@@ -495,6 +494,19 @@ class _Outcome:
         if usage:
             self.prompt_tokens = usage.get("prompt_tokens") or 0
             self.completion_tokens = usage.get("completion_tokens") or 0
+
+
+def _over_limits(tenant: str, limits: TenantSettings, tokens: int) -> str:
+    """A 429's message: the tenant's per-minute limits, and what the call asks of the tokens one."""
+    named = []
+    if limits.requests_per_minute:
+        named.append(f"requests_per_minute ({limits.requests_per_minute:g})")
+    if limits.tokens_per_minute:
+        asks = f"tokens_per_minute ({limits.tokens_per_minute:g}): this call asks about {tokens} tokens (prompt plus max_tokens)"
+        if tokens > limits.tokens_per_minute:
+            asks += ", more than a minute's: it goes through when the bucket is full"
+        named.append(asks)
+    return f"tenant {tenant!r} is over its {' or its '.join(named)}"
 
 
 def _check_budget(budget: anyio.CancelScope) -> None:
