@@ -121,3 +121,33 @@ def test_kv_device_and_page_from_a_server_capacity():
     assert kv_page_size(capacity, tiny) == 128 * 2048
     settings = ResourceSettings(devices=[device], page_size=kv_page_size(capacity, tiny))
     assert int(settings.devices[0].memory) == 48 * 128 * 2048
+
+
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "num_hidden_layers": 61,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_mla_caches_one_latent_vector_per_token_and_layer():
+    """vLLM caches kv_lora_rank + qk_rope_head_dim values a token and layer for MLA (one KV head,
+    no separate V). Before: 2 x 128 heads x 56 (hidden / heads), 1,748,992 bytes, 25 times too many."""
+    assert kv_bytes_per_token(DEEPSEEK_V3) == 61 * (512 + 64) * 2 == 70272
+    lite = {**DEEPSEEK_V3, "model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16, "q_lora_rank": None}
+    assert kv_bytes_per_token(lite) == 27 * 576 * 2
+    assert kv_bytes_per_token(DEEPSEEK_V3, dtype="fp8") == 61 * 576
+
+
+def test_deepseek_sparse_attention_is_refused_by_name():
+    """DeepSeek-V3.2's cache (fp8_ds_mla by default, plus its indexer's keys) is not modelled."""
+    with pytest.raises(ValueError, match="kv_lora_rank .* of model_type .deepseek_v32. is not modelled"):
+        kv_bytes_per_token({**DEEPSEEK_V3, "model_type": "deepseek_v32", "index_topk": 2048})

@@ -32,6 +32,9 @@ DTYPE_BYTES: dict[str, int] = {
 
 DEFAULT_BLOCK_SIZE = 16
 
+#: Model types whose ``kv_lora_rank`` vLLM 0.32 caches as one latent vector (MLA).
+MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_mtp", "kimi_k2", "glm4_moe_lite"})
+
 
 def _load(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
@@ -62,6 +65,8 @@ def dtype_bytes(dtype: str) -> int:
 def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype: str | None = None) -> int:
     """KV-cache bytes one token takes: 2 x layers x KV heads x head dim x dtype bytes.
 
+    For MLA (`MLA_MODEL_TYPES`): layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
+
     `config` is a parsed ``config.json``, its path, or the model directory. `dtype` overrides the
     config's (pass the cache dtype when it differs from the weights', e.g. "fp8"). Raises
     ValueError naming a missing field.
@@ -75,6 +80,16 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
         return value
 
     layers = need("num_hidden_layers")
+    name = dtype or data.get("torch_dtype") or data.get("dtype") or "float16"
+    if data.get("kv_lora_rank") is not None:
+        model_type = data.get("model_type")
+        if model_type not in MLA_MODEL_TYPES:
+            raise ValueError(
+                f"model config: kv_lora_rank (compressed latent KV) of model_type {model_type!r} is not modelled; "
+                f"known: {', '.join(sorted(MLA_MODEL_TYPES))}"
+            )
+        # No K and V heads: one latent vector and its rotary part, a token and layer.
+        return layers * (need("kv_lora_rank") + need("qk_rope_head_dim")) * dtype_bytes(name)
     heads = need("num_attention_heads")
     kv_heads = need("num_key_value_heads") if data.get("num_key_value_heads") is not None else heads
     if heads % kv_heads:  # grouped-query attention shares each KV head among a whole group
@@ -86,7 +101,6 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
         if hidden % heads:
             raise ValueError(f"model config: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         head_dim = hidden // heads
-    name = dtype or data.get("torch_dtype") or data.get("dtype") or "float16"
     return 2 * layers * kv_heads * head_dim * dtype_bytes(name)
 
 
