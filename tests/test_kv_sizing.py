@@ -151,3 +151,16 @@ def test_deepseek_sparse_attention_is_refused_by_name():
     """DeepSeek-V3.2's cache (fp8_ds_mla by default, plus its indexer's keys) is not modelled."""
     with pytest.raises(ValueError, match="kv_lora_rank .* of model_type .deepseek_v32. is not modelled"):
         kv_bytes_per_token({**DEEPSEEK_V3, "model_type": "deepseek_v32", "index_topk": 2048})
+
+
+def test_falcon_kv_heads_are_read_as_vllm_reads_them():
+    """Falcon names its KV heads num_kv_heads (or n_head_kv), and Falcon-7B has one (multi_query).
+    Before: both read as one KV head per attention head, 71 and 16 times too many bytes."""
+    falcon_7b = {"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "num_hidden_layers": 32,
+                 "multi_query": True, "new_decoder_architecture": False, "torch_dtype": "bfloat16"}  # fmt: skip
+    assert kv_bytes_per_token(falcon_7b) == 2 * 32 * 1 * 64 * 2
+    falcon_40b = {"model_type": "falcon", "hidden_size": 8192, "num_attention_heads": 128, "num_hidden_layers": 60,
+                  "num_kv_heads": 8, "new_decoder_architecture": True, "multi_query": True, "torch_dtype": "bfloat16"}  # fmt: skip
+    assert kv_bytes_per_token(falcon_40b) == 2 * 60 * 8 * 64 * 2
+    renamed = {k: v for k, v in falcon_40b.items() if k != "num_kv_heads"} | {"n_head_kv": 8}
+    assert kv_bytes_per_token(renamed) == 2 * 60 * 8 * 64 * 2

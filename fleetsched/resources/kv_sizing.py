@@ -2,10 +2,13 @@
 
 - `kv_bytes_per_token(config)`: 2 (K and V) x layers x KV heads x head dim x dtype bytes, from a
   Hugging Face ``config.json`` (a mapping or a path). ``head_dim`` defaults to hidden_size /
-  num_attention_heads, ``num_key_value_heads`` to num_attention_heads (no GQA), the dtype to the
-  config's ``torch_dtype`` (or ``dtype``), else float16. Multimodal configs that nest the language
-  model under ``text_config`` are read from there. Models with compressed latent KV (MLA) are not
-  modelled.
+  num_attention_heads, the KV heads (``num_key_value_heads`` or another of `KV_HEADS_KEYS`; one
+  under Falcon's ``multi_query``) to num_attention_heads (no GQA), the dtype to the config's
+  ``torch_dtype`` (or ``dtype``), else float16. Multimodal configs that nest the language model
+  under ``text_config`` are read from there. DeepSeek-V2/V3's compressed latent KV (MLA,
+  `MLA_MODEL_TYPES`) is one vector of kv_lora_rank + qk_rope_head_dim a token and layer, as vLLM
+  caches it; other models with a ``kv_lora_rank`` (DeepSeek-V3.2's sparse attention among them)
+  are refused.
 - `session_bytes(context_tokens, ...)`: a session's KV memory, tokens rounded up to whole blocks
   of vLLM's ``block_size`` (16 tokens by default).
 - `parse_vllm_cache_config(metrics_text)` / `read_vllm_kv_capacity(url)`: the KV capacity a vLLM
@@ -31,6 +34,9 @@ DTYPE_BYTES: dict[str, int] = {
 }  # fmt: skip
 
 DEFAULT_BLOCK_SIZE = 16
+
+#: Names of the KV head count, in the order vLLM 0.32 looks for them (Falcon, Llama, ChatGLM, Step).
+KV_HEADS_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num", "num_attention_groups")
 
 #: Model types whose ``kv_lora_rank`` vLLM 0.32 caches as one latent vector (MLA).
 MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_mtp", "kimi_k2", "glm4_moe_lite"})
@@ -91,7 +97,10 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
         # No K and V heads: one latent vector and its rotary part, a token and layer.
         return layers * (need("kv_lora_rank") + need("qk_rope_head_dim")) * dtype_bytes(name)
     heads = need("num_attention_heads")
-    kv_heads = need("num_key_value_heads") if data.get("num_key_value_heads") is not None else heads
+    kv_key = next((key for key in KV_HEADS_KEYS if data.get(key) is not None), None)
+    kv_heads = need(kv_key) if kv_key is not None else heads
+    if data.get("multi_query") and not data.get("new_decoder_architecture"):
+        kv_heads = 1  # Falcon-7B: one KV head for all (its new architecture ignores the flag)
     if heads % kv_heads:  # grouped-query attention shares each KV head among a whole group
         raise ValueError(f"model config: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
     if data.get("head_dim") is not None:
