@@ -107,11 +107,17 @@ async def one_request(
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.is_error:
             await response.aread()
-            raise RuntimeError(f"the server refused a {len(content)}-character prompt with {max_tokens} max_tokens: {response.text[:300]}")
+            raise RuntimeError(
+                f"the server refused a {len(content)}-character prompt with {max_tokens} max_tokens "
+                f"(HTTP {response.status_code}): {_excerpt(response.text)}"
+            )
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            try:
+                chunk = json.loads(line[6:])
+            except ValueError:
+                raise RuntimeError(f"the server streamed a line that is not JSON: {_excerpt(line)}") from None
             if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
                 ttft = anyio.current_time() - start
             if chunk.get("usage"):
@@ -119,6 +125,23 @@ async def one_request(
     if ttft is None or not usage:
         raise RuntimeError(f"the server answered no tokens or no usage for a {max_tokens}-token request")
     return ttft, usage["prompt_tokens"], usage["completion_tokens"]
+
+
+def _excerpt(text: str) -> str:
+    """The start of a server's answer, on one line."""
+    return " ".join(text[:300].split())
+
+
+async def served_model(client: httpx.AsyncClient) -> str:
+    """The first model the server lists (GET /v1/models); RuntimeError when it lists none."""
+    response = await client.get("/v1/models")
+    try:
+        return str(response.raise_for_status().json()["data"][0]["id"])
+    except (httpx.HTTPStatusError, ValueError, LookupError, TypeError):  # not JSON, or not OpenAI's shape
+        raise RuntimeError(
+            f"GET /v1/models answered {response.status_code} with no model ({_excerpt(response.text)}): "
+            "is this a vLLM server? (give --model to skip the question)"
+        ) from None
 
 
 async def prompt_chars(client: httpx.AsyncClient, model: str, tokens: int) -> int:
@@ -199,7 +222,7 @@ async def sweep(
     limits = client_limits(max(concurrencies) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         if model is None:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            model = await served_model(client)
         # Warm up (first requests pay for compilation and caches).
         await measure(client, model, 4, 200, 8, 1)
         points = list(itertools.product(shapes, concurrencies))
@@ -303,6 +326,22 @@ def _url(text: str) -> str:
     return text
 
 
+def _server_error(exc: BaseException) -> str | None:
+    """One line on what the server did to end a sweep (refused, failed, went away), else None.
+
+    Exception groups are opened: each client of a closed loop fails alike when the server dies.
+    """
+    leaves = [exc]
+    while any(isinstance(e, BaseExceptionGroup) for e in leaves):
+        leaves = [leaf for e in leaves for leaf in (e.exceptions if isinstance(e, BaseExceptionGroup) else (e,))]
+    if not all(isinstance(e, (httpx.HTTPError, RuntimeError)) for e in leaves):
+        return None
+    first = leaves[0]
+    if isinstance(first, httpx.HTTPError):  # httpx.ReadError says nothing of itself
+        return f"{type(first).__name__}: {first}" if str(first) else f"{type(first).__name__} (the server closed the connection: did it stop?)"
+    return str(first)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, type=_url, help="the vLLM server's root URL (without /v1)")
@@ -333,8 +372,11 @@ def main(argv: list[str]) -> int:
     print(f"sweeping {args.url}: concurrency {args.concurrency}, (prompt, max_tokens) {args.shapes}")
     try:
         samples = anyio.run(sweep, args.url, args.model, args.concurrency, args.shapes, args.rounds, print, args.stream_interval, args.repeats)
-    except (httpx.HTTPError, RuntimeError) as exc:
-        print(f"fleetsched calibrate: {args.url}: {exc}", file=sys.stderr)
+    except Exception as exc:  # the sweep's clients run in task groups: their errors come grouped
+        error = _server_error(exc)
+        if error is None:
+            raise
+        print(f"fleetsched calibrate: {args.url}: {error}", file=sys.stderr)
         return 1
     fit = fit_profile(base, [s.measurement() for s in samples])
     print("fit: " + ", ".join(f"{n} = {v:.4g}" for n, v in zip(PARAMS, fit.theta)))

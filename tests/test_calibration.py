@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import statistics
+import threading
+from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -177,3 +182,73 @@ def test_a_calibration_point_is_the_median_of_its_passes():
 
     runs = [Sample(8, p, 64, 4, tp, mean, p50) for p, tp, mean, p50 in ((100, 900.0, 0.05, 0.04), (102, 1000.0, 0.02, 0.02), (101, 400.0, 0.03, 0.09))]
     assert _median_sample(runs) == Sample(8, 101, 64, 4, 900.0, 0.03, 0.04)
+
+
+@contextlib.contextmanager
+def _http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request: object, client_address: object) -> None:
+            pass  # a client that went away mid-answer (a broken pipe) is what these tests make
+
+    server = Server(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Files(http.server.SimpleHTTPRequestHandler):
+    """A plain file server: something else than vLLM at the URL (404 for /v1/models, 501 for POST)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _DiesMidStream(http.server.BaseHTTPRequestHandler):
+    """Serves a model, then drops each completion's connection after its first chunk, as a
+    server that dies mid-sweep does (the shared test vLLM cannot be killed)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunk = b'data: {"choices": [{"text": "a"}]}\n\n'
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        self.wfile.flush()
+        self.close_connection = True  # no closing chunk: the body ends unfinished
+
+
+@pytest.mark.parametrize(
+    ("handler", "extra", "message"),
+    [  # before: tracebacks (a JSONDecodeError; an ExceptionGroup of the sweep's clients)
+        (_Files, [], "GET /v1/models answered 404"),
+        (_Files, ["--model", "tiny"], "the server refused"),
+        (_DiesMidStream, [], "RemoteProtocolError"),
+    ],
+)
+def test_calibrate_reports_a_server_that_is_not_vllm_or_dies_mid_sweep(handler, extra, message, tmp_path, capsys):
+    out = tmp_path / "p.toml"
+    with _http_server(handler) as url:
+        code = calibrate_main(["--url", url, "--out", str(out), "--concurrency", "1,2", "--repeats", "1", "--rounds", "1", *extra])
+    err = capsys.readouterr().err
+    assert code == 1 and f"fleetsched calibrate: {url}: " in err and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
