@@ -164,3 +164,13 @@ def test_falcon_kv_heads_are_read_as_vllm_reads_them():
     assert kv_bytes_per_token(falcon_40b) == 2 * 60 * 8 * 64 * 2
     renamed = {k: v for k, v in falcon_40b.items() if k != "num_kv_heads"} | {"n_head_kv": 8}
     assert kv_bytes_per_token(renamed) == 2 * 60 * 8 * 64 * 2
+
+
+def test_auto_dtype_is_the_model_s_and_a_multimodal_root_dtype_wins():
+    """vLLM's cache_dtype "auto" (its /metrics label) is the model's dtype, and vLLM reads a
+    multimodal model's dtype from the root config first. Before: "auto" was an unknown dtype, and
+    a text_config's float32 under a bfloat16 root doubled the bytes."""
+    assert kv_bytes_per_token(LLAMA3_8B, dtype="auto") == 131072
+    assert kv_bytes_per_token({**LLAMA3_8B, "torch_dtype": "auto"}) == 131072  # float16, as when missing
+    nested = {"model_type": "llava", "torch_dtype": "bfloat16", "text_config": {**LLAMA3_8B, "torch_dtype": "float32"}}
+    assert kv_bytes_per_token(nested) == 131072

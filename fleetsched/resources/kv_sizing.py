@@ -5,10 +5,10 @@
   num_attention_heads, the KV heads (``num_key_value_heads`` or another of `KV_HEADS_KEYS`; one
   under Falcon's ``multi_query``) to num_attention_heads (no GQA), the dtype to the config's
   ``torch_dtype`` (or ``dtype``), else float16. Multimodal configs that nest the language model
-  under ``text_config`` are read from there. DeepSeek-V2/V3's compressed latent KV (MLA,
-  `MLA_MODEL_TYPES`) is one vector of kv_lora_rank + qk_rope_head_dim a token and layer, as vLLM
-  caches it; other models with a ``kv_lora_rank`` (DeepSeek-V3.2's sparse attention among them)
-  are refused.
+  under ``text_config`` are read from there (the root's dtype first, as vLLM does).
+  DeepSeek-V2/V3's compressed latent KV (MLA, `MLA_MODEL_TYPES`) is one vector of kv_lora_rank +
+  qk_rope_head_dim a token and layer, as vLLM caches it; other models with a ``kv_lora_rank``
+  (DeepSeek-V3.2's sparse attention among them) are refused.
 - `session_bytes(context_tokens, ...)`: a session's KV memory, tokens rounded up to whole blocks
   of vLLM's ``block_size`` (16 tokens by default).
 - `parse_vllm_cache_config(metrics_text)` / `read_vllm_kv_capacity(url)`: the KV capacity a vLLM
@@ -52,9 +52,9 @@ def _load(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
         data = json.loads(path.read_text())
     if "num_hidden_layers" not in data and isinstance(data.get("text_config"), Mapping):
         merged = dict(data["text_config"])
-        for key in ("torch_dtype", "dtype"):
-            if merged.get(key) is None:
-                merged[key] = data.get(key)
+        root_dtype = data.get("torch_dtype") or data.get("dtype")
+        if root_dtype is not None:  # vLLM reads the root's dtype first
+            merged["torch_dtype"] = root_dtype
         return merged
     return data
 
@@ -74,8 +74,9 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     For MLA (`MLA_MODEL_TYPES`): layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
 
     `config` is a parsed ``config.json``, its path, or the model directory. `dtype` overrides the
-    config's (pass the cache dtype when it differs from the weights', e.g. "fp8"). Raises
-    ValueError naming a missing field.
+    config's (pass the cache dtype when it differs from the weights', e.g. "fp8"; "auto" is the
+    config's). vLLM's ``--dtype auto`` serves a float32 config in 16 bits: pass the dtype the
+    server runs. Raises ValueError naming a missing field.
     """
     data = _load(config)
 
@@ -86,7 +87,8 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
         return value
 
     layers = need("num_hidden_layers")
-    name = dtype or data.get("torch_dtype") or data.get("dtype") or "float16"
+    # "auto" (vLLM's default cache dtype, and its /metrics label) is the model's dtype.
+    name = next((d for d in (dtype, data.get("torch_dtype"), data.get("dtype")) if d and d != "auto"), "float16")
     if data.get("kv_lora_rank") is not None:
         model_type = data.get("model_type")
         if model_type not in MLA_MODEL_TYPES:
