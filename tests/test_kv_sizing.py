@@ -174,3 +174,24 @@ def test_auto_dtype_is_the_model_s_and_a_multimodal_root_dtype_wins():
     assert kv_bytes_per_token({**LLAMA3_8B, "torch_dtype": "auto"}) == 131072  # float16, as when missing
     nested = {"model_type": "llava", "torch_dtype": "bfloat16", "text_config": {**LLAMA3_8B, "torch_dtype": "float32"}}
     assert kv_bytes_per_token(nested) == 131072
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [  # before: a JSONDecodeError not naming the file, an AttributeError
+        ("{not json", r"config\.json is not JSON: Expecting property name"),
+        ("", r"config\.json is not JSON"),
+        ("[1, 2]", r"config\.json holds a list, not a JSON object of model settings"),
+    ],
+)
+def test_a_config_file_that_is_no_json_object_is_refused_naming_the_file(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"{tmp_path}/{message}"):
+        kv_bytes_per_token(tmp_path)
+
+
+def test_a_text_config_without_the_field_says_where_it_looked():
+    """LLaVA-1.5's text_config leaves num_hidden_layers to transformers' defaults, unknown here."""
+    llava = {"model_type": "llava", "torch_dtype": "float16", "text_config": {"model_type": "llama", "vocab_size": 32064}}
+    with pytest.raises(ValueError, match="model config text_config: num_hidden_layers must be a positive integer, got None"):
+        kv_bytes_per_token(llava)

@@ -42,21 +42,28 @@ KV_HEADS_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_quer
 MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_mtp", "kimi_k2", "glm4_moe_lite"})
 
 
-def _load(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
+def _load(config: Mapping[str, Any] | str | PathLike[str]) -> tuple[Mapping[str, Any], str]:
+    """The model's settings and where they were read, for error messages."""
+    where = "model config"
     if isinstance(config, Mapping):
-        data: Mapping[str, Any] = config
+        data: Any = config
     else:
         path = Path(config)
         if path.is_dir():
             path = path / "config.json"
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise ValueError(f"{path} is not JSON: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object of model settings")
     if "num_hidden_layers" not in data and isinstance(data.get("text_config"), Mapping):
         merged = dict(data["text_config"])
         root_dtype = data.get("torch_dtype") or data.get("dtype")
         if root_dtype is not None:  # vLLM reads the root's dtype first
             merged["torch_dtype"] = root_dtype
-        return merged
-    return data
+        return merged, f"{where} text_config"
+    return data, where
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -76,14 +83,15 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     `config` is a parsed ``config.json``, its path, or the model directory. `dtype` overrides the
     config's (pass the cache dtype when it differs from the weights', e.g. "fp8"; "auto" is the
     config's). vLLM's ``--dtype auto`` serves a float32 config in 16 bits: pass the dtype the
-    server runs. Raises ValueError naming a missing field.
+    server runs. Raises ValueError naming a missing field (and ``text_config`` when read there)
+    or a file that holds no JSON object, OSError (FileNotFoundError, ...) when the file is unread.
     """
-    data = _load(config)
+    data, where = _load(config)
 
     def need(key: str) -> int:
         value = data.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
+            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
         return value
 
     layers = need("num_hidden_layers")
@@ -93,7 +101,7 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
         model_type = data.get("model_type")
         if model_type not in MLA_MODEL_TYPES:
             raise ValueError(
-                f"model config: kv_lora_rank (compressed latent KV) of model_type {model_type!r} is not modelled; "
+                f"{where}: kv_lora_rank (compressed latent KV) of model_type {model_type!r} is not modelled; "
                 f"known: {', '.join(sorted(MLA_MODEL_TYPES))}"
             )
         # No K and V heads: one latent vector and its rotary part, a token and layer.
@@ -104,13 +112,13 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     if data.get("multi_query") and not data.get("new_decoder_architecture"):
         kv_heads = 1  # Falcon-7B: one KV head for all (its new architecture ignores the flag)
     if heads % kv_heads:  # grouped-query attention shares each KV head among a whole group
-        raise ValueError(f"model config: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
+        raise ValueError(f"{where}: {kv_key} {kv_heads} does not divide num_attention_heads {heads}")
     if data.get("head_dim") is not None:
         head_dim = need("head_dim")
     else:
         hidden = need("hidden_size")
         if hidden % heads:
-            raise ValueError(f"model config: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+            raise ValueError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         head_dim = hidden // heads
     return 2 * layers * kv_heads * head_dim * dtype_bytes(name)
 
