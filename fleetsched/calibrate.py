@@ -383,6 +383,12 @@ def main(argv: list[str]) -> int:
     print("\n".join(fit_table(fit)))
     ttft = fit.max_ttft_rel_err
     print(f"max relative error: throughput {fit.max_throughput_rel_err:.1%}, TTFT p50 {ttft:.1%}" if ttft is not None else "")
-    Path(args.out).write_text(profile_document(base, samples, fit, args.url, args.description, args.repeats))
+    document = profile_document(base, samples, fit, args.url, args.description, args.repeats)
+    try:
+        Path(args.out).write_text(document)
+    except OSError as exc:  # checked before the sweep, yet a disk fills or a directory goes
+        print(document)  # the sweep's measurements are not lost
+        print(f"fleetsched calibrate: cannot write {args.out}: {exc}; the profile is printed above", file=sys.stderr)
+        return 1
     print(f"profile written to {args.out}")
     return 0

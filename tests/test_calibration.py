@@ -252,3 +252,14 @@ def test_calibrate_reports_a_server_that_is_not_vllm_or_dies_mid_sweep(handler, 
     assert code == 1 and f"fleetsched calibrate: {url}: " in err and message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.vllm
+def test_calibrate_prints_the_profile_it_cannot_write(vllm_server, capsys):
+    """--out is checked before the sweep, but a write can still fail after it (/dev/full: ENOSPC,
+    for any user). Before: an OSError traceback, and the sweep's measurements were lost."""
+    args = ["--url", vllm_server.url, "--out", "/dev/full", "--concurrency", "1", "--shapes", "16:4", "--rounds", "1", "--repeats", "1"]
+    assert calibrate_main(args) == 1
+    out, err = capsys.readouterr()
+    assert "fleetsched calibrate: cannot write /dev/full: [Errno 28] No space left on device" in err and "Traceback" not in err
+    assert "[sim]" in out and "step_base_s = " in out
