@@ -219,3 +219,28 @@ def test_settings_carry_compaction_to_the_pool():
     assert (pool.compact, pool.compact_threshold) == (False, 0.25)
     with pytest.raises(ValueError):
         ResourceSettings(compact_threshold=1.5)
+
+
+def test_threshold_compaction_stopped_by_its_callback_counts_the_moves_it_made():
+    """Before: a callback that raised on a later move left the earlier moves made but uncounted
+    (compactions, moves and moved_bytes all 0)."""
+    pool = ExtentPool([DeviceSpec("gpu0", 20 * PAGE)], strategy="first-fit", page_size=PAGE, settle=False, compact_threshold=0.1)
+    held = [pool.reserve_nowait(2 * PAGE, owner=i) for i in range(10)]
+    for r in held:
+        r.movable = True
+    calls = []
+
+    def fails_third(r, m):
+        calls.append(m)
+        if len(calls) == 3:
+            raise OSError("copy failed")
+
+    pool.set_move_callback(fails_third)
+    held[0].release()  # one hole: not fragmented
+    with pytest.raises(OSError, match="copy failed"):
+        held[2].release()  # two holes: past 0.1, compacted until the third move
+    moved = [r for r in held if not r.released and r.offset != r.owner * 2 * PAGE]
+    assert len(moved) == 2
+    stats = pool.statistics()
+    assert (stats.compactions, stats.moves, stats.moved_bytes) == (1, 2, sum(r.size for r in moved))
+    pool.space("gpu0").check()

@@ -424,16 +424,24 @@ class ExtentPool(MemoryPool):
             return
         self.compaction_searches += 1
         plan = plan_compaction(over, threshold=threshold)
-        if plan:
-            self._compacting = True
-            try:
-                result = self.apply_plan(plan, self._move_callback, _wake=False)
-            finally:
-                self._compacting = False
-            if result.applied:
+        if not plan:
+            return
+        made: list[Move] = []  # counted as made, also when a later move's callback raises
+
+        def counted(r: Reservation, move: Move) -> None:
+            if self._move_callback is not None:
+                self._move_callback(r, move)
+            made.append(move)
+
+        self._compacting = True
+        try:
+            self.apply_plan(plan, counted, _wake=False)
+        finally:
+            self._compacting = False
+            if made:
                 self.compactions += 1
-                self.moves += result.applied
-                self.moved_bytes += result.moved_bytes
+                self.moves += len(made)
+                self.moved_bytes += sum(m.length for m in made) * self.page_size
 
     def _layout(self, name: str) -> DeviceLayout:
         page = self.page_size
