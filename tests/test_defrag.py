@@ -113,3 +113,16 @@ def test_failing_callback_leaves_that_move_undone():
         pool.apply_plan(plan, boom)
     assert {r: r.offset for r in live} == before
     pool.space("gpu0").check()
+
+
+def test_a_fill_that_scatters_what_the_slide_gathered_is_dropped_not_the_slide():
+    """The slide opens 4 pages ([4, 8)); the fill then moved the top extents into that run,
+    leaving 2-page holes, and the device's moves were all dropped as no gain: an empty plan for
+    a device at 0.5 that one slide compacts."""
+    lay = layout(("a", 2, 2, True), ("b", 6, 2, True), ("p", 8, 2, False), ("c", 10, 2, True),
+                 ("q", 12, 2, False), ("d", 14, 2, True), ("r", 16, 2, False), ("e", 18, 2, True))  # fmt: skip
+    plan = plan_compaction([lay], threshold=0.1)
+    space = replay(lay, plan)
+    (gain,) = plan.gains
+    assert gain.largest_free_before == 2 and gain.largest_free_after == space.largest_free == 4
+    assert gain.moved_pages == plan.moved_pages == 4

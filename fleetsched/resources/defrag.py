@@ -7,7 +7,8 @@
    so each run between unmovable extents packs at its low end;
 2. a fill: from the top down, a movable extent jumps into the best-fitting hole below it (the
    holes a slide leaves in front of unmovable extents);
-3. a second slide, to close what the fill opened.
+3. a second slide, to close what the fill opened; the fill and this slide are dropped when
+   they leave a smaller largest free extent than the first slide did.
 
 Every move's destination is free when the move runs, given the moves before it, except that it
 may overlap the extent's own source (copy ``memmove``-style, as a compacting collector does). A
@@ -143,6 +144,7 @@ def _plan_device(layout: DeviceLayout, space: AddressSpace, budget: int | None) 
             cursor = offset + e.length
 
     slide()
+    slid, slid_largest = len(moves), space.largest_free
     for e in sorted(movable, key=lambda e: where[id(e)], reverse=True):
         offset = where[id(e)]
         holes = [(length, start) for length, start in islice(space.fits(e.length), _FILL_CANDIDATES) if start < offset]
@@ -151,6 +153,11 @@ def _plan_device(layout: DeviceLayout, space: AddressSpace, budget: int | None) 
             if start + length <= offset:  # a hole that touches the extent is the slide's business
                 move(e, start)
     slide()
+    if space.largest_free < slid_largest:  # the fill scattered into the run the slide gathered
+        for m in reversed(moves[slid:]):
+            space.release(m.dst)
+            space.allocate(m.src, m.length)
+        del moves[slid:]
     return moves
 
 
