@@ -126,3 +126,20 @@ def test_a_fill_that_scatters_what_the_slide_gathered_is_dropped_not_the_slide()
     (gain,) = plan.gains
     assert gain.largest_free_before == 2 and gain.largest_free_after == space.largest_free == 4
     assert gain.moved_pages == plan.moved_pages == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [  # before: nan compacted every device (no comparison holds), 2 and -1 were taken silently
+        ({"threshold": float("nan")}, r"threshold must lie in \[0, 1\], got nan"),
+        ({"threshold": 2}, r"threshold must lie in \[0, 1\], got 2"),
+        ({"threshold": -1}, r"threshold must lie in \[0, 1\], got -1"),
+        ({"max_moved_pages": -1}, r"max_moved_pages must be >= 0 or None, got -1"),
+    ],
+)
+def test_plan_compaction_refuses_a_threshold_or_budget_out_of_range(options, message):
+    pool, _ = make_fragmented()
+    with pytest.raises(ValueError, match=message):
+        pool.plan_compaction(**options)
+    with pytest.raises(ValueError, match=message):
+        plan_compaction(pool.layouts(), **options)

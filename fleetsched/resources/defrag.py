@@ -87,8 +87,14 @@ def plan_compaction(
 ) -> CompactionPlan:
     """Plan moves for the devices fragmented beyond `threshold`; see the module docstring.
 
-    `max_moved_pages` caps the pages moved over all devices (None: no cap).
+    `max_moved_pages` caps the pages moved over all devices (None: no cap). Raises ValueError
+    for a `threshold` outside [0, 1] (at 1 nothing is planned: the rate stays below 1) or a
+    negative cap.
     """
+    if not 0.0 <= threshold <= 1.0:  # nan too: it would pass every device
+        raise ValueError(f"threshold must lie in [0, 1], got {threshold}")
+    if max_moved_pages is not None and max_moved_pages < 0:
+        raise ValueError(f"max_moved_pages must be >= 0 or None, got {max_moved_pages}")
     moves: list[Move] = []
     gains: list[DeviceGain] = []
     budget = max_moved_pages
