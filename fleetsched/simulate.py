@@ -372,8 +372,12 @@ def main(argv: list[str]) -> int:
             console.print(tenant_table(report))
             console.print(sla_table(report))
             s = report["sim"]
+            simulated = f"{report['duration_s']:.0f} s simulated"
+            if duration is not None and report["duration_s"] > duration:  # sessions under way got drain_grace_s
+                grace = settings.scheduler.drain_grace_s
+                simulated += f" (the fleet for {duration:g} s, then up to {grace:g} s for the sessions under way to finish)"
             console.print(
-                f"{report['duration_s']:.0f} s simulated in {report['wall_s']:.1f} s wall; {s['engine_steps']:,} engine steps, "
+                f"{simulated} in {report['wall_s']:.1f} s wall; {s['engine_steps']:,} engine steps, "
                 f"busy {s['engine_busy_frac']:.0%}, {s['preemptions']} preemptions, stream_interval {s['stream_interval']}"
             )
     if args.report:

@@ -227,3 +227,15 @@ def test_a_fleet_larger_than_the_searchs_limit_starts_the_search_at_the_limit(mo
     monkeypatch.setattr(module, "simulate", bounded)
     result = find_max_sessions(settings, 10.0, echo=lambda _: None, limit=64)
     assert result["bounded_by_limit"] and result["max_sessions"] == 64 and list(result["probes"]) == [64]
+
+
+def test_the_summary_says_why_more_was_simulated_than_the_duration(tmp_path, capsys):
+    """Sessions under way at --duration get drain_grace_s to finish: '45 s simulated' for a
+    --duration of 30 s said nothing of why (before)."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[scheduler]\ndrain_grace_s = 20\n[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 4\nturns = 40\nmax_tokens = 16\ntool_s = 1\n'
+    )
+    assert cli_main(["simulate", str(config), "--duration", "30s"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "s simulated (the fleet for 30 s, then up to 20 s for the sessions under way to finish)" in out
