@@ -37,11 +37,43 @@ from .base import (
 
 _request_ids = itertools.count(1)
 
-# Body keys that map one to one onto vLLM SamplingParams.
-_SAMPLING_KEYS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-)  # fmt: skip
+# Body keys that map one to one onto vLLM SamplingParams, by the type each must have. The engine
+# core checks the types only when it decodes the request, in its own thread: a float seed there
+# killed that thread, and every later call of every session hung. So they are checked here.
+_INT_KEYS = ("top_k", "seed", "min_tokens")
+_NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_SAMPLING_KEYS = (*_NUMBER_KEYS, *_INT_KEYS, "ignore_eos", "stop_token_ids")
+
+
+def _is_int(value: object) -> bool:
+    """An integer the engine takes: 64-bit (a larger seed was vLLM's EngineGenerateError)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+
+
+def _check_sampling_type(key: str, value: object) -> None:
+    """Raise `InvalidRequest` naming `key` when `value` is not of the type vLLM's engine takes."""
+    if key in _INT_KEYS:
+        ok, expected = _is_int(value), "a 64-bit integer"
+    elif key == "ignore_eos":
+        ok, expected = isinstance(value, bool), "true or false"
+    elif key == "stop_token_ids":
+        ok, expected = isinstance(value, list) and all(map(_is_int, value)), "a list of token IDs (integers)"
+    elif key == "stop":
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        expected = "a string or a list of strings"
+    else:
+        ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    if not ok:
+        raise InvalidRequest(f"{key}: expected {expected}, got {value!r:.80}")
+
+
+def _request_refused() -> type[Exception]:
+    """vLLM's error for a request it refuses (older releases raise ValueError for them)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return ValueError
+    return VLLMClientError
 
 
 class VLLMEngineBackend(Backend):
@@ -140,7 +172,9 @@ class VLLMEngineBackend(Backend):
         options = {key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None}
         stop = body.get("stop")
         if stop is not None:
-            options["stop"] = [stop] if isinstance(stop, str) else list(stop)
+            options["stop"] = [stop] if isinstance(stop, str) else stop
+        for key, value in options.items():
+            _check_sampling_type(key, value)
         # As vLLM's server: a call that names no length may fill the rest of the context.
         max_tokens = requested_max_tokens(body, default=max(1, self._max_model_len - prompt_tokens))
         check_fits(self._max_model_len, prompt_tokens, max_tokens)
@@ -150,7 +184,7 @@ class VLLMEngineBackend(Backend):
                 output_kind=RequestOutputKind.DELTA,
                 **options,
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, _request_refused()) as exc:  # out of range: vLLM's VLLMValidationError
             raise InvalidRequest(f"invalid sampling parameters: {exc}") from exc
 
     async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
@@ -162,11 +196,7 @@ class VLLMEngineBackend(Backend):
         await self.start()
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        try:  # vLLM's errors caused by the request; older releases raise ValueError for them
-            from vllm.exceptions import VLLMClientError as RequestRefused
-        except ImportError:
-            RequestRefused = ValueError  # noqa: N806
-
+        RequestRefused = _request_refused()  # noqa: N806
         prompt = self._prompt(body)
         params = self._sampling_params(body, len(prompt))
         request_id = f"fs-engine-{next(_request_ids)}"

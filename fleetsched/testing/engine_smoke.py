@@ -6,8 +6,9 @@ Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunk
 every chunk when asked for), leaves a second call early and checks that nothing is left in
 flight, then that a prompt over the context, or max_tokens past it, is refused with
 `ContextTooLong` (a call naming no max_tokens fills the context's rest), and one with bad
-sampling parameters with `InvalidRequest`. Prints one JSON line; exits 1 on failure. It is a
-script rather than a test because vLLM is not installed in the main virtualenv.
+sampling parameters (of the wrong type or out of range) with `InvalidRequest`, the engine serving
+calls after them. Prints one JSON line; exits 1 on failure. It is a script rather than a test
+because vLLM is not installed in the main virtualenv.
 """
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ async def check(model_dir: str) -> dict:
             assert not isinstance(exc, ContextTooLong), exc
         else:
             raise AssertionError("bad sampling parameters were not refused with InvalidRequest")
+        # Values of the wrong type or out of range are refused naming the field, and the engine
+        # serves the next call: a float seed once killed the engine core's input thread (every
+        # later call hung), a seed past 64 bits was vLLM's EngineGenerateError, a number for stop
+        # a TypeError, a negative temperature vLLM's own VLLMValidationError.
+        bad = (("seed", 1.5), ("seed", 2**70), ("top_k", 2.0), ("stop", 5), ("stop_token_ids", [1.5]), ("temperature", -1))
+        for field, value in bad:
+            try:
+                with anyio.fail_after(30):
+                    _ = [c async for c in backend.stream_chat({**request, field: value})]
+            except InvalidRequest as exc:
+                assert field in str(exc), exc
+            else:
+                raise AssertionError(f"{field}={value!r} was not refused with InvalidRequest")
+        with anyio.fail_after(30):
+            after = [c async for c in backend.stream_chat(request)][-1]["usage"]
+        assert after["completion_tokens"] == 12, after
     return {"ok": True, "engine_start_s": round(started_s, 1), "usage": folded["usage"]}
 
 
