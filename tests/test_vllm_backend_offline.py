@@ -214,3 +214,16 @@ async def test_named_replica_and_least_loaded_fallback():
     with pytest.raises(BackendError, match="unknown vLLM replica 'c'"):
         backend.pick_replica("c")
     await backend.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [True, False])
+async def test_stream_options_that_are_no_object_are_refused(stream):
+    """`stream_options` must be an object, streamed or collected whole (`chat` gave the dict
+    merge's TypeError: "'str' object is not a mapping"); nothing is sent."""
+    seen: list[dict] = []
+    backend = _backend([], seen)
+    with pytest.raises(InvalidRequest, match="stream_options: expected an object, got 'yes'"):
+        _ = [c async for c in backend.stream_chat({**BODY, "stream_options": "yes", "stream": stream})]
+    assert seen == [] and backend.replicas["r0"].in_flight == 0
+    await backend.aclose()

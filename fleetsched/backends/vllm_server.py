@@ -32,7 +32,7 @@ import openai
 from openai import AsyncOpenAI
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
-from ..errors import BackendError, BackendUnavailable, Overloaded
+from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
 from .base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
 
@@ -349,7 +349,10 @@ class VLLMServerBackend(Backend):
             raise BackendError("chat body has no 'messages'") from None
         model = request.pop("model", None) or self.model
         request.pop("stream", None)
-        stream_options = {**(request.pop("stream_options", None) or {}), "include_usage": True}
+        given_options = request.pop("stream_options", None) or {}
+        if not isinstance(given_options, Mapping):
+            raise InvalidRequest(f"stream_options: expected an object, got {given_options!r:.80}")
+        stream_options = {**given_options, "include_usage": True}
         # The messages travel in `extra_body`, which the SDK sends as given: as a typed argument
         # the SDK walks them against its message types on every call (`maybe_transform`), about
         # 135 us a message on this project's machine, which cost this process 2.4 ms of CPU a
