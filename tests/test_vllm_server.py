@@ -244,6 +244,20 @@ async def test_named_replica_routing_with_a_dead_replica(vllm_server):
 
 
 @pytest.mark.vllm
+async def test_a_chat_asking_for_two_choices_gets_both(vllm_server):
+    """n=2 collected whole (`chat`): two choices, each its own answer; they were folded into one
+    message, the two answers' tokens interleaved."""
+    async with VLLMServerBackend(vllm_server.url) as backend:
+        streamed = [c async for c in backend.stream_chat(body(6, n=2, seed=7))]
+        response, _ = await backend.complete_chat({**body(6, n=2, seed=7), "stream": False})
+    answers = ["".join(ch["delta"].get("content") or "" for c in streamed for ch in c["choices"] if ch["index"] == i) for i in (0, 1)]
+    assert [c["index"] for c in response["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in response["choices"]] == answers
+    assert [c["finish_reason"] for c in response["choices"]] == ["length", "length"]
+    assert response["usage"]["completion_tokens"] == 12
+
+
+@pytest.mark.vllm
 async def test_call_is_retried_across_a_server_restart(vllm_server, caplog):
     caplog.set_level(logging.DEBUG, logger="fleetsched.backends.vllm_server")
     outcome: dict[str, object] = {}

@@ -131,11 +131,10 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
-    """Fold streamed chunks into one non-streamed ``chat.completion`` response dict."""
+    """Fold streamed chunks into one non-streamed ``chat.completion`` response dict, one choice per
+    choice index the chunks carry (a call with ``n`` > 1 streams its choices interleaved)."""
     completion_id, model, created = "", "", 0
-    content: list[str] = []
-    tool_calls: dict[int, dict[str, Any]] = {}
-    finish_reason: str | None = None
+    choices: dict[int, _Choice] = {}
     usage: dict[str, int] | None = None
     for chunk in chunks:
         completion_id = chunk.get("id", completion_id)
@@ -144,23 +143,48 @@ def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
         if chunk.get("usage"):
             usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                content.append(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                slot = tool_calls.setdefault(
-                    call.get("index", 0),
-                    {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
-                )
-                slot["id"] = call.get("id") or slot["id"]
-                function = call.get("function") or {}
-                slot["function"]["name"] += function.get("name") or ""
-                slot["function"]["arguments"] += function.get("arguments") or ""
-            finish_reason = choice.get("finish_reason") or finish_reason
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not tool_calls else None}
-    if tool_calls:
-        message["tool_calls"] = [tool_calls[i] for i in sorted(tool_calls)]
-    return chat_completion(completion_id, model, created, message, finish_reason or "stop", usage or usage_dict(0, 0))
+            index = choice.get("index", 0)
+            folded = choices.get(index)
+            if folded is None:
+                folded = choices[index] = _Choice()
+            folded.add(choice)
+    response = chat_completion(completion_id, model, created, {}, "stop", usage or usage_dict(0, 0))
+    response["choices"] = [choice.result(index) for index, choice in sorted(choices.items())] or [_Choice().result(0)]
+    return response
+
+
+class _Choice:
+    """One choice of a streamed answer, folded: its content, tool calls and finish reason."""
+
+    __slots__ = ("content", "tool_calls", "finish_reason")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+
+    def add(self, choice: Mapping[str, Any]) -> None:
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            self.content.append(delta["content"])
+        for call in delta.get("tool_calls") or ():
+            slot = self.tool_calls.setdefault(
+                call.get("index", 0),
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            slot["id"] = call.get("id") or slot["id"]
+            function = call.get("function") or {}
+            slot["function"]["name"] += function.get("name") or ""
+            slot["function"]["arguments"] += function.get("arguments") or ""
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+
+    def result(self, index: int) -> dict[str, Any]:
+        """The choice as a ``chat.completion`` response lists it."""
+        content = "".join(self.content) if self.content or not self.tool_calls else None
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return {"index": index, "message": message, "finish_reason": self.finish_reason or "stop"}
 
 
 def chat_completion(
