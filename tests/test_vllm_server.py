@@ -258,6 +258,36 @@ async def test_a_chat_asking_for_two_choices_gets_both(vllm_server):
 
 
 @pytest.mark.vllm
+async def test_a_call_fails_over_from_a_dead_replica_to_a_live_one(vllm_server):
+    """A call routed by load (no replica named) to a replica that cannot be reached goes to
+    another whose breaker is not open, at once; it failed (after its retries) until the dead
+    replica's breaker opened. The failure still counts against the dead replica's breaker."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with VLLMServerBackend({"dead": dead, "live": vllm_server.url}, retry_initial_s=0.5) as backend:
+        began = time.perf_counter()
+        for _ in range(3):
+            chunks = [c async for c in backend.stream_chat(body(4))]
+            assert chunks[-1]["usage"]["completion_tokens"] == 4
+        assert time.perf_counter() - began < 1.5  # no backoff on the dead replica
+        assert backend.replicas["dead"].breaker.consecutive_failures == 3
+        assert backend.replicas["dead"].in_flight == backend.replicas["live"].in_flight == 0
+        with pytest.raises(BackendUnavailable):  # a named replica is the caller's choice: no failover
+            _ = [c async for c in backend.stream_chat(body(4, fleetsched_replica="dead"))]
+
+
+@pytest.mark.vllm
+async def test_a_session_placed_on_a_dead_replica_runs_on_the_live_one(vllm_server):
+    """Through the dispatcher, a call placed on a dead replica (affinity) falls over to the live
+    one; its fallback went to the least loaded replica, which was the dead one again."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with VLLMServerBackend({"dead": dead, "live": vllm_server.url}, retry_attempts=2, retry_initial_s=0.05) as backend:
+        dispatcher = Dispatcher(backend, window=4)
+        for _ in range(2):
+            response = await dispatcher.chat(body(4), tenant="a", tier=Tier.STANDARD, replica="dead")
+            assert response["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.vllm
 async def test_call_is_retried_across_a_server_restart(vllm_server, caplog):
     caplog.set_level(logging.DEBUG, logger="fleetsched.backends.vllm_server")
     outcome: dict[str, object] = {}

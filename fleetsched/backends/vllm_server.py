@@ -3,7 +3,9 @@
 Each replica (a vLLM OpenAI-compatible server) gets its own `AsyncOpenAI` client and its own
 `CircuitBreaker`. A call goes to the replica named by the caller (``replica=`` or the body key
 ``"fleetsched_replica"``, which is removed before the body is sent), else to the replica with the
-fewest calls in flight whose breaker is not open.
+fewest calls in flight whose breaker is not open; if that replica fails it before its first chunk
+(`BackendUnavailable`: unreachable, a 5xx but 503, breaker open), the call goes to the next such
+replica, at once when the first could not be reached. A named replica is the caller's: no failover.
 
 What is retried: connection errors, 429 and 5xx, with jittered exponential backoff, bounded by
 attempts (never by elapsed time, so virtual-time tests stay exact), and only until the first chunk
@@ -121,8 +123,16 @@ class Replica:
 
 
 def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, openai.APIStatusError):
-        return exc.status_code == 429 or exc.status_code >= 500
+    return _retryable_answer(exc) or _unreachable(exc)
+
+
+def _retryable_answer(exc: BaseException) -> bool:
+    """An answer of the server that a later attempt may not get: 429 or 5xx."""
+    return isinstance(exc, openai.APIStatusError) and (exc.status_code == 429 or exc.status_code >= 500)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A failure to talk to the server at all (refused, reset, timed out), not an answer."""
     return isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS))
 
 
@@ -278,40 +288,33 @@ class VLLMServerBackend(Backend):
     async def stream_chat(self, body: ChatBody, *, replica: str | None = None) -> AsyncIterator[Chunk]:
         """Stream one chat completion; see the module docstring for routing and retries.
 
+        A call routed by load (no replica named) that its replica fails before the first chunk
+        with `BackendUnavailable` goes to the least loaded of the others whose breaker is not
+        open; one that cannot reach its replica goes there at once, without backing off.
+
         Raises `BackendUnavailable` (unreachable, 5xx, breaker open), `Overloaded` (429/503),
         `InvalidRequest` (the server rejected the body; `ContextTooLong` for one over the context)
         or `BackendError` (another 4xx). Leaving the iteration early or being
         cancelled closes the HTTP stream, and vLLM aborts the request.
         """
         request = dict(body)
-        target = self.pick_replica(request.pop(REPLICA_KEY, None) or replica)
+        named = request.pop(REPLICA_KEY, None) or replica
+        target = self.pick_replica(named)
         kwargs = self._create_kwargs(request)
-
-        breaker = target.breaker
-        if not breaker.acquire(anyio.current_time()):
-            retry_in = breaker.retry_in(anyio.current_time())
-            raise BackendUnavailable(
-                f"circuit open for vLLM replica {target.name} ({target.url}) after "
-                f"{breaker.consecutive_failures} consecutive failures; next probe in {retry_in:.1f} s"
-            )
-        target.in_flight += 1
-        verdict = False
-        stream = None
-        try:
+        tried = [target]
+        while True:
+            others = [] if named is not None else self._untried(tried)
             try:
-                stream, first = await self._open_with_retries(target, kwargs)
-            except BaseException as exc:
-                if isinstance(exc, openai.APIStatusError) and not _retryable(exc):
-                    breaker.record_success()  # it answered: the replica is up, the body was wrong
-                    verdict = True
-                elif _retryable(exc):
-                    breaker.record_failure(anyio.current_time())
-                    verdict = True
-                if isinstance(exc, Exception) and not isinstance(exc, BackendError):
-                    raise translate_error(exc, target.name) from exc
-                raise
-            breaker.record_success()
-            verdict = True
+                stream, first = await self._connect(target, kwargs, fail_over=bool(others))
+                break
+            except BackendUnavailable as exc:
+                if not others:
+                    raise
+                target = min(others, key=lambda r: r.in_flight)
+                tried.append(target)
+                logger.info("vLLM replica %s failed a call before it began (%s); sending it to %s", tried[-2].name, exc, target.name)
+        breaker = target.breaker
+        try:
             saw_usage = False
             completion_chunks = 0
             chunk: Chunk | None = first
@@ -335,12 +338,43 @@ class VLLMServerBackend(Backend):
                 yield make_chunk("", kwargs["model"], 0, usage=usage)
         finally:
             target.in_flight -= 1
-            if not verdict:
-                breaker.release()
-            if stream is not None:
-                # Closing the response drops the connection; vLLM aborts the request on disconnect.
-                with anyio.CancelScope(shield=True):
-                    await stream.close()
+            # Closing the response drops the connection; vLLM aborts the request on disconnect.
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+
+    def _untried(self, tried: list[Replica]) -> list[Replica]:
+        """The replicas a call routed by load may fall over to: not `tried`, breaker not open."""
+        now = anyio.current_time()
+        return [r for r in self._replicas.values() if r not in tried and r.breaker.state(now) != "open"]
+
+    async def _connect(self, target: Replica, kwargs: dict[str, Any], *, fail_over: bool) -> tuple[_EventStream, Chunk | None]:
+        """Open the call on `target` and wait for its first chunk, with retries (none for an
+        unreachable replica when the call can `fail_over`), and give its breaker the verdict.
+
+        On return the call counts in `target.in_flight`; the caller takes it out when it ends."""
+        breaker = target.breaker
+        if not breaker.acquire(anyio.current_time()):
+            retry_in = breaker.retry_in(anyio.current_time())
+            raise BackendUnavailable(
+                f"circuit open for vLLM replica {target.name} ({target.url}) after "
+                f"{breaker.consecutive_failures} consecutive failures; next probe in {retry_in:.1f} s"
+            )
+        target.in_flight += 1
+        try:
+            opened = await self._open_with_retries(target, kwargs, fail_over=fail_over)
+        except BaseException as exc:
+            target.in_flight -= 1
+            if isinstance(exc, openai.APIStatusError) and not _retryable(exc):
+                breaker.record_success()  # it answered: the replica is up, the body was wrong
+            elif _retryable(exc):
+                breaker.record_failure(anyio.current_time())
+            else:
+                breaker.release()  # cancelled: no verdict
+            if isinstance(exc, Exception) and not isinstance(exc, BackendError):
+                raise translate_error(exc, target.name) from exc
+            raise
+        breaker.record_success()
+        return opened
 
     def _create_kwargs(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -361,14 +395,15 @@ class VLLMServerBackend(Backend):
             model=model, messages=[], stream=True, stream_options=stream_options, extra_body={**request, "messages": messages}
         )
 
-    async def _open_with_retries(self, target: Replica, kwargs: dict[str, Any]) -> tuple[Any, Chunk | None]:
+    async def _open_with_retries(self, target: Replica, kwargs: dict[str, Any], *, fail_over: bool) -> tuple[Any, Chunk | None]:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.retry_attempts),
             # initial * 2**n capped at max, plus up to `initial` of jitter: the calls that failed
             # together when a replica went away must not all come back in the same instant.
             wait=wait_exponential(multiplier=self.retry_initial_s, max=self.retry_max_s)
             + wait_random(0, self.retry_initial_s),
-            retry=retry_if_exception(_retryable),
+            # Can the call fail over, an unreachable replica is left at once, without backing off.
+            retry=retry_if_exception(_retryable_answer if fail_over else _retryable),
             sleep=anyio.sleep,
             before_sleep=lambda state: logger.debug(
                 "vLLM replica %s: attempt %d failed (%r), retrying",
