@@ -227,3 +227,24 @@ async def test_stream_options_that_are_no_object_are_refused(stream):
         _ = [c async for c in backend.stream_chat({**BODY, "stream_options": "yes", "stream": stream})]
     assert seen == [] and backend.replicas["r0"].in_flight == 0
     await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_stream_cut_mid_answer_says_so():
+    """The server gone mid-answer (its process killed: the body ends before its last chunk):
+    the error says the answer broke off and names the URL; it read 'cannot reach vLLM replica
+    r0: peer closed connection ...' though the replica had answered."""
+
+    class CutStream(httpx2.AsyncByteStream):
+        async def __aiter__(self):
+            yield OK_STREAM.split(b"\n\n")[0] + b"\n\n"
+            raise httpx2.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    seen: list[dict] = []
+    backend = _backend([httpx2.Response(200, stream=CutStream(), headers={"content-type": "text/event-stream"})], seen)
+    with pytest.raises(BackendUnavailable) as info:
+        _ = [c async for c in backend.stream_chat(BODY)]
+    message = str(info.value)
+    assert "vLLM replica r0 (http://vllm.invalid:8000) broke off the answer after 1 chunks" in message, message
+    assert "peer closed connection" in message and len(seen) == 1  # not retried: it had streamed
+    await backend.aclose()

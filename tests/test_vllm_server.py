@@ -288,6 +288,27 @@ async def test_a_session_placed_on_a_dead_replica_runs_on_the_live_one(vllm_serv
 
 
 @pytest.mark.vllm
+async def test_errors_name_the_url_that_failed(vllm_server):
+    """A URL that is not a vLLM server's root (404 for /v1/chat/completions) and one where
+    nothing listens: the error names the URL and says what to check; they read 'rejected the
+    call (404): Error code: 404' and 'cannot reach vLLM replica r0: Connection error.'."""
+    wrong = f"{vllm_server.url}/api"
+    async with VLLMServerBackend(wrong, retry_attempts=1) as backend:
+        with pytest.raises(BackendError) as info:
+            _ = [c async for c in backend.stream_chat(body(4))]
+    assert f"{wrong}/v1/chat/completions" in str(info.value) and "404" in str(info.value), info.value
+    assert "root URL of a vLLM server" in str(info.value)
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with VLLMServerBackend(dead, retry_attempts=1) as backend:
+        with pytest.raises(BackendUnavailable) as info:
+            _ = [c async for c in backend.stream_chat(body(4))]
+    assert dead in str(info.value) and "connection refused" in str(info.value).lower(), info.value
+    async with VLLMServerBackend(vllm_server.url) as backend:  # a 404 of vLLM's own keeps its words
+        with pytest.raises(BackendError, match="The model `nope` does not exist"):
+            _ = [c async for c in backend.stream_chat(body(4, model="nope"))]
+
+
+@pytest.mark.vllm
 async def test_call_is_retried_across_a_server_restart(vllm_server, caplog):
     caplog.set_level(logging.DEBUG, logger="fleetsched.backends.vllm_server")
     outcome: dict[str, object] = {}

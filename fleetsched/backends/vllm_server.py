@@ -143,21 +143,38 @@ def _retry_after(exc: openai.APIStatusError, default: float = 1.0) -> float:
         return default
 
 
-def translate_error(exc: BaseException, replica: str) -> BackendError:
-    """The fleetsched error for a foreign exception raised while calling `replica`."""
+def translate_error(exc: BaseException, replica: str, url: str | None = None) -> BackendError:
+    """The fleetsched error for a foreign exception raised while calling `replica` (at `url`,
+    the server root, which the message names where it is given)."""
+    where = f"vLLM replica {replica}" if url is None else f"vLLM replica {replica} ({url})"
     if isinstance(exc, openai.RateLimitError):
-        return Overloaded(f"vLLM replica {replica} rate-limited the call", _retry_after(exc))
+        return Overloaded(f"{where} rate-limited the call", _retry_after(exc))
     if isinstance(exc, openai.APIStatusError):
         if exc.status_code == 503:
-            return Overloaded(f"vLLM replica {replica} is overloaded: {exc.message}", _retry_after(exc))
+            return Overloaded(f"{where} is overloaded: {exc.message}", _retry_after(exc))
         if exc.status_code >= 500:
-            return BackendUnavailable(f"vLLM replica {replica} failed with {exc.status_code}: {exc.message}")
+            return BackendUnavailable(f"{where} failed with {exc.status_code}: {exc.message}")
         if exc.status_code in (400, 422):  # the body as it stands: retrying cannot help
-            return invalid_request(f"vLLM replica {replica} rejected the call ({exc.status_code}): {exc.message}")
-        return BackendError(f"vLLM replica {replica} rejected the call ({exc.status_code}): {exc.message}")
-    if isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS)):
-        return BackendUnavailable(f"cannot reach vLLM replica {replica}: {exc}")
-    return BackendError(f"vLLM replica {replica}: {exc}")
+            return invalid_request(f"{where} rejected the call ({exc.status_code}): {exc.message}")
+        if exc.status_code == 404 and not (isinstance(exc.body, Mapping) and exc.body.get("message")):
+            # No route there (vLLM's own 404s, an unknown model, say, carry a message).
+            return BackendError(
+                f"{where}: POST {exc.request.url} answered 404 Not Found; the URL must be the root "
+                "URL of a vLLM server (http://host:port, without /v1 or another path)"
+            )
+        return BackendError(f"{where} rejected the call ({exc.status_code}): {exc.message}")
+    if _unreachable(exc):
+        return BackendUnavailable(f"cannot reach {where}: {_reason(exc)}")
+    return BackendError(f"{where}: {exc}")
+
+
+def _reason(exc: BaseException) -> str:
+    """What the innermost cause of a transport error says ("Connection error." says nothing)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (no server listens there)"
+    return str(exc) or type(exc).__name__
 
 
 def _default_client(base_url: str, api_key: str) -> AsyncOpenAI:
@@ -332,7 +349,12 @@ class VLLMServerBackend(Backend):
                     raise
                 if _retryable(exc):
                     breaker.record_failure(anyio.current_time())
-                raise translate_error(exc, target.name) from exc
+                if _unreachable(exc):  # it was reached: the connection broke (the server died, say)
+                    raise BackendUnavailable(
+                        f"vLLM replica {target.name} ({target.url}) broke off the answer after "
+                        f"{completion_chunks} chunks: {_reason(exc)}"
+                    ) from exc
+                raise translate_error(exc, target.name, target.url) from exc
             if not saw_usage:  # a server without include_usage support: estimate, keep the seam's promise
                 usage = usage_dict(estimate_prompt_tokens(body), max(0, completion_chunks - 1))
                 yield make_chunk("", kwargs["model"], 0, usage=usage)
@@ -371,7 +393,7 @@ class VLLMServerBackend(Backend):
             else:
                 breaker.release()  # cancelled: no verdict
             if isinstance(exc, Exception) and not isinstance(exc, BackendError):
-                raise translate_error(exc, target.name) from exc
+                raise translate_error(exc, target.name, target.url) from exc
             raise
         breaker.record_success()
         return opened
