@@ -331,6 +331,10 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
         ({"messages": MESSAGES, "max_tokens": "8"}, "max_tokens: expected an integer >= 1, got '8'"),
         ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens: expected an integer >= 1, got 2.5"),
         ({"messages": MESSAGES, "max_tokens": -4}, "max_tokens: expected an integer >= 1, got -4"),
+        # 0 was taken for "none named": the call ran to the default length (the in-process vLLM
+        # engine's, the rest of the context); vLLM's server refuses it.
+        ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens: expected an integer >= 1, got 0"),
+        ({"messages": MESSAGES, "max_completion_tokens": 0, "max_tokens": 8}, "max_tokens: expected an integer >= 1, got 0"),
     ],
 )
 async def test_a_malformed_call_fails_its_session_naming_the_field(backend, call, message):

@@ -257,9 +257,12 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
 
 def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     """The completion tokens `body` asks for (``max_completion_tokens``, else ``max_tokens``), or
-    `default` where it names none; raises `InvalidRequest` for a value that is not a count."""
-    value = body.get("max_completion_tokens") or body.get("max_tokens")
-    if not value:
+    `default` where it names none (absent or null); raises `InvalidRequest` for a value that is
+    not a count, 0 included (vLLM's server refuses it too)."""
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens")
+    if value is None:
         return default
     try:
         count = int(value)
