@@ -175,6 +175,8 @@ class VLLMEngineBackend(Backend):
             options["stop"] = [stop] if isinstance(stop, str) else stop
         for key, value in options.items():
             _check_sampling_type(key, value)
+        if body.get("n") not in (None, 1):  # the chunks carry one choice
+            raise InvalidRequest(f"n: the in-process vLLM engine backend gives one choice a call, not {body['n']!r:.20}")
         # As vLLM's server: a call that names no length may fill the rest of the context.
         max_tokens = requested_max_tokens(body, default=max(1, self._max_model_len - prompt_tokens))
         check_fits(self._max_model_len, prompt_tokens, max_tokens)

@@ -74,8 +74,8 @@ async def check(model_dir: str) -> dict:
         # serves the next call: a float seed once killed the engine core's input thread (every
         # later call hung), a seed past 64 bits was vLLM's EngineGenerateError, a number for stop
         # a TypeError, a negative temperature vLLM's own VLLMValidationError; max_tokens 0 was
-        # taken for none named (the answer filled the context).
-        bad = (("max_tokens", 0), ("seed", 1.5), ("seed", 2**70), ("top_k", 2.0), ("stop", 5), ("stop_token_ids", [1.5]), ("temperature", -1))
+        # taken for none named (the answer filled the context), n=2 gave one choice silently.
+        bad = (("max_tokens", 0), ("n", 2), ("seed", 1.5), ("seed", 2**70), ("top_k", 2.0), ("stop", 5), ("stop_token_ids", [1.5]), ("temperature", -1))
         for field, value in bad:
             try:
                 with anyio.fail_after(30):
