@@ -86,6 +86,14 @@ def test_refusals_are_4xx_never_500(gateway_url):
         c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"top_k": "many"})
 
 
+def test_a_completions_refusal_names_the_replica_url(gateway_url, vllm_server):
+    """The engine refuses a completions call (a top_k that is no number): the 400 names the
+    replica's URL, as the chat path's does (before: its name only)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client(gateway_url).completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=4, extra_body={"top_k": "many"})
+    assert vllm_server.url in info.value.message
+
+
 def test_client_disconnect_aborts_at_the_engine(gateway_url, vllm_server):
     """A stream whose client leaves while its call waits at the engine (behind 16 long calls, four
     waves of the engine's 4 slots) is aborted there: it never generates a token, though the

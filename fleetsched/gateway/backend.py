@@ -93,7 +93,7 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
             async for chunk in stream:
                 yield chunk.model_dump(exclude_unset=True)
         except (openai.OpenAIError, *_transport_errors()) as exc:
-            raise translate_error(exc, target.name) from exc
+            raise translate_error(exc, target.name, target.url) from exc
     finally:
         target.in_flight -= 1
         if stream is not None:
