@@ -198,3 +198,23 @@ def test_concurrent_first_calls_of_a_session_make_one_session(redis_url):
         assert stats.running_total + stats.parked + stats.queued_total == 5
         for c in clients:
             c.close()
+
+
+def test_a_session_id_does_not_join_another_tenants_session(redis_url):
+    # Session ids may hold '/': tenant 'a' session 'b/c' and tenant 'a/b' session 'c' were one key
+    # ('a/b/c'), locally and in Redis, so the second call ran in the first tenant's session.
+    flush(redis_url)
+    tenants = {"a/b": {"api_keys": [hash_key(ACME)]}, "a": {"api_keys": [hash_key(GLOBEX)]}}
+    with serve_in_thread(gateway_settings(tenants, gateway={"redis_url": redis_url})) as (gateway, url):
+        client(url, ACME).with_options(default_headers={"X-Session-ID": "c"}).chat.completions.create(
+            model="m", messages=MSG, max_tokens=1
+        )
+        client(url, GLOBEX).with_options(default_headers={"X-Session-ID": "b/c"}).chat.completions.create(
+            model="m", messages=MSG, max_tokens=1
+        )
+        assert len(gateway.sessions) == 2
+        assert gateway.scheduler.statistics().running == {("a/b", "standard"): 1, ("a", "standard"): 1}
+    import redis
+
+    with redis.Redis.from_url(redis_url) as r:
+        assert len(r.keys("fleetsched:session:*")) == 2

@@ -33,6 +33,13 @@ from .state import Placement, SharedState, StateUnavailable
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
 
+def session_key(tenant: str, session_id: str) -> str:
+    """The key of a tenant's session, locally and in the shared state. The id comes first and
+    '|' (never in an id) ends it, so that no two (tenant, id) pairs share a key: with
+    ``tenant/id``, tenant 'a' id 'b/c' and tenant 'a/b' id 'c' were one session."""
+    return f"{session_id}|{tenant}"
+
+
 class _Turn:
     __slots__ = ("ready", "done", "abandoned", "granted")
 
@@ -84,7 +91,7 @@ class SessionTable:
         `SchedulerClosed` once the gateway shuts down (to a call still waiting for its turn)."""
         if self._closing:
             raise SchedulerClosed("the gateway is shutting down")
-        key = f"{tenant}/{session_id}"
+        key = session_key(tenant, session_id)
         if self._past_deadline and self._past_deadline.get(key, -math.inf) > anyio.current_time():
             raise DeadlineExceeded(
                 f"session {session_id!r} passed its deadline (sla.deadline_s); a new session needs a new X-Session-ID"
@@ -105,7 +112,7 @@ class SessionTable:
             session.send.send_nowait(turn)
             try:
                 session.handle = await self._scheduler.submit(
-                    self._agent(session), tenant=tenant, name=f"gateway:{key}", kind="gateway"
+                    self._agent(session), tenant=tenant, name=f"gateway:{tenant}/{session_id}", kind="gateway"
                 )
             except BaseException:  # rejected: never runnable
                 self._close(session)
