@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 import openai
 import pytest
 
@@ -84,3 +85,50 @@ async def test_a_call_over_the_context_is_openais_context_length_400():
         answer = await (await scheduler.submit(agent, tenant="acme"))
     assert answer == (400, "context_length_exceeded", "invalid_request_error")
     check_released(scheduler)
+
+
+async def test_a_timeout_set_on_the_sdk_ends_the_call_and_frees_its_place():
+    # The SDK's `timeout` (per call or `with_options`) was ignored: a call asked to give up after
+    # 0.5 s ran to its end (4 s on the sim backend).
+    async def agent(ctx):
+        # A client's first call asks a worker thread for platform headers, and virtual time jumps
+        # meanwhile: time a later call (`with_options` would make a new client).
+        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        start = anyio.current_time()
+        try:
+            await ctx.openai.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, timeout=0.5
+            )
+        except openai.APITimeoutError:
+            timed_out = anyio.current_time() - start
+        short = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, timeout=60)
+        return timed_out, short.usage.completion_tokens
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        assert await (await scheduler.submit(agent, tenant="acme")) == (pytest.approx(0.5), 4)
+    check_released(scheduler)
+
+
+async def test_a_timeout_set_on_the_sdk_bounds_each_streamed_chunk():
+    async def agent(ctx):
+        stream = await ctx.openai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True, timeout=0.5
+        )
+        chunks = 0
+        async for _ in stream:  # chunks come far more often than every 0.5 s: no timeout
+            chunks += 1
+        return chunks
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        assert await (await scheduler.submit(agent, tenant="acme")) > 100
+    check_released(scheduler)
+
+
+async def test_no_timeout_unless_the_agent_sets_one():
+    # The SDK's default of 600 s does not apply: a call may wait its turn longer in a simulated run.
+    async def agent(ctx):
+        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        return ctx.openai.timeout
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        assert await (await scheduler.submit(agent, tenant="acme")) is None

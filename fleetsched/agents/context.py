@@ -75,7 +75,8 @@ class SessionContext:
         """A real ``openai.AsyncOpenAI`` client whose requests go through this session's dispatcher.
 
         Chat completions (streaming or not, with tools) work as against a server; the SDK's own
-        retries are off, since fleetsched decides retries and order.
+        retries are off, since fleetsched decides retries and order. No timeout unless the agent
+        sets one (``timeout=`` on a call, or ``with_options``): the session's deadline bounds it.
         """
         if self._openai is None:
             import openai
@@ -86,6 +87,7 @@ class SessionContext:
                 base_url="http://fleetsched.invalid/v1",
                 api_key="fleetsched-session",
                 max_retries=0,
+                timeout=None,  # not the SDK's 600 s: a call may wait its turn in a long simulated run
                 http_client=httpx.AsyncClient(transport=SessionTransport(self)),
             )
         return self._openai

@@ -4,16 +4,18 @@ Agent code written for the `openai` SDK runs unchanged: `SessionContext.openai` 
 ``openai.AsyncOpenAI`` whose HTTP transport is this one, so its requests never touch the network.
 ``POST .../chat/completions`` goes through the scheduler's dispatcher with the session's tenant,
 tier and deadline; streamed responses are sent back as server-sent events, and refusals as the
-HTTP errors the SDK knows (429 rate-limited, 503 shed, both with ``Retry-After``).
+HTTP errors the SDK knows (429 rate-limited, 503 shed, both with ``Retry-After``). The SDK's
+`timeout` is its read timeout: the longest wait for the answer, or for each streamed chunk.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import httpx
 
 from ..backends.base import Chunk
@@ -62,17 +64,26 @@ class _EventStream(httpx.AsyncByteStream):
     """
 
     def __init__(
-        self, opened: AbstractAsyncContextManager[AsyncIterator[Chunk]], chunks: AsyncIterator[Chunk], open_streams: set[Any]
+        self,
+        opened: AbstractAsyncContextManager[AsyncIterator[Chunk]],
+        chunks: AsyncIterator[Chunk],
+        open_streams: set[Any],
+        request: httpx.Request,
     ) -> None:
         self._opened = opened
         self._chunks = chunks
+        self._request = request
         self._closed = False
         self._open_streams = open_streams
         open_streams.add(self)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._chunks:
+            while True:
+                with _read_timeout(self._request):
+                    chunk = await anext(self._chunks, None)
+                if chunk is None:
+                    break
                 yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
@@ -103,13 +114,29 @@ class SessionTransport(httpx.AsyncBaseTransport):
         streaming = bool(body.pop("stream", False))
         body.pop("stream_options", None)
         try:
-            if not streaming:
-                return httpx.Response(200, json=await self._ctx.chat(body=body))
-            opened = self._ctx.stream(body=body)
-            chunks = await opened.__aenter__()
+            with _read_timeout(request):
+                if not streaming:
+                    return httpx.Response(200, json=await self._ctx.chat(body=body))
+                opened = self._ctx.stream(body=body)
+                chunks = await opened.__aenter__()
         except Exception as exc:
             answer = response_for(exc)
             if answer is None:
                 raise
             return answer
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, self._ctx._open_streams))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, self._ctx._open_streams, request))
+
+
+@contextmanager
+def _read_timeout(request: httpx.Request) -> Iterator[None]:
+    """Bound the block by the request's read timeout (the SDK's `timeout`); past it, raise
+    `httpx.ReadTimeout`, which the SDK turns into `openai.APITimeoutError`."""
+    seconds = (request.extensions.get("timeout") or {}).get("read")
+    if seconds is None:
+        yield
+        return
+    try:
+        with anyio.fail_after(seconds):
+            yield
+    except TimeoutError:
+        raise httpx.ReadTimeout(f"no answer within the timeout of {seconds:g} s", request=request) from None
