@@ -132,3 +132,27 @@ async def test_no_timeout_unless_the_agent_sets_one():
 
     async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
         assert await (await scheduler.submit(agent, tenant="acme")) is None
+
+
+@pytest.mark.parametrize("backend", ["sim", "instant"])
+async def test_streamed_usage_comes_as_openai_sends_it(backend):
+    # On the sim every chunk carried the usage so far (an agent adding up `chunk.usage` counted
+    # 1+2+3+4+4 = 14 tokens for 4), and stream_options={"include_usage": True} brought no final
+    # usage chunk with no choices, as OpenAI and vLLM send.
+    async def agent(ctx):
+        seen = {}
+        for options in (None, {"include_usage": True}):
+            extra = {"stream_options": options} if options else {}
+            stream = await ctx.openai.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, **extra
+            )
+            seen[bool(options)] = [(len(chunk.choices), chunk.usage and chunk.usage.completion_tokens) async for chunk in stream]
+        return seen
+
+    async with Scheduler(settings(backend={"kind": backend})) as scheduler:
+        seen = await (await scheduler.submit(agent, tenant="acme"))
+    assert all(usage is None for _, usage in seen[False])
+    *content, last = seen[True]
+    assert all(usage is None and choices == 1 for choices, usage in content)
+    assert last == (0, scheduler.recorder.calls[-1].completion_tokens)
+    check_released(scheduler)

@@ -58,6 +58,9 @@ def response_for(exc: BaseException) -> httpx.Response | None:
 class _EventStream(httpx.AsyncByteStream):
     """Server-sent events over an already opened dispatcher stream; closing it ends the call.
 
+    Chunks carry no usage; with `include_usage` (``stream_options``) a last chunk with no choices
+    carries it, as OpenAI and vLLM send it.
+
     It stays in `open_streams` (its session's) until closed: an agent that leaves the SDK's
     stream without closing it (``break`` out of ``async for``) holds a place of the dispatcher's
     window until its session ends, which closes it then.
@@ -69,8 +72,10 @@ class _EventStream(httpx.AsyncByteStream):
         chunks: AsyncIterator[Chunk],
         open_streams: set[Any],
         request: httpx.Request,
+        include_usage: bool,
     ) -> None:
         self._opened = opened
+        self._include_usage = include_usage
         self._chunks = chunks
         self._request = request
         self._closed = False
@@ -79,12 +84,16 @@ class _EventStream(httpx.AsyncByteStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
+            last: Chunk | None = None
             while True:
                 with _read_timeout(self._request):
                     chunk = await anext(self._chunks, None)
                 if chunk is None:
                     break
-                yield b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+                last = chunk
+                yield _event({key: value for key, value in chunk.items() if key != "usage"})
+            if self._include_usage and last is not None and last.get("usage"):
+                yield _event({**last, "choices": [], "usage": last["usage"]})
             yield b"data: [DONE]\n\n"
         finally:
             await self.aclose()
@@ -94,6 +103,10 @@ class _EventStream(httpx.AsyncByteStream):
             self._closed = True
             self._open_streams.discard(self)
             await self._opened.__aexit__(None, None, None)
+
+
+def _event(chunk: Chunk) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
 class SessionTransport(httpx.AsyncBaseTransport):
@@ -112,7 +125,8 @@ class SessionTransport(httpx.AsyncBaseTransport):
         except ValueError as exc:
             return error_response(400, f"malformed request: {exc}", "invalid_request_error")
         streaming = bool(body.pop("stream", False))
-        body.pop("stream_options", None)
+        options = body.pop("stream_options", None)
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         try:
             with _read_timeout(request):
                 if not streaming:
@@ -124,7 +138,7 @@ class SessionTransport(httpx.AsyncBaseTransport):
             if answer is None:
                 raise
             return answer
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, self._ctx._open_streams, request))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, self._ctx._open_streams, request, include_usage))
 
 
 @contextmanager
