@@ -35,12 +35,17 @@ async def opaque() -> object:
     return object()
 
 
+async def upstream() -> str:
+    raise TimeoutError("the weather API did not answer")
+
+
 TOOLS = [
     Tool("add", add, "add two numbers", {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}),
     Tool("search", search, "search the web"),
     Tool("explode", explode),
     Tool("hang", hang, timeout_s=5),
     Tool("opaque", opaque),
+    Tool("upstream", upstream),
 ]
 
 
@@ -71,13 +76,15 @@ async def test_concurrent_tools_then_an_answer():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        ({"name": "nope"}, "error: unknown tool 'nope'; available tools: add, explode, hang, opaque, search"),
+        ({"name": "nope"}, "error: unknown tool 'nope'; available tools: add, explode, hang, opaque, search, upstream"),
         ({"name": "add", "arguments": "{not json"}, "error: the arguments for 'add' are not valid JSON"),
         ({"name": "add", "arguments": "[1, 2]"}, "error: the arguments for 'add' must be a JSON object"),
         ({"name": "add", "arguments": {"x": 1}}, "error: tool 'add' raised TypeError"),
         ({"name": "explode"}, "error: tool 'explode' raised RuntimeError: disk full"),
         ({"name": "hang"}, "error: tool 'hang' did not finish within 5 s"),
         ({"name": "opaque"}, "error: tool 'opaque' returned a object, which is not text or JSON"),
+        # A tool's own TimeoutError read "did not finish within 30 s", at once.
+        ({"name": "upstream"}, "error: tool 'upstream' raised TimeoutError: the weather API did not answer"),
     ],
 )
 async def test_malformed_calls_become_errors_in_the_conversation(call, message):

@@ -128,12 +128,12 @@ async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
     if not isinstance(arguments, dict):
         return f"error: the arguments for {name!r} must be a JSON object, got {type(arguments).__name__}"
     try:
-        with anyio.fail_after(tool.timeout_s):
+        with anyio.move_on_after(tool.timeout_s) as scope:  # not fail_after: a tool may raise TimeoutError itself
             result = await tool.fn(**arguments)
-    except TimeoutError:
-        return f"error: tool {name!r} did not finish within {tool.timeout_s:g} s"
     except Exception as exc:  # a tool's failure is the model's to handle, not the session's
         return f"error: tool {name!r} raised {type(exc).__name__}: {exc}"
+    if scope.cancelled_caught:
+        return f"error: tool {name!r} did not finish within {tool.timeout_s:g} s"
     if isinstance(result, str):
         return result
     try:
