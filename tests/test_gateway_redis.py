@@ -20,10 +20,12 @@ import httpx
 import openai
 import pytest
 
+from fleetsched.gateway.app import FAIR_SHARE_SYNC_S
 from fleetsched.gateway.auth import hash_key
 from fleetsched.gateway.server import serve_in_thread
 from fleetsched.gateway.state import Placement, RedisState
 from fleetsched.resources.ratelimit import RateLimit
+from fleetsched.scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
 
 from .test_gateway import ACME, GLOBEX, MSG, client, gateway_settings
 
@@ -106,7 +108,7 @@ def test_alone_an_instance_keeps_the_limit_in_memory():
 async def test_token_bucket_refund_and_usage_and_placement_are_shared(redis_url):
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     limits = {"acme": RateLimit(None, 600.0)}  # 600 tokens a minute, burst 600
-    a, b = RedisState(limits, redis_url, prefix=prefix), RedisState(limits, redis_url, prefix=prefix)
+    a, b = RedisState(limits, redis_url, instance="a", prefix=prefix), RedisState(limits, redis_url, instance="b", prefix=prefix)
     try:
         assert await a.take("acme", 500) == 0
         wait = await b.take("acme", 200)
@@ -118,7 +120,8 @@ async def test_token_bucket_refund_and_usage_and_placement_are_shared(redis_url)
         await a.add_usage("acme", 10.5)
         await b.add_usage("acme", 2)
         await b.add_usage("globex", 1)
-        assert await a.usage() == {"acme": 12.5, "globex": 1.0}
+        assert await a.peer_usage() == {"acme": 2.0, "globex": 1.0}
+        assert await b.peer_usage() == {"acme": 10.5, "globex": 0.0}
 
         first = await a.place("acme/s1", Placement("one", "r0"), 5)
         second = await b.place("acme/s1", Placement("two", "r1"), 5)
@@ -218,3 +221,23 @@ def test_a_session_id_does_not_join_another_tenants_session(redis_url):
 
     with redis.Redis.from_url(redis_url) as r:
         assert len(r.keys("fleetsched:session:*")) == 2
+
+
+def test_an_instance_does_not_count_its_own_service_as_its_peers(redis_url):
+    # The sync read the totals while a call's service was counted locally but not yet in Redis
+    # (held here by CLIENT PAUSE WRITE): it then counted that service as the peers' too, and the
+    # tenant was charged twice on the instance that served it.
+    import redis
+
+    flush(redis_url)
+    with serve_in_thread(gateway_settings(gateway={"redis_url": redis_url})) as (gateway, url):
+        replies = [client(url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=3)]
+        time.sleep(2 * FAIR_SHARE_SYNC_S)  # the sync has read the tenant's total
+        with redis.Redis.from_url(redis_url) as r:
+            r.execute_command("CLIENT", "PAUSE", int(3000 * FAIR_SHARE_SYNC_S), "WRITE")
+            replies.append(client(url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=3))
+            time.sleep(2 * FAIR_SHARE_SYNC_S)  # the sync reads while the call's count waits
+            r.execute_command("CLIENT", "UNPAUSE")
+        time.sleep(3 * FAIR_SHARE_SYNC_S)
+        served = sum(r.usage.prompt_tokens * INPUT_WEIGHT + r.usage.completion_tokens * OUTPUT_WEIGHT for r in replies)
+        assert gateway.scheduler.dispatcher._queue.counter("acme") == served

@@ -113,7 +113,7 @@ class Gateway:
             for name, t in settings.tenants.items()
             if t.requests_per_minute or t.tokens_per_minute
         }
-        self.state: SharedState = create_state(limits, settings.gateway.redis_url)
+        self.state: SharedState = create_state(limits, settings.gateway.redis_url, instance=self.instance)
         # The gateway takes rate limits from the shared state; the dispatcher must not take twice.
         tenants = {
             name: t.model_copy(update={"requests_per_minute": None, "tokens_per_minute": None})
@@ -126,7 +126,6 @@ class Gateway:
         self.max_context = context_limit(settings)
         self.scheduler: Scheduler | None = None
         self.sessions: SessionTable | None = None
-        self._local_usage: dict[str, float] = {}
         self._models = _dumps(
             {"object": "list", "data": [{"id": settings.backend.model, "object": "model", "created": 0, "owned_by": "fleetsched"}]}
         )
@@ -200,7 +199,7 @@ class Gateway:
         failing = False
         while True:
             try:
-                totals = await self.state.usage()
+                by_peers = await self.state.peer_usage()
             except Exception as exc:  # Redis away for a moment: keep the local counters
                 if not failing:  # once per outage, not once a period
                     logger.warning("fair-share sync failed (retrying every %g s): %r", FAIR_SHARE_SYNC_S, exc)
@@ -209,14 +208,12 @@ class Gateway:
                 if failing:
                     logger.warning("fair-share sync works again")
                 failing = False
-                if last is None:
-                    self._local_usage.clear()  # the baseline counts what this instance served so far
-                else:
-                    for tenant, total in totals.items():
-                        peers = total - last.get(tenant, 0.0) - self._local_usage.pop(tenant, 0.0)
+                if last is not None:
+                    for tenant, total in by_peers.items():
+                        peers = total - last.get(tenant, 0.0)
                         if peers > 0 and tenant in self.settings.tenants:
                             dispatcher.charge_external(tenant, peers)
-                last = totals
+                last = by_peers
             await anyio.sleep(FAIR_SHARE_SYNC_S)
 
     # -- ASGI ------------------------------------------------------------------------------------
@@ -472,7 +469,6 @@ class Gateway:
                 await self.state.refund(tenant, unused)
                 if served and self.state.shared:
                     cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
-                    self._local_usage[tenant] = self._local_usage.get(tenant, 0.0) + cost
                     await self.state.add_usage(tenant, cost)
             except Exception as exc:
                 logger.warning("could not settle a call of tenant %r in the shared state: %r", tenant, exc)

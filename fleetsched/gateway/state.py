@@ -7,8 +7,9 @@ balancer act as one gateway). `create_state` picks from the settings.
 - Rate limits: a requests-per-minute and a tokens-per-minute token bucket per tenant, as in
   `fleetsched.resources.ratelimit`. In Redis both are taken or neither, in one Lua script on the
   Redis server's clock, so instances never race nor disagree about time.
-- Fair-share counters: the service each tenant got (VTC cost: prompt 1, output 2), summed over
-  instances, so that each instance's dispatcher can count what its peers served.
+- Fair-share counters: the service each tenant got (VTC cost: prompt 1, output 2), in total and
+  by this instance, written and read together, so that each instance's dispatcher counts what its
+  peers served and never its own service twice.
 - Session placement: which instance and replica serve a session, first writer wins, expiring
   after the session's idle time.
 """
@@ -56,11 +57,11 @@ class SharedState(ABC):
 
     @abstractmethod
     async def add_usage(self, tenant: str, cost: float) -> None:
-        """Count `cost` of service given to `tenant` (fair-share counters)."""
+        """Count `cost` of service this instance gave `tenant` (fair-share counters)."""
 
     @abstractmethod
-    async def usage(self) -> dict[str, float]:
-        """Service given to each tenant so far, by all instances together."""
+    async def peer_usage(self) -> dict[str, float]:
+        """Service given to each tenant so far by the other instances."""
 
     @abstractmethod
     async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
@@ -86,7 +87,6 @@ class MemoryState(SharedState):
     def __init__(self, limits: Mapping[str, RateLimit]) -> None:
         super().__init__(limits)
         self._buckets = TenantRateLimits(self.limits)
-        self._usage: dict[str, float] = {}
         self._placements: dict[str, tuple[Placement, float]] = {}
 
     async def take(self, tenant: str, tokens: float) -> float:
@@ -99,10 +99,10 @@ class MemoryState(SharedState):
             self._buckets.refund(tenant, tokens)
 
     async def add_usage(self, tenant: str, cost: float) -> None:
-        self._usage[tenant] = self._usage.get(tenant, 0.0) + cost
+        pass  # no peers to tell
 
-    async def usage(self) -> dict[str, float]:
-        return dict(self._usage)
+    async def peer_usage(self) -> dict[str, float]:
+        return {}
 
     async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
         now = anyio.current_time()
@@ -159,15 +159,22 @@ return '1'
 """
 
 
-class RedisState(SharedState):
-    """State shared by every gateway instance that names the same Redis (and `prefix`)."""
+#: An instance's own service counters outlive it by this long (they are refreshed while it runs).
+_OWN_USAGE_TTL_S = 3600
 
-    def __init__(self, limits: Mapping[str, RateLimit], url: str, *, prefix: str = "fleetsched") -> None:
+
+class RedisState(SharedState):
+    """State shared by every gateway instance that names the same Redis (and `prefix`);
+    `instance` names this one (its own service is counted apart)."""
+
+    def __init__(self, limits: Mapping[str, RateLimit], url: str, *, instance: str, prefix: str = "fleetsched") -> None:
         import redis.asyncio as redis
 
         super().__init__(limits)
         self._redis = redis.Redis.from_url(url)
         self._prefix = prefix
+        self._usage = f"{prefix}:usage"
+        self._own_usage = f"{prefix}:usage-of:{instance}"
         self._take = self._redis.register_script(_TAKE)
         self._refund = self._redis.register_script(_REFUND)
         self._closed = False
@@ -195,11 +202,19 @@ class RedisState(SharedState):
         await self._refund(keys=[self._bucket(tenant)], args=[tpm / 60, tpm, float(tokens)])
 
     async def add_usage(self, tenant: str, cost: float) -> None:
-        await self._redis.hincrbyfloat(f"{self._prefix}:usage", tenant, cost)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hincrbyfloat(self._usage, tenant, cost)
+            pipe.hincrbyfloat(self._own_usage, tenant, cost)
+            pipe.expire(self._own_usage, _OWN_USAGE_TTL_S)
+            await pipe.execute()
 
-    async def usage(self) -> dict[str, float]:
-        raw = await self._redis.hgetall(f"{self._prefix}:usage")
-        return {k.decode(): float(v) for k, v in raw.items()}
+    async def peer_usage(self) -> dict[str, float]:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self._usage)
+            pipe.hgetall(self._own_usage)
+            pipe.expire(self._own_usage, _OWN_USAGE_TTL_S)  # read every sync period: kept while this instance runs
+            total, own, _ = await pipe.execute()
+        return {k.decode(): float(v) - float(own.get(k, 0.0)) for k, v in total.items()}
 
     async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
         key = f"{self._prefix}:session:{session}"
@@ -224,8 +239,10 @@ class RedisState(SharedState):
             await self._redis.aclose()
 
 
-def create_state(limits: Mapping[str, RateLimit], redis_url: str | None, *, prefix: str = "fleetsched") -> SharedState:
+def create_state(
+    limits: Mapping[str, RateLimit], redis_url: str | None, *, instance: str, prefix: str = "fleetsched"
+) -> SharedState:
     """`RedisState` when `redis_url` is set, else `MemoryState`."""
     if redis_url:
-        return RedisState(limits, redis_url, prefix=prefix)
+        return RedisState(limits, redis_url, instance=instance, prefix=prefix)
     return MemoryState(limits)
