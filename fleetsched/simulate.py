@@ -325,8 +325,15 @@ def main(argv: list[str]) -> int:
                 raise ConfigError("workload", "the config describes no sessions to run (agents or a trace)")
         elif not settings.workload.agents:
             raise ConfigError("workload.agents", "--duration holds a fleet of the config's agents, and it describes none")
-        elif settings.workload.trace:
-            print("fleetsched simulate: note: workload.trace is replayed without --duration only; ignored", file=sys.stderr)
+        else:
+            if settings.workload.trace:
+                print("fleetsched simulate: note: workload.trace is replayed without --duration only; ignored", file=sys.stderr)
+            if settings.workload.arrival_rate:  # the fleet is held at its count from the start
+                print(
+                    "fleetsched simulate: note: workload.arrival_rate is used without --duration only; "
+                    "--duration keeps each entry's count of sessions running from the start",
+                    file=sys.stderr,
+                )
         try:
             settings = sim_settings(settings, args.profile, args.stream_interval)
         except ValidationError as exc:  # a bad --profile, or a field of [backend.sim]

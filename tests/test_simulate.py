@@ -239,3 +239,12 @@ def test_the_summary_says_why_more_was_simulated_than_the_duration(tmp_path, cap
     assert cli_main(["simulate", str(config), "--duration", "30s"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "s simulated (the fleet for 30 s, then up to 20 s for the sessions under way to finish)" in out
+
+
+def test_an_arrival_rate_ignored_by_duration_is_noted(tmp_path, capsys):
+    """--duration holds `count` sessions at once from the start; workload.arrival_rate = 0.0001
+    (3 sessions in about 8 hours) ran 2,249 sessions in 2 minutes without a word (before)."""
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.a]\n[workload]\narrival_rate = 0.0001\n[[workload.agents]]\ntenant = "a"\ncount = 3\nturns = 1\n')
+    assert cli_main(["simulate", str(config), "--duration", "20s", "--json"]) == 0
+    assert "workload.arrival_rate is used without --duration only" in capsys.readouterr().err
