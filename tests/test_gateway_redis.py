@@ -241,3 +241,13 @@ def test_an_instance_does_not_count_its_own_service_as_its_peers(redis_url):
         time.sleep(3 * FAIR_SHARE_SYNC_S)
         served = sum(r.usage.prompt_tokens * INPUT_WEIGHT + r.usage.completion_tokens * OUTPUT_WEIGHT for r in replies)
         assert gateway.scheduler.dispatcher._queue.counter("acme") == served
+
+
+def test_a_redis_url_that_is_not_one_is_a_config_error(tmp_path, capsys):
+    from fleetsched.gateway.server import main
+
+    config = tmp_path / "gateway.toml"
+    config.write_text('[gateway]\nredis_url = "http://127.0.0.1:6379"\n')
+    assert main(["--config", str(config)]) == 2  # was a ValueError's traceback
+    error = capsys.readouterr().err
+    assert "config error: gateway.redis_url" in error and "redis://" in error

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import anyio
 
-from ..errors import FleetschedError
+from ..errors import ConfigError, FleetschedError
 from ..resources.ratelimit import RateLimit, TenantRateLimits
 
 
@@ -171,7 +171,10 @@ class RedisState(SharedState):
         import redis.asyncio as redis
 
         super().__init__(limits)
-        self._redis = redis.Redis.from_url(url)
+        try:
+            self._redis = redis.Redis.from_url(url)
+        except ValueError as exc:  # not a Redis URL: the operator's to fix, not a traceback
+            raise ConfigError("gateway.redis_url", str(exc)) from exc
         self._prefix = prefix
         self._usage = f"{prefix}:usage"
         self._own_usage = f"{prefix}:usage-of:{instance}"
