@@ -137,3 +137,10 @@ async def test_empty_replies_are_answered_with_an_error_not_a_hang():
     assert loop.stopped == "turn_limit" and loop.tool_errors == 3
     assert sum("your reply was empty" in (m["content"] or "") for m in loop.messages) == 3
     check_released(scheduler)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan")])
+def test_a_tool_timeout_must_be_positive(timeout_s):
+    # Tool(timeout_s=0) was taken, and every call of the tool failed at once as "did not finish".
+    with pytest.raises(ValueError, match="tool 'add': timeout_s must be > 0"):
+        Tool("add", add, timeout_s=timeout_s)

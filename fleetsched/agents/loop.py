@@ -35,6 +35,10 @@ class Tool:
     parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
     timeout_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:  # also NaN
+            raise ValueError(f"tool {self.name!r}: timeout_s must be > 0 seconds (inf: no limit), got {self.timeout_s}")
+
     def schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)}}
 
