@@ -251,3 +251,22 @@ def test_a_redis_url_that_is_not_one_is_a_config_error(tmp_path, capsys):
     assert main(["--config", str(config)]) == 2  # was a ValueError's traceback
     error = capsys.readouterr().err
     assert "config error: gateway.redis_url" in error and "redis://" in error
+
+
+def test_a_503_for_the_shared_state_says_what_went_wrong(redis_url):
+    # It read "the gateway's shared state (Redis) is unavailable; retry shortly" whatever the
+    # cause, and the log said only "server:ResponseError" (redis-py's repr drops the message).
+    closed = f"redis://127.0.0.1:{_free_port()}/0"
+    wrong_db = redis_url.rsplit("/", 1)[0] + "/99"
+    for url, reason in ((closed, "cannot connect"), (wrong_db, "DB index is out of range")):
+        with serve_in_thread(gateway_settings(gateway={"redis_url": url})) as (_, gateway_url):
+            with pytest.raises(openai.APIStatusError) as caught:
+                client(gateway_url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+            with pytest.raises(openai.APIStatusError) as placing:
+                client(gateway_url, ACME).with_options(default_headers={"X-Session-ID": "s1"}).chat.completions.create(
+                    model="m", messages=MSG, max_tokens=1
+                )
+        for refused in (caught, placing):
+            message = refused.value.body["message"]
+            assert refused.value.status_code == 503 and "shared state (Redis)" in message and reason in message
+            assert "127.0.0.1" not in message  # Redis's address is the operator's, not the tenant's

@@ -202,7 +202,7 @@ class Gateway:
                 by_peers = await self.state.peer_usage()
             except Exception as exc:  # Redis away for a moment: keep the local counters
                 if not failing:  # once per outage, not once a period
-                    logger.warning("fair-share sync failed (retrying every %g s): %r", FAIR_SHARE_SYNC_S, exc)
+                    logger.warning("fair-share sync failed (retrying every %g s): %s: %s", FAIR_SHARE_SYNC_S, type(exc).__name__, exc)
                 failing = True
             else:
                 if failing:
@@ -339,8 +339,8 @@ class Gateway:
         try:
             wait = await self.state.take(tenant, tokens)
         except Exception as exc:  # the shared state (Redis) is unreachable: a 503, not our 500
-            logger.warning("shared state unavailable for tenant %r: %r", tenant, exc)
-            return await _error(send, _answer_for(StateUnavailable(str(exc))))
+            logger.warning("shared state unavailable for tenant %r: %s: %s", tenant, type(exc).__name__, exc)
+            return await _error(send, _answer_for(StateUnavailable.from_error(exc)))
         if wait > 0:
             return await _error(
                 send,
@@ -471,7 +471,7 @@ class Gateway:
                     cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
                     await self.state.add_usage(tenant, cost)
             except Exception as exc:
-                logger.warning("could not settle a call of tenant %r in the shared state: %r", tenant, exc)
+                logger.warning("could not settle a call of tenant %r in the shared state: %s: %s", tenant, type(exc).__name__, exc)
 
 
 class _Outcome:
@@ -530,9 +530,7 @@ def _answer_for(exc: BaseException) -> httpx.Response:
     if isinstance(exc, SchedulerClosed):
         return error_response(503, str(exc), "unavailable", retry_after_s=1)
     if isinstance(exc, StateUnavailable):
-        return error_response(
-            503, "the gateway's shared state (Redis) is unavailable; retry shortly", "state_unavailable", retry_after_s=1
-        )
+        return error_response(503, f"{exc}; retry shortly", "state_unavailable", retry_after_s=1)
     answer = response_for(exc)
     if answer is None:
         return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")

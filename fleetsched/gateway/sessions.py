@@ -100,7 +100,7 @@ class SessionTable:
         try:
             placement = await self._state.place(key, proposal, self._idle_s)
         except Exception as exc:  # Redis away: a 503 to retry, not our 500
-            raise StateUnavailable(f"the gateway's shared state (Redis) is unavailable: {exc!r}") from exc
+            raise StateUnavailable.from_error(exc) from exc
         if self._closing:  # began to shut down meanwhile
             raise SchedulerClosed("the gateway is shutting down")
         # Looked up after that await, and a new session entered at once: calls of a new session

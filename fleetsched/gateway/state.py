@@ -30,6 +30,21 @@ from ..resources.ratelimit import RateLimit, TenantRateLimits
 class StateUnavailable(FleetschedError):
     """The shared state (Redis) cannot be reached: the gateway answers 503, retry shortly."""
 
+    @classmethod
+    def from_error(cls, exc: Exception) -> StateUnavailable:
+        """Say what went wrong with Redis, but not where it is (the message goes to tenants)."""
+        import redis.exceptions as errors
+
+        if isinstance(exc, (errors.TimeoutError, TimeoutError)):
+            reason = "it did not answer in time"
+        elif isinstance(exc, (errors.ConnectionError, OSError)):
+            reason = "cannot connect to it"
+        elif isinstance(exc, errors.ResponseError):
+            reason = f"it refused the command: {exc}"
+        else:
+            reason = type(exc).__name__
+        return cls(f"the gateway's shared state (Redis) is unavailable: {reason}")
+
 
 @dataclass(frozen=True, slots=True)
 class Placement:
