@@ -91,8 +91,10 @@ def test_breaker_opens_half_opens_and_closes():
     breaker.record_failure(1.0)
     assert breaker.state(1.0) == "open" and not breaker.acquire(5.0)
     assert breaker.retry_in(5.0) == 6.0
+    assert "next probe in 6.0 s" in breaker.refusal(5.0)
     assert breaker.acquire(11.0)  # the one probe
     assert not breaker.acquire(11.0)  # others wait for its verdict
+    assert "a probe call is under way" in breaker.refusal(11.0)  # before: "next probe in 0.0 s"
     breaker.record_failure(11.5)  # a failed probe re-opens at once
     assert breaker.state(12.0) == "open"
     assert breaker.acquire(21.5)

@@ -92,6 +92,12 @@ class CircuitBreaker:
             return 0.0
         return max(0.0, self.opened_at + self.reset_s - now)
 
+    def refusal(self, now: float) -> str:
+        """Why `acquire` refused a call now, and when to try again, in words."""
+        if self.state(now) == "half-open":
+            return f"after {self.consecutive_failures} consecutive failures; a probe call is under way"
+        return f"after {self.consecutive_failures} consecutive failures; next probe in {self.retry_in(now):.1f} s"
+
     def record_success(self) -> None:
         self.consecutive_failures = 0
         self.opened_at = None
@@ -375,12 +381,9 @@ class VLLMServerBackend(Backend):
 
         On return the call counts in `target.in_flight`; the caller takes it out when it ends."""
         breaker = target.breaker
-        if not breaker.acquire(anyio.current_time()):
-            retry_in = breaker.retry_in(anyio.current_time())
-            raise BackendUnavailable(
-                f"circuit open for vLLM replica {target.name} ({target.url}) after "
-                f"{breaker.consecutive_failures} consecutive failures; next probe in {retry_in:.1f} s"
-            )
+        now = anyio.current_time()
+        if not breaker.acquire(now):
+            raise BackendUnavailable(f"circuit open for vLLM replica {target.name} ({target.url}) {breaker.refusal(now)}")
         target.in_flight += 1
         try:
             opened = await self._open_with_retries(target, kwargs, fail_over=fail_over)
