@@ -381,6 +381,8 @@ class AgentMix(_Section):
     def _uniform_needs_max(self) -> AgentMix:
         if self.tool_dist == "uniform" and (self.tool_s_max is None or self.tool_s_max < self.tool_s):
             raise ValueError(f"tool_s_max: a uniform tool time needs tool_s_max >= tool_s ({self.tool_s})")
+        if self.tool_dist != "uniform" and self.tool_s_max is not None:
+            raise ValueError(f'tool_s_max: applies to tool_dist = "uniform" only (this mix\'s is "{self.tool_dist}")')
         return self
 
 

@@ -192,3 +192,14 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(command,
     with pytest.raises(SystemExit) as exit_:
         cli_main([*command, "--report", "/nonexistent/run.json"])
     assert exit_.value.code == 2 and "no directory '/nonexistent' to write it in" in capsys.readouterr().err
+
+
+def test_a_tool_s_max_without_a_uniform_tool_time_is_refused():
+    """tool_s_max bounds the uniform tool time only: with tool_dist "fixed" (the default) it was
+    ignored without a word, and a mix meant to draw 0-2 s ran tools of tool_s every time."""
+    from fleetsched.settings import Settings
+
+    agents = [{"tenant": "acme", "count": 1, "tool_s": 0, "tool_s_max": 2}]
+    with pytest.raises(ValueError, match='tool_s_max: applies to tool_dist = "uniform" only'):
+        Settings(tenants={"acme": {}}, workload={"agents": agents})
+    Settings(tenants={"acme": {}}, workload={"agents": [{**agents[0], "tool_dist": "uniform"}]})
