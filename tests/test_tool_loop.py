@@ -39,6 +39,10 @@ async def upstream() -> str:
     raise TimeoutError("the weather API did not answer")
 
 
+async def unmeasured() -> dict:
+    return {"temperature": float("nan")}
+
+
 TOOLS = [
     Tool("add", add, "add two numbers", {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}),
     Tool("search", search, "search the web"),
@@ -46,6 +50,7 @@ TOOLS = [
     Tool("hang", hang, timeout_s=5),
     Tool("opaque", opaque),
     Tool("upstream", upstream),
+    Tool("unmeasured", unmeasured),
 ]
 
 
@@ -76,13 +81,15 @@ async def test_concurrent_tools_then_an_answer():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        ({"name": "nope"}, "error: unknown tool 'nope'; available tools: add, explode, hang, opaque, search, upstream"),
+        ({"name": "nope"}, "error: unknown tool 'nope'; available tools: add, explode, hang, opaque, search, unmeasured, upstream"),
         ({"name": "add", "arguments": "{not json"}, "error: the arguments for 'add' are not valid JSON"),
         ({"name": "add", "arguments": "[1, 2]"}, "error: the arguments for 'add' must be a JSON object"),
         ({"name": "add", "arguments": {"x": 1}}, "error: tool 'add' raised TypeError"),
         ({"name": "explode"}, "error: tool 'explode' raised RuntimeError: disk full"),
         ({"name": "hang"}, "error: tool 'hang' did not finish within 5 s"),
-        ({"name": "opaque"}, "error: tool 'opaque' returned a object, which is not text or JSON"),
+        ({"name": "opaque"}, "error: tool 'opaque' returned a object that is not JSON"),
+        # NaN went to the model as {"temperature": NaN}, which is not JSON.
+        ({"name": "unmeasured"}, "error: tool 'unmeasured' returned a dict that is not JSON (Out of range float values"),
         # A tool's own TimeoutError read "did not finish within 30 s", at once.
         ({"name": "upstream"}, "error: tool 'upstream' raised TimeoutError: the weather API did not answer"),
     ],
@@ -144,3 +151,17 @@ def test_a_tool_timeout_must_be_positive(timeout_s):
     # Tool(timeout_s=0) was taken, and every call of the tool failed at once as "did not finish".
     with pytest.raises(ValueError, match="tool 'add': timeout_s must be > 0"):
         Tool("add", add, timeout_s=timeout_s)
+
+
+async def test_a_script_turn_without_a_tool_name_names_the_turn():
+    """It failed the session with a bare KeyError('name')."""
+    async def agent(ctx):
+        await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, script=[[{"name": "add"}], [{"arguments": {}}]])
+
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        with pytest.raises(Exception) as failed:
+            await handle
+    check_released(scheduler)
+    assert isinstance(failed.value.__cause__, ValueError)
+    assert "script turn 1: a tool call needs a 'name'" in str(failed.value.__cause__)

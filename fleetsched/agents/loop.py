@@ -80,7 +80,7 @@ async def run_tool_loop(
         message = response["choices"][0]["message"]
         calls = list(message.get("tool_calls") or ())
         if script is not None:
-            calls = [_scripted_call(c) for c in script[turn]] if turn < len(script) else []
+            calls = [_scripted_call(turn, c) for c in script[turn]] if turn < len(script) else []
         if not calls:
             answer = message.get("content") or ""
             if answer.strip():
@@ -98,7 +98,9 @@ async def run_tool_loop(
     return LoopResult(None, "turn_limit", max_turns, conversation, errors)
 
 
-def _scripted_call(step: Mapping[str, Any]) -> dict[str, Any]:
+def _scripted_call(turn: int, step: Mapping[str, Any]) -> dict[str, Any]:
+    if "name" not in step:
+        raise ValueError(f"script turn {turn}: a tool call needs a 'name', got {step!r:.80}")
     arguments = step.get("arguments", {})
     raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return {"id": f"call_fs{next(_call_ids)}", "type": "function", "function": {"name": step["name"], "arguments": raw}}
@@ -141,6 +143,6 @@ async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
     if isinstance(result, str):
         return result
     try:
-        return json.dumps(result)
-    except (TypeError, ValueError):
-        return f"error: tool {name!r} returned a {type(result).__name__}, which is not text or JSON"
+        return json.dumps(result, allow_nan=False)  # NaN and infinity are no JSON
+    except (TypeError, ValueError) as exc:
+        return f"error: tool {name!r} returned a {type(result).__name__} that is not JSON ({exc})"
