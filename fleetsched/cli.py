@@ -65,13 +65,12 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
             if args.metrics_port is not None:
                 from .observability.metrics import registry_for, serve_metrics
 
+                host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host  # IPv6, as URLs write it
                 try:
                     port = await tg.start(serve_metrics, registry_for(scheduler, tracker), args.metrics_host, args.metrics_port)
                 except OSError as exc:  # the port is taken, the host is not ours, ...
-                    where = f"{args.metrics_host}:{args.metrics_port}"
-                    print(f"fleetsched run: cannot serve metrics on {where}: {exc.strerror or exc}", file=sys.stderr)
+                    print(f"fleetsched run: cannot serve metrics on {host}:{args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
                     return None
-                host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host  # IPv6, as URLs write it
                 print(f"fleetsched: metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
             tg.start_soon(timeline.run)
             if not args.no_live:

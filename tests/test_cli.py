@@ -81,6 +81,20 @@ def test_the_metrics_url_printed_for_an_ipv6_host_is_a_url(tmp_path):
     assert "fleetsched: metrics on http://[::1]:" in done.stderr
 
 
+def test_a_metrics_port_in_use_on_ipv6_names_the_address_as_urls_write_it():
+    # It read "cannot serve metrics on ::1:PORT".
+    try:
+        taken = socket.socket(socket.AF_INET6)
+        taken.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    with taken:
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = fleetsched("run", "examples/quickstart.toml", "--no-live", "--metrics-port", str(port), "--metrics-host", "::1")
+    assert done.returncode == 1 and f"cannot serve metrics on [::1]:{port}: Address already in use" in done.stderr
+
+
 def test_env_overrides_and_its_errors(tmp_path):
     config = tmp_path / "ok.toml"
     config.write_text('[tenants.acme]\n[[workload.agents]]\ntenant = "acme"\ncount = 1\n')
