@@ -63,3 +63,12 @@ def test_the_load_generator_keeps_off_the_engine_cpus_for_the_block_only():
     assert os.sched_getaffinity(0) == before
     with off_cpus(frozenset(before)):  # every CPU taken: it stays where it was
         assert os.sched_getaffinity(0) == before
+
+
+def test_a_log_path_given_as_text_is_a_path(tmp_path):
+    """VLLMServer(log_path="...") raised AttributeError ('str' object has no attribute ...)."""
+    from fleetsched.testing.vllm_server import VLLMServer
+
+    log = tmp_path / "vllm.log"
+    log.write_text("one\ntwo\n")
+    assert VLLMServer(log_path=str(log)).log_tail() == "one\ntwo"

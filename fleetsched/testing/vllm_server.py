@@ -189,6 +189,10 @@ class VLLMServer:
     start_seconds: float | None = field(default=None, init=False)
     """How long the last `start` took until ``/health`` answered."""
 
+    def __post_init__(self) -> None:
+        if self.log_path is not None:
+            self.log_path = Path(self.log_path)  # given as text, say
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
