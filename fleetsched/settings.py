@@ -298,8 +298,9 @@ class SimSettings(_Section):
     `fleetsched simulate` raises it to 8 unless set: hours of a large fleet at 1 cost minutes."""
     profile: str | None = None
     """A calibrated profile whose values become this section's defaults: a shipped name
-    ("tiny-cpu-vllm", "hermes3-70b-4xa100", "qwen2-7b-a100-40gb") or a path to a TOML file.
-    Fields set beside it override the profile's."""
+    ("tiny-cpu-vllm", "hermes3-70b-4xa100", "qwen2-7b-a100-40gb") or a path to a TOML file
+    (a relative path is read from the working directory, not the config file's). Fields set
+    beside it override the profile's."""
 
     @model_validator(mode="before")
     @classmethod
