@@ -191,3 +191,18 @@ def test_an_unknown_breach_reason_or_a_null_unreachable_list_still_renders(repor
     write_report(_edited(report, edit), path)
     assert render_main([str(path), "--out", str(tmp_path / "out")]) == 0
     assert "3 weird" in (tmp_path / "out" / "index.html").read_text()
+
+
+def test_a_run_without_a_throughput_draws_no_mean_line(report, tmp_path, monkeypatch):
+    """A run of no duration has throughput_tok_s null: the plot drew a 'run mean' line at 0,
+    labelled '- tok/s'."""
+    from matplotlib.axes import Axes
+
+    from fleetsched.observability.render import plot_throughput
+
+    lines = []
+    monkeypatch.setattr(Axes, "axhline", lambda self, y=0, *args, **kw: lines.append(y))
+    plot_throughput({**report, "throughput_tok_s": None}, tmp_path / "t.png")
+    assert lines == []
+    plot_throughput(report, tmp_path / "t.png")
+    assert lines == [report["throughput_tok_s"]]

@@ -83,7 +83,8 @@ def plot_throughput(report: dict[str, Any], path: Path) -> None:
         t, tokens = tl["t"], tl["completion_tokens"]
         rates = [(tokens[i] - tokens[i - 1]) / (t[i] - t[i - 1]) if t[i] > t[i - 1] else 0.0 for i in range(1, len(t))]
         ax.step(t[1:], rates, where="pre", color="tab:purple", label="generated tokens/s")
-        ax.axhline(report["throughput_tok_s"] or 0, color="grey", linestyle="--", linewidth=1, label=f"run mean {throughput_text(report)}")
+        if report["throughput_tok_s"] is not None:  # None: a run of no duration
+            ax.axhline(report["throughput_tok_s"], color="grey", linestyle="--", linewidth=1, label=f"run mean {throughput_text(report)}")
         ax.legend(fontsize=8)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("tokens / s")
