@@ -93,7 +93,7 @@ class _EventStream(httpx.AsyncByteStream):
                 last = chunk
                 yield _event({key: value for key, value in chunk.items() if key != "usage"})
             if self._include_usage and last is not None and last.get("usage"):
-                yield _event({**last, "choices": [], "usage": last["usage"]})
+                yield _event({**last, "choices": []})  # its usage with it
             yield b"data: [DONE]\n\n"
         finally:
             await self.aclose()

@@ -42,7 +42,7 @@ from ..backends import create_backend
 from ..backends.base import Backend, estimate_prompt_tokens, requested_max_tokens
 from ..backends.vllm_server import REPLICA_KEY
 from ..errors import BackendError, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
-from ..resources.ratelimit import RateLimit
+from ..resources.ratelimit import RateLimit, tokens_asked
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
 from ..scheduler.records import Recorder
@@ -498,10 +498,7 @@ def _over_limits(tenant: str, limits: TenantSettings, tokens: int) -> str:
     if limits.requests_per_minute:
         named.append(f"requests_per_minute ({limits.requests_per_minute:g})")
     if limits.tokens_per_minute:
-        asks = f"tokens_per_minute ({limits.tokens_per_minute:g}): this call asks about {tokens} tokens (prompt plus max_tokens)"
-        if tokens > limits.tokens_per_minute:
-            asks += ", more than a minute's: it goes through when the bucket is full"
-        named.append(asks)
+        named.append(tokens_asked(limits.tokens_per_minute, tokens))
     return f"tenant {tenant!r} is over its {' or its '.join(named)}"
 
 

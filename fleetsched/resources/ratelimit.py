@@ -87,12 +87,8 @@ class TenantRateLimits:
             short.append(f"requests_per_minute ({requests.capacity:g})")
         bucket = self._tokens.get(tenant)
         if bucket is not None and bucket.wait_s(tokens, now) > 0:
-            asks = f"this call asks {tokens:.0f} tokens (prompt plus max_tokens)"
-            if tokens > bucket.capacity:
-                asks += ", more than a minute's: it goes through when the bucket is full"
-            else:
-                asks += f", {max(0.0, bucket.tokens):.0f} are left"
-            short.append(f"tokens_per_minute ({bucket.capacity:g}): {asks}")
+            left = f", {max(0.0, bucket.tokens):.0f} are left" if tokens <= bucket.capacity else ""
+            short.append(tokens_asked(bucket.capacity, tokens) + left)
         return " and its ".join(short)
 
     def untake(self, tenant: str, tokens: float) -> None:
@@ -107,3 +103,11 @@ class TenantRateLimits:
         bucket = self._tokens.get(tenant)
         if bucket is not None and tokens > 0 and not math.isnan(tokens):
             bucket.give_back(tokens)
+
+
+def tokens_asked(per_minute: float, tokens: float) -> str:
+    """A refusal's words for a tokens_per_minute limit and what the call asks of it."""
+    text = f"tokens_per_minute ({per_minute:g}): this call asks {tokens:.0f} tokens (prompt plus max_tokens)"
+    if tokens > per_minute:
+        text += ", more than a minute's: it goes through when the bucket is full"
+    return text
