@@ -270,3 +270,39 @@ def test_a_503_for_the_shared_state_says_what_went_wrong(redis_url):
             message = refused.value.body["message"]
             assert refused.value.status_code == 503 and "shared state (Redis)" in message and reason in message
             assert "127.0.0.1" not in message  # Redis's address is the operator's, not the tenant's
+
+
+def test_a_session_past_its_deadline_is_refused_on_every_instance(redis_url):
+    # The refusal after a session's deadline was kept in the memory of the instance that ran the
+    # session: a call of the same id on another instance began a new session (a 200).
+    from .test_gateway import SlowBackend
+
+    flush(redis_url)
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "sla": {"deadline_s": 1}}}
+    s = gateway_settings(tenants, gateway={"redis_url": redis_url})
+    with serve_in_thread(s, backend=SlowBackend()) as (_, url_one), serve_in_thread(s) as (two, url_two):
+
+        def post(url: str) -> httpx.Response:
+            headers = {"authorization": f"Bearer {ACME}", "x-session-id": "s1"}
+            return httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}, headers=headers, timeout=10)
+
+        assert post(url_one).status_code == 408  # its first call runs past the deadline
+        for url in (url_one, url_two):
+            refused = post(url)
+            assert refused.status_code == 408 and "needs a new X-Session-ID" in refused.json()["error"]["message"]
+        assert len(two.sessions) == 0
+
+
+async def test_a_past_deadline_mark_is_shared_and_expires(redis_url):
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    a, b = RedisState({}, redis_url, instance="a", prefix=prefix), RedisState({}, redis_url, instance="b", prefix=prefix)
+    try:
+        await a.place("s1", Placement("one"), 5)
+        await a.mark_past_deadline("s1", 0.3)
+        assert await b.place("s1", Placement("two"), 5) is None
+        assert await b.place("s1", Placement("two"), 5) is None  # asking does not extend the mark
+        time.sleep(0.4)
+        assert await b.place("s1", Placement("two"), 5) == Placement("two")
+    finally:
+        await a.aclose()
+        await b.aclose()

@@ -11,11 +11,13 @@ and then the next call waits for re-admission. After `idle_s` without a call the
 Calls of one session are served one at a time, in arrival order. The call itself runs in the
 request's own task (so a client disconnect cancels it at once) with the session's identity,
 tier and deadline. A session past its tenant's ``sla.deadline_s`` ends: its call under way gets a
-408 (an error event if streamed), and its id is refused with a 408 for an idle period after.
+408 (an error event if streamed), and its id is refused with a 408 for an idle period after, on
+every instance (the shared state holds the mark).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import AsyncIterator
@@ -29,6 +31,8 @@ from ..errors import DeadlineExceeded, SchedulerClosed
 from ..scheduler import Scheduler
 from ..scheduler.session import SessionHandle
 from .state import Placement, SharedState, StateUnavailable
+
+logger = logging.getLogger(__name__)
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
@@ -77,8 +81,6 @@ class SessionTable:
         self._pick_replica = pick_replica
         self._sessions: dict[str, GatewaySession] = {}
         self._closing = False
-        #: Sessions that ended at their deadline, until when their id is refused (an idle period).
-        self._past_deadline: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -92,15 +94,15 @@ class SessionTable:
         if self._closing:
             raise SchedulerClosed("the gateway is shutting down")
         key = session_key(tenant, session_id)
-        if self._past_deadline and self._past_deadline.get(key, -math.inf) > anyio.current_time():
-            raise DeadlineExceeded(
-                f"session {session_id!r} passed its deadline (sla.deadline_s); a new session needs a new X-Session-ID"
-            )
         proposal = Placement(self._instance, self._pick_replica() if callable(self._pick_replica) else None)
         try:
             placement = await self._state.place(key, proposal, self._idle_s)
         except Exception as exc:  # Redis away: a 503 to retry, not our 500
             raise StateUnavailable.from_error(exc) from exc
+        if placement is None:
+            raise DeadlineExceeded(
+                f"session {session_id!r} passed its deadline (sla.deadline_s); a new session needs a new X-Session-ID"
+            )
         if self._closing:  # began to shut down meanwhile
             raise SchedulerClosed("the gateway is shutting down")
         # Looked up after that await, and a new session entered at once: calls of a new session
@@ -131,7 +133,7 @@ class SessionTable:
             finally:
                 session.waiting -= 1
             if not turn.granted:
-                self._refuse_ungranted(session, session_id)
+                await self._refuse_ungranted(session, session_id)
             yield session
         finally:
             turn.abandoned = True
@@ -158,7 +160,7 @@ class SessionTable:
             await turn.ready.wait()
             tg.cancel_scope.cancel()
 
-    def _refuse_ungranted(self, session: GatewaySession, session_id: str) -> None:
+    async def _refuse_ungranted(self, session: GatewaySession, session_id: str) -> None:
         """A turn released by the session's end rather than granted by it: refused during a
         shutdown, and when the session ended before serving any call (else, an expiry racing
         with the call, it goes ahead without the session)."""
@@ -167,7 +169,7 @@ class SessionTable:
         handle = session.handle
         if session.served == 0 and handle is not None and handle.done:
             if isinstance(handle.error, DeadlineExceeded):
-                self._remember_past_deadline(session.key)
+                await self._mark_past_deadline(session.key)
                 raise DeadlineExceeded(f"session {session_id!r} passed its deadline before its first call was served")
             raise SchedulerClosed(f"session {session_id!r} ended ({handle.state}) before serving this call")
 
@@ -195,17 +197,22 @@ class SessionTable:
                                 await anyio.sleep_forever()
                     turn = next_turn
             finally:
-                self._close(session)
                 if anyio.current_time() >= ctx.deadline:  # ended by its deadline: its id stays refused a while
-                    self._remember_past_deadline(session.key)
+                    # Marked before the session closes: a call that comes meanwhile joins the
+                    # session and gets its 408 from the deadline, rather than a new session.
+                    await self._mark_past_deadline(session.key)
+                self._close(session)
 
         return serve
 
-    def _remember_past_deadline(self, key: str) -> None:
-        now = anyio.current_time()
-        if len(self._past_deadline) >= 10_000:  # forget those whose idle period is over
-            self._past_deadline = {k: until for k, until in self._past_deadline.items() if until > now}
-        self._past_deadline[key] = now + self._idle_s
+    async def _mark_past_deadline(self, key: str) -> None:
+        """Have every instance refuse the session's id for an idle period (shielded: the session
+        ends by cancellation; bounded: the shared state may hang)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            try:
+                await self._state.mark_past_deadline(key, self._idle_s)
+            except Exception as exc:  # Redis away: its next call gets the 503, or a new session
+                logger.warning("could not mark session %r past its deadline: %s: %s", key, type(exc).__name__, exc)
 
     def _close(self, session: GatewaySession) -> None:
         if session.closed:

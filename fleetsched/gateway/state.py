@@ -11,7 +11,8 @@ balancer act as one gateway). `create_state` picks from the settings.
   by this instance, written and read together, so that each instance's dispatcher counts what its
   peers served and never its own service twice.
 - Session placement: which instance and replica serve a session, first writer wins, expiring
-  after the session's idle time.
+  after the session's idle time. A session that passed its deadline leaves a mark in its place
+  instead, so that every instance refuses its id for an idle period.
 """
 
 from __future__ import annotations
@@ -79,9 +80,14 @@ class SharedState(ABC):
         """Service given to each tenant so far by the other instances."""
 
     @abstractmethod
-    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
+    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement | None:
         """The placement of `session`: the one already recorded, else `proposal` (recorded now).
-        Either way its expiry is pushed to `ttl_s` from now."""
+        Either way its expiry is pushed to `ttl_s` from now. None while `session` is marked past
+        its deadline (`mark_past_deadline`); asking does not extend the mark."""
+
+    @abstractmethod
+    async def mark_past_deadline(self, session: str, ttl_s: float) -> None:
+        """`session` ended at its deadline: `place` refuses it for `ttl_s` (replaces its placement)."""
 
     @abstractmethod
     async def forget(self, session: str) -> None:
@@ -102,7 +108,8 @@ class MemoryState(SharedState):
     def __init__(self, limits: Mapping[str, RateLimit]) -> None:
         super().__init__(limits)
         self._buckets = TenantRateLimits(self.limits)
-        self._placements: dict[str, tuple[Placement, float]] = {}
+        #: Per session, its placement (None: marked past its deadline) and when it expires.
+        self._placements: dict[str, tuple[Placement | None, float]] = {}
 
     async def take(self, tenant: str, tokens: float) -> float:
         if tenant not in self.limits:
@@ -119,14 +126,22 @@ class MemoryState(SharedState):
     async def peer_usage(self) -> dict[str, float]:
         return {}
 
-    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
+    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement | None:
         now = anyio.current_time()
         found = self._placements.get(session)
-        placement = found[0] if found is not None and found[1] > now else proposal
+        if found is not None and found[1] > now:
+            if found[0] is None:  # past its deadline
+                return None
+            placement = found[0]
+        else:
+            placement = proposal
         self._placements[session] = (placement, now + ttl_s)
         if len(self._placements) > 1024 and found is None:
             self._placements = {k: v for k, v in self._placements.items() if v[1] > now}
         return placement
+
+    async def mark_past_deadline(self, session: str, ttl_s: float) -> None:
+        self._placements[session] = (None, anyio.current_time() + ttl_s)
 
     async def forget(self, session: str) -> None:
         self._placements.pop(session, None)
@@ -173,6 +188,24 @@ redis.call('HSET', KEYS[1], 'k', tostring(math.min(cap, k + amount)), 'kt', tost
 return '1'
 """
 
+# KEYS[1]: the session's key. ARGV: the proposed placement (JSON), its time to live in ms, the
+# past-deadline mark.
+# Returns the placement (the one recorded, else the proposal, now recorded; either way its
+# expiry pushed back), or the past-deadline mark as it is (its expiry left alone).
+_PLACE = """
+local found = redis.call('GET', KEYS[1])
+if found == ARGV[3] then return found end
+if found then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return found
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return ARGV[1]
+"""
+
+#: What a session's key holds once it passed its deadline (never a placement's JSON).
+_PAST_DEADLINE = "past-deadline"
+
 
 #: An instance's own service counters outlive it by this long (they are refreshed while it runs).
 _OWN_USAGE_TTL_S = 3600
@@ -195,6 +228,7 @@ class RedisState(SharedState):
         self._own_usage = f"{prefix}:usage-of:{instance}"
         self._take = self._redis.register_script(_TAKE)
         self._refund = self._redis.register_script(_REFUND)
+        self._place = self._redis.register_script(_PLACE)
         self._closed = False
 
     @property
@@ -234,27 +268,28 @@ class RedisState(SharedState):
             total, own, _ = await pipe.execute()
         return {k.decode(): float(v) - float(own.get(k, 0.0)) for k, v in total.items()}
 
-    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement:
-        key = f"{self._prefix}:session:{session}"
-        ttl_ms = max(1, int(ttl_s * 1000))
-        if await self._redis.set(key, json.dumps(asdict(proposal)), nx=True, px=ttl_ms):
-            return proposal
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.get(key)
-            pipe.pexpire(key, ttl_ms)
-            raw, _ = await pipe.execute()
-        if raw is None:  # expired in between: take it
-            await self._redis.set(key, json.dumps(asdict(proposal)), px=ttl_ms)
-            return proposal
-        return Placement(**json.loads(raw))
+    def _session(self, session: str) -> str:
+        return f"{self._prefix}:session:{session}"
+
+    async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement | None:
+        args = [json.dumps(asdict(proposal)), _milliseconds(ttl_s), _PAST_DEADLINE]
+        raw = (await self._place(keys=[self._session(session)], args=args)).decode()
+        return None if raw == _PAST_DEADLINE else Placement(**json.loads(raw))
+
+    async def mark_past_deadline(self, session: str, ttl_s: float) -> None:
+        await self._redis.set(self._session(session), _PAST_DEADLINE, px=_milliseconds(ttl_s))
 
     async def forget(self, session: str) -> None:
-        await self._redis.delete(f"{self._prefix}:session:{session}")
+        await self._redis.delete(self._session(session))
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
             await self._redis.aclose()
+
+
+def _milliseconds(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
 
 
 def create_state(
