@@ -354,6 +354,10 @@ class BackendSettings(_Section):
         return value
 
 
+#: The most sessions a workload's agent mixes may hold in all.
+MAX_WORKLOAD_SESSIONS = 1_000_000
+
+
 class AgentMix(_Section):
     """One kind of agent in a workload: how many, for which tenant, how it paces itself."""
 
@@ -419,6 +423,12 @@ class Settings(BaseSettings):
             raise ValueError("tenants: at least one tenant must be declared")
         if "" in self.tenants:  # the gateway's metrics label requests without a valid key tenant=""
             raise ValueError("tenants: a tenant's name must not be empty")
+        total = sum(mix.count for mix in self.workload.agents)
+        if total > MAX_WORKLOAD_SESSIONS:
+            raise ValueError(
+                f"workload.agents: {total:,} sessions in all; at most {MAX_WORKLOAD_SESSIONS:,} are run "
+                "(each is a task and a session held in memory from the start)"
+            )
         for i, mix in enumerate(self.workload.agents):
             if mix.tenant not in self.tenants:
                 raise ValueError(

@@ -248,3 +248,13 @@ def test_an_arrival_rate_ignored_by_duration_is_noted(tmp_path, capsys):
     config.write_text('[tenants.a]\n[workload]\narrival_rate = 0.0001\n[[workload.agents]]\ntenant = "a"\ncount = 3\nturns = 1\n')
     assert cli_main(["simulate", str(config), "--duration", "20s", "--json"]) == 0
     assert "workload.arrival_rate is used without --duration only" in capsys.readouterr().err
+
+
+def test_a_fleet_of_more_sessions_than_are_run_is_a_config_error(tmp_path, capsys):
+    # A fleet of ten million sessions was taken: `simulate --duration` started a task for each at
+    # once, and `run` planned them all, until the machine ran out of memory.
+    config = tmp_path / "huge.toml"
+    config.write_text('[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 9000000\n[[workload.agents]]\ntenant = "a"\ncount = 1000001\n')
+    assert cli_main(["simulate", str(config), "--duration", "1m"]) == 2
+    error = capsys.readouterr().err
+    assert "workload.agents" in error and "10,000,001 sessions" in error and "at most 1,000,000" in error
