@@ -172,6 +172,11 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": true}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+        # stream_options' flags are booleans (vLLM's StreamOptions): a string or a number was
+        # taken by its truthiness ("no" asked for usage on every chunk) on the sim, a 400 without
+        # the field's name from vLLM.
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"continuous_usage_stats": 3}}', "stream_options.continuous_usage_stats"),
         (b"\xff\xfe", None),
         # Unpaired surrogates: the echoed model broke the answer (a cut stream, an ERROR log).
         (b'{"model": "m\\ud800", "messages": [{"role": "user", "content": "x"}], "stream": true}', "model"),
