@@ -10,7 +10,7 @@ the prompt as one user message and each delta rewritten as completion text.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anyio
@@ -44,14 +44,17 @@ class GatewayBackend(Backend):
             return await super().complete_chat(body)  # the text-completion chunks, collected
         return await self.inner.complete_chat(body)
 
-    def replicas(self) -> list[str]:
-        """Names of the replicas a session can be placed on (empty: the backend has no choice)."""
+    @property
+    def replicas(self) -> Mapping[str, Any]:
+        """The replicas a session can be placed on, by name (empty: the backend has no choice).
+        A mapping, as on the backend wrapped: the dispatcher reads it to route a session's call to
+        its replica, and to fail over from it when it is down."""
         if isinstance(self.inner, VLLMServerBackend) and len(self.inner.replicas) > 1:
-            return list(self.inner.replicas)
-        return []
+            return self.inner.replicas
+        return {}
 
     def pick_replica(self) -> str | None:
-        if not self.replicas():
+        if not self.replicas:
             return None
         assert isinstance(self.inner, VLLMServerBackend)
         return self.inner.pick_replica().name
