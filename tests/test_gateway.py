@@ -565,11 +565,21 @@ def _two_replicas_one_dead():
         )
     ) + "data: [DONE]\n\n"
 
+    text = "".join(
+        f"data: {json.dumps(chunk)}\n\n"
+        for chunk in (
+            {"id": "cmpl-live", "object": "text_completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "text": "live", "logprobs": None, "finish_reason": "stop"}]},
+            {"id": "cmpl-live", "object": "text_completion", "created": 0, "model": "m", "choices": [], "usage": usage_dict(2, 1)},
+        )
+    ) + "data: [DONE]\n\n"  # fmt: skip
+
     def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
         def handler(request: httpx2.Request) -> httpx2.Response:
             if "dead" in base_url:
                 raise httpx2.ConnectError("connection refused")
-            return httpx2.Response(200, content=answer.encode(), headers={"content-type": "text/event-stream"})
+            body = answer if request.url.path.endswith("/chat/completions") else text
+            return httpx2.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
 
         client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=client)
@@ -592,3 +602,20 @@ def test_a_session_placed_on_a_dead_replica_fails_over_to_the_live_one():
             assert "live" in response.text and (response.text.endswith("data: [DONE]\n\n") if stream else True)
         assert gw.sessions is not None and len(gw.sessions) == 1
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+
+
+@pytest.mark.parametrize("session", [None, "placed-on-dead"])
+def test_a_text_completion_fails_over_from_a_dead_replica_before_its_first_chunk(session):
+    """Before: /v1/completions went to the least loaded replica with no failover, which with
+    calls to spare was the dead one (ties go to the first, and its breaker never opened: these
+    calls do not count against it), so every call got a 502; a session's call fell back from its
+    dead replica to the least loaded one, the dead one again."""
+    with serve_in_thread(gateway_settings(), backend=_two_replicas_one_dead()) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}", **({"x-session-id": session} if session else {})}
+        for stream in (True, False):
+            body = {"prompt": "Once upon", "stream": stream}
+            response = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=10)
+            assert response.status_code == 200, response.text
+            assert "live" in response.text
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+        assert [r.in_flight for r in gw.backend.inner.replicas.values()] == [0, 0]
