@@ -177,6 +177,8 @@ def test_too_large_400_names_the_limit(url):
         # the field's name from vLLM.
         (b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
         (b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"continuous_usage_stats": 3}}', "stream_options.continuous_usage_stats"),
+        # Options of a stream for a call that is not one: vLLM and OpenAI refuse them (it was served).
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}', "stream_options"),
         (b"\xff\xfe", None),
         # Unpaired surrogates: the echoed model broke the answer (a cut stream, an ERROR log).
         (b'{"model": "m\\ud800", "messages": [{"role": "user", "content": "x"}], "stream": true}', "model"),
