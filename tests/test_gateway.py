@@ -172,6 +172,13 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": true}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+        # stream_options' flags are booleans (vLLM's StreamOptions): a string or a number was
+        # taken by its truthiness ("no" asked for usage on every chunk) on the sim, a 400 without
+        # the field's name from vLLM.
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"include_usage": "yes"}}', "stream_options.include_usage"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"continuous_usage_stats": 3}}', "stream_options.continuous_usage_stats"),
+        # Options of a stream for a call that is not one: vLLM and OpenAI refuse them (it was served).
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}', "stream_options"),
         (b"\xff\xfe", None),
         # Unpaired surrogates: the echoed model broke the answer (a cut stream, an ERROR log).
         (b'{"model": "m\\ud800", "messages": [{"role": "user", "content": "x"}], "stream": true}', "model"),
@@ -542,3 +549,75 @@ def test_a_tenant_named_empty_is_refused_its_label_is_the_unauthenticated_reques
     config.write_text('[tenants.""]\ntier = "batch"\n')
     with pytest.raises(ConfigError, match=r"^tenants: a tenant's name must not be empty"):
         load_settings(config)
+
+
+def _two_replicas_one_dead():
+    """A vLLM server backend over two replicas served by a mock transport: "dead" cannot be
+    reached (a connection refused), "live" answers. A session is placed on "dead" (the least
+    loaded, the first of a tie)."""
+    import httpx2
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    answer = "".join(
+        f"data: {json.dumps(chunk)}\n\n"
+        for chunk in (
+            make_chunk("chatcmpl-live", "m", 0, role="assistant", content="live"),
+            make_chunk("chatcmpl-live", "m", 0, finish_reason="stop", usage=usage_dict(2, 1)),
+        )
+    ) + "data: [DONE]\n\n"
+
+    text = "".join(
+        f"data: {json.dumps(chunk)}\n\n"
+        for chunk in (
+            {"id": "cmpl-live", "object": "text_completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "text": "live", "logprobs": None, "finish_reason": "stop"}]},
+            {"id": "cmpl-live", "object": "text_completion", "created": 0, "model": "m", "choices": [], "usage": usage_dict(2, 1)},
+        )
+    ) + "data: [DONE]\n\n"  # fmt: skip
+
+    def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            if "dead" in base_url:
+                raise httpx2.ConnectError("connection refused")
+            body = answer if request.url.path.endswith("/chat/completions") else text
+            return httpx2.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+        client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=client)
+
+    metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    urls = {"dead": "http://dead.invalid:8000", "live": "http://live.invalid:8000"}
+    return VLLMServerBackend(urls, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
+
+
+def test_a_session_placed_on_a_dead_replica_fails_over_to_the_live_one():
+    """Before: the gateway named the session's replica in the body, which the backend takes as the
+    caller's choice (no failover), and the dispatcher saw no replicas behind the gateway's
+    wrapper: every call of the session, streamed or not, got a 502 for as long as it went on
+    calling (each call renewed its placement on the dead replica)."""
+    with serve_in_thread(gateway_settings(), backend=_two_replicas_one_dead()) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}", "x-session-id": "placed-on-dead"}
+        for stream in (True, False, True):
+            response = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "stream": stream}, headers=headers, timeout=10)
+            assert response.status_code == 200, response.text
+            assert "live" in response.text and (response.text.endswith("data: [DONE]\n\n") if stream else True)
+        assert gw.sessions is not None and len(gw.sessions) == 1
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+
+
+@pytest.mark.parametrize("session", [None, "placed-on-dead"])
+def test_a_text_completion_fails_over_from_a_dead_replica_before_its_first_chunk(session):
+    """Before: /v1/completions went to the least loaded replica with no failover, which with
+    calls to spare was the dead one (ties go to the first, and its breaker never opened: these
+    calls do not count against it), so every call got a 502; a session's call fell back from its
+    dead replica to the least loaded one, the dead one again."""
+    with serve_in_thread(gateway_settings(), backend=_two_replicas_one_dead()) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}", **({"x-session-id": session} if session else {})}
+        for stream in (True, False):
+            body = {"prompt": "Once upon", "stream": stream}
+            response = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=10)
+            assert response.status_code == 200, response.text
+            assert "live" in response.text
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+        assert [r.in_flight for r in gw.backend.inner.replicas.values()] == [0, 0]

@@ -384,11 +384,13 @@ class Gateway:
         async with self.sessions.call(identity.tenant, session_id) as session:
             handle = session.handle
             assert handle is not None
-            if session.placement.replica is not None:
-                body[REPLICA_KEY] = session.placement.replica
             ttft = identity.settings.sla.ttft_p99_s
             due = anyio.current_time() + ttft if ttft else math.inf
-            await self._dispatch(endpoint, body, streaming, handle.tenant, int(handle.tier), handle.id, due, handle.deadline, send, done)
+            # The replica goes to the dispatcher, not into the body (where the backend takes it as
+            # the caller's choice, without failover): the dispatcher sends the call there, and
+            # to another replica if that one is down before the first chunk.
+            tier, deadline, replica = int(handle.tier), handle.deadline, session.placement.replica
+            await self._dispatch(endpoint, body, streaming, handle.tenant, tier, handle.id, due, deadline, send, done, replica)
             handle.counters.calls += 1
             handle.counters.prompt_tokens += done.prompt_tokens
             handle.counters.completion_tokens += done.completion_tokens
@@ -405,6 +407,7 @@ class Gateway:
         deadline: float,
         send: Send,
         done: _Outcome,
+        replica: str | None = None,
     ) -> None:
         if self.scheduler is None:
             raise SchedulerClosed("the gateway is not running")
@@ -416,14 +419,18 @@ class Gateway:
             # then; a call runs in the request's task): past it, a 408, or an error event.
             if endpoint == "chat" and not streaming:
                 with anyio.CancelScope(deadline=deadline) as budget:
-                    response = await dispatcher.chat(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline)
+                    response = await dispatcher.chat(
+                        body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline, replica=replica
+                    )
                 _check_budget(budget)
                 done.note(response)
                 done.status = await _send(send, 200, _dumps(response))
                 return
             async with AsyncExitStack() as stack:
                 with anyio.CancelScope(deadline=deadline) as budget:  # the wait for a place included
-                    stream = dispatcher.stream(body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline)
+                    stream = dispatcher.stream(
+                        body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline, replica=replica
+                    )
                     chunks = await stack.enter_async_context(stream)
                     if not streaming:
                         collected = [chunk async for chunk in chunks]

@@ -10,14 +10,14 @@ the prompt as one user message and each delta rewritten as completion text.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anyio
 
 from ..backends.base import Backend, ChatBody, Chunk, EngineSignals
 from ..backends.vllm_server import REPLICA_KEY, VLLMServerBackend, translate_error
-from ..errors import BackendError
+from ..errors import BackendError, BackendUnavailable
 
 ENDPOINT_KEY = "fleetsched_endpoint"
 """Body key marking a text-completion call (removed before the backend sees the body)."""
@@ -44,14 +44,17 @@ class GatewayBackend(Backend):
             return await super().complete_chat(body)  # the text-completion chunks, collected
         return await self.inner.complete_chat(body)
 
-    def replicas(self) -> list[str]:
-        """Names of the replicas a session can be placed on (empty: the backend has no choice)."""
+    @property
+    def replicas(self) -> Mapping[str, Any]:
+        """The replicas a session can be placed on, by name (empty: the backend has no choice).
+        A mapping, as on the backend wrapped: the dispatcher reads it to route a session's call to
+        its replica, and to fail over from it when it is down."""
         if isinstance(self.inner, VLLMServerBackend) and len(self.inner.replicas) > 1:
-            return list(self.inner.replicas)
-        return []
+            return self.inner.replicas
+        return {}
 
     def pick_replica(self) -> str | None:
-        if not self.replicas():
+        if not self.replicas:
             return None
         assert isinstance(self.inner, VLLMServerBackend)
         return self.inner.pick_replica().name
@@ -74,31 +77,46 @@ class GatewayBackend(Backend):
 async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) -> AsyncIterator[Chunk]:
     """Stream ``/v1/completions`` from a vLLM replica, chunks as the server sent them.
 
-    No retries and no circuit breaker here (the chat path has both): a failure is the caller's.
+    No retries and no circuit breaker here (the chat path has both). A call routed by load (no
+    replica named) that its replica fails before the first chunk with `BackendUnavailable` goes
+    to the least loaded of the others, as a chat call does: without that, with one replica down,
+    the call went to it again and again (ties go to the first, and no failure here opens its
+    breaker), and so did a session's call falling back from its dead replica.
     """
     import openai
 
-    target = backend.pick_replica(body.pop(REPLICA_KEY, None))
+    named = body.pop(REPLICA_KEY, None)
+    target = backend.pick_replica(named)
     body.pop("stream", None)
     stream_options = {**(body.pop("stream_options", None) or {}), "include_usage": True}
     model = body.pop("model", None) or backend.model
     prompt = body.pop("prompt")
-    target.in_flight += 1
-    stream = None
-    try:
+    tried = [target]
+    while True:
+        target.in_flight += 1
+        stream = None
+        streamed = False
         try:
-            stream = await target.client.completions.create(
-                model=model, prompt=prompt, stream=True, stream_options=stream_options, extra_body=body
-            )
-            async for chunk in stream:
-                yield chunk.model_dump(exclude_unset=True)
-        except (openai.OpenAIError, *_transport_errors()) as exc:
-            raise translate_error(exc, target.name, target.url) from exc
-    finally:
-        target.in_flight -= 1
-        if stream is not None:
-            with anyio.CancelScope(shield=True):
-                await stream.close()
+            try:
+                stream = await target.client.completions.create(
+                    model=model, prompt=prompt, stream=True, stream_options=stream_options, extra_body=body
+                )
+                async for chunk in stream:
+                    streamed = True
+                    yield chunk.model_dump(exclude_unset=True)
+                return
+            except (openai.OpenAIError, *_transport_errors()) as exc:
+                error = translate_error(exc, target.name, target.url)
+                others = [] if named is not None or streamed else backend._untried(tried)
+                if not isinstance(error, BackendUnavailable) or not others:
+                    raise error from exc
+        finally:
+            target.in_flight -= 1
+            if stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await stream.close()
+        target = min(others, key=lambda r: r.in_flight)
+        tried.append(target)
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:

@@ -85,6 +85,13 @@ def _common(body: Mapping[str, Any]) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise Invalid("stream_options", "must be an object")
+    # Its flags are booleans, as in vLLM's StreamOptions: the sim read them by truthiness ("no"
+    # asked for usage on every chunk), and vLLM refused them without naming the field.
+    for name in ("include_usage", "continuous_usage_stats"):
+        if options and options.get(name) is not None and not isinstance(options[name], bool):
+            raise Invalid(f"stream_options.{name}", "must be true or false")
+    if options and not body.get("stream"):  # as vLLM and OpenAI answer it: no stream, no stream options
+        raise Invalid("stream_options", "is only allowed when stream is true")
     _integer(body, "max_tokens", 1)
     _integer(body, "max_completion_tokens", 1)
     _integer(body, "seed", -(2**63), 2**63 - 1)
