@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import anyio
 import pytest
 
@@ -165,3 +168,45 @@ async def test_a_script_turn_without_a_tool_name_names_the_turn():
     check_released(scheduler)
     assert isinstance(failed.value.__cause__, ValueError)
     assert "script turn 1: a tool call needs a 'name'" in str(failed.value.__cause__)
+
+
+def blocking_add(a: float, b: float) -> str:
+    time.sleep(0.01)  # blocking work, as a `def` tool does (an HTTP client, a subprocess)
+    return f"{a + b} in {'a worker thread' if threading.current_thread() is not threading.main_thread() else 'the loop'}"
+
+
+class Deferred:
+    """A callable object whose call returns an awaitable: awaited, as before."""
+
+    def __call__(self, a: float, b: float):
+        return add(a, b)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # a real clock: a mock one jumps while a thread works
+async def test_plain_functions_are_tools_too(anyio_backend):
+    """A `def` tool was an error for the model on every call ("object str can't be used in
+    'await' expression"); it now runs in a worker thread, so it does not stall other sessions."""
+    tools = [
+        Tool("add", blocking_add),
+        Tool("upper", lambda word: word.upper()),
+        Tool("add_later", lambda a, b: add(a, b)),  # a `def` returning an awaitable: awaited
+        Tool("deferred", Deferred()),
+        Tool("slow", lambda: time.sleep(0.5), timeout_s=0.05),  # the limit holds: the thread is left behind
+    ]
+    script = [[
+        {"name": "add", "arguments": {"a": 2, "b": 3}},
+        {"name": "upper", "arguments": {"word": "ok"}},
+        {"name": "add_later", "arguments": {"a": 1, "b": 2}},
+        {"name": "deferred", "arguments": {"a": 3, "b": 4}},
+        {"name": "slow"},
+    ]]
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], tools, script=script)
+
+    async with Scheduler(settings()) as scheduler:
+        loop = await (await scheduler.submit(agent, tenant="acme"))
+    check_released(scheduler)
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"] == [
+        "5 in a worker thread", "OK", "3", "7", "error: tool 'slow' did not finish within 0.05 s"]
+    assert loop.tool_errors == 1

@@ -12,9 +12,11 @@ Where the model cannot be trusted to decide (a tiny random model in tests and be
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,12 +24,19 @@ import anyio
 
 from .context import SessionContext
 
-ToolFn = Callable[..., Awaitable[Any]]
+ToolFn = Callable[..., Any]  # an async function, a callable returning an awaitable, or a plain function
 
 
 @dataclass(frozen=True, slots=True)
 class Tool:
-    """A tool the model may call: `fn(**arguments)` is awaited, at most `timeout_s` seconds."""
+    """A tool the model may call: `fn(**arguments)`, at most `timeout_s` seconds.
+
+    `fn` is an async function, or any callable returning an awaitable, which is awaited; a plain
+    (synchronous) function runs in a worker thread, so that a blocking tool does not stall every
+    other session of the event loop (past `timeout_s` the loop goes on without it; the thread
+    ends in its own time). On a virtual clock the clock jumps while a thread works, so there a
+    plain function's time does not count and its `timeout_s` may pass at once.
+    """
 
     name: str
     fn: ToolFn
@@ -135,7 +144,14 @@ async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
         return f"error: the arguments for {name!r} must be a JSON object, got {type(arguments).__name__}"
     try:
         with anyio.move_on_after(tool.timeout_s) as scope:  # not fail_after: a tool may raise TimeoutError itself
-            result = await tool.fn(**arguments)
+            if _is_plain_function(tool.fn):
+                # Boxed: a `def` may return an awaitable (``lambda q: search(q)``), awaited below
+                # in the loop; trio's worker threads refuse to return one bare.
+                (result,) = await anyio.to_thread.run_sync(lambda: (tool.fn(**arguments),), abandon_on_cancel=True)
+            else:
+                result = tool.fn(**arguments)
+            if inspect.isawaitable(result):  # an async function's, or a callable's that returns one
+                result = await result
     except Exception as exc:  # a tool's failure is the model's to handle, not the session's
         return f"error: tool {name!r} raised {type(exc).__name__}: {exc}"
     if scope.cancelled_caught:
@@ -146,3 +162,12 @@ async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
         return json.dumps(result, allow_nan=False)  # NaN and infinity are no JSON
     except (TypeError, ValueError) as exc:
         return f"error: tool {name!r} returned a {type(result).__name__} that is not JSON ({exc})"
+
+
+def _is_plain_function(fn: Any) -> bool:
+    """Whether `fn` is a synchronous function (``def``, lambda, builtin, method, or a partial of
+    one), which runs in a worker thread. An ``async def`` is not; nor is a callable object, called
+    in the event loop as ever, since its call may return an awaitable that needs the loop."""
+    if inspect.iscoroutinefunction(fn):  # also a method or a partial of one
+        return False
+    return inspect.isroutine(fn.func if isinstance(fn, functools.partial) else fn)
