@@ -10,6 +10,7 @@ import pytest
 
 from fleetsched import Scheduler, SessionState
 from fleetsched.agents.loop import Tool, run_tool_loop
+from fleetsched.backends.instant import InstantBackend
 
 from .helpers import check_released, settings
 
@@ -210,3 +211,44 @@ async def test_plain_functions_are_tools_too(anyio_backend):
     assert [m["content"] for m in loop.messages if m["role"] == "tool"] == [
         "5 in a worker thread", "OK", "3", "7", "error: tool 'slow' did not finish within 0.05 s"]
     assert loop.tool_errors == 1
+
+
+class ToolCallsBackend(InstantBackend):
+    """Answers a session's first call with these `tool_calls` (as a model server might send
+    them), and "ok" after."""
+
+    def __init__(self, tool_calls: object) -> None:
+        super().__init__()
+        self.tool_calls = tool_calls
+        self.answered = 0
+
+    async def complete_chat(self, body):
+        response, first_token_at = await super().complete_chat(body)
+        if not self.answered:
+            response["choices"][0]["message"].update(content=None, tool_calls=self.tool_calls)
+        self.answered += 1
+        return response, first_token_at
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # Some servers send the arguments' object itself, not its JSON text: taken as they are.
+        ({"id": "c1", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}, "5"),
+        ({"id": "c1", "function": {"name": "add", "arguments": 5}}, "error: the arguments for 'add' must be a JSON object, got int"),
+        ("add", "error: a tool call must be an object with a `function` object (its name and arguments), got 'add'"),
+        ({"id": "c1", "function": "add"}, "error: a tool call must be an object with a `function` object"),
+    ],
+)
+async def test_tool_calls_of_unexpected_shapes_from_the_model_become_errors_or_run(call, message):
+    """They failed the session (TypeError from json.loads, in an ExceptionGroup; AttributeError)."""
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS)
+
+    async with ToolCallsBackend([call]) as backend, Scheduler(settings(), backend=backend) as scheduler:
+        loop = await (await scheduler.submit(agent, tenant="acme"))
+    check_released(scheduler)
+    assert loop.stopped == "answer" and loop.turns == 2
+    (tool_message,) = [m for m in loop.messages if m["role"] == "tool"]
+    assert tool_message["content"].startswith(message)

@@ -103,7 +103,8 @@ async def run_tool_loop(
         results = await _run_calls(ctx, calls, by_name)
         errors += sum(result.startswith("error:") for result in results)
         for call, result in zip(calls, results):
-            conversation.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result})
+            call_id = call.get("id", "") if isinstance(call, Mapping) else ""
+            conversation.append({"role": "tool", "tool_call_id": call_id, "content": result})
     return LoopResult(None, "turn_limit", max_turns, conversation, errors)
 
 
@@ -115,14 +116,14 @@ def _scripted_call(turn: int, step: Mapping[str, Any]) -> dict[str, Any]:
     return {"id": f"call_fs{next(_call_ids)}", "type": "function", "function": {"name": step["name"], "arguments": raw}}
 
 
-async def _run_calls(ctx: SessionContext, calls: list[dict[str, Any]], tools: Mapping[str, Tool]) -> list[str]:
+async def _run_calls(ctx: SessionContext, calls: list[Any], tools: Mapping[str, Tool]) -> list[str]:
     """Run the requested tools concurrently, as one tool period of the session."""
     results = [""] * len(calls)
 
-    async def run(index: int, call: Mapping[str, Any]) -> None:
+    async def run(index: int, call: Any) -> None:
         results[index] = await _run_one(call, tools)
 
-    names = "+".join(sorted({str((c.get("function") or {}).get("name")) for c in calls}))
+    names = "+".join(sorted({str(_function(c).get("name")) for c in calls}))
     async with ctx.tool(names):
         async with anyio.create_task_group() as tg:
             for index, call in enumerate(calls):
@@ -130,16 +131,21 @@ async def _run_calls(ctx: SessionContext, calls: list[dict[str, Any]], tools: Ma
     return results
 
 
-async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
-    function = call.get("function") or {}
+async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function") or {}, Mapping):
+        return f"error: a tool call must be an object with a `function` object (its name and arguments), got {call!r:.80}"
+    function = _function(call)
     name = function.get("name")
     tool = tools.get(name) if isinstance(name, str) else None
     if tool is None:
         return f"error: unknown tool {name!r}; available tools: {', '.join(sorted(tools)) or '(none)'}"
-    try:
-        arguments = json.loads(function.get("arguments") or "{}")
-    except json.JSONDecodeError as exc:
-        return f"error: the arguments for {name!r} are not valid JSON ({exc.msg} at position {exc.pos})"
+    # OpenAI's format sends the arguments' JSON text; some servers send the object itself.
+    arguments = function.get("arguments") or "{}"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            return f"error: the arguments for {name!r} are not valid JSON ({exc.msg} at position {exc.pos})"
     if not isinstance(arguments, dict):
         return f"error: the arguments for {name!r} must be a JSON object, got {type(arguments).__name__}"
     try:
@@ -162,6 +168,13 @@ async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
         return json.dumps(result, allow_nan=False)  # NaN and infinity are no JSON
     except (TypeError, ValueError) as exc:
         return f"error: tool {name!r} returned a {type(result).__name__} that is not JSON ({exc})"
+
+
+def _function(call: Any) -> Mapping[str, Any]:
+    """The `function` part (name, arguments) of a tool call the model made; empty if it has none,
+    or if the call is not shaped as one (`_run_one` answers the model so)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    return function if isinstance(function, Mapping) else {}
 
 
 def _is_plain_function(fn: Any) -> bool:
