@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -150,7 +151,7 @@ async def test_empty_replies_are_answered_with_an_error_not_a_hang():
     check_released(scheduler)
 
 
-@pytest.mark.parametrize("timeout_s", [0, -1, float("nan")])
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "5"])
 def test_a_tool_timeout_must_be_positive(timeout_s):
     # Tool(timeout_s=0) was taken, and every call of the tool failed at once as "did not finish".
     with pytest.raises(ValueError, match="tool 'add': timeout_s must be > 0"):
@@ -252,3 +253,19 @@ async def test_tool_calls_of_unexpected_shapes_from_the_model_become_errors_or_r
     assert loop.stopped == "answer" and loop.turns == 2
     (tool_message,) = [m for m in loop.messages if m["role"] == "tool"]
     assert tool_message["content"].startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "message"),
+    [
+        ("add", None, "tool 'add': fn must be a function, got None"),
+        ("add", "add", "tool 'add': fn must be a function, got 'add'"),
+        ("", add, "a tool's name must be a non-empty str, got ''"),
+        (add, add, "a tool's name must be a non-empty str, got <function add"),
+    ],
+)
+def test_a_tool_is_refused_when_it_is_built_wrong(name, fn, message):
+    # Each was taken: every call of the tool was then an error the model saw ("'NoneType' object
+    # is not callable"), or the model was offered a function named '' or '<function add ...>'.
+    with pytest.raises(TypeError, match=re.escape(message)):
+        Tool(name, fn)

@@ -45,8 +45,14 @@ class Tool:
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:  # also NaN
-            raise ValueError(f"tool {self.name!r}: timeout_s must be > 0 seconds (inf: no limit), got {self.timeout_s}")
+        # Checked here, where the mistake is made: once taken, every call of the tool would be an
+        # error the model sees, or the model would be offered a function of a garbled name.
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"a tool's name must be a non-empty str, got {self.name!r:.80}")
+        if not callable(self.fn):
+            raise TypeError(f"tool {self.name!r}: fn must be a function, got {self.fn!r:.80}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:  # also NaN
+            raise ValueError(f"tool {self.name!r}: timeout_s must be > 0 seconds (inf: no limit), got {self.timeout_s!r}")
 
     def schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)}}
