@@ -9,7 +9,7 @@ import time
 import anyio
 import pytest
 
-from fleetsched import Scheduler, SessionState
+from fleetsched import Scheduler, SessionFailed, SessionState
 from fleetsched.agents.loop import Tool, run_tool_loop
 from fleetsched.backends.instant import InstantBackend
 
@@ -269,3 +269,35 @@ def test_a_tool_is_refused_when_it_is_built_wrong(name, fn, message):
     # is not callable"), or the model was offered a function named '' or '<function add ...>'.
     with pytest.raises(TypeError, match=re.escape(message)):
         Tool(name, fn)
+
+
+async def multiply(a: float, b: float) -> str:
+    return str(a * b)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        # The second 'add' was run for every call of 'add', without a word.
+        ({"tools": [TOOLS[0], Tool("add", multiply)]}, ValueError, "tools: two tools are named 'add'"),
+        ({"tools": [add]}, TypeError, "tools: expected a list of Tool, got <function add"),
+        ({"tools": TOOLS[0]}, TypeError, "tools: expected a list of Tool, got Tool(name='add'"),
+        ({"max_turns": "3"}, ValueError, "max_turns must be >= 1 (an integer), got '3'"),
+        ({"max_turns": 2.5}, ValueError, "max_turns must be >= 1 (an integer), got 2.5"),
+        ({"messages": "go"}, TypeError, "messages: expected a list of {role, content} objects, got 'go'"),
+        # A turn given as one call, not a list of them: AttributeError ('str' object has no attribute 'get').
+        ({"script": [{"name": "add"}]}, ValueError, "script turn 0: expected a list of tool calls, got {'name': 'add'}"),
+    ],
+)
+async def test_bad_arguments_to_the_loop_name_what_was_wrong(arguments, error, message):
+    call = {"messages": [{"role": "user", "content": "go"}], "tools": TOOLS, **arguments}
+
+    async def agent(ctx):
+        await run_tool_loop(ctx, **call)
+
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(SessionFailed) as failed:
+            await (await scheduler.submit(agent, tenant="acme"))
+    check_released(scheduler)
+    assert isinstance(failed.value.__cause__, error) and message in str(failed.value.__cause__)
+    assert scheduler.statistics().dispatcher.calls_started == 0  # refused before its first model call

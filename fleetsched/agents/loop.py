@@ -82,8 +82,7 @@ async def run_tool_loop(
     script: Sequence[ScriptTurn] | None = None,
 ) -> LoopResult:
     """Run the loop from `messages`. Returns the answer and why the loop stopped."""
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    _check_arguments(messages, tools, max_turns, script)
     by_name = {tool.name: tool for tool in tools}
     conversation = [dict(m) for m in messages]
     schemas = [tool.schema() for tool in tools]
@@ -112,6 +111,28 @@ async def run_tool_loop(
             call_id = call.get("id", "") if isinstance(call, Mapping) else ""
             conversation.append({"role": "tool", "tool_call_id": call_id, "content": result})
     return LoopResult(None, "turn_limit", max_turns, conversation, errors)
+
+
+def _check_arguments(messages: Any, tools: Any, max_turns: Any, script: Any) -> None:
+    """Refuse what the loop cannot run, naming it, before its first model call (a misshapen
+    argument failed later with an error about something else, and two tools of one name ran the
+    second for both)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not all(isinstance(m, Mapping) for m in messages):
+        raise TypeError(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}")
+    if isinstance(tools, (str, bytes, Mapping, Tool)):
+        raise TypeError(f"tools: expected a list of Tool, got {tools!r:.80}")
+    names: set[str] = set()
+    for tool in tools:
+        if not isinstance(tool, Tool):
+            raise TypeError(f"tools: expected a list of Tool, got {tool!r:.80} in it")
+        if tool.name in names:
+            raise ValueError(f"tools: two tools are named {tool.name!r}; the model calls a tool by its name")
+        names.add(tool.name)
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1 (an integer), got {max_turns!r}")
+    for turn, steps in enumerate(script or ()):
+        if isinstance(steps, (str, bytes, Mapping)) or not all(isinstance(step, Mapping) for step in steps):
+            raise ValueError(f"script turn {turn}: expected a list of tool calls, got {steps!r:.80}")
 
 
 def _scripted_call(turn: int, step: Mapping[str, Any]) -> dict[str, Any]:
