@@ -389,3 +389,18 @@ async def test_bad_tenant_or_memory_is_named_and_holds_nothing(arguments, error,
         assert await scheduler.run(chatter, tenant="acme") == "ok"  # nobody else harmed
     assert scheduler.statistics().finished == {"done": 1}
     check_released(scheduler)
+
+
+async def test_an_agent_that_yields_is_refused_naming_it():
+    """An `async def` that yields (an async generator) failed its session with "the agent
+    returned async_generator, not an awaitable: define it with `async def`", which it was."""
+
+    async def streaming_agent(ctx):
+        yield await ctx.chat(MESSAGES, max_tokens=4)
+
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(TypeError, match="agent: .*streaming_agent.* is an async generator .it yields.: an agent returns its result"):
+            await scheduler.submit(streaming_agent, tenant="acme")
+        assert await scheduler.run(chatter, tenant="acme") == "ok"
+    assert scheduler.statistics().finished == {"done": 1}
+    check_released(scheduler)

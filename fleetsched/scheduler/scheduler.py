@@ -261,6 +261,9 @@ class Scheduler:
             raise SchedulerClosed("the scheduler is not accepting sessions (enter it with `async with` first)")
         if not callable(agent):
             raise TypeError(f"agent: expected an async function taking the session's context, got {agent!r:.80}")
+        if inspect.isasyncgenfunction(agent):  # its call returns no awaitable, though it is an `async def`
+            name = getattr(agent, "__name__", agent)
+            raise TypeError(f"agent: {name!r:.80} is an async generator (it yields): an agent returns its result")
         if not isinstance(tenant, str):  # a list was "unhashable type: 'list'"
             raise TypeError(f"tenant: expected a tenant's name (a str), got {tenant!r:.80}")
         tenant_settings = self.settings.tenants.get(tenant)
