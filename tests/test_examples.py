@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,19 @@ def test_tool_agents_example():
     )
     assert done.returncode == 0, done.stderr
     assert "12 of 12 agents answered" in done.stdout
+
+
+def test_the_readmes_python_example_runs_as_written(monkeypatch, capsys):
+    """It read a ./fleetsched.toml that the repository does not have (ConfigError: no such file)."""
+    import anyio
+    import trio.testing
+
+    source = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[1]
+    assert source.rstrip().endswith("anyio.run(main)")
+    namespace: dict = {}
+    exec(compile(source.rstrip().removesuffix("anyio.run(main)"), "README.md", "exec"), namespace)
+    monkeypatch.chdir(ROOT)
+    # On virtual time: its 100 sessions each spend 2 s in a tool.
+    anyio.run(namespace["main"], backend="trio", backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)})
+    printed = capsys.readouterr().out
+    assert "finished={'done': 100}" in printed and "slots_in_use=0" in printed

@@ -368,3 +368,39 @@ def test_invalid_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as info:
         load_settings(**overrides)
     assert info.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        # TypeError: unhashable type: 'list'
+        ({"tenant": ["acme"]}, TypeError, "tenant: expected a tenant's name (a str), got ['acme']"),
+        # These named "a reservation", not the argument (the config's sizes take "1GB"; submit does not).
+        ({"tenant": "acme", "memory": "1GB"}, ValueError, "memory: expected a whole number of bytes > 0, got '1GB'"),
+        ({"tenant": "acme", "memory": 0}, ValueError, "memory: expected a whole number of bytes > 0, got 0"),
+        ({"tenant": "acme", "memory": 1.5e9}, ValueError, "memory: expected a whole number of bytes > 0, got 1500000000.0"),
+    ],
+)
+async def test_bad_tenant_or_memory_is_named_and_holds_nothing(arguments, error, message):
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(error) as info:
+            await scheduler.submit(chatter, **arguments)
+        assert str(info.value) == message
+        assert await scheduler.run(chatter, tenant="acme") == "ok"  # nobody else harmed
+    assert scheduler.statistics().finished == {"done": 1}
+    check_released(scheduler)
+
+
+async def test_an_agent_that_yields_is_refused_naming_it():
+    """An `async def` that yields (an async generator) failed its session with "the agent
+    returned async_generator, not an awaitable: define it with `async def`", which it was."""
+
+    async def streaming_agent(ctx):
+        yield await ctx.chat(MESSAGES, max_tokens=4)
+
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(TypeError, match="agent: .*streaming_agent.* is an async generator .it yields.: an agent returns its result"):
+            await scheduler.submit(streaming_agent, tenant="acme")
+        assert await scheduler.run(chatter, tenant="acme") == "ok"
+    assert scheduler.statistics().finished == {"done": 1}
+    check_released(scheduler)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+
 import anyio
 import pytest
 
-from fleetsched import Scheduler, SessionState
+from fleetsched import Scheduler, SessionFailed, SessionState
 from fleetsched.agents.loop import Tool, run_tool_loop
+from fleetsched.backends.instant import InstantBackend
 
 from .helpers import check_released, settings
 
@@ -146,7 +151,7 @@ async def test_empty_replies_are_answered_with_an_error_not_a_hang():
     check_released(scheduler)
 
 
-@pytest.mark.parametrize("timeout_s", [0, -1, float("nan")])
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "5"])
 def test_a_tool_timeout_must_be_positive(timeout_s):
     # Tool(timeout_s=0) was taken, and every call of the tool failed at once as "did not finish".
     with pytest.raises(ValueError, match="tool 'add': timeout_s must be > 0"):
@@ -165,3 +170,134 @@ async def test_a_script_turn_without_a_tool_name_names_the_turn():
     check_released(scheduler)
     assert isinstance(failed.value.__cause__, ValueError)
     assert "script turn 1: a tool call needs a 'name'" in str(failed.value.__cause__)
+
+
+def blocking_add(a: float, b: float) -> str:
+    time.sleep(0.01)  # blocking work, as a `def` tool does (an HTTP client, a subprocess)
+    return f"{a + b} in {'a worker thread' if threading.current_thread() is not threading.main_thread() else 'the loop'}"
+
+
+class Deferred:
+    """A callable object whose call returns an awaitable: awaited, as before."""
+
+    def __call__(self, a: float, b: float):
+        return add(a, b)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # a real clock: a mock one jumps while a thread works
+async def test_plain_functions_are_tools_too(anyio_backend):
+    """A `def` tool was an error for the model on every call ("object str can't be used in
+    'await' expression"); it now runs in a worker thread, so it does not stall other sessions."""
+    tools = [
+        Tool("add", blocking_add),
+        Tool("upper", lambda word: word.upper()),
+        Tool("add_later", lambda a, b: add(a, b)),  # a `def` returning an awaitable: awaited
+        Tool("deferred", Deferred()),
+        Tool("slow", lambda: time.sleep(0.5), timeout_s=0.05),  # the limit holds: the thread is left behind
+    ]
+    script = [[
+        {"name": "add", "arguments": {"a": 2, "b": 3}},
+        {"name": "upper", "arguments": {"word": "ok"}},
+        {"name": "add_later", "arguments": {"a": 1, "b": 2}},
+        {"name": "deferred", "arguments": {"a": 3, "b": 4}},
+        {"name": "slow"},
+    ]]
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], tools, script=script)
+
+    async with Scheduler(settings()) as scheduler:
+        loop = await (await scheduler.submit(agent, tenant="acme"))
+    check_released(scheduler)
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"] == [
+        "5 in a worker thread", "OK", "3", "7", "error: tool 'slow' did not finish within 0.05 s"]
+    assert loop.tool_errors == 1
+
+
+class ToolCallsBackend(InstantBackend):
+    """Answers a session's first call with these `tool_calls` (as a model server might send
+    them), and "ok" after."""
+
+    def __init__(self, tool_calls: object) -> None:
+        super().__init__()
+        self.tool_calls = tool_calls
+        self.answered = 0
+
+    async def complete_chat(self, body):
+        response, first_token_at = await super().complete_chat(body)
+        if not self.answered:
+            response["choices"][0]["message"].update(content=None, tool_calls=self.tool_calls)
+        self.answered += 1
+        return response, first_token_at
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # Some servers send the arguments' object itself, not its JSON text: taken as they are.
+        ({"id": "c1", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}, "5"),
+        ({"id": "c1", "function": {"name": "add", "arguments": 5}}, "error: the arguments for 'add' must be a JSON object, got int"),
+        ("add", "error: a tool call must be an object with a `function` object (its name and arguments), got 'add'"),
+        ({"id": "c1", "function": "add"}, "error: a tool call must be an object with a `function` object"),
+    ],
+)
+async def test_tool_calls_of_unexpected_shapes_from_the_model_become_errors_or_run(call, message):
+    """They failed the session (TypeError from json.loads, in an ExceptionGroup; AttributeError)."""
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS)
+
+    async with ToolCallsBackend([call]) as backend, Scheduler(settings(), backend=backend) as scheduler:
+        loop = await (await scheduler.submit(agent, tenant="acme"))
+    check_released(scheduler)
+    assert loop.stopped == "answer" and loop.turns == 2
+    (tool_message,) = [m for m in loop.messages if m["role"] == "tool"]
+    assert tool_message["content"].startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "message"),
+    [
+        ("add", None, "tool 'add': fn must be a function, got None"),
+        ("add", "add", "tool 'add': fn must be a function, got 'add'"),
+        ("", add, "a tool's name must be a non-empty str, got ''"),
+        (add, add, "a tool's name must be a non-empty str, got <function add"),
+    ],
+)
+def test_a_tool_is_refused_when_it_is_built_wrong(name, fn, message):
+    # Each was taken: every call of the tool was then an error the model saw ("'NoneType' object
+    # is not callable"), or the model was offered a function named '' or '<function add ...>'.
+    with pytest.raises(TypeError, match=re.escape(message)):
+        Tool(name, fn)
+
+
+async def multiply(a: float, b: float) -> str:
+    return str(a * b)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        # The second 'add' was run for every call of 'add', without a word.
+        ({"tools": [TOOLS[0], Tool("add", multiply)]}, ValueError, "tools: two tools are named 'add'"),
+        ({"tools": [add]}, TypeError, "tools: expected a list of Tool, got <function add"),
+        ({"tools": TOOLS[0]}, TypeError, "tools: expected a list of Tool, got Tool(name='add'"),
+        ({"max_turns": "3"}, ValueError, "max_turns must be >= 1 (an integer), got '3'"),
+        ({"max_turns": 2.5}, ValueError, "max_turns must be >= 1 (an integer), got 2.5"),
+        ({"messages": "go"}, TypeError, "messages: expected a list of {role, content} objects, got 'go'"),
+        # A turn given as one call, not a list of them: AttributeError ('str' object has no attribute 'get').
+        ({"script": [{"name": "add"}]}, ValueError, "script turn 0: expected a list of tool calls, got {'name': 'add'}"),
+    ],
+)
+async def test_bad_arguments_to_the_loop_name_what_was_wrong(arguments, error, message):
+    call = {"messages": [{"role": "user", "content": "go"}], "tools": TOOLS, **arguments}
+
+    async def agent(ctx):
+        await run_tool_loop(ctx, **call)
+
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(SessionFailed) as failed:
+            await (await scheduler.submit(agent, tenant="acme"))
+    check_released(scheduler)
+    assert isinstance(failed.value.__cause__, error) and message in str(failed.value.__cause__)
+    assert scheduler.statistics().dispatcher.calls_started == 0  # refused before its first model call

@@ -12,9 +12,11 @@ Where the model cannot be trusted to decide (a tiny random model in tests and be
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,12 +24,19 @@ import anyio
 
 from .context import SessionContext
 
-ToolFn = Callable[..., Awaitable[Any]]
+ToolFn = Callable[..., Any]  # an async function, a callable returning an awaitable, or a plain function
 
 
 @dataclass(frozen=True, slots=True)
 class Tool:
-    """A tool the model may call: `fn(**arguments)` is awaited, at most `timeout_s` seconds."""
+    """A tool the model may call: `fn(**arguments)`, at most `timeout_s` seconds.
+
+    `fn` is an async function, or any callable returning an awaitable, which is awaited; a plain
+    (synchronous) function runs in a worker thread, so that a blocking tool does not stall every
+    other session of the event loop (past `timeout_s` the loop goes on without it; the thread
+    ends in its own time). On a virtual clock the clock jumps while a thread works, so there a
+    plain function's time does not count and its `timeout_s` may pass at once.
+    """
 
     name: str
     fn: ToolFn
@@ -36,8 +45,14 @@ class Tool:
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:  # also NaN
-            raise ValueError(f"tool {self.name!r}: timeout_s must be > 0 seconds (inf: no limit), got {self.timeout_s}")
+        # Checked here, where the mistake is made: once taken, every call of the tool would be an
+        # error the model sees, or the model would be offered a function of a garbled name.
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"a tool's name must be a non-empty str, got {self.name!r:.80}")
+        if not callable(self.fn):
+            raise TypeError(f"tool {self.name!r}: fn must be a function, got {self.fn!r:.80}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:  # also NaN
+            raise ValueError(f"tool {self.name!r}: timeout_s must be > 0 seconds (inf: no limit), got {self.timeout_s!r}")
 
     def schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)}}
@@ -67,8 +82,7 @@ async def run_tool_loop(
     script: Sequence[ScriptTurn] | None = None,
 ) -> LoopResult:
     """Run the loop from `messages`. Returns the answer and why the loop stopped."""
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    _check_arguments(messages, tools, max_turns, script)
     by_name = {tool.name: tool for tool in tools}
     conversation = [dict(m) for m in messages]
     schemas = [tool.schema() for tool in tools]
@@ -94,8 +108,31 @@ async def run_tool_loop(
         results = await _run_calls(ctx, calls, by_name)
         errors += sum(result.startswith("error:") for result in results)
         for call, result in zip(calls, results):
-            conversation.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result})
+            call_id = call.get("id", "") if isinstance(call, Mapping) else ""
+            conversation.append({"role": "tool", "tool_call_id": call_id, "content": result})
     return LoopResult(None, "turn_limit", max_turns, conversation, errors)
+
+
+def _check_arguments(messages: Any, tools: Any, max_turns: Any, script: Any) -> None:
+    """Refuse what the loop cannot run, naming it, before its first model call (a misshapen
+    argument failed later with an error about something else, and two tools of one name ran the
+    second for both)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not all(isinstance(m, Mapping) for m in messages):
+        raise TypeError(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}")
+    if isinstance(tools, (str, bytes, Mapping, Tool)):
+        raise TypeError(f"tools: expected a list of Tool, got {tools!r:.80}")
+    names: set[str] = set()
+    for tool in tools:
+        if not isinstance(tool, Tool):
+            raise TypeError(f"tools: expected a list of Tool, got {tool!r:.80} in it")
+        if tool.name in names:
+            raise ValueError(f"tools: two tools are named {tool.name!r}; the model calls a tool by its name")
+        names.add(tool.name)
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1 (an integer), got {max_turns!r}")
+    for turn, steps in enumerate(script or ()):
+        if isinstance(steps, (str, bytes, Mapping)) or not all(isinstance(step, Mapping) for step in steps):
+            raise ValueError(f"script turn {turn}: expected a list of tool calls, got {steps!r:.80}")
 
 
 def _scripted_call(turn: int, step: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,14 +143,14 @@ def _scripted_call(turn: int, step: Mapping[str, Any]) -> dict[str, Any]:
     return {"id": f"call_fs{next(_call_ids)}", "type": "function", "function": {"name": step["name"], "arguments": raw}}
 
 
-async def _run_calls(ctx: SessionContext, calls: list[dict[str, Any]], tools: Mapping[str, Tool]) -> list[str]:
+async def _run_calls(ctx: SessionContext, calls: list[Any], tools: Mapping[str, Tool]) -> list[str]:
     """Run the requested tools concurrently, as one tool period of the session."""
     results = [""] * len(calls)
 
-    async def run(index: int, call: Mapping[str, Any]) -> None:
+    async def run(index: int, call: Any) -> None:
         results[index] = await _run_one(call, tools)
 
-    names = "+".join(sorted({str((c.get("function") or {}).get("name")) for c in calls}))
+    names = "+".join(sorted({str(_function(c).get("name")) for c in calls}))
     async with ctx.tool(names):
         async with anyio.create_task_group() as tg:
             for index, call in enumerate(calls):
@@ -121,21 +158,33 @@ async def _run_calls(ctx: SessionContext, calls: list[dict[str, Any]], tools: Ma
     return results
 
 
-async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
-    function = call.get("function") or {}
+async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function") or {}, Mapping):
+        return f"error: a tool call must be an object with a `function` object (its name and arguments), got {call!r:.80}"
+    function = _function(call)
     name = function.get("name")
     tool = tools.get(name) if isinstance(name, str) else None
     if tool is None:
         return f"error: unknown tool {name!r}; available tools: {', '.join(sorted(tools)) or '(none)'}"
-    try:
-        arguments = json.loads(function.get("arguments") or "{}")
-    except json.JSONDecodeError as exc:
-        return f"error: the arguments for {name!r} are not valid JSON ({exc.msg} at position {exc.pos})"
+    # OpenAI's format sends the arguments' JSON text; some servers send the object itself.
+    arguments = function.get("arguments") or "{}"
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            return f"error: the arguments for {name!r} are not valid JSON ({exc.msg} at position {exc.pos})"
     if not isinstance(arguments, dict):
         return f"error: the arguments for {name!r} must be a JSON object, got {type(arguments).__name__}"
     try:
         with anyio.move_on_after(tool.timeout_s) as scope:  # not fail_after: a tool may raise TimeoutError itself
-            result = await tool.fn(**arguments)
+            if _is_plain_function(tool.fn):
+                # Boxed: a `def` may return an awaitable (``lambda q: search(q)``), awaited below
+                # in the loop; trio's worker threads refuse to return one bare.
+                (result,) = await anyio.to_thread.run_sync(lambda: (tool.fn(**arguments),), abandon_on_cancel=True)
+            else:
+                result = tool.fn(**arguments)
+            if inspect.isawaitable(result):  # an async function's, or a callable's that returns one
+                result = await result
     except Exception as exc:  # a tool's failure is the model's to handle, not the session's
         return f"error: tool {name!r} raised {type(exc).__name__}: {exc}"
     if scope.cancelled_caught:
@@ -146,3 +195,19 @@ async def _run_one(call: Mapping[str, Any], tools: Mapping[str, Tool]) -> str:
         return json.dumps(result, allow_nan=False)  # NaN and infinity are no JSON
     except (TypeError, ValueError) as exc:
         return f"error: tool {name!r} returned a {type(result).__name__} that is not JSON ({exc})"
+
+
+def _function(call: Any) -> Mapping[str, Any]:
+    """The `function` part (name, arguments) of a tool call the model made; empty if it has none,
+    or if the call is not shaped as one (`_run_one` answers the model so)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    return function if isinstance(function, Mapping) else {}
+
+
+def _is_plain_function(fn: Any) -> bool:
+    """Whether `fn` is a synchronous function (``def``, lambda, builtin, method, or a partial of
+    one), which runs in a worker thread. An ``async def`` is not; nor is a callable object, called
+    in the event loop as ever, since its call may return an awaitable that needs the loop."""
+    if inspect.iscoroutinefunction(fn):  # also a method or a partial of one
+        return False
+    return inspect.isroutine(fn.func if isinstance(fn, functools.partial) else fn)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -260,12 +261,20 @@ class Scheduler:
             raise SchedulerClosed("the scheduler is not accepting sessions (enter it with `async with` first)")
         if not callable(agent):
             raise TypeError(f"agent: expected an async function taking the session's context, got {agent!r:.80}")
+        if inspect.isasyncgenfunction(agent):  # its call returns no awaitable, though it is an `async def`
+            name = getattr(agent, "__name__", agent)
+            raise TypeError(f"agent: {name!r:.80} is an async generator (it yields): an agent returns its result")
+        if not isinstance(tenant, str):  # a list was "unhashable type: 'list'"
+            raise TypeError(f"tenant: expected a tenant's name (a str), got {tenant!r:.80}")
         tenant_settings = self.settings.tenants.get(tenant)
         if tenant_settings is None:
             raise UnknownTenant(tenant, list(self.settings.tenants))
         tier = Tier.parse(tier) if tier is not None else tenant_settings.tier
         if memory is None:
             memory = int(tenant_settings.session_memory or self.settings.scheduler.session_memory)
+        elif isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or not memory > 0:
+            # Named here: the pool's own refusal speaks of "a reservation", not of this argument.
+            raise ValueError(f"memory: expected a whole number of bytes > 0, got {memory!r:.80}")
         if deadline_s is not None and (not isinstance(deadline_s, (int, float)) or isinstance(deadline_s, bool) or not deadline_s > 0):
             raise ValueError(f"deadline_s must be a number of seconds > 0, got {deadline_s!r}")
         deadline_s = deadline_s or tenant_settings.sla.deadline_s
