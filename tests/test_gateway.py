@@ -307,8 +307,9 @@ def test_a_stream_that_fails_mid_way_with_any_error_ends_with_an_error_event(cap
         with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": MSG, "stream": True}, headers=headers) as r:
             events = [line for line in r.iter_lines() if line]
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
-    assert r.status_code == 200 and len(events) == 2
-    assert json.loads(events[-1].removeprefix("data: "))["error"]["type"] == "internal_error"
+    # As vLLM ends a stream that fails: the error event, then [DONE] (before: no [DONE]).
+    assert r.status_code == 200 and len(events) == 3 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "internal_error"
     assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]
 
 
@@ -454,7 +455,8 @@ def test_a_session_past_its_deadline_ends_its_call_and_refuses_its_id():
         assert refused.status_code == 408 and "needs a new X-Session-ID" in refused.json()["error"]["message"]
         streamed = post("s2", stream=True)
         events = [line for line in streamed.text.splitlines() if line]
-        assert streamed.status_code == 200 and json.loads(events[-1].removeprefix("data: "))["error"]["code"] == 408
+        assert streamed.status_code == 200 and json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 408
+        assert events[-1] == "data: [DONE]"
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0 and len(gw.sessions) == 0)
 
 

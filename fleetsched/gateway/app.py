@@ -458,7 +458,7 @@ class Gateway:
                     logger.warning("stream of tenant %r failed: %r", tenant, exc)
                     done.failed_mid_stream = True
                     error = json.loads(_answer_for(exc).content)
-                    tail = b"data: " + _dumps(error) + b"\n\n"
+                    tail = b"data: " + _dumps(error) + b"\n\ndata: [DONE]\n\n"  # [DONE] after it, as vLLM ends one
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
         finally:
             in_flight[tenant] -= 1
