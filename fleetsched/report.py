@@ -210,7 +210,7 @@ def tenant_table(report: dict[str, Any]) -> Any:
     """A rich Table of the report's per-tenant rows."""
     from rich.table import Table
 
-    table = Table(title=f"fleetsched run: {report['duration_s']:.1f} s on {report['backend']}, {throughput_text(report)}")
+    table = Table(title=f"fleetsched: {report['duration_s']:.1f} s on {report['backend']}, {throughput_text(report)}")
     for column in ("tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"):
         table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
     for t in report["tenants"]:

@@ -217,3 +217,12 @@ def test_a_tool_s_max_without_a_uniform_tool_time_is_refused():
     with pytest.raises(ValueError, match='tool_s_max: applies to tool_dist = "uniform" only'):
         Settings(tenants={"acme": {}}, workload={"agents": agents})
     Settings(tenants={"acme": {}}, workload={"agents": [{**agents[0], "tool_dist": "uniform"}]})
+
+
+def test_python_dash_m_fleetsched_is_the_command():
+    # `python -m fleetsched` was "No module named fleetsched.__main__".
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fleetsched", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "usage: fleetsched" in done.stdout

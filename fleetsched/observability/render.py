@@ -240,7 +240,7 @@ th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
 th {{ background: #f3f3f3; }} td:first-child, td:nth-child(2) {{ text-align: left; }}
 img {{ max-width: 100%; }} .bad {{ color: #b00; }}
 </style></head><body>
-<h1>fleetsched run: {report['duration_s']:.1f} s on {html.escape(report['backend'])}</h1>
+<h1>fleetsched: {report['duration_s']:.1f} s on {html.escape(report['backend'])}</h1>
 <p>{sum(report['sessions'].values())} sessions ({html.escape(', '.join(f'{k} {v}' for k, v in report['sessions'].items()))}),
 {report['calls']:,} calls, {report.get('refused_calls', 0):,} refused, {report['completion_tokens']:,} tokens generated,
 {throughput_text(report)}. Schema {html.escape(report['schema'])}.</p>
