@@ -623,3 +623,20 @@ def test_a_text_completion_fails_over_from_a_dead_replica_before_its_first_chunk
             assert "live" in response.text
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
         assert [r.in_flight for r in gw.backend.inner.replicas.values()] == [0, 0]
+
+
+def test_a_text_completion_takes_logprobs_as_a_count(url):
+    """In /v1/completions `logprobs` is how many log probabilities per token (an integer, vLLM's
+    CompletionRequest and OpenAI's API); only chat's is true or false. The gateway refused every
+    count with "logprobs: must be true or false", and let `true` through."""
+    headers = {"authorization": f"Bearer {ACME}"}
+    for logprobs, status in ((2, 200), (0, 200), (-1, 200), (True, 400), (-2, 400), ("2", 400)):
+        body = {"prompt": "Once upon", "max_tokens": 1, "logprobs": logprobs}
+        response = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        assert response.status_code == status, (logprobs, response.text)
+        if status == 400:
+            assert response.json()["error"]["param"] == "logprobs"
+    chat = {"messages": MSG, "max_tokens": 1, "logprobs": 2}
+    response = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+    assert httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True}, headers=headers).status_code == 200
