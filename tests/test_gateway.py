@@ -640,3 +640,20 @@ def test_a_text_completion_takes_logprobs_as_a_count(url):
     response = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
     assert httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True}, headers=headers).status_code == 200
+
+
+def test_a_malformed_session_id_does_not_use_up_a_request_of_the_rate_limit():
+    """The X-Session-ID header was checked after the tenant's requests per minute were taken:
+    every call refused for it (400) used one up, and with 2 a minute two of them left the
+    tenant's good calls with 429 for a minute."""
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2}})
+    with serve_in_thread(s) as (gw, url):
+        headers = {"authorization": f"Bearer {GLOBEX}"}
+        body = {"messages": MSG, "max_tokens": 1}
+        for _ in range(2):
+            bad = httpx.post(url + "/v1/chat/completions", json=body, headers={**headers, "x-session-id": "no spaces"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Session-ID"
+        for session in ("s1", None):
+            good = httpx.post(url + "/v1/chat/completions", json=body, headers={**headers, **({"x-session-id": session} if session else {})})
+            assert good.status_code == 200, good.text
+        assert gw.scheduler.dispatcher.statistics().in_flight == 0
