@@ -217,3 +217,13 @@ def test_a_tool_s_max_without_a_uniform_tool_time_is_refused():
     with pytest.raises(ValueError, match='tool_s_max: applies to tool_dist = "uniform" only'):
         Settings(tenants={"acme": {}}, workload={"agents": agents})
     Settings(tenants={"acme": {}}, workload={"agents": [{**agents[0], "tool_dist": "uniform"}]})
+
+
+def test_serve_hash_key_of_an_empty_key_is_a_usage_error_not_a_server():
+    """`fleetsched serve --hash-key "$KEY"` with KEY unset went on to start the gateway (on the
+    default port, serving until killed) instead of printing a hash."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fleetsched.cli", "serve", "--hash-key", "", "--port", "0"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "argument --hash-key: the key is empty" in done.stderr, done.stderr[-500:]

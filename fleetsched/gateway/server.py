@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hash-key", metavar="KEY", help="print the stored form (sha256:...) of KEY and exit")
     parser.add_argument("--new-key", action="store_true", help="print a new random key and its stored form, and exit")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.hash_key:
+    if args.hash_key is not None:  # not its truth: `--hash-key ""` (an unset $KEY) started the server
+        if not args.hash_key:
+            parser.error("argument --hash-key: the key is empty")
         print(hash_key(args.hash_key))
         return 0
     if args.new_key:
