@@ -657,3 +657,53 @@ def test_a_malformed_session_id_does_not_use_up_a_request_of_the_rate_limit():
             good = httpx.post(url + "/v1/chat/completions", json=body, headers={**headers, **({"x-session-id": session} if session else {})})
             assert good.status_code == 200, good.text
         assert gw.scheduler.dispatcher.statistics().in_flight == 0
+
+
+def _vllm_with_logprobs():
+    """A vLLM server backend on one mock replica that streams two tokens with their log
+    probabilities, one a chunk, as vLLM streams them (chat and text completion)."""
+    import httpx2
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    chat_chunks = []
+    for token, logprob in (("Hel", -0.5), ("lo", -0.25)):
+        chunk = make_chunk("chatcmpl-lp", "m", 0, content=token)
+        entry = {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+        chunk["choices"][0]["logprobs"] = {"content": [entry]}
+        chat_chunks.append(chunk)
+    chat_chunks.append(make_chunk("chatcmpl-lp", "m", 0, finish_reason="stop", usage=usage_dict(2, 2)))
+    text_chunks = [
+        {"id": "cmpl-lp", "object": "text_completion", "created": 0, "model": "m",
+         "choices": [{"index": 0, "text": token, "finish_reason": None,
+                      "logprobs": {"text_offset": [offset], "token_logprobs": [logprob], "tokens": [token], "top_logprobs": [{token: logprob}]}}]}
+        for token, logprob, offset in (("Hel", -0.5, 0), ("lo", -0.25, 3))
+    ] + [{"id": "cmpl-lp", "object": "text_completion", "created": 0, "model": "m", "choices": [], "usage": usage_dict(2, 2)}]  # fmt: skip
+
+    def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            chunks = chat_chunks if request.url.path.endswith("/chat/completions") else text_chunks
+            body = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+            return httpx2.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+        client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=client)
+
+    metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    return VLLMServerBackend({"r": "http://r.invalid:8000"}, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
+
+
+def test_a_call_not_streamed_keeps_the_log_probabilities_vllm_streamed():
+    """The gateway collects a call that is not streamed from the backend's stream: the log
+    probabilities vLLM sends with each chunk were dropped, and a chat completion or a text
+    completion asked for them answered "logprobs": null."""
+    with serve_in_thread(gateway_settings(), backend=_vllm_with_logprobs()) as (_, url):
+        c = client(url)
+        reply = c.chat.completions.create(model="m", messages=MSG, max_tokens=2, logprobs=True)
+        assert reply.choices[0].message.content == "Hello"
+        assert [(t.token, t.logprob) for t in reply.choices[0].logprobs.content] == [("Hel", -0.5), ("lo", -0.25)]
+        text = c.completions.create(model="m", prompt="Say", max_tokens=2, logprobs=1)
+        assert text.choices[0].text == "Hello"
+        logprobs = text.choices[0].logprobs
+        assert logprobs.tokens == ["Hel", "lo"] and logprobs.token_logprobs == [-0.5, -0.25]
+        assert logprobs.text_offset == [0, 3] and logprobs.top_logprobs == [{"Hel": -0.5}, {"lo": -0.25}]
