@@ -707,3 +707,14 @@ def test_a_call_not_streamed_keeps_the_log_probabilities_vllm_streamed():
         logprobs = text.choices[0].logprobs
         assert logprobs.tokens == ["Hel", "lo"] and logprobs.token_logprobs == [-0.5, -0.25]
         assert logprobs.text_offset == [0, 3] and logprobs.top_logprobs == [{"Hel": -0.5}, {"lo": -0.25}]
+
+
+def test_a_key_with_characters_beyond_ascii_is_recognised_as_sent():
+    """`hash_key` hashes a key's UTF-8 bytes, but the header was read as latin-1 and its text
+    hashed as UTF-8: a key with any character beyond ASCII ("clé") was hashed from other bytes
+    than those sent, and its tenant got 401 whatever it did."""
+    key = "fs-clé-ключ"
+    ring = KeyRing({"acme": gateway_settings({"acme": {"api_keys": [hash_key(key)]}}).tenants["acme"]})
+    assert ring.identify_header(b"Bearer " + key.encode()).tenant == "acme"
+    assert ring.identify_header(b"Bearer " + key.encode("latin-1", "replace")) is None
+    assert ring.identify_header(b"Bearer \xff\xfe") is None  # not UTF-8: no key, no error
