@@ -221,8 +221,46 @@ def test_a_tool_s_max_without_a_uniform_tool_time_is_refused():
 
 def test_python_dash_m_fleetsched_is_the_command():
     # `python -m fleetsched` was "No module named fleetsched.__main__".
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-m", "fleetsched", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "usage: fleetsched" in done.stdout
+
+
+def test_serve_hash_key_of_an_empty_key_is_a_usage_error_not_a_server():
+    """`fleetsched serve --hash-key "$KEY"` with KEY unset went on to start the gateway (on the
+    default port, serving until killed) instead of printing a hash."""
+    done = subprocess.run(
+        [sys.executable, "-m", "fleetsched.cli", "serve", "--hash-key", "", "--port", "0"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "argument --hash-key: the key is empty" in done.stderr, done.stderr[-500:]
+
+
+def test_serve_stopped_by_sigterm_exits_0_after_its_graceful_shutdown(tmp_path):
+    """SIGTERM is how service managers stop a server (systemd, docker stop, Kubernetes). uvicorn
+    shut down gracefully, then raised the SIGTERM it caught again: the process was killed by it
+    (status -15, 143 in a shell, "Error" to a container runtime) after a clean stop that Ctrl-C
+    ends with 0."""
+    config = tmp_path / "gateway.toml"
+    key = fleetsched("serve", "--hash-key", "fs-test-key").stdout.strip()
+    config.write_text(f'[tenants.acme]\napi_keys = ["{key}"]\n')
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fleetsched.cli", "serve", "--config", str(config), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):  # up to 30 s to start
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        reply = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer fs-test-key"}, timeout=10)
+        assert reply.status_code == 200
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=30)
+    assert server.returncode == 0, err[-2000:]
+    assert "Traceback" not in err and "ERROR" not in err, err[-2000:]

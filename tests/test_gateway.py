@@ -623,3 +623,98 @@ def test_a_text_completion_fails_over_from_a_dead_replica_before_its_first_chunk
             assert "live" in response.text
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
         assert [r.in_flight for r in gw.backend.inner.replicas.values()] == [0, 0]
+
+
+def test_a_text_completion_takes_logprobs_as_a_count(url):
+    """In /v1/completions `logprobs` is how many log probabilities per token (an integer, vLLM's
+    CompletionRequest and OpenAI's API); only chat's is true or false. The gateway refused every
+    count with "logprobs: must be true or false", and let `true` through."""
+    headers = {"authorization": f"Bearer {ACME}"}
+    for logprobs, status in ((2, 200), (0, 200), (-1, 200), (True, 400), (-2, 400), ("2", 400)):
+        body = {"prompt": "Once upon", "max_tokens": 1, "logprobs": logprobs}
+        response = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        assert response.status_code == status, (logprobs, response.text)
+        if status == 400:
+            assert response.json()["error"]["param"] == "logprobs"
+    chat = {"messages": MSG, "max_tokens": 1, "logprobs": 2}
+    response = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+    assert httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True}, headers=headers).status_code == 200
+
+
+def test_a_malformed_session_id_does_not_use_up_a_request_of_the_rate_limit():
+    """The X-Session-ID header was checked after the tenant's requests per minute were taken:
+    every call refused for it (400) used one up, and with 2 a minute two of them left the
+    tenant's good calls with 429 for a minute."""
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2}})
+    with serve_in_thread(s) as (gw, url):
+        headers = {"authorization": f"Bearer {GLOBEX}"}
+        body = {"messages": MSG, "max_tokens": 1}
+        for _ in range(2):
+            bad = httpx.post(url + "/v1/chat/completions", json=body, headers={**headers, "x-session-id": "no spaces"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Session-ID"
+        for session in ("s1", None):
+            good = httpx.post(url + "/v1/chat/completions", json=body, headers={**headers, **({"x-session-id": session} if session else {})})
+            assert good.status_code == 200, good.text
+        assert gw.scheduler.dispatcher.statistics().in_flight == 0
+
+
+def _vllm_with_logprobs():
+    """A vLLM server backend on one mock replica that streams two tokens with their log
+    probabilities, one a chunk, as vLLM streams them (chat and text completion)."""
+    import httpx2
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    chat_chunks = []
+    for token, logprob in (("Hel", -0.5), ("lo", -0.25)):
+        chunk = make_chunk("chatcmpl-lp", "m", 0, content=token)
+        entry = {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
+        chunk["choices"][0]["logprobs"] = {"content": [entry]}
+        chat_chunks.append(chunk)
+    chat_chunks.append(make_chunk("chatcmpl-lp", "m", 0, finish_reason="stop", usage=usage_dict(2, 2)))
+    text_chunks = [
+        {"id": "cmpl-lp", "object": "text_completion", "created": 0, "model": "m",
+         "choices": [{"index": 0, "text": token, "finish_reason": None,
+                      "logprobs": {"text_offset": [offset], "token_logprobs": [logprob], "tokens": [token], "top_logprobs": [{token: logprob}]}}]}
+        for token, logprob, offset in (("Hel", -0.5, 0), ("lo", -0.25, 3))
+    ] + [{"id": "cmpl-lp", "object": "text_completion", "created": 0, "model": "m", "choices": [], "usage": usage_dict(2, 2)}]  # fmt: skip
+
+    def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            chunks = chat_chunks if request.url.path.endswith("/chat/completions") else text_chunks
+            body = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+            return httpx2.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+        client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=client)
+
+    metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    return VLLMServerBackend({"r": "http://r.invalid:8000"}, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
+
+
+def test_a_call_not_streamed_keeps_the_log_probabilities_vllm_streamed():
+    """The gateway collects a call that is not streamed from the backend's stream: the log
+    probabilities vLLM sends with each chunk were dropped, and a chat completion or a text
+    completion asked for them answered "logprobs": null."""
+    with serve_in_thread(gateway_settings(), backend=_vllm_with_logprobs()) as (_, url):
+        c = client(url)
+        reply = c.chat.completions.create(model="m", messages=MSG, max_tokens=2, logprobs=True)
+        assert reply.choices[0].message.content == "Hello"
+        assert [(t.token, t.logprob) for t in reply.choices[0].logprobs.content] == [("Hel", -0.5), ("lo", -0.25)]
+        text = c.completions.create(model="m", prompt="Say", max_tokens=2, logprobs=1)
+        assert text.choices[0].text == "Hello"
+        logprobs = text.choices[0].logprobs
+        assert logprobs.tokens == ["Hel", "lo"] and logprobs.token_logprobs == [-0.5, -0.25]
+        assert logprobs.text_offset == [0, 3] and logprobs.top_logprobs == [{"Hel": -0.5}, {"lo": -0.25}]
+
+
+def test_a_key_with_characters_beyond_ascii_is_recognised_as_sent():
+    """`hash_key` hashes a key's UTF-8 bytes, but the header was read as latin-1 and its text
+    hashed as UTF-8: a key with any character beyond ASCII ("clé") was hashed from other bytes
+    than those sent, and its tenant got 401 whatever it did."""
+    key = "fs-clé-ключ"
+    ring = KeyRing({"acme": gateway_settings({"acme": {"api_keys": [hash_key(key)]}}).tenants["acme"]})
+    assert ring.identify_header(b"Bearer " + key.encode()).tenant == "acme"
+    assert ring.identify_header(b"Bearer " + key.encode("latin-1", "replace")) is None
+    assert ring.identify_header(b"Bearer \xff\xfe") is None  # not UTF-8: no key, no error

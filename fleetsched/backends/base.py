@@ -156,12 +156,13 @@ def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
 class _Choice:
     """One choice of a streamed answer, folded: its content, tool calls and finish reason."""
 
-    __slots__ = ("content", "tool_calls", "finish_reason")
+    __slots__ = ("content", "tool_calls", "finish_reason", "logprobs")
 
     def __init__(self) -> None:
         self.content: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
+        self.logprobs: dict[str, list[Any]] | None = None
 
     def add(self, choice: Mapping[str, Any]) -> None:
         delta = choice.get("delta") or {}
@@ -177,6 +178,7 @@ class _Choice:
             slot["function"]["name"] += function.get("name") or ""
             slot["function"]["arguments"] += function.get("arguments") or ""
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        self.logprobs = merge_logprobs(self.logprobs, choice.get("logprobs"))
 
     def result(self, index: int) -> dict[str, Any]:
         """The choice as a ``chat.completion`` response lists it."""
@@ -184,7 +186,25 @@ class _Choice:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        return {"index": index, "message": message, "finish_reason": self.finish_reason or "stop"}
+        result = {"index": index, "message": message, "finish_reason": self.finish_reason or "stop"}
+        if self.logprobs is not None:
+            result["logprobs"] = self.logprobs
+        return result
+
+
+def merge_logprobs(folded: dict[str, list[Any]] | None, part: Any) -> dict[str, list[Any]] | None:
+    """The log probabilities of a streamed choice so far, with those of its next chunk appended.
+
+    A chunk carries those of its own tokens, as lists: ``{"content": [...]}`` in a chat chunk,
+    ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` in a text completion's (its
+    offsets already count from the start of the text). The answer collected whole has them all."""
+    if not isinstance(part, Mapping):
+        return folded
+    folded = {} if folded is None else folded
+    for key, items in part.items():
+        if isinstance(items, list):
+            folded.setdefault(key, []).extend(items)
+    return folded
 
 
 def chat_completion(

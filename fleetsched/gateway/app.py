@@ -319,6 +319,12 @@ class Gateway:
             return await _error(send, _invalid(str(exc), exc.param))
         except (ValueError, RecursionError) as exc:
             return await _error(send, _invalid(f"the body is not valid JSON: {exc}", None))
+        # The session header is checked with the body, before the rate limits are taken: a call
+        # refused for it must not use up one of the tenant's requests per minute.
+        raw_id = headers.get(SESSION_HEADER)
+        session_id = None if raw_id is None else raw_id.decode("latin-1")
+        if session_id is not None and not SESSION_ID.fullmatch(session_id):
+            return await _error(send, _invalid("X-Session-ID: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Session-ID"))
         streaming = bool(body.pop("stream", False))
         for private in (REPLICA_KEY, ENDPOINT_KEY, "priority"):
             body.pop(private, None)
@@ -348,7 +354,6 @@ class Gateway:
             )
         if endpoint == "completions":
             body[ENDPOINT_KEY] = "completions"
-        session_id = headers.get(SESSION_HEADER)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
             try:
@@ -372,14 +377,8 @@ class Gateway:
         return done.status
 
     async def _session_call(
-        self, endpoint: str, body: dict[str, Any], streaming: bool, identity: Identity, raw_id: bytes, send: Send, done: _Outcome
+        self, endpoint: str, body: dict[str, Any], streaming: bool, identity: Identity, session_id: str, send: Send, done: _Outcome
     ) -> None:
-        session_id = raw_id.decode("latin-1")
-        if not SESSION_ID.fullmatch(session_id):
-            done.status = await _error(
-                send, _invalid("X-Session-ID: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Session-ID")
-            )
-            return
         assert self.sessions is not None and identity.tenant is not None and identity.settings is not None
         async with self.sessions.call(identity.tenant, session_id) as session:
             handle = session.handle

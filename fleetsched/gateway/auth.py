@@ -85,7 +85,9 @@ class KeyRing:
         """The identity for an ``Authorization: Bearer KEY`` header value (None: missing or wrong)."""
         if not authorization:
             return None
-        scheme, _, key = authorization.decode("latin-1").strip().partition(" ")
+        # Read as UTF-8, as `hash_key` hashes a key: the bytes sent are the bytes hashed (bytes
+        # that are not UTF-8 become surrogates, which `identify` turns back into those bytes).
+        scheme, _, key = authorization.decode("utf-8", "surrogateescape").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return None
         return self.identify(key.strip())

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import Backend, ChatBody, Chunk, EngineSignals
+from ..backends.base import Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
 from ..backends.vllm_server import REPLICA_KEY, VLLMServerBackend, translate_error
 from ..errors import BackendError, BackendUnavailable
 
@@ -165,6 +165,7 @@ def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
     text: list[str] = []
     finish: str | None = None
     usage: dict[str, int] | None = None
+    logprobs: dict[str, list[Any]] | None = None  # asked for with `logprobs`: vLLM sends them per chunk
     for chunk in chunks:
         cid = chunk.get("id") or cid
         model = chunk.get("model") or model
@@ -173,6 +174,7 @@ def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
         for choice in chunk.get("choices") or ():
             text.append(choice.get("text") or "")
             finish = choice.get("finish_reason") or finish
+            logprobs = merge_logprobs(logprobs, choice.get("logprobs"))
     if not cid:
         raise BackendError("the backend returned no completion")
     return {
@@ -180,6 +182,6 @@ def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish or "stop"}],
+        "choices": [{"index": 0, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish or "stop"}],
         "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }

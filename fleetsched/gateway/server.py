@@ -11,6 +11,7 @@ benchmarks that need a real socket.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 import time
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hash-key", metavar="KEY", help="print the stored form (sha256:...) of KEY and exit")
     parser.add_argument("--new-key", action="store_true", help="print a new random key and its stored form, and exit")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.hash_key:
+    if args.hash_key is not None:  # not its truth: `--hash-key ""` (an unset $KEY) started the server
+        if not args.hash_key:
+            parser.error("argument --hash-key: the key is empty")
         print(hash_key(args.hash_key))
         return 0
     if args.new_key:
@@ -85,12 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port if args.port is not None else settings.gateway.port
     server = gateway_server(gateway, host, port)
     print(f"fleetsched gateway on http://{host}:{port}/v1 (instance {gateway.instance})", file=sys.stderr, flush=True)
+    # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again with the
+    # handlers it found in place: SIGINT's raises KeyboardInterrupt, SIGTERM's default killed the
+    # process (status -15) after a clean stop. Both are a clean stop here: exit 0.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     with gc_thresholds(SERVING):
         try:
             server.run()
-        except KeyboardInterrupt:  # uvicorn shut down, then re-raised the Ctrl-C it caught: a clean stop
+        except KeyboardInterrupt:  # uvicorn shut down, then re-raised the signal it caught: a clean stop
             pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 @contextmanager

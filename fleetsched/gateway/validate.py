@@ -79,7 +79,7 @@ def _common(body: Mapping[str, Any]) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise Invalid("model", "must be a string")
-    for name in ("stream", "logprobs", "ignore_eos", "echo"):
+    for name in ("stream", "ignore_eos", "echo"):
         if name in body and body[name] is not None and not isinstance(body[name], bool):
             raise Invalid(name, "must be true or false")
     options = body.get("stream_options")
@@ -136,6 +136,9 @@ def check_chat(body: Any) -> dict[str, Any]:
         value = body.get(name)
         if value is not None and not (isinstance(value, list) and all(isinstance(t, dict) for t in value)):
             raise Invalid(name, "must be a list of objects")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise Invalid("logprobs", "must be true or false")
     _common(body)
     return body
 
@@ -151,5 +154,8 @@ def check_completion(body: Any) -> dict[str, Any]:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise Invalid("prompt", "must be a non-empty string")
+    # In a text completion `logprobs` is how many log probabilities to return per token (an
+    # integer, as in vLLM's CompletionRequest: -1 for the whole vocabulary), not chat's flag.
+    _integer(body, "logprobs", -1)
     _common(body)
     return body
