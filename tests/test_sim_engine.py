@@ -265,3 +265,20 @@ def test_coasting_looks_at_few_requests_a_step():
     assert sum(looked_at) < engine.steps * 64 / 8
     # The steps in between are glided through: one schedule covers many steps.
     assert schedules < engine.steps / 2
+
+
+def test_pool_reuses_blocks_without_a_hash_first_and_keeps_cached_ones():
+    """vLLM's ``BlockPool.free_blocks`` puts a freed block that caches nothing at the front of the
+    free queue (reused first) and a cached one at the end (evicted last, LRU)."""
+    pool = BlockPool(3, 16)
+    a: list[int] = []
+    pool.allocate(1, a)
+    pool.cache(a[0], 101)
+    pool.free(a)  # cached: the end of the queue
+    b: list[int] = []
+    pool.allocate(2, b)  # the two never-used blocks
+    pool.free(b)  # they cache nothing: the front of the queue
+    c: list[int] = []
+    pool.allocate(1, c)
+    assert c[0] in b and pool.lookup([101], 1) == a
+    pool.check()

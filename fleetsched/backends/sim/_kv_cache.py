@@ -4,7 +4,8 @@ Blocks are plain ints. A block is either held (reference count > 0) or free; fre
 one LRU queue, oldest first, and allocation takes from its head. A free block may still carry the
 hash of the prompt block it holds: a later request with the same prefix reuses it (a prefix cache
 hit) until allocation evicts it. Requests free their blocks tail first, so the tail of a chain is
-evicted before its head, as vLLM does.
+evicted before its head, and a freed block that carries no hash goes to the head of the queue
+(reused before any cached block), as vLLM does.
 
 Invariant (checked by `check()`): ``free + held == num_blocks`` and every cached hash maps to a
 block that carries it.
@@ -123,12 +124,22 @@ class BlockPool:
             self._hash[block] = h
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference on each of `blocks`, tail first; unreferenced ones join the queue."""
-        ref, free = self._ref, self._free
+        """Drop one reference on each of `blocks`, tail first. As vLLM's ``free_blocks``, an
+        unreferenced block that caches a prompt block joins the end of the queue (evicted last,
+        LRU) and one that caches nothing (it can never be a hit) its front, to be reused first:
+        it spares the cached blocks."""
+        ref, free, hashes = self._ref, self._free, self._hash
+        reuse_first: list[int] = []
         for b in reversed(blocks):
             ref[b] -= 1
             if ref[b] == 0:
-                free[b] = None
+                if hashes[b] is None:
+                    reuse_first.append(b)
+                else:
+                    free[b] = None
+        for b in reversed(reuse_first):  # at the front in the order freed (vLLM's prepend_n)
+            free[b] = None
+            free.move_to_end(b, last=False)
 
     def check(self) -> None:
         """Assert the pool's invariants (for tests)."""
