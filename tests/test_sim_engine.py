@@ -282,3 +282,25 @@ def test_pool_reuses_blocks_without_a_hash_first_and_keeps_cached_ones():
     pool.allocate(1, c)
     assert c[0] in b and pool.lookup([101], 1) == a
     pool.check()
+
+
+def test_pool_keeps_every_block_cached_under_a_hash_and_hits_the_oldest_left():
+    """Two requests that computed the same prompt block each cache it (vLLM's
+    ``BlockHashToBlockMap`` keeps both): when the first copy is evicted, the second still hits."""
+    pool = BlockPool(4, 16)
+    a: list[int] = []
+    b: list[int] = []
+    pool.allocate(1, a)
+    pool.allocate(1, b)
+    pool.cache(a[0], 7)
+    pool.cache(b[0], 7)
+    assert pool.lookup([7], 1) == a  # the first cached
+    pool.free(a)
+    c: list[int] = []
+    pool.allocate(3, c)  # evicts a's copy
+    assert a[0] in c and pool.lookup([7], 1) == b
+    pool.free(b)
+    pool.free(c)
+    pool.allocate(4, [])  # evicts b's copy too
+    assert pool.lookup([7], 1) == []
+    pool.check()
