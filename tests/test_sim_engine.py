@@ -304,3 +304,18 @@ def test_pool_keeps_every_block_cached_under_a_hash_and_hits_the_oldest_left():
     pool.allocate(4, [])  # evicts b's copy too
     assert pool.lookup([7], 1) == []
     pool.check()
+
+
+def test_prefix_cache_counters_leave_out_preempted_requests_as_vllm_does():
+    """vLLM's ``vllm:prefix_cache_queries``/``hits`` count a request's lookup when it is first
+    admitted; a preempted request's lookup on resuming goes to separate preempted counters."""
+    bs = 16
+    engine = SimEngine(SimSettings(block_size=bs, kv_cache_tokens=64, policy="fcfs"))
+    a = engine.new_request(32, 20, [1, 2])
+    b = engine.new_request(32, 20, [3, 4])
+    while engine.has_work:
+        step = engine.schedule()
+        assert step is not None
+        engine.complete(step)
+    assert b.num_preemptions >= 1
+    assert engine.prefix_queries == 64 and engine.prefix_hits == 0

@@ -446,8 +446,9 @@ class SimEngine:
             request.num_hashed = len(hits)
             request._computed = num_computed
             self._allocate(request, num_new)
-            self.prefix_queries += num_tokens
-            self.prefix_hits += num_computed
+            if not request.num_preemptions:  # vLLM counts a resumed request's lookup apart
+                self.prefix_queries += num_tokens
+                self.prefix_hits += num_computed
             request.status = RUNNING
             self._run_order += 1
             request.run_order = self._run_order
