@@ -281,13 +281,16 @@ async def test_stream_interval_groups_tokens_into_chunks():
 
 
 async def test_a_request_sets_its_own_stream_interval_as_vllm_takes_it():
+    """vLLM's output processor clamps a request's stream_interval to the server's: a request may
+    ask for larger chunks, not smaller ones."""
     async with SimBackend(flat(stream_interval=4)) as backend:
-        sizes = []
-        async for chunk in backend.stream_chat({**body(16, 10), "stream_interval": 3}):
-            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-            if content:
-                sizes.append(len(content) // len(" tok"))
-        assert sizes == [1, 3, 3, 3]
+        for asked, expected in ((5, [1, 5, 4]), (3, [1, 4, 4, 1])):
+            sizes = []
+            async for chunk in backend.stream_chat({**body(16, 10), "stream_interval": asked}):
+                content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                if content:
+                    sizes.append(len(content) // len(" tok"))
+            assert sizes == expected, asked
         for bad in (0, "8", 2.5, True):
             with pytest.raises(InvalidRequest, match="stream_interval"):
                 backend.stream_chat({**body(16, 10), "stream_interval": bad})

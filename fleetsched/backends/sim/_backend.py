@@ -20,11 +20,12 @@ waiting ends it at the step that will wake it (`_cut`).
 Consumers never block the engine: tokens are counters on the request, and a consumer that falls
 behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
 A waiting consumer is woken for the first token, every ``stream_interval`` tokens after it (the
-request body's, as vLLM takes it, else the settings'), and at the end; one whose body says
-``"stream": False`` (it collects the whole answer) only for the first token and at the end, and a
-call collected by `complete_chat` (the dispatcher's `chat`) only at the end: the engine loop notes
-when its first token came. That is one or two task switches per call instead of one per chunk, and
-the times of the first token and of the end, all that a collector observes, stay the same.
+request body's where larger than the settings', as vLLM clamps it, else the settings'), and at the
+end; one whose body says ``"stream": False`` (it collects the whole answer) only for the first
+token and at the end, and a call collected by `complete_chat` (the dispatcher's `chat`) only at
+the end: the engine loop notes when its first token came. That is one or two task switches per
+call instead of one per chunk, and the times of the first token and of the end, all that a
+collector observes, stay the same.
 """
 
 from __future__ import annotations
@@ -352,6 +353,7 @@ class SimBackend(Backend):
         interval = body.get("stream_interval", s.stream_interval)  # per request, as vLLM takes it
         if not _is_count(interval):
             raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r}")
+        interval = max(interval, s.stream_interval)  # vLLM clamps it to the server's: never smaller
         request.wake_every = max_tokens if body.get("stream") is False else interval
         request.continuous_usage = wants_continuous_usage(body)
         return request
