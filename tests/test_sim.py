@@ -394,3 +394,15 @@ async def test_a_glide_ends_at_the_step_under_way_when_a_request_arrives(sent: f
     assert log["short"][1] - start == pytest.approx(end * STEP)
     assert stats.steps == 40 and stats.requests_finished == 2
 
+
+
+async def test_a_prompt_that_fills_the_cache_is_served_when_its_last_token_needs_no_slot():
+    """The last token a request generates is sampled, never written to the KV cache: vLLM serves a
+    request that needs prompt + max_tokens - 1 slots, so a prompt that fills the cache alone can
+    still get one token."""
+    async with SimBackend(flat(kv_cache_tokens=160, max_num_batched_tokens=64)) as backend:
+        assert (await run_one(backend, body(160, 1)))["usage"]["completion_tokens"] == 1
+        assert (await run_one(backend, body(150, 11)))["usage"]["completion_tokens"] == 11
+        with pytest.raises(ContextTooLong, match="needs 161 tokens of KV cache"):
+            backend.stream_chat(body(160, 2))
+        assert backend.engine.pool.usage == 0.0 and backend.engine.preemptions == 0

@@ -123,7 +123,7 @@ def test_random_workloads_keep_invariants_and_finish(policy, kv_blocks, budget, 
     engine = SimEngine(
         SimSettings(policy=policy, block_size=bs, kv_cache_tokens=kv_blocks * bs, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
     )
-    pending = [r for r in requests if -(-(r[0] + r[1]) // bs) <= kv_blocks]  # the backend refuses the rest
+    pending = [r for r in requests if -(-(r[0] + r[1] - 1) // bs) <= kv_blocks]  # the backend refuses the rest
     live = []
     step = 0
     while pending or engine.has_work:
@@ -164,7 +164,7 @@ def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_ever
         coast=coast,
     )
     engine.MIN_GLIDE = 2  # glide whenever it can
-    pending = [r for r in requests if -(-(r[0] + r[1]) // bs) <= kv_blocks]
+    pending = [r for r in requests if -(-(r[0] + r[1] - 1) // bs) <= kv_blocks]
     live: list = []
     waking: dict = {}  # request -> steps before its consumer runs again
     events = []

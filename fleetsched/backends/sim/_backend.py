@@ -341,12 +341,15 @@ class SimBackend(Backend):
         else:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, s.max_model_len - prompt))
         check_fits(s.max_model_len, prompt, max_tokens)
-        total = prompt + max_tokens
+        # Its last token is sampled, never written to the cache: it needs one slot less than its
+        # length (a prompt that fills the cache can still get one token, as in vLLM).
+        slots = prompt + max_tokens - 1
         capacity = (s.kv_cache_tokens // s.block_size) * s.block_size
-        if total > capacity:
+        if slots > capacity:
             raise ContextTooLong(
-                f"the request needs {total} tokens of KV cache ({prompt} prompt + {max_tokens} "
-                f"completion) but the whole cache holds {capacity}; shorten it or enlarge kv_cache_tokens"
+                f"the request needs {slots} tokens of KV cache ({prompt} prompt + {max_tokens} "
+                f"completion, the last never cached) but the whole cache holds {capacity}; shorten it "
+                "or enlarge kv_cache_tokens"
             )
         hashes = block_hashes(text, s.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
