@@ -406,3 +406,19 @@ async def test_a_prompt_that_fills_the_cache_is_served_when_its_last_token_needs
         with pytest.raises(ContextTooLong, match="needs 161 tokens of KV cache"):
             backend.stream_chat(body(160, 2))
         assert backend.engine.pool.usage == 0.0 and backend.engine.preemptions == 0
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [["hello"], [{"role": "user", "content": [{"type": "text", "text": None}]}], [{"role": "user", "content": "a"}, 7]],
+)
+async def test_malformed_messages_raise_invalid_request_naming_messages(messages: list):
+    """As `estimate_prompt_tokens` words it: a clear InvalidRequest, not an AttributeError or a
+    TypeError from deep inside, and nothing reaches the engine."""
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match="messages"):
+            backend.stream_chat({"model": "m", "messages": messages})
+        with pytest.raises(InvalidRequest, match="messages"):
+            await backend.complete_chat({"model": "m", "messages": messages})
+        assert not backend.engine.has_work
+        assert (await run_one(backend, body(16, 3)))["usage"]["completion_tokens"] == 3

@@ -329,7 +329,12 @@ class SimBackend(Backend):
         if self.settings.policy == "fcfs":
             priority = 0  # vLLM ignores it under fcfs
         s = self.settings
-        text = prompt_text(messages)
+        try:
+            text = prompt_text(messages)
+        except (AttributeError, TypeError):  # caught where they are read anyway: no cost when right
+            raise InvalidRequest(
+                f"messages: expected a list of {{role, content}} objects with text content, got {messages!r:.80}"
+            ) from None
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
         given = body.get("max_completion_tokens")
         if given is None:
