@@ -422,3 +422,13 @@ async def test_malformed_messages_raise_invalid_request_naming_messages(messages
             await backend.complete_chat({"model": "m", "messages": messages})
         assert not backend.engine.has_work
         assert (await run_one(backend, body(16, 3)))["usage"]["completion_tokens"] == 3
+
+
+async def test_a_bad_max_completion_tokens_is_named_in_the_error():
+    async with SimBackend(flat()) as backend:
+        b = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        for bad in (0, "5", 2.5, True):
+            with pytest.raises(InvalidRequest, match="^max_completion_tokens"):
+                backend.stream_chat({**b, "max_completion_tokens": bad, "max_tokens": 5})
+            with pytest.raises(InvalidRequest, match="^max_tokens"):
+                backend.stream_chat({**b, "max_tokens": bad})

@@ -336,12 +336,14 @@ class SimBackend(Backend):
                 f"messages: expected a list of {{role, content}} objects with text content, got {messages!r:.80}"
             ) from None
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
-        given = body.get("max_completion_tokens")
+        field = "max_completion_tokens"  # it wins over max_tokens, as in vLLM
+        given = body.get(field)
         if given is None:
-            given = body.get("max_tokens")
+            field = "max_tokens"
+            given = body.get(field)
         if given is not None:
             if not _is_count(given):
-                raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {given!r}")
+                raise InvalidRequest(f"{field}: expected an integer >= 1, got {given!r}")
             max_tokens = given
         else:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, s.max_model_len - prompt))
