@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from fleetsched.backends.base import collect_chat
-from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend
+from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, SimEngine
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
@@ -432,3 +432,23 @@ async def test_a_bad_max_completion_tokens_is_named_in_the_error():
                 backend.stream_chat({**b, "max_completion_tokens": bad, "max_tokens": 5})
             with pytest.raises(InvalidRequest, match="^max_tokens"):
                 backend.stream_chat({**b, "max_tokens": bad})
+
+
+@pytest.mark.parametrize("coast", [False, True])
+async def test_a_request_arriving_exactly_at_a_step_boundary_in_a_glide_is_admitted_at_that_boundary(coast: bool):
+    """Stepping, the engine loop queues a request that reached it by the end of a step (`_arrive_due`
+    takes ``at <= now``) and admits it in the next step; a glide must end at that same step, not
+    one later. Step times are binary fractions here, so the boundary is exact."""
+    step = 1 / 64
+    settings = flat(step_base_s=step, request_overhead_s=7.5 * step, stream_interval=64)
+    backend = SimBackend(settings)
+    backend.engine = SimEngine(settings, coast=coast)
+    async with backend:
+        log: dict = {}
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_one, backend, body(16, 40), log, "long")
+            await anyio.sleep(11 * step)
+            tg.start_soon(run_one, backend, body(16, 4), log, "short")  # arrives at 18.5, a step's end
+    assert log["short"][0] - start == 19.5 * step
+    assert log["short"][1] - start == 22.5 * step

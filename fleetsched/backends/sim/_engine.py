@@ -142,11 +142,14 @@ class Step:
         return n * self.duration + self.growth * n * (n - 1) / 2
 
     def steps_by(self, elapsed: float) -> int:
-        """How many whole steps are done `elapsed` seconds in (at most ``repeat``)."""
+        """How many whole steps are done `elapsed` seconds in (at most ``repeat``). A step that ends
+        exactly then is not: stepping, what happens at that instant (a request reaching the engine,
+        a consumer that set its timer before the step began) comes before the loop completes the
+        step, and the next step is the first to see it."""
         lo, hi = 0, self.repeat
-        while lo < hi:  # the largest n with time_for(n) <= elapsed
+        while lo < hi:  # the largest n with time_for(n) < elapsed
             mid = (lo + hi + 1) // 2
-            if self.time_for(mid) <= elapsed:
+            if self.time_for(mid) < elapsed:
                 lo = mid
             else:
                 hi = mid - 1
