@@ -319,3 +319,22 @@ def test_prefix_cache_counters_leave_out_preempted_requests_as_vllm_does():
         engine.complete(step)
     assert b.num_preemptions >= 1
     assert engine.prefix_queries == 64 and engine.prefix_hits == 0
+
+
+def test_a_one_token_chunk_of_a_recompute_counts_as_prefill():
+    """A preempted request recomputes its prompt and output in chunks; a chunk the budget cuts to
+    one token inside its output is still recomputation (prompt_computed), not a decode: only the
+    token computed right after it was sampled is."""
+    engine = SimEngine(
+        SimSettings(block_size=4, kv_cache_tokens=16, max_num_batched_tokens=2, max_num_seqs=2, policy="fcfs"),
+        coast=False,
+    )
+    engine.new_request(2, 14, [])
+    engine.new_request(2, 14, [])
+    decodes = 0
+    while (step := engine.schedule()) is not None:
+        for request, n in zip(step.requests, step.counts):
+            decodes += n == 1 and request.num_output > 0 and request.num_computed == request.prompt_tokens + request.num_output - 1
+        engine.complete(step)
+    assert engine.preemptions > 0 and engine.finished == 2
+    assert engine.prompt_computed == engine.computed_tokens - decodes

@@ -497,7 +497,9 @@ class SimEngine:
             if request.status != RUNNING:  # aborted while the step ran
                 continue
             computed += n
-            if n == 1 and request._output and request._computed >= request.prompt_tokens:
+            # A decode computes the token just sampled; a one-token chunk of a recompute (cut by
+            # the budget) that stops short of it is prefill.
+            if n == 1 and request._output and request._computed == request.prompt_tokens + request._output - 1:
                 decoded += 1
             request._computed += n
             if request._computed == request.prompt_tokens + request._output:
