@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from fleetsched.backends.base import collect_chat
-from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend
+from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, SimEngine
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
@@ -281,13 +281,16 @@ async def test_stream_interval_groups_tokens_into_chunks():
 
 
 async def test_a_request_sets_its_own_stream_interval_as_vllm_takes_it():
+    """vLLM's output processor clamps a request's stream_interval to the server's: a request may
+    ask for larger chunks, not smaller ones."""
     async with SimBackend(flat(stream_interval=4)) as backend:
-        sizes = []
-        async for chunk in backend.stream_chat({**body(16, 10), "stream_interval": 3}):
-            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-            if content:
-                sizes.append(len(content) // len(" tok"))
-        assert sizes == [1, 3, 3, 3]
+        for asked, expected in ((5, [1, 5, 4]), (3, [1, 4, 4, 1])):
+            sizes = []
+            async for chunk in backend.stream_chat({**body(16, 10), "stream_interval": asked}):
+                content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                if content:
+                    sizes.append(len(content) // len(" tok"))
+            assert sizes == expected, asked
         for bad in (0, "8", 2.5, True):
             with pytest.raises(InvalidRequest, match="stream_interval"):
                 backend.stream_chat({**body(16, 10), "stream_interval": bad})
@@ -391,3 +394,61 @@ async def test_a_glide_ends_at_the_step_under_way_when_a_request_arrives(sent: f
     assert log["short"][1] - start == pytest.approx(end * STEP)
     assert stats.steps == 40 and stats.requests_finished == 2
 
+
+
+async def test_a_prompt_that_fills_the_cache_is_served_when_its_last_token_needs_no_slot():
+    """The last token a request generates is sampled, never written to the KV cache: vLLM serves a
+    request that needs prompt + max_tokens - 1 slots, so a prompt that fills the cache alone can
+    still get one token."""
+    async with SimBackend(flat(kv_cache_tokens=160, max_num_batched_tokens=64)) as backend:
+        assert (await run_one(backend, body(160, 1)))["usage"]["completion_tokens"] == 1
+        assert (await run_one(backend, body(150, 11)))["usage"]["completion_tokens"] == 11
+        with pytest.raises(ContextTooLong, match="needs 161 tokens of KV cache"):
+            backend.stream_chat(body(160, 2))
+        assert backend.engine.pool.usage == 0.0 and backend.engine.preemptions == 0
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [["hello"], [{"role": "user", "content": [{"type": "text", "text": None}]}], [{"role": "user", "content": "a"}, 7]],
+)
+async def test_malformed_messages_raise_invalid_request_naming_messages(messages: list):
+    """As `estimate_prompt_tokens` words it: a clear InvalidRequest, not an AttributeError or a
+    TypeError from deep inside, and nothing reaches the engine."""
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match="messages"):
+            backend.stream_chat({"model": "m", "messages": messages})
+        with pytest.raises(InvalidRequest, match="messages"):
+            await backend.complete_chat({"model": "m", "messages": messages})
+        assert not backend.engine.has_work
+        assert (await run_one(backend, body(16, 3)))["usage"]["completion_tokens"] == 3
+
+
+async def test_a_bad_max_completion_tokens_is_named_in_the_error():
+    async with SimBackend(flat()) as backend:
+        b = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        for bad in (0, "5", 2.5, True):
+            with pytest.raises(InvalidRequest, match="^max_completion_tokens"):
+                backend.stream_chat({**b, "max_completion_tokens": bad, "max_tokens": 5})
+            with pytest.raises(InvalidRequest, match="^max_tokens"):
+                backend.stream_chat({**b, "max_tokens": bad})
+
+
+@pytest.mark.parametrize("coast", [False, True])
+async def test_a_request_arriving_exactly_at_a_step_boundary_in_a_glide_is_admitted_at_that_boundary(coast: bool):
+    """Stepping, the engine loop queues a request that reached it by the end of a step (`_arrive_due`
+    takes ``at <= now``) and admits it in the next step; a glide must end at that same step, not
+    one later. Step times are binary fractions here, so the boundary is exact."""
+    step = 1 / 64
+    settings = flat(step_base_s=step, request_overhead_s=7.5 * step, stream_interval=64)
+    backend = SimBackend(settings)
+    backend.engine = SimEngine(settings, coast=coast)
+    async with backend:
+        log: dict = {}
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_one, backend, body(16, 40), log, "long")
+            await anyio.sleep(11 * step)
+            tg.start_soon(run_one, backend, body(16, 4), log, "short")  # arrives at 18.5, a step's end
+    assert log["short"][0] - start == 19.5 * step
+    assert log["short"][1] - start == 22.5 * step

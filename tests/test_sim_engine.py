@@ -123,7 +123,7 @@ def test_random_workloads_keep_invariants_and_finish(policy, kv_blocks, budget, 
     engine = SimEngine(
         SimSettings(policy=policy, block_size=bs, kv_cache_tokens=kv_blocks * bs, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
     )
-    pending = [r for r in requests if -(-(r[0] + r[1]) // bs) <= kv_blocks]  # the backend refuses the rest
+    pending = [r for r in requests if -(-(r[0] + r[1] - 1) // bs) <= kv_blocks]  # the backend refuses the rest
     live = []
     step = 0
     while pending or engine.has_work:
@@ -164,7 +164,7 @@ def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_ever
         coast=coast,
     )
     engine.MIN_GLIDE = 2  # glide whenever it can
-    pending = [r for r in requests if -(-(r[0] + r[1]) // bs) <= kv_blocks]
+    pending = [r for r in requests if -(-(r[0] + r[1] - 1) // bs) <= kv_blocks]
     live: list = []
     waking: dict = {}  # request -> steps before its consumer runs again
     events = []
@@ -265,3 +265,76 @@ def test_coasting_looks_at_few_requests_a_step():
     assert sum(looked_at) < engine.steps * 64 / 8
     # The steps in between are glided through: one schedule covers many steps.
     assert schedules < engine.steps / 2
+
+
+def test_pool_reuses_blocks_without_a_hash_first_and_keeps_cached_ones():
+    """vLLM's ``BlockPool.free_blocks`` puts a freed block that caches nothing at the front of the
+    free queue (reused first) and a cached one at the end (evicted last, LRU)."""
+    pool = BlockPool(3, 16)
+    a: list[int] = []
+    pool.allocate(1, a)
+    pool.cache(a[0], 101)
+    pool.free(a)  # cached: the end of the queue
+    b: list[int] = []
+    pool.allocate(2, b)  # the two never-used blocks
+    pool.free(b)  # they cache nothing: the front of the queue
+    c: list[int] = []
+    pool.allocate(1, c)
+    assert c[0] in b and pool.lookup([101], 1) == a
+    pool.check()
+
+
+def test_pool_keeps_every_block_cached_under_a_hash_and_hits_the_oldest_left():
+    """Two requests that computed the same prompt block each cache it (vLLM's
+    ``BlockHashToBlockMap`` keeps both): when the first copy is evicted, the second still hits."""
+    pool = BlockPool(4, 16)
+    a: list[int] = []
+    b: list[int] = []
+    pool.allocate(1, a)
+    pool.allocate(1, b)
+    pool.cache(a[0], 7)
+    pool.cache(b[0], 7)
+    assert pool.lookup([7], 1) == a  # the first cached
+    pool.free(a)
+    c: list[int] = []
+    pool.allocate(3, c)  # evicts a's copy
+    assert a[0] in c and pool.lookup([7], 1) == b
+    pool.free(b)
+    pool.free(c)
+    pool.allocate(4, [])  # evicts b's copy too
+    assert pool.lookup([7], 1) == []
+    pool.check()
+
+
+def test_prefix_cache_counters_leave_out_preempted_requests_as_vllm_does():
+    """vLLM's ``vllm:prefix_cache_queries``/``hits`` count a request's lookup when it is first
+    admitted; a preempted request's lookup on resuming goes to separate preempted counters."""
+    bs = 16
+    engine = SimEngine(SimSettings(block_size=bs, kv_cache_tokens=64, policy="fcfs"))
+    a = engine.new_request(32, 20, [1, 2])
+    b = engine.new_request(32, 20, [3, 4])
+    while engine.has_work:
+        step = engine.schedule()
+        assert step is not None
+        engine.complete(step)
+    assert b.num_preemptions >= 1
+    assert engine.prefix_queries == 64 and engine.prefix_hits == 0
+
+
+def test_a_one_token_chunk_of_a_recompute_counts_as_prefill():
+    """A preempted request recomputes its prompt and output in chunks; a chunk the budget cuts to
+    one token inside its output is still recomputation (prompt_computed), not a decode: only the
+    token computed right after it was sampled is."""
+    engine = SimEngine(
+        SimSettings(block_size=4, kv_cache_tokens=16, max_num_batched_tokens=2, max_num_seqs=2, policy="fcfs"),
+        coast=False,
+    )
+    engine.new_request(2, 14, [])
+    engine.new_request(2, 14, [])
+    decodes = 0
+    while (step := engine.schedule()) is not None:
+        for request, n in zip(step.requests, step.counts):
+            decodes += n == 1 and request.num_output > 0 and request.num_computed == request.prompt_tokens + request.num_output - 1
+        engine.complete(step)
+    assert engine.preemptions > 0 and engine.finished == 2
+    assert engine.prompt_computed == engine.computed_tokens - decodes

@@ -20,11 +20,12 @@ waiting ends it at the step that will wake it (`_cut`).
 Consumers never block the engine: tokens are counters on the request, and a consumer that falls
 behind receives the tokens it missed coalesced into one chunk, as vLLM's output collector does.
 A waiting consumer is woken for the first token, every ``stream_interval`` tokens after it (the
-request body's, as vLLM takes it, else the settings'), and at the end; one whose body says
-``"stream": False`` (it collects the whole answer) only for the first token and at the end, and a
-call collected by `complete_chat` (the dispatcher's `chat`) only at the end: the engine loop notes
-when its first token came. That is one or two task switches per call instead of one per chunk, and
-the times of the first token and of the end, all that a collector observes, stay the same.
+request body's where larger than the settings', as vLLM clamps it, else the settings'), and at the
+end; one whose body says ``"stream": False`` (it collects the whole answer) only for the first
+token and at the end, and a call collected by `complete_chat` (the dispatcher's `chat`) only at
+the end: the engine loop notes when its first token came. That is one or two task switches per
+call instead of one per chunk, and the times of the first token and of the end, all that a
+collector observes, stay the same.
 """
 
 from __future__ import annotations
@@ -328,30 +329,41 @@ class SimBackend(Backend):
         if self.settings.policy == "fcfs":
             priority = 0  # vLLM ignores it under fcfs
         s = self.settings
-        text = prompt_text(messages)
+        try:
+            text = prompt_text(messages)
+        except (AttributeError, TypeError):  # caught where they are read anyway: no cost when right
+            raise InvalidRequest(
+                f"messages: expected a list of {{role, content}} objects with text content, got {messages!r:.80}"
+            ) from None
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
-        given = body.get("max_completion_tokens")
+        field = "max_completion_tokens"  # it wins over max_tokens, as in vLLM
+        given = body.get(field)
         if given is None:
-            given = body.get("max_tokens")
+            field = "max_tokens"
+            given = body.get(field)
         if given is not None:
             if not _is_count(given):
-                raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {given!r}")
+                raise InvalidRequest(f"{field}: expected an integer >= 1, got {given!r}")
             max_tokens = given
         else:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, s.max_model_len - prompt))
         check_fits(s.max_model_len, prompt, max_tokens)
-        total = prompt + max_tokens
+        # Its last token is sampled, never written to the cache: it needs one slot less than its
+        # length (a prompt that fills the cache can still get one token, as in vLLM).
+        slots = prompt + max_tokens - 1
         capacity = (s.kv_cache_tokens // s.block_size) * s.block_size
-        if total > capacity:
+        if slots > capacity:
             raise ContextTooLong(
-                f"the request needs {total} tokens of KV cache ({prompt} prompt + {max_tokens} "
-                f"completion) but the whole cache holds {capacity}; shorten it or enlarge kv_cache_tokens"
+                f"the request needs {slots} tokens of KV cache ({prompt} prompt + {max_tokens} "
+                f"completion, the last never cached) but the whole cache holds {capacity}; shorten it "
+                "or enlarge kv_cache_tokens"
             )
         hashes = block_hashes(text, s.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
         interval = body.get("stream_interval", s.stream_interval)  # per request, as vLLM takes it
         if not _is_count(interval):
             raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r}")
+        interval = max(interval, s.stream_interval)  # vLLM clamps it to the server's: never smaller
         request.wake_every = max_tokens if body.get("stream") is False else interval
         request.continuous_usage = wants_continuous_usage(body)
         return request

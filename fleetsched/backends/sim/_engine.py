@@ -142,11 +142,14 @@ class Step:
         return n * self.duration + self.growth * n * (n - 1) / 2
 
     def steps_by(self, elapsed: float) -> int:
-        """How many whole steps are done `elapsed` seconds in (at most ``repeat``)."""
+        """How many whole steps are done `elapsed` seconds in (at most ``repeat``). A step that ends
+        exactly then is not: stepping, what happens at that instant (a request reaching the engine,
+        a consumer that set its timer before the step began) comes before the loop completes the
+        step, and the next step is the first to see it."""
         lo, hi = 0, self.repeat
-        while lo < hi:  # the largest n with time_for(n) <= elapsed
+        while lo < hi:  # the largest n with time_for(n) < elapsed
             mid = (lo + hi + 1) // 2
-            if self.time_for(mid) <= elapsed:
+            if self.time_for(mid) < elapsed:
                 lo = mid
             else:
                 hi = mid - 1
@@ -446,8 +449,9 @@ class SimEngine:
             request.num_hashed = len(hits)
             request._computed = num_computed
             self._allocate(request, num_new)
-            self.prefix_queries += num_tokens
-            self.prefix_hits += num_computed
+            if not request.num_preemptions:  # vLLM counts a resumed request's lookup apart
+                self.prefix_queries += num_tokens
+                self.prefix_hits += num_computed
             request.status = RUNNING
             self._run_order += 1
             request.run_order = self._run_order
@@ -493,7 +497,9 @@ class SimEngine:
             if request.status != RUNNING:  # aborted while the step ran
                 continue
             computed += n
-            if n == 1 and request._output and request._computed >= request.prompt_tokens:
+            # A decode computes the token just sampled; a one-token chunk of a recompute (cut by
+            # the budget) that stops short of it is prefill.
+            if n == 1 and request._output and request._computed == request.prompt_tokens + request._output - 1:
                 decoded += 1
             request._computed += n
             if request._computed == request.prompt_tokens + request._output:

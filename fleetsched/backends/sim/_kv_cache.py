@@ -4,7 +4,12 @@ Blocks are plain ints. A block is either held (reference count > 0) or free; fre
 one LRU queue, oldest first, and allocation takes from its head. A free block may still carry the
 hash of the prompt block it holds: a later request with the same prefix reuses it (a prefix cache
 hit) until allocation evicts it. Requests free their blocks tail first, so the tail of a chain is
-evicted before its head, as vLLM does.
+evicted before its head, and a freed block that carries no hash goes to the head of the queue
+(reused before any cached block), as vLLM does.
+
+Several blocks may cache the same hash (two requests computed the same prompt block before
+either could hit the other's): as vLLM's ``BlockHashToBlockMap``, all of them are kept, a lookup
+finds the oldest, and when it is evicted the next one takes its place.
 
 Invariant (checked by `check()`): ``free + held == num_blocks`` and every cached hash maps to a
 block that carries it.
@@ -59,7 +64,7 @@ def block_hashes(text: str, block_size: int, num_tokens: int) -> list[int]:
 class BlockPool:
     """Fixed-size blocks, reference counted, with an LRU free queue and a prefix-hash map."""
 
-    __slots__ = ("num_blocks", "block_size", "_ref", "_hash", "_free", "_cached")
+    __slots__ = ("num_blocks", "block_size", "_ref", "_hash", "_free", "_cached", "_copies")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -68,7 +73,8 @@ class BlockPool:
         self._hash: list[int | None] = [None] * num_blocks
         # OrderedDict as an O(1) intrusive list: popitem(last=False) is the LRU end, del is O(1).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}
+        self._cached: dict[int, int] = {}  # hash -> the oldest block caching it
+        self._copies: dict[int, list[int]] = {}  # hash -> the other blocks caching it, oldest first
 
     @property
     def num_free(self) -> int:
@@ -106,29 +112,54 @@ class BlockPool:
 
     def allocate(self, n: int, out: list[int]) -> None:
         """Append `n` fresh blocks to `out`, evicting LRU cached blocks. Caller checked num_free."""
-        free, ref, hashes, cached = self._free, self._ref, self._hash, self._cached
+        free, ref, hashes = self._free, self._ref, self._hash
         for _ in range(n):
             b = free.popitem(last=False)[0]
             h = hashes[b]
             if h is not None:
-                del cached[h]
-                hashes[b] = None
+                self._evict(b, h)
             ref[b] = 1
             out.append(b)
 
+    def _evict(self, block: int, h: int) -> None:
+        """Forget that `block` caches `h`; the oldest other block caching `h` (if any) is hit next."""
+        self._hash[block] = None
+        copies = self._copies.get(h)
+        if copies is None:  # the only block caching h: the common case
+            del self._cached[h]
+            return
+        if self._cached[h] == block:
+            self._cached[h] = copies.pop(0)
+        else:
+            copies.remove(block)
+        if not copies:
+            del self._copies[h]
+
     def cache(self, block: int, h: int) -> None:
-        """Record that `block` holds the prompt block hashed `h` (first holder wins)."""
-        if h not in self._cached and self._hash[block] is None:
-            self._cached[h] = block
-            self._hash[block] = h
+        """Record that `block` holds the prompt block hashed `h` (besides any other block that does)."""
+        if self._hash[block] is not None:
+            return
+        self._hash[block] = h
+        if self._cached.setdefault(h, block) != block:
+            self._copies.setdefault(h, []).append(block)
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference on each of `blocks`, tail first; unreferenced ones join the queue."""
-        ref, free = self._ref, self._free
+        """Drop one reference on each of `blocks`, tail first. As vLLM's ``free_blocks``, an
+        unreferenced block that caches a prompt block joins the end of the queue (evicted last,
+        LRU) and one that caches nothing (it can never be a hit) its front, to be reused first:
+        it spares the cached blocks."""
+        ref, free, hashes = self._ref, self._free, self._hash
+        reuse_first: list[int] = []
         for b in reversed(blocks):
             ref[b] -= 1
             if ref[b] == 0:
-                free[b] = None
+                if hashes[b] is None:
+                    reuse_first.append(b)
+                else:
+                    free[b] = None
+        for b in reversed(reuse_first):  # at the front in the order freed (vLLM's prepend_n)
+            free[b] = None
+            free.move_to_end(b, last=False)
 
     def check(self) -> None:
         """Assert the pool's invariants (for tests)."""
@@ -137,3 +168,6 @@ class BlockPool:
         assert all(self._ref[b] == 0 for b in self._free)
         for h, b in self._cached.items():
             assert self._hash[b] == h
+        for h, blocks in self._copies.items():
+            assert blocks and h in self._cached and all(self._hash[b] == h for b in blocks)
+        assert sum(h is not None for h in self._hash) == len(self._cached) + sum(map(len, self._copies.values()))
