@@ -361,7 +361,9 @@ class MemoryPool(ABC):
         self._allocated[reservation.device] += size - old_size
         if tenant is not None:
             self._by_tenant[tenant] += delta
-        if size < old_size or delta < 0:  # memory, or only quota, came free
+        # Memory, or only quota, came free; a grow that moved freed the extent it left, which
+        # may join a free neighbour into a run a waiter fits in.
+        if size < old_size or delta < 0 or moved:
             self._released_memory()
         return moved
 
