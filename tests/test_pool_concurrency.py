@@ -8,9 +8,14 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from fleetsched.resources import DeviceSpec, ExtentPool
+from fleetsched import Scheduler, SessionState
+from fleetsched.resources import CountingPool, DeviceSpec, ExtentPool
+
+from .helpers import check_released, settings
+from .test_keep_or_release import sleeper
 
 PAGE = 1 << 20
+GB = 10**9
 pytestmark = pytest.mark.anyio
 
 
@@ -43,3 +48,28 @@ async def test_a_grow_that_moves_hands_the_extent_it_left_to_a_waiter():
     assert granted == [1.0]
     assert pool.statistics().waiting == 0
     pool.check_invariants()
+
+
+async def test_a_waiter_that_gives_up_lets_the_schedulers_queue_in():
+    """A pool shared by the scheduler and a direct `acquire`: a waiter ahead holds back
+    `reserve_nowait`, so admission waits for the pool's release listener. Before: a waiter that
+    gave up (cancelled, timed out) served the waiters behind it but told no listener, and the
+    scheduler's queue waited on until some later release."""
+    log: list = []
+    pool = CountingPool([DeviceSpec("gpu0", 80 * GB)])
+    s = settings(scheduler={"max_sessions": 4, "drain_grace_s": 1000})
+    async with Scheduler(s, pool=pool) as scheduler:
+        await scheduler.submit(sleeper(100, log, "A"), tenant="acme", memory=50 * GB)
+        async with anyio.create_task_group() as tg:
+
+            async def impatient() -> None:
+                with anyio.move_on_after(5):
+                    await pool.acquire(40 * GB, owner="direct", priority=0)  # waits ahead of B
+
+            tg.start_soon(impatient)
+            await anyio.sleep(1)
+            b = await scheduler.submit(sleeper(1, log, "B"), tenant="acme", memory=20 * GB)
+            assert b.state is SessionState.QUEUED  # behind the waiter, though 30 GB are free
+        await b
+    assert ("B", "start", 5.0) in log
+    check_released(scheduler)

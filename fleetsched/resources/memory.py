@@ -388,7 +388,9 @@ class MemoryPool(ABC):
             else:
                 self._waiters.remove(waiter)
                 self._refused.pop(waiter, None)
-                self._wake()
+                # Serve the waiters behind it, and tell the listeners: a waiter ahead holds back
+                # `reserve_nowait` (a scheduler's admission), which may get in now.
+                self._released_memory()
             raise
         if waiter.error is not None:
             raise waiter.error
@@ -435,7 +437,8 @@ class MemoryPool(ABC):
             raise failed
 
     def add_release_listener(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` (synchronously) after every release, so admission can retry."""
+        """Call `callback()` (synchronously) after every release, and after a waiter gives up,
+        so admission can retry."""
         self._listeners.append(callback)
 
     def remove_release_listener(self, callback: Callable[[], None]) -> None:
