@@ -73,3 +73,37 @@ async def test_a_waiter_that_gives_up_lets_the_schedulers_queue_in():
         await b
     assert ("B", "start", 5.0) in log
     check_released(scheduler)
+
+
+@pytest.mark.parametrize("kind", ["extent", "counting"])
+@pytest.mark.parametrize("how", ["grows", "reserves ahead of the line"])
+async def test_a_head_waiter_pushed_over_its_quota_lets_the_line_move(kind, how):
+    """A waiter its tenant's quota holds back does not hold the line (the pool serves those behind
+    it). Before: when the tenant took more memory (a grow, or a reservation of a better
+    priority) and so pushed its own waiter at the head over the quota, nobody served the line:
+    a waiter behind that fits waited on until some later release."""
+    devices = [DeviceSpec("g0", 16 * PAGE)]
+    quotas = {"a": 10 * PAGE}
+    pool = ExtentPool(devices, page_size=PAGE, quotas=quotas) if kind == "extent" else CountingPool(devices, quotas=quotas)
+    pool.reserve_nowait(8 * PAGE, tenant="b")
+    mine = pool.reserve_nowait(PAGE, tenant="a")  # 7 pages free
+    granted: list[str] = []
+
+    async def want(nbytes: int, tenant: str | None, name: str) -> None:
+        await pool.acquire(nbytes, owner=name, tenant=tenant, priority=1)
+        granted.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want, 8 * PAGE, "a", "head")  # within a's quota (1 + 8 <= 10), no room
+        await anyio.sleep(1)
+        tg.start_soon(want, 3 * PAGE, None, "behind")  # fits, but waits behind the head
+        await anyio.sleep(1)
+        assert pool.statistics().waiting == 2
+        if how == "grows":
+            mine.resize_nowait(3 * PAGE)  # a holds 3: its head waiter (8 more) is over the quota
+        else:
+            pool.reserve_nowait(2 * PAGE, tenant="a", priority=0)
+        await anyio.sleep(1)
+        tg.cancel_scope.cancel()
+    assert granted == ["behind"]
+
