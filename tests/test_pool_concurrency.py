@@ -107,3 +107,28 @@ async def test_a_head_waiter_pushed_over_its_quota_lets_the_line_move(kind, how)
         tg.cancel_scope.cancel()
     assert granted == ["behind"]
 
+
+@pytest.mark.parametrize("kind", ["extent", "counting"])
+async def test_a_waiter_cancelled_as_its_quota_refuses_it_is_just_cancelled(kind):
+    """The waiter's cancellation is delivered (its task rescheduled) and, before it runs, a lowered
+    quota refuses it: set_quota takes it out of the line. Before: the waiter then tried to take
+    itself out again and failed with ValueError (list.remove) instead of being cancelled."""
+    devices = [DeviceSpec("g0", 16 * PAGE)]
+    pool = ExtentPool(devices, page_size=PAGE, quotas={"t": 8 * PAGE}) if kind == "extent" else CountingPool(devices, quotas={"t": 8 * PAGE})
+    pool.reserve_nowait(12 * PAGE, tenant="other")
+    outcome: list[str] = []
+
+    async def want() -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            await pool.acquire(6 * PAGE, tenant="t")
+        outcome.append("cancelled" if scope.cancelled_caught else "granted")
+
+    scopes: list[anyio.CancelScope] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want)
+        await anyio.sleep(1)
+        scopes[0].cancel()  # delivered at once: the waiter is rescheduled with the cancellation ...
+        pool.set_quota("t", 4 * PAGE)  # ... and refused before it runs
+    assert outcome == ["cancelled"]
+    assert pool.statistics().waiting == 0

@@ -393,7 +393,7 @@ class MemoryPool(ABC):
         except BaseException:
             if waiter.result is not None:
                 waiter.result.release()
-            else:
+            elif waiter.error is None:  # still in the line (set_quota takes out those it refuses)
                 self._waiters.remove(waiter)
                 self._refused.pop(waiter, None)
                 # Serve the waiters behind it, and tell the listeners: a waiter ahead holds back
