@@ -473,6 +473,7 @@ class ExtentPool(MemoryPool):
                 return None
             space.allocate(found, n)
             offset = found
+            self._holes.append((reservation.device, start))  # the extent left is a hole to settle
         size = n * self.page_size
         self._internal[reservation.device] += (size - nbytes) - (reservation.size - reservation.nbytes)
         return offset * self.page_size, size

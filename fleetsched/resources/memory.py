@@ -317,9 +317,15 @@ class MemoryPool(ABC):
                 f"tenant {tenant!r} holds {self._by_tenant.get(tenant or '', 0):,} of its "
                 f"{self._quotas[tenant or '']:,} byte quota; {nbytes:,} more do not fit"
             )
+        held_before = self._by_tenant.get(tenant or "", 0)
         reservation = self._try_place(nbytes, owner, tenant, priority, device, key=key)
         if reservation is None:
             raise WouldBlock(f"no device has {nbytes:,} contiguous bytes free")
+        try:
+            self._took_quota(tenant, held_before)
+        except BaseException:  # a move callback or listener raised: the caller gets no reservation
+            self.release(reservation)
+            raise
         return reservation
 
     def resize_nowait(self, reservation: Reservation, nbytes: int) -> bool:
@@ -361,7 +367,11 @@ class MemoryPool(ABC):
         self._allocated[reservation.device] += size - old_size
         if tenant is not None:
             self._by_tenant[tenant] += delta
-        if size < old_size or delta < 0:  # memory, or only quota, came free
+            if delta > 0:
+                self._took_quota(tenant, self._by_tenant[tenant] - delta)
+        # Memory, or only quota, came free; a grow that moved freed the extent it left, which
+        # may join a free neighbour into a run a waiter fits in.
+        if size < old_size or delta < 0 or moved:
             self._released_memory()
         return moved
 
@@ -383,10 +393,12 @@ class MemoryPool(ABC):
         except BaseException:
             if waiter.result is not None:
                 waiter.result.release()
-            else:
+            elif waiter.error is None:  # still in the line (set_quota takes out those it refuses)
                 self._waiters.remove(waiter)
                 self._refused.pop(waiter, None)
-                self._wake()
+                # Serve the waiters behind it, and tell the listeners: a waiter ahead holds back
+                # `reserve_nowait` (a scheduler's admission), which may get in now.
+                self._released_memory()
             raise
         if waiter.error is not None:
             raise waiter.error
@@ -422,6 +434,10 @@ class MemoryPool(ABC):
 
     def _released_memory(self) -> None:
         """Memory came free (a release, a shrink, a compaction): serve waiters, tell listeners."""
+        self._serve()
+
+    def _serve(self) -> None:
+        """Serve the waiters and tell the listeners (the line may have moved)."""
         self._wake()
         failed: BaseException | None = None
         for listener in list(self._listeners):
@@ -433,7 +449,8 @@ class MemoryPool(ABC):
             raise failed
 
     def add_release_listener(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` (synchronously) after every release, so admission can retry."""
+        """Call `callback()` (synchronously) after every release, and after a waiter gives up,
+        so admission can retry."""
         self._listeners.append(callback)
 
     def remove_release_listener(self, callback: Callable[[], None]) -> None:
@@ -477,6 +494,17 @@ class MemoryPool(ABC):
     def _quota_blocks(self, tenant: str | None, nbytes: int) -> bool:
         quota = self._quotas.get(tenant) if tenant is not None else None
         return quota is not None and self._by_tenant.get(tenant or "", 0) + nbytes > quota
+
+    def _took_quota(self, tenant: str | None, held_before: int) -> None:
+        """`tenant` took more memory than the `held_before` bytes it held, outside `_wake`. A
+        waiter of its own that this pushed over its quota no longer holds the line (`_wake` and
+        `reserve_nowait` pass over such waiters), so those behind it may get in now."""
+        quota = self._quotas.get(tenant) if tenant is not None else None
+        if quota is None:
+            return
+        held = self._by_tenant.get(tenant or "", 0)
+        if any(w.tenant == tenant and held_before + w.nbytes <= quota < held + w.nbytes for w in self._waiters):
+            self._serve()
 
     #: Refused requests remembered at most, so owners that give up do not leak memory.
     _REFUSED_MEMORY = 65536
