@@ -158,9 +158,13 @@ def test_a_bench_option_out_of_range_is_a_usage_error_naming_it():
         assert done.returncode == 2 and message in done.stderr, (argv, done.stderr[-300:])
 
 
-def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path):
-    # The gateway on its default backend (the embedded sim) as users start it; stopping it once
-    # ended in a cancel-scope error from the lifespan.
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_serve_answers_and_stops_cleanly(tmp_path, stop):
+    """The gateway on its default backend (the embedded sim) as users start it; stopping it with
+    Ctrl-C once ended in a cancel-scope error from the lifespan. SIGTERM is how service managers
+    stop a server (systemd, docker stop, Kubernetes): uvicorn shut down gracefully, then raised
+    the SIGTERM it caught again, and the process was killed by it (status -15, 143 in a shell,
+    "Error" to a container runtime) after a clean stop that Ctrl-C ends with 0."""
     config = tmp_path / "gateway.toml"
     key = fleetsched("serve", "--hash-key", "fs-test-key").stdout.strip()
     config.write_text(f'[tenants.acme]\napi_keys = ["{key}"]\n')
@@ -181,7 +185,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path):
         reply = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer fs-test-key"}, timeout=10)
         assert reply.json()["usage"]["completion_tokens"] == 3
     finally:
-        server.send_signal(signal.SIGINT)
+        server.send_signal(stop)
         _, err = server.communicate(timeout=30)
     assert server.returncode == 0, err[-2000:]
     assert "Traceback" not in err and "ERROR" not in err, err[-2000:]
@@ -233,34 +237,3 @@ def test_serve_hash_key_of_an_empty_key_is_a_usage_error_not_a_server():
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "argument --hash-key: the key is empty" in done.stderr, done.stderr[-500:]
-
-
-def test_serve_stopped_by_sigterm_exits_0_after_its_graceful_shutdown(tmp_path):
-    """SIGTERM is how service managers stop a server (systemd, docker stop, Kubernetes). uvicorn
-    shut down gracefully, then raised the SIGTERM it caught again: the process was killed by it
-    (status -15, 143 in a shell, "Error" to a container runtime) after a clean stop that Ctrl-C
-    ends with 0."""
-    config = tmp_path / "gateway.toml"
-    key = fleetsched("serve", "--hash-key", "fs-test-key").stdout.strip()
-    config.write_text(f'[tenants.acme]\napi_keys = ["{key}"]\n')
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "fleetsched.cli", "serve", "--config", str(config), "--port", str(port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):  # up to 30 s to start
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        reply = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer fs-test-key"}, timeout=10)
-        assert reply.status_code == 200
-    finally:
-        server.send_signal(signal.SIGTERM)
-        _, err = server.communicate(timeout=30)
-    assert server.returncode == 0, err[-2000:]
-    assert "Traceback" not in err and "ERROR" not in err, err[-2000:]
