@@ -413,3 +413,34 @@ async def test_a_call_cancelled_while_it_waits_for_its_turn_gives_its_place_back
                 await dispatcher.chat(body("cancelled"), tenant="a", tier=Tier.BATCH)
         assert dispatcher.statistics().in_flight == 1
     assert backend.started == ["first"]
+
+
+
+async def test_a_call_cancelled_as_its_place_is_handed_to_it_is_not_charged():
+    """A queued call is cancelled in the turn a finished call hands it its place: it never
+    reached the backend, so neither its tenant's counter, nor its band's service, nor the calls
+    started count it (the pick charged its cost when it took the place)."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1)
+    queue = dispatcher._queue
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("first"), tenant="a", tier=Tier.BATCH))
+        await anyio.sleep(0.5)
+        lifted = queue.counter("a")  # b, arriving from idle, starts at the band's last counter served
+        with anyio.move_on_after(0.5):  # at 1.0, when "first" ends and hands its place on
+            await dispatcher.chat(body("second", 50), tenant="b", tier=Tier.BATCH)
+    assert backend.started == ["first"]
+    assert queue.counter("b") == lifted
+    assert queue.served(Tier.BATCH) == queue.counter("a")  # "first"'s usage alone
+    stats = dispatcher.statistics()
+    assert stats.calls_started == 1 and stats.in_flight == 0
+
+
+async def test_a_call_cancelled_while_it_waits_for_its_turn_is_not_charged():
+    dispatcher = Dispatcher(SlowBackend(1.0), window=2, stagger_starts=True)
+    queue = dispatcher._queue
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await dispatcher.chat(body("cancelled", 50), tenant="a", tier=Tier.BATCH)
+    assert queue.counter("a") == 0.0 and queue.served(Tier.BATCH) == 0.0
+    assert dispatcher.statistics().calls_started == 0

@@ -301,10 +301,11 @@ class Dispatcher:
         record = CallRecord(tenant, tier, session, now)
         record.max_tokens = max_tokens
         record.predicted_output = self._predict_output(tenant, record.max_tokens)
+        cost = self._cost(estimate, record)
         try:
-            waited = await self._acquire(tenant, tier, self._cost(estimate, record), due, now)
+            waited = await self._acquire(tenant, tier, cost, due, now)
             if self._stagger and tier > Tier.CRITICAL:
-                await self._wait_turn(tier)
+                await self._wait_turn(tenant, tier, cost)
         except BaseException:  # cancelled before it reached the backend: it used none of the limits
             if self._limits is not None:
                 self._limits.untake(tenant, tokens)
@@ -385,13 +386,13 @@ class Dispatcher:
                 await self._parking[0](waiter)
         except BaseException:
             if waiter.granted:
-                self._release(tier)
+                self._give_back(tenant, tier, cost)
             else:
                 self._queue.remove(entry)
             raise
         return True
 
-    async def _wait_turn(self, tier: int) -> None:
+    async def _wait_turn(self, tenant: str, tier: int, cost: float) -> None:
         """Start one turn of the event loop after the call that took its place before this one
         (`stagger_starts`); a call cancelled meanwhile gives its place back.
 
@@ -403,10 +404,18 @@ class Dispatcher:
             for _ in range(turn + 1):
                 await anyio.lowlevel.checkpoint()
         except BaseException:
-            self._release(tier)
+            self._give_back(tenant, tier, cost)
             raise
         finally:
             self._starting -= 1
+
+    def _give_back(self, tenant: str, tier: int, cost: float) -> None:
+        """Give back the place of a call cancelled before it started (at its grant, or while it
+        waited for its turn): it never reached the backend, so the `cost` charged when it took
+        the place is taken off its tenant's counter and band again, and it is not a call started."""
+        self._queue.charge(tenant, -cost, tier)
+        self._started -= 1
+        self._release(tier)
 
     def _release(self, tier: int, now: float | None = None) -> None:
         """Give a place back and hand it to the next waiting call in policy order (`now`: the
