@@ -318,21 +318,25 @@ class Dispatcher:
         record.backend_s = now - record.started
         if record.first_token == record.first_token:  # not nan
             self._engine_ttfts.append(record.first_token - record.started)
+        # The output the call used: the engine's count where a usage came, else what it streamed
+        # (counted by chunks, an estimate at `stream_interval` a chunk: never over the usage's).
+        counted = record.prompt_tokens or record.completion_tokens
+        output = record.completion_tokens if counted else record.streamed
         if self._limits is not None:  # output not received is not charged, whether the call failed or not
-            self._limits.refund(record.tenant, record.max_tokens - max(record.completion_tokens, record.streamed))
+            self._limits.refund(record.tenant, record.max_tokens - output)
         # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.
         self._measure_rate(now, self._cost(estimate, record))
         # Correct what was charged (the prompt estimate, and the larger of the predicted output
         # and the output streamed) to what the call used: the usage's counts, or for a call cut
         # short, the output it received.
         charged_output = max(record.predicted_output, record.streamed)
-        if record.prompt_tokens or record.completion_tokens:
+        if counted:
             used = (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT
             share = record.completion_tokens / max(1, record.max_tokens)
             mean = self._output_share.get(record.tenant)
             self._output_share[record.tenant] = share if mean is None else 0.8 * mean + 0.2 * share
         else:
-            used = record.streamed * OUTPUT_WEIGHT
+            used = output * OUTPUT_WEIGHT
         self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
         # The place goes back only now: the next pick must see this call's tenant charged in
         # full, or a tenant whose call just ended looks cheaper than it is and wins the place.
