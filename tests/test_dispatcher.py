@@ -444,3 +444,45 @@ async def test_a_call_cancelled_while_it_waits_for_its_turn_is_not_charged():
         await dispatcher.chat(body("cancelled", 50), tenant="a", tier=Tier.BATCH)
     assert queue.counter("a") == 0.0 and queue.served(Tier.BATCH) == 0.0
     assert dispatcher.statistics().calls_started == 0
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"tier": 3}, "tier"),
+        ({"tier": -1}, "tier"),
+        ({"tier": "1"}, "tier"),
+        ({"tier": None}, "tier"),
+        ({"due": -1.0}, "due"),
+        ({"due": float("nan")}, "due"),
+        ({"due": "soon"}, "due"),
+        ({"body": ["not", "a", "dict"]}, "body"),
+        ({"body": None}, "body"),
+    ],
+)
+async def test_a_call_with_a_bad_argument_is_refused_naming_it_and_holds_nothing(bad, named):
+    """Checked before the call takes anything. Before, a tier of "1" was queued behind a busy
+    window and failed only after, leaving its entry in the queue: the next pick compared it with
+    the others and every call that ended afterwards raised TypeError. A tier out of range went to
+    the engine as that priority, and a NaN due broke the earliest-deadline order."""
+    from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits
+
+    limits = TenantRateLimits({"a": RateLimit(requests_per_minute=10, tokens_per_minute=1000)})
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, rate_limits=limits)
+    args = {"body": body("x"), "tenant": "a", "tier": Tier.STANDARD, **bad}
+    request = args.pop("body")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("busy"), tenant="b", tier=Tier.STANDARD))
+        tg.start_soon(partial(dispatcher.chat, body("queued"), tenant="b", tier=Tier.BATCH))
+        await anyio.sleep(0.1)
+        with pytest.raises((ValueError, TypeError), match=f"^{named}: "):
+            await dispatcher.chat(request, **args)
+        with pytest.raises((ValueError, TypeError), match=f"^{named}: "):
+            async with dispatcher.stream(request, **args):
+                pass
+        assert dispatcher.statistics().queued == 1
+    assert sorted(backend.started) == ["busy", "queued"]
+    assert [r.error for r in dispatcher.recorder.calls] == [None, None]
+    assert limits._requests["a"].tokens == 10 and limits._tokens["a"].tokens == 1000
+    assert dispatcher._queue.counter("a") == 0.0

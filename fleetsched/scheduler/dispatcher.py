@@ -158,6 +158,7 @@ class Dispatcher:
         context manager and generator layers, and lets the backend collect the answer
         (`Backend.complete_chat`).
         """
+        _check_call(body, tier, due)
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
         # "stream": False: only the first token's time and the whole answer matter here.
         request = {**body, "priority": tier, "stream": False}
@@ -199,6 +200,7 @@ class Dispatcher:
         early aborts the call at the engine. `replica` (the session's placement) routes the call to
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
+        _check_call(body, tier, due)
         given_options = body.get("stream_options") or {}
         if not isinstance(given_options, Mapping):
             raise InvalidRequest(f"stream_options: expected an object, got {given_options!r:.80}")
@@ -514,6 +516,30 @@ class Dispatcher:
             self._rate,
             dict(self._refused_by),
         )
+
+
+_TIERS = frozenset(Tier)
+
+
+def _check_call(body: object, tier: object, due: object) -> None:
+    """Refuse a call's bad arguments before it takes anything (rate limits, a place, a queue
+    entry): a tier that is not one of `Tier`'s would be queued and compared with the others,
+    and a NaN due breaks the earliest-deadline order. The common case costs three tests."""
+    try:
+        if type(body) is dict and tier in _TIERS and due >= 0:  # type: ignore[operator]
+            return
+    except TypeError:  # an unhashable tier, a due that is no number: named below
+        pass
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(f"body: expected an object (a dict), got {type(body).__name__}")
+    try:
+        known = tier in _TIERS
+    except TypeError:
+        known = False
+    if not known:
+        raise ValueError(f"tier: expected 0 (critical), 1 (standard) or 2 (batch), got {tier!r:.40}")
+    if not (isinstance(due, (int, float)) and due >= 0):
+        raise ValueError(f"due: expected a time on the clock (>= 0, or inf for none), got {due!r:.40}")
 
 
 def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:
