@@ -486,3 +486,21 @@ async def test_a_call_with_a_bad_argument_is_refused_naming_it_and_holds_nothing
     assert [r.error for r in dispatcher.recorder.calls] == [None, None]
     assert limits._requests["a"].tokens == 10 and limits._tokens["a"].tokens == 1000
     assert dispatcher._queue.counter("a") == 0.0
+
+
+@pytest.mark.parametrize("window", [0, -3, float("nan"), 2.5, "4", None])
+async def test_a_bad_window_is_refused_naming_it_and_the_window_stands(window):
+    """A NaN window passed `window < 1` and was taken: no call had a place any more but the one
+    that `max(1, ...)` left for lower tiers (and none for critical calls once one was in)."""
+    dispatcher = Dispatcher(SlowBackend(1.0), window=4)
+    with pytest.raises((ValueError, TypeError), match="in-flight window"):
+        dispatcher.resize(window)
+    assert dispatcher.statistics().window == 4
+    with pytest.raises((ValueError, TypeError), match="in-flight window"):
+        Dispatcher(SlowBackend(1.0), window=window)
+
+
+@pytest.mark.parametrize("reserve", [-1, float("nan"), 0.5])
+def test_a_bad_critical_reserve_is_refused_naming_it(reserve):
+    with pytest.raises((ValueError, TypeError), match="critical reserve"):
+        Dispatcher(SlowBackend(1.0), window=4, critical_reserve=reserve)

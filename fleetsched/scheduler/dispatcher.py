@@ -104,10 +104,8 @@ class Dispatcher:
         process 1-3 ms, and 28 of them in one turn held a critical call's first token back 40-80
         ms (measured in ``bench qos``). For backends whose requests cost this process real time;
         the sim's cost nothing in virtual time."""
-        if window < 1:
-            raise ValueError(f"in-flight window must be >= 1, got {window}")
-        if critical_reserve < 0:
-            raise ValueError(f"critical reserve must be >= 0, got {critical_reserve}")
+        _check_count("in-flight window", window, 1)
+        _check_count("critical reserve", critical_reserve, 0)
         self.backend = backend
         self.window = window
         self.critical_reserve = critical_reserve
@@ -496,8 +494,7 @@ class Dispatcher:
 
     def resize(self, window: int) -> None:
         """Change the in-flight window (the adaptive window policy calls this)."""
-        if window < 1:
-            raise ValueError(f"in-flight window must be >= 1, got {window}")
+        _check_count("in-flight window", window, 1)
         self.window = window
         self._grant()
 
@@ -519,6 +516,15 @@ class Dispatcher:
 
 
 _TIERS = frozenset(Tier)
+
+
+def _check_count(name: str, value: object, least: int) -> None:
+    """A count of places must be an int: a NaN passed `value < least` and compared false with
+    every count in flight (`_has_place`), and a fraction is no number of calls."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r:.40}")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
 
 
 def _check_call(body: object, tier: object, due: object) -> None:
