@@ -504,3 +504,17 @@ async def test_a_bad_window_is_refused_naming_it_and_the_window_stands(window):
 def test_a_bad_critical_reserve_is_refused_naming_it(reserve):
     with pytest.raises((ValueError, TypeError), match="critical reserve"):
         Dispatcher(SlowBackend(1.0), window=4, critical_reserve=reserve)
+
+
+async def test_engine_ttfts_kept_for_the_window_are_bounded(monkeypatch):
+    """Each finished call keeps its engine-side TTFT until the window controller takes them; with
+    a fixed window (dispatch.adaptive_window = false) nothing takes them, and a gateway kept one
+    per call for as long as it ran. The most recent are kept."""
+    import fleetsched.scheduler.dispatcher as module
+
+    monkeypatch.setattr(module, "TTFT_SAMPLES", 64, raising=False)
+    dispatcher = Dispatcher(SlowBackend(0.0), window=4)
+    for _ in range(200):
+        await dispatcher.chat(body("x"), tenant="a", tier=Tier.STANDARD)
+    assert 32 <= len(dispatcher._engine_ttfts) <= 64
+    assert dispatcher.take_engine_ttft() == 0.0 and not dispatcher._engine_ttfts

@@ -45,6 +45,9 @@ OUTPUT_WEIGHT = 2.0
 REPLICA_KEY = "fleetsched_replica"
 #: The service rate (for predicted waits) is measured over periods at least this long.
 RATE_PERIOD_S = 2.0
+#: Engine-side TTFTs kept for `take_engine_ttft` at most (the most recent): with a fixed window
+#: nothing takes them, and they would pile up one per call for as long as the process runs.
+TTFT_SAMPLES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +320,10 @@ class Dispatcher:
         now = record.finished = anyio.current_time()
         record.backend_s = now - record.started
         if record.first_token == record.first_token:  # not nan
-            self._engine_ttfts.append(record.first_token - record.started)
+            ttfts = self._engine_ttfts
+            ttfts.append(record.first_token - record.started)
+            if len(ttfts) > TTFT_SAMPLES:  # nothing takes them (a fixed window): keep the recent half
+                del ttfts[: len(ttfts) // 2]
         # The output the call used: the engine's count where a usage came, else what it streamed
         # (counted by chunks, an estimate at `stream_interval` a chunk: never over the usage's).
         counted = record.prompt_tokens or record.completion_tokens
