@@ -413,3 +413,108 @@ async def test_a_call_cancelled_while_it_waits_for_its_turn_gives_its_place_back
                 await dispatcher.chat(body("cancelled"), tenant="a", tier=Tier.BATCH)
         assert dispatcher.statistics().in_flight == 1
     assert backend.started == ["first"]
+
+
+
+async def test_a_call_cancelled_as_its_place_is_handed_to_it_is_not_charged():
+    """A queued call is cancelled in the turn a finished call hands it its place: it never
+    reached the backend, so neither its tenant's counter, nor its band's service, nor the calls
+    started count it (the pick charged its cost when it took the place)."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1)
+    queue = dispatcher._queue
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("first"), tenant="a", tier=Tier.BATCH))
+        await anyio.sleep(0.5)
+        lifted = queue.counter("a")  # b, arriving from idle, starts at the band's last counter served
+        with anyio.move_on_after(0.5):  # at 1.0, when "first" ends and hands its place on
+            await dispatcher.chat(body("second", 50), tenant="b", tier=Tier.BATCH)
+    assert backend.started == ["first"]
+    assert queue.counter("b") == lifted
+    assert queue.served(Tier.BATCH) == queue.counter("a")  # "first"'s usage alone
+    stats = dispatcher.statistics()
+    assert stats.calls_started == 1 and stats.in_flight == 0
+
+
+async def test_a_call_cancelled_while_it_waits_for_its_turn_is_not_charged():
+    dispatcher = Dispatcher(SlowBackend(1.0), window=2, stagger_starts=True)
+    queue = dispatcher._queue
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await dispatcher.chat(body("cancelled", 50), tenant="a", tier=Tier.BATCH)
+    assert queue.counter("a") == 0.0 and queue.served(Tier.BATCH) == 0.0
+    assert dispatcher.statistics().calls_started == 0
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"tier": 3}, "tier"),
+        ({"tier": -1}, "tier"),
+        ({"tier": "1"}, "tier"),
+        ({"tier": None}, "tier"),
+        ({"due": -1.0}, "due"),
+        ({"due": float("nan")}, "due"),
+        ({"due": "soon"}, "due"),
+        ({"body": ["not", "a", "dict"]}, "body"),
+        ({"body": None}, "body"),
+    ],
+)
+async def test_a_call_with_a_bad_argument_is_refused_naming_it_and_holds_nothing(bad, named):
+    """Checked before the call takes anything. Before, a tier of "1" was queued behind a busy
+    window and failed only after, leaving its entry in the queue: the next pick compared it with
+    the others and every call that ended afterwards raised TypeError. A tier out of range went to
+    the engine as that priority, and a NaN due broke the earliest-deadline order."""
+    from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits
+
+    limits = TenantRateLimits({"a": RateLimit(requests_per_minute=10, tokens_per_minute=1000)})
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, rate_limits=limits)
+    args = {"body": body("x"), "tenant": "a", "tier": Tier.STANDARD, **bad}
+    request = args.pop("body")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("busy"), tenant="b", tier=Tier.STANDARD))
+        tg.start_soon(partial(dispatcher.chat, body("queued"), tenant="b", tier=Tier.BATCH))
+        await anyio.sleep(0.1)
+        with pytest.raises((ValueError, TypeError), match=f"^{named}: "):
+            await dispatcher.chat(request, **args)
+        with pytest.raises((ValueError, TypeError), match=f"^{named}: "):
+            async with dispatcher.stream(request, **args):
+                pass
+        assert dispatcher.statistics().queued == 1
+    assert sorted(backend.started) == ["busy", "queued"]
+    assert [r.error for r in dispatcher.recorder.calls] == [None, None]
+    assert limits._requests["a"].tokens == 10 and limits._tokens["a"].tokens == 1000
+    assert dispatcher._queue.counter("a") == 0.0
+
+
+@pytest.mark.parametrize("window", [0, -3, float("nan"), 2.5, "4", None])
+async def test_a_bad_window_is_refused_naming_it_and_the_window_stands(window):
+    """A NaN window passed `window < 1` and was taken: no call had a place any more but the one
+    that `max(1, ...)` left for lower tiers (and none for critical calls once one was in)."""
+    dispatcher = Dispatcher(SlowBackend(1.0), window=4)
+    with pytest.raises((ValueError, TypeError), match="in-flight window"):
+        dispatcher.resize(window)
+    assert dispatcher.statistics().window == 4
+    with pytest.raises((ValueError, TypeError), match="in-flight window"):
+        Dispatcher(SlowBackend(1.0), window=window)
+
+
+@pytest.mark.parametrize("reserve", [-1, float("nan"), 0.5])
+def test_a_bad_critical_reserve_is_refused_naming_it(reserve):
+    with pytest.raises((ValueError, TypeError), match="critical reserve"):
+        Dispatcher(SlowBackend(1.0), window=4, critical_reserve=reserve)
+
+
+async def test_engine_ttfts_kept_for_the_window_are_bounded(monkeypatch):
+    """Each finished call keeps its engine-side TTFT until the window controller takes them; with
+    a fixed window (dispatch.adaptive_window = false) nothing takes them, and a gateway kept one
+    per call for as long as it ran. The most recent are kept."""
+    import fleetsched.scheduler.dispatcher as module
+
+    monkeypatch.setattr(module, "TTFT_SAMPLES", 64, raising=False)
+    dispatcher = Dispatcher(SlowBackend(0.0), window=4)
+    for _ in range(200):
+        await dispatcher.chat(body("x"), tenant="a", tier=Tier.STANDARD)
+    assert 32 <= len(dispatcher._engine_ttfts) <= 64
+    assert dispatcher.take_engine_ttft() == 0.0 and not dispatcher._engine_ttfts

@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from fleetsched import Scheduler
+from fleetsched.backends.base import estimate_prompt_tokens, make_chunk, usage_dict
 from fleetsched.errors import ContextTooLong, Overloaded, RateLimited
 from fleetsched.policies.tiers import Tier
 from fleetsched.policies.window import AimdWindow, WindowSignals
@@ -176,3 +177,24 @@ async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objec
         # A standard-tier call is never shed; it waits its turn.
         await dispatcher.chat(body("waits"), tenant="std", tier=Tier.STANDARD)
     assert "shed me" not in backend.started and dispatcher.statistics().shed == 1
+
+
+@pytest.mark.anyio
+async def test_a_streamed_call_is_refunded_the_output_its_usage_says_it_did_not_use():
+    # A caller that turns usage on every chunk off gets chunks counted at the tier's stream
+    # interval (8) until the usage at the end: 4 chunks with content were counted as 32 tokens,
+    # and the refund at the end trusted that over the usage's 21, so the tenant lost 11 tokens
+    # of its minute for every such call.
+    class Coarse(SlowBackend):
+        async def stream_chat(self, body):
+            for n in (1, 8, 8, 4):  # the first token alone, then up to 8 a chunk
+                yield make_chunk("c", "m", 0, content="x" * n)
+            yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(10, 21))
+
+    limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=1000)})
+    dispatcher = Dispatcher(Coarse(), window=1, rate_limits=limits, stream_interval={Tier.BATCH: 8})
+    request = {**body("x", max_tokens=100), "stream_options": {"continuous_usage_stats": False}}
+    async with dispatcher.stream(request, tenant="a", tier=Tier.BATCH) as chunks:
+        _ = [c async for c in chunks]
+    # Taken: the prompt estimate and max_tokens; given back: the 79 tokens not generated.
+    assert limits._tokens["a"].tokens == 1000 - estimate_prompt_tokens(request) - 21

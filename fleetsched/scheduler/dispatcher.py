@@ -45,6 +45,9 @@ OUTPUT_WEIGHT = 2.0
 REPLICA_KEY = "fleetsched_replica"
 #: The service rate (for predicted waits) is measured over periods at least this long.
 RATE_PERIOD_S = 2.0
+#: Engine-side TTFTs kept for `take_engine_ttft` at most (the most recent): with a fixed window
+#: nothing takes them, and they would pile up one per call for as long as the process runs.
+TTFT_SAMPLES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +107,8 @@ class Dispatcher:
         process 1-3 ms, and 28 of them in one turn held a critical call's first token back 40-80
         ms (measured in ``bench qos``). For backends whose requests cost this process real time;
         the sim's cost nothing in virtual time."""
-        if window < 1:
-            raise ValueError(f"in-flight window must be >= 1, got {window}")
-        if critical_reserve < 0:
-            raise ValueError(f"critical reserve must be >= 0, got {critical_reserve}")
+        _check_count("in-flight window", window, 1)
+        _check_count("critical reserve", critical_reserve, 0)
         self.backend = backend
         self.window = window
         self.critical_reserve = critical_reserve
@@ -158,6 +159,7 @@ class Dispatcher:
         context manager and generator layers, and lets the backend collect the answer
         (`Backend.complete_chat`).
         """
+        _check_call(body, tier, due)
         record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
         # "stream": False: only the first token's time and the whole answer matter here.
         request = {**body, "priority": tier, "stream": False}
@@ -199,6 +201,7 @@ class Dispatcher:
         early aborts the call at the engine. `replica` (the session's placement) routes the call to
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
+        _check_call(body, tier, due)
         given_options = body.get("stream_options") or {}
         if not isinstance(given_options, Mapping):
             raise InvalidRequest(f"stream_options: expected an object, got {given_options!r:.80}")
@@ -301,10 +304,11 @@ class Dispatcher:
         record = CallRecord(tenant, tier, session, now)
         record.max_tokens = max_tokens
         record.predicted_output = self._predict_output(tenant, record.max_tokens)
+        cost = self._cost(estimate, record)
         try:
-            waited = await self._acquire(tenant, tier, self._cost(estimate, record), due, now)
+            waited = await self._acquire(tenant, tier, cost, due, now)
             if self._stagger and tier > Tier.CRITICAL:
-                await self._wait_turn(tier)
+                await self._wait_turn(tenant, tier, cost)
         except BaseException:  # cancelled before it reached the backend: it used none of the limits
             if self._limits is not None:
                 self._limits.untake(tenant, tokens)
@@ -316,22 +320,29 @@ class Dispatcher:
         now = record.finished = anyio.current_time()
         record.backend_s = now - record.started
         if record.first_token == record.first_token:  # not nan
-            self._engine_ttfts.append(record.first_token - record.started)
+            ttfts = self._engine_ttfts
+            ttfts.append(record.first_token - record.started)
+            if len(ttfts) > TTFT_SAMPLES:  # nothing takes them (a fixed window): keep the recent half
+                del ttfts[: len(ttfts) // 2]
+        # The output the call used: the engine's count where a usage came, else what it streamed
+        # (counted by chunks, an estimate at `stream_interval` a chunk: never over the usage's).
+        counted = record.prompt_tokens or record.completion_tokens
+        output = record.completion_tokens if counted else record.streamed
         if self._limits is not None:  # output not received is not charged, whether the call failed or not
-            self._limits.refund(record.tenant, record.max_tokens - max(record.completion_tokens, record.streamed))
+            self._limits.refund(record.tenant, record.max_tokens - output)
         # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.
         self._measure_rate(now, self._cost(estimate, record))
         # Correct what was charged (the prompt estimate, and the larger of the predicted output
         # and the output streamed) to what the call used: the usage's counts, or for a call cut
         # short, the output it received.
         charged_output = max(record.predicted_output, record.streamed)
-        if record.prompt_tokens or record.completion_tokens:
+        if counted:
             used = (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT
             share = record.completion_tokens / max(1, record.max_tokens)
             mean = self._output_share.get(record.tenant)
             self._output_share[record.tenant] = share if mean is None else 0.8 * mean + 0.2 * share
         else:
-            used = record.streamed * OUTPUT_WEIGHT
+            used = output * OUTPUT_WEIGHT
         self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
         # The place goes back only now: the next pick must see this call's tenant charged in
         # full, or a tenant whose call just ended looks cheaper than it is and wins the place.
@@ -385,13 +396,13 @@ class Dispatcher:
                 await self._parking[0](waiter)
         except BaseException:
             if waiter.granted:
-                self._release(tier)
+                self._give_back(tenant, tier, cost)
             else:
                 self._queue.remove(entry)
             raise
         return True
 
-    async def _wait_turn(self, tier: int) -> None:
+    async def _wait_turn(self, tenant: str, tier: int, cost: float) -> None:
         """Start one turn of the event loop after the call that took its place before this one
         (`stagger_starts`); a call cancelled meanwhile gives its place back.
 
@@ -403,10 +414,18 @@ class Dispatcher:
             for _ in range(turn + 1):
                 await anyio.lowlevel.checkpoint()
         except BaseException:
-            self._release(tier)
+            self._give_back(tenant, tier, cost)
             raise
         finally:
             self._starting -= 1
+
+    def _give_back(self, tenant: str, tier: int, cost: float) -> None:
+        """Give back the place of a call cancelled before it started (at its grant, or while it
+        waited for its turn): it never reached the backend, so the `cost` charged when it took
+        the place is taken off its tenant's counter and band again, and it is not a call started."""
+        self._queue.charge(tenant, -cost, tier)
+        self._started -= 1
+        self._release(tier)
 
     def _release(self, tier: int, now: float | None = None) -> None:
         """Give a place back and hand it to the next waiting call in policy order (`now`: the
@@ -481,8 +500,7 @@ class Dispatcher:
 
     def resize(self, window: int) -> None:
         """Change the in-flight window (the adaptive window policy calls this)."""
-        if window < 1:
-            raise ValueError(f"in-flight window must be >= 1, got {window}")
+        _check_count("in-flight window", window, 1)
         self.window = window
         self._grant()
 
@@ -501,6 +519,39 @@ class Dispatcher:
             self._rate,
             dict(self._refused_by),
         )
+
+
+_TIERS = frozenset(Tier)
+
+
+def _check_count(name: str, value: object, least: int) -> None:
+    """A count of places must be an int: a NaN passed `value < least` and compared false with
+    every count in flight (`_has_place`), and a fraction is no number of calls."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r:.40}")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+
+
+def _check_call(body: object, tier: object, due: object) -> None:
+    """Refuse a call's bad arguments before it takes anything (rate limits, a place, a queue
+    entry): a tier that is not one of `Tier`'s would be queued and compared with the others,
+    and a NaN due breaks the earliest-deadline order. The common case costs three tests."""
+    try:
+        if type(body) is dict and tier in _TIERS and due >= 0:  # type: ignore[operator]
+            return
+    except TypeError:  # an unhashable tier, a due that is no number: named below
+        pass
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(f"body: expected an object (a dict), got {type(body).__name__}")
+    try:
+        known = tier in _TIERS
+    except TypeError:
+        known = False
+    if not known:
+        raise ValueError(f"tier: expected 0 (critical), 1 (standard) or 2 (batch), got {tier!r:.40}")
+    if not (isinstance(due, (int, float)) and due >= 0):
+        raise ValueError(f"due: expected a time on the clock (>= 0, or inf for none), got {due!r:.40}")
 
 
 def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:
