@@ -250,3 +250,41 @@ async def test_a_stream_cut_mid_answer_says_so():
     assert "vLLM replica r0 (http://vllm.invalid:8000) broke off the answer after 1 chunks" in message, message
     assert "peer closed connection" in message and len(seen) == 1  # not retried: it had streamed
     await backend.aclose()
+
+
+def _scraped(pages: dict[str, str | int]) -> VLLMServerBackend:
+    """A backend over replicas named by host (``http://a.invalid`` is replica "a"), whose
+    ``/metrics`` answer `pages[host]` (a status code for a failed scrape); change `pages` between
+    scrapes to change what they answer."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        page = pages[request.url.host.removesuffix(".invalid")] if request.url.path == "/metrics" else 404
+        return httpx.Response(page) if isinstance(page, int) else httpx.Response(200, text=page)
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return VLLMServerBackend({name: f"http://{name}.invalid" for name in pages}, http_client=http)
+
+
+def _gauges(waiting: str, kv: str = "0.5", preemptions: str = "0") -> str:
+    return (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {waiting}\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="tiny"}} {kv}\n'
+        "# TYPE vllm:num_preemptions counter\n"
+        f'vllm:num_preemptions_total{{engine="0",model_name="tiny"}} {preemptions}\n'
+    )
+
+
+@pytest.mark.anyio
+async def test_non_finite_metric_values_are_left_out_and_never_escape_signals():
+    """A page with +Inf or NaN samples (an exporter's division by zero, a proxy's page): those
+    samples count as absent and the rest of the page still counts. `int(inf)` raised
+    OverflowError, which `replica_signals` did not catch and the dispatcher's window loop (it
+    catches fleetsched errors only) did not either: one odd page ended the scheduler."""
+    backend = _scraped({"a": _gauges("+Inf"), "b": _gauges("NaN", kv="NaN", preemptions="3")})
+    signals = await backend.signals()
+    assert signals.waiting is None  # neither replica said a number
+    assert signals.kv_cache_usage == 0.5  # a's; b's NaN is no reading
+    assert signals.preemptions_total == 3.0  # b still answered: its NaN gauges did not drop it
+    await backend.aclose()
