@@ -288,3 +288,25 @@ async def test_non_finite_metric_values_are_left_out_and_never_escape_signals():
     assert signals.kv_cache_usage == 0.5  # a's; b's NaN is no reading
     assert signals.preemptions_total == 3.0  # b still answered: its NaN gauges did not drop it
     await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_counters_summed_over_replicas_only_rise():
+    """The window loop takes the rise of ``preemptions_total`` between two scrapes as the
+    preemptions since the last. Summed over the replicas that answered, it fell by a replica's
+    whole count when that replica missed one scrape and rose by it again at the next: 100
+    preemptions that never happened, and the window shrank. A replica's restart (its counter
+    begins again at 0) hid the preemptions of the others. Each replica's counter now carries
+    over its restarts, and a replica that misses a scrape counts with its last reading."""
+    pages: dict[str, str | int] = {"a": _gauges("0", preemptions="100"), "b": _gauges("0", preemptions="5")}
+    backend = _scraped(pages)
+    assert (await backend.signals()).preemptions_total == 105
+    pages["a"] = 503  # a misses a scrape
+    assert (await backend.signals()).preemptions_total == 105
+    pages["a"] = _gauges("0", preemptions="100")
+    assert (await backend.signals()).preemptions_total == 105
+    pages["a"], pages["b"] = _gauges("0", preemptions="2"), _gauges("0", preemptions="8")  # a restarted
+    assert (await backend.signals()).preemptions_total == 110  # 2 on a since its restart, 3 more on b
+    pages["a"] = _gauges("0", preemptions="4")
+    assert (await backend.signals()).preemptions_total == 112
+    await backend.aclose()

@@ -21,6 +21,7 @@ for how it is found).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -126,6 +127,32 @@ class Replica:
     scheduling_policy: str | None = None
     policy_checked: bool = False
     last_signals: EngineSignals = field(default_factory=EngineSignals)
+    """Its last reading; the counters in it carry over the replica's restarts (`_carry_counters`)."""
+    counter_offsets: dict[str, float] = field(default_factory=dict)
+    """Per counter, what it had counted before the replica's last restart."""
+
+
+_COUNTERS = ("preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
+"""The `EngineSignals` fields that are counters: consumers take their rise between two readings."""
+
+
+def _carry_counters(rep: Replica, signals: EngineSignals) -> EngineSignals:
+    """`signals` (a fresh reading of `rep`) with its counters made to only rise.
+
+    vLLM's counters begin again at 0 when the server restarts; a reading below the last one is
+    taken as such a restart (as Prometheus' rate() does), and the count before it is kept as an
+    offset. A counter absent from the page keeps its last value."""
+    carried: dict[str, float | None] = {}
+    for name in _COUNTERS:
+        raw, last = getattr(signals, name), getattr(rep.last_signals, name)
+        if raw is None:
+            carried[name] = last
+            continue
+        offset = rep.counter_offsets.get(name, 0.0)
+        if last is not None and raw < last - offset:  # restarted since the last reading
+            offset = rep.counter_offsets[name] = last
+        carried[name] = offset + raw
+    return dataclasses.replace(signals, **carried)
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -507,14 +534,15 @@ class VLLMServerBackend(Backend):
         return target.scheduling_policy
 
     async def replica_signals(self) -> dict[str, EngineSignals]:
-        """Fetch and parse ``/metrics`` of every replica (concurrently). Unreachable ones are left out."""
+        """Fetch and parse ``/metrics`` of every replica (concurrently). Unreachable ones are left out;
+        the counters carry over restarts (`_carry_counters`)."""
         results: dict[str, EngineSignals] = {}
 
         async def fetch(rep: Replica) -> None:
             try:
                 response = await self._http.get(f"{rep.url}/metrics")
                 response.raise_for_status()
-                rep.last_signals = parse_vllm_metrics(response.text).signals
+                rep.last_signals = _carry_counters(rep, parse_vllm_metrics(response.text).signals)
             except (httpx.HTTPError, ValueError) as exc:
                 logger.debug("vLLM replica %s: /metrics failed: %r", rep.name, exc)
                 return
@@ -526,7 +554,9 @@ class VLLMServerBackend(Backend):
         return results
 
     async def signals(self) -> EngineSignals:
-        """Load signals summed over the replicas that answered.
+        """Load signals summed over the replicas that answered; the counters over every replica
+        that ever answered (a replica that misses a scrape counts with its last reading, or the
+        sum would fall, then jump back up at its return).
 
         Raises `BackendUnavailable` when none answered.
         """
@@ -539,7 +569,9 @@ class VLLMServerBackend(Backend):
             raise BackendUnavailable(
                 f"no vLLM replica answered /metrics ({', '.join(r.url for r in self._replicas.values())})"
             )
-        return merge_signals(per_replica.values())
+        answered = merge_signals(per_replica.values())
+        known = merge_signals(rep.last_signals for rep in self._replicas.values())
+        return dataclasses.replace(answered, **{name: getattr(known, name) for name in _COUNTERS})
 
     async def aclose(self) -> None:
         for rep in self._replicas.values():
