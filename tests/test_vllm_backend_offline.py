@@ -310,3 +310,25 @@ async def test_counters_summed_over_replicas_only_rise():
     pages["a"] = _gauges("0", preemptions="4")
     assert (await backend.signals()).preemptions_total == 112
     await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_retry_after_is_honoured_up_to_the_longest_backoff():
+    """A 429 or 503 that says when to come back (Retry-After, in seconds) is retried then, not
+    after the exponential backoff alone (0.25 s, then 0.5 s: it came back 5 s early, and was
+    refused again); a Retry-After longer than `retry_max_s` waits `retry_max_s`. Jittered
+    either way, so that the calls refused together do not all return in the same instant."""
+    seen: list[dict] = []
+    answers = [
+        httpx2.Response(429, headers={"retry-after": "5"}, json={}),
+        httpx2.Response(503, headers={"retry-after": "600"}, json={}),
+        httpx2.Response(503, headers={"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, json={}),  # no seconds: backoff
+        _ok(),
+    ]
+    backend = _backend(answers, seen, retry_attempts=4, retry_initial_s=0.25, retry_max_s=8.0)
+    began = anyio.current_time()
+    _ = [c async for c in backend.stream_chat(BODY)]
+    waited = anyio.current_time() - began
+    assert len(seen) == 4
+    assert 5.0 + 8.0 + 1.0 <= waited <= 5.0 + 8.0 + 1.0 + 3 * 0.25, waited
+    await backend.aclose()

@@ -7,9 +7,10 @@ fewest calls in flight whose breaker is not open; if that replica fails it befor
 (`BackendUnavailable`: unreachable, a 5xx but 503, breaker open), the call goes to the next such
 replica, at once when the first could not be reached. A named replica is the caller's: no failover.
 
-What is retried: connection errors, 429 and 5xx, with jittered exponential backoff, bounded by
-attempts (never by elapsed time, so virtual-time tests stay exact), and only until the first chunk
-arrived; after that a failure is the caller's (a model call is not idempotent once it streamed).
+What is retried: connection errors, 429 and 5xx, with jittered exponential backoff (longer where
+the answer's Retry-After asks it, up to `retry_max_s`), bounded by attempts (never by elapsed
+time, so virtual-time tests stay exact), and only until the first chunk arrived; after that a
+failure is the caller's (a model call is not idempotent once it streamed).
 
 The body is forwarded as is: the messages, and keys the SDK does not name (``priority``, vLLM
 sampling extras), travel in ``extra_body``, which the SDK sends without walking them. vLLM
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,7 +35,7 @@ import anyio.lowlevel
 import httpx
 import openai
 from openai import AsyncOpenAI
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
 from .base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
@@ -170,10 +172,20 @@ def _unreachable(exc: BaseException) -> bool:
 
 
 def _retry_after(exc: openai.APIStatusError, default: float = 1.0) -> float:
+    asked = _asked_delay(exc)
+    return default if asked is None else asked
+
+
+def _asked_delay(exc: BaseException | None) -> float | None:
+    """The seconds an answer's Retry-After header asks the client to wait, or None where it
+    names no number of seconds (absent, an HTTP date, garbage)."""
+    if not isinstance(exc, openai.APIStatusError):
+        return None
     try:
-        return max(0.0, float(exc.response.headers.get("retry-after", default)))
+        asked = float(exc.response.headers.get("retry-after", ""))
     except (TypeError, ValueError):
-        return default
+        return None
+    return max(0.0, asked) if math.isfinite(asked) else None
 
 
 def translate_error(exc: BaseException, replica: str, url: str | None = None) -> BackendError:
@@ -450,10 +462,7 @@ class VLLMServerBackend(Backend):
     async def _open_with_retries(self, target: Replica, kwargs: dict[str, Any], *, fail_over: bool) -> tuple[Any, Chunk | None]:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.retry_attempts),
-            # initial * 2**n capped at max, plus up to `initial` of jitter: the calls that failed
-            # together when a replica went away must not all come back in the same instant.
-            wait=wait_exponential(multiplier=self.retry_initial_s, max=self.retry_max_s)
-            + wait_random(0, self.retry_initial_s),
+            wait=self._backoff,
             # Can the call fail over, an unreachable replica is left at once, without backing off.
             retry=retry_if_exception(_retryable_answer if fail_over else _retryable),
             sleep=anyio.sleep,
@@ -466,6 +475,17 @@ class VLLMServerBackend(Backend):
             reraise=True,
         )
         return await retrying(self._open, target, kwargs)
+
+    def _backoff(self, state: RetryCallState) -> float:
+        """Seconds to wait before the next attempt: initial * 2**n capped at max, or longer where
+        the answer's Retry-After asks it (but at most max: "come back in an hour" is the caller's
+        to decide on, not a call's to sleep through), plus up to `initial` of jitter: the calls
+        that failed together when a replica went away must not all come back in the same instant."""
+        exponential = wait_exponential(multiplier=self.retry_initial_s, max=self.retry_max_s)(state)
+        asked = _asked_delay(state.outcome.exception() if state.outcome else None)
+        if asked is not None:
+            exponential = max(exponential, min(asked, self.retry_max_s))
+        return exponential + wait_random(0, self.retry_initial_s)(state)
 
     async def _open(self, target: Replica, kwargs: dict[str, Any]) -> tuple[_EventStream, Chunk | None]:
         """Send the request and wait for its first chunk (a failure up to there is retried).
