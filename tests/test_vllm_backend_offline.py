@@ -332,3 +332,40 @@ async def test_retry_after_is_honoured_up_to_the_longest_backoff():
     assert len(seen) == 4
     assert 5.0 + 8.0 + 1.0 <= waited <= 5.0 + 8.0 + 1.0 + 3 * 0.25, waited
     await backend.aclose()
+
+
+def _event_stream(*events: bytes) -> httpx2.Response:
+    return httpx2.Response(200, content=b"".join(events) + b"data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+
+
+def _error_event(code: int, message: str) -> bytes:
+    """How vLLM reports a failure once its 200 and the stream have begun (create_streaming_error_response)."""
+    error = {"message": message, "type": "InternalServerError" if code >= 500 else "BadRequestError", "param": None, "code": code}
+    return f"data: {json.dumps({'error': error})}\n\n".encode()
+
+
+ROLE_CHUNK = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+
+@pytest.mark.anyio
+async def test_an_error_event_is_translated_by_its_code_and_names_the_replica():
+    """vLLM reports a failure after its 200 as an error event in the stream, with the HTTP code
+    it would have answered. It was a bare BackendError ("vLLM failed the call mid-stream: ...")
+    whatever the code, naming no replica; before the first chunk an engine failure (500) was
+    neither retried nor counted by the breaker, though nothing had reached the caller."""
+    seen: list[dict] = []
+    backend = _backend([_event_stream(_error_event(500, "EngineCore died")), _ok()], seen, breaker_failures=1)
+    chunks = [c async for c in backend.stream_chat(BODY)]  # retried: nothing had been delivered
+    assert len(seen) == 2 and chunks[-1]["usage"]["total_tokens"] == 6
+
+    backend = _backend([_event_stream(_error_event(400, "Invalid tool parser: 'nope'"))], seen := [])
+    with pytest.raises(InvalidRequest, match=r"vLLM replica r0 \(http://vllm.invalid:8000\) .*Invalid tool parser"):
+        _ = [c async for c in backend.stream_chat(BODY)]
+    assert len(seen) == 1  # the body's fault: not retried
+
+    backend = _backend([_event_stream(ROLE_CHUNK, _error_event(500, "Internal server error"))], seen := [], breaker_failures=1)
+    with pytest.raises(BackendUnavailable, match=r"vLLM replica r0 \(http://vllm.invalid:8000\) .*Internal server error"):
+        _ = [c async for c in backend.stream_chat(BODY)]
+    assert len(seen) == 1  # a chunk had gone out: the failure is the caller's
+    assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "open"
+    await backend.aclose()

@@ -157,13 +157,30 @@ def _carry_counters(rep: Replica, signals: EngineSignals) -> EngineSignals:
     return dataclasses.replace(signals, **carried)
 
 
+class _ErrorEvent(Exception):
+    """A failure vLLM reported inside a stream it had begun with 200 (an event ``{"error": {...}}``,
+    its create_streaming_error_response), with the HTTP code it would have answered, if any."""
+
+    def __init__(self, message: str, status_code: int | None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP code of the server's answer `exc` stands for (an error status or event), else None."""
+    if isinstance(exc, (openai.APIStatusError, _ErrorEvent)):
+        return exc.status_code
+    return None
+
+
 def _retryable(exc: BaseException) -> bool:
     return _retryable_answer(exc) or _unreachable(exc)
 
 
 def _retryable_answer(exc: BaseException) -> bool:
     """An answer of the server that a later attempt may not get: 429 or 5xx."""
-    return isinstance(exc, openai.APIStatusError) and (exc.status_code == 429 or exc.status_code >= 500)
+    status = _status(exc)
+    return status is not None and (status == 429 or status >= 500)
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -192,6 +209,13 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
     """The fleetsched error for a foreign exception raised while calling `replica` (at `url`,
     the server root, which the message names where it is given)."""
     where = f"vLLM replica {replica}" if url is None else f"vLLM replica {replica} ({url})"
+    if isinstance(exc, _ErrorEvent):
+        said = f"{where} failed the call in its stream ({exc.status_code}): {exc}"
+        if exc.status_code in (400, 422):
+            return invalid_request(said)
+        if _retryable_answer(exc):
+            return BackendUnavailable(said)
+        return BackendError(said)
     if isinstance(exc, openai.RateLimitError):
         return Overloaded(f"{where} rate-limited the call", _retry_after(exc))
     if isinstance(exc, openai.APIStatusError):
@@ -256,7 +280,9 @@ class _EventStream:
             if "error" in chunk and "choices" not in chunk:  # vLLM reports a failure mid-stream so
                 error = chunk["error"]
                 message = error.get("message", error) if isinstance(error, dict) else error
-                raise BackendError(f"vLLM failed the call mid-stream: {message}")
+                code = error.get("code") if isinstance(error, dict) else None
+                # Translated (and retried, before the first chunk) by its code, as an answer with it.
+                raise _ErrorEvent(str(message), code if isinstance(code, int) else None)
             return chunk
         return None
 
@@ -428,7 +454,7 @@ class VLLMServerBackend(Backend):
             opened = await self._open_with_retries(target, kwargs, fail_over=fail_over)
         except BaseException as exc:
             target.in_flight -= 1
-            if isinstance(exc, openai.APIStatusError) and not _retryable(exc):
+            if _status(exc) is not None and not _retryable(exc):
                 breaker.record_success()  # it answered: the replica is up, the body was wrong
             elif _retryable(exc):
                 breaker.record_failure(anyio.current_time())
