@@ -369,3 +369,22 @@ async def test_an_error_event_is_translated_by_its_code_and_names_the_replica():
     assert len(seen) == 1  # a chunk had gone out: the failure is the caller's
     assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "open"
     await backend.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("info", ["null", "[]", '"up"', '{"vllm_config": {"scheduler_config": "SchedulerConfig(policy=fcfs)"}}'])
+async def test_a_server_info_of_another_shape_leaves_the_policy_unknown(info):
+    """`signals` reads a replica's scheduling policy from ``/server_info`` once; a 200 whose JSON
+    is not vLLM's object (a proxy's answer, another server) raised AttributeError ('NoneType'
+    object has no attribute 'get') out of `signals`, which the window loop does not catch."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=_gauges("1"))
+        return httpx.Response(200, text=info, headers={"content-type": "application/json"})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    backend = VLLMServerBackend("http://vllm.invalid:8000", http_client=http)
+    assert (await backend.signals()).waiting == 1
+    assert await backend.scheduling_policy() is None
+    await backend.aclose()

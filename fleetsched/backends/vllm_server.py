@@ -246,6 +246,16 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _policy_in_server_info(info: Any) -> str | None:
+    """The policy in vLLM's ``/server_info`` JSON (``vllm_config.scheduler_config.policy``), or
+    None where the answer is not of that shape (text config, another server's JSON)."""
+    for key in ("vllm_config", "scheduler_config", "policy"):
+        if not isinstance(info, Mapping):
+            return None
+        info = info.get(key)
+    return None if info is None else str(info)
+
+
 def _default_client(base_url: str, api_key: str) -> AsyncOpenAI:
     # The SDK's own retries are off: ours know about the breaker and the first chunk.
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -554,9 +564,7 @@ class VLLMServerBackend(Backend):
             if policy is None:
                 response = await self._http.get(f"{target.url}/server_info", params={"config_format": "json"})
                 if response.status_code == 200:
-                    config = response.json().get("vllm_config") or {}
-                    if isinstance(config, Mapping):
-                        policy = (config.get("scheduler_config") or {}).get("policy")
+                    policy = _policy_in_server_info(response.json())
         except (httpx.HTTPError, ValueError) as exc:
             logger.debug("vLLM replica %s: could not read its scheduling policy: %r", target.name, exc)
             return None  # not checked: try again next time
