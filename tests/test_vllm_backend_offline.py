@@ -4,7 +4,11 @@ served by a mock transport. Virtual time (trio MockClock, from conftest)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import threading
+from collections.abc import Iterator
 
 import anyio
 import httpx
@@ -388,3 +392,44 @@ async def test_a_server_info_of_another_shape_leaves_the_policy_unknown(info):
     assert (await backend.signals()).waiting == 1
     assert await backend.scheduling_policy() is None
     await backend.aclose()
+
+
+@contextlib.contextmanager
+def _http_server(answer: bytes) -> Iterator[str]:
+    """A real HTTP server in a thread that answers every POST with the raw bytes `answer` (status
+    line, headers and body) and closes the connection: what a proxy in front of vLLM may send."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.wfile.write(answer)
+            self.close_connection = True
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_a_stream_that_ends_without_done_is_an_answer_broken_off(anyio_backend):
+    """A body delimited by the connection's close (no length, not chunked: HTTP/1.0 style, as
+    some proxies send it) ends cleanly wherever the connection drops. vLLM ends every stream
+    with ``data: [DONE]``; a stream that ends without it was cut. It passed as a whole answer,
+    "Hel" with a usage estimated for it, as if the model had stopped there."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    body = ROLE_CHUNK + b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
+    with _http_server(head + body) as url:
+        async with VLLMServerBackend(url, retry_attempts=1) as backend:
+            chunks = []
+            with pytest.raises(BackendUnavailable, match=rf"vLLM replica r0 \({url}\) broke off the answer after 2 chunks"):
+                async for chunk in backend.stream_chat(BODY):
+                    chunks.append(chunk)
+            assert len(chunks) == 2  # what came is delivered; no usage made up after it

@@ -272,9 +272,13 @@ class _EventStream:
         self._opened = opened
         self._lines = lines
         self._closed = False
+        self._done = False
 
     async def next(self) -> Chunk | None:
-        """The next chunk, or None at ``[DONE]`` or the end of the stream."""
+        """The next chunk, or None at ``[DONE]``. A stream that ends before ``[DONE]`` was cut
+        (vLLM ends every stream with it): that raises a transport error, as a broken one does."""
+        if self._done:
+            return None
         async for line in self._lines:
             if not line.startswith("data:"):
                 continue
@@ -285,6 +289,7 @@ class _EventStream:
                 # calls under load, each an accept and a handshake for the API server too).
                 async for _ in self._lines:
                     pass
+                self._done = True
                 return None
             chunk = json.loads(data)
             if "error" in chunk and "choices" not in chunk:  # vLLM reports a failure mid-stream so
@@ -294,7 +299,9 @@ class _EventStream:
                 # Translated (and retried, before the first chunk) by its code, as an answer with it.
                 raise _ErrorEvent(str(message), code if isinstance(code, int) else None)
             return chunk
-        return None
+        # A body delimited by the connection's close (no length, not chunked, as some proxies
+        # send it) ends cleanly wherever the connection dropped: without [DONE], it was cut.
+        raise httpx.RemoteProtocolError("the stream ended before its 'data: [DONE]'")
 
     async def close(self) -> None:
         if not self._closed:
