@@ -4,7 +4,11 @@ served by a mock transport. Virtual time (trio MockClock, from conftest)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import threading
+from collections.abc import Iterator
 
 import anyio
 import httpx
@@ -250,3 +254,182 @@ async def test_a_stream_cut_mid_answer_says_so():
     assert "vLLM replica r0 (http://vllm.invalid:8000) broke off the answer after 1 chunks" in message, message
     assert "peer closed connection" in message and len(seen) == 1  # not retried: it had streamed
     await backend.aclose()
+
+
+def _scraped(pages: dict[str, str | int]) -> VLLMServerBackend:
+    """A backend over replicas named by host (``http://a.invalid`` is replica "a"), whose
+    ``/metrics`` answer `pages[host]` (a status code for a failed scrape); change `pages` between
+    scrapes to change what they answer."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        page = pages[request.url.host.removesuffix(".invalid")] if request.url.path == "/metrics" else 404
+        return httpx.Response(page) if isinstance(page, int) else httpx.Response(200, text=page)
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return VLLMServerBackend({name: f"http://{name}.invalid" for name in pages}, http_client=http)
+
+
+def _gauges(waiting: str, kv: str = "0.5", preemptions: str = "0") -> str:
+    return (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {waiting}\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="tiny"}} {kv}\n'
+        "# TYPE vllm:num_preemptions counter\n"
+        f'vllm:num_preemptions_total{{engine="0",model_name="tiny"}} {preemptions}\n'
+    )
+
+
+@pytest.mark.anyio
+async def test_non_finite_metric_values_are_left_out_and_never_escape_signals():
+    """A page with +Inf or NaN samples (an exporter's division by zero, a proxy's page): those
+    samples count as absent and the rest of the page still counts. `int(inf)` raised
+    OverflowError, which `replica_signals` did not catch and the dispatcher's window loop (it
+    catches fleetsched errors only) did not either: one odd page ended the scheduler."""
+    backend = _scraped({"a": _gauges("+Inf"), "b": _gauges("NaN", kv="NaN", preemptions="3")})
+    signals = await backend.signals()
+    assert signals.waiting is None  # neither replica said a number
+    assert signals.kv_cache_usage == 0.5  # a's; b's NaN is no reading
+    assert signals.preemptions_total == 3.0  # b still answered: its NaN gauges did not drop it
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_counters_summed_over_replicas_only_rise():
+    """The window loop takes the rise of ``preemptions_total`` between two scrapes as the
+    preemptions since the last. Summed over the replicas that answered, it fell by a replica's
+    whole count when that replica missed one scrape and rose by it again at the next: 100
+    preemptions that never happened, and the window shrank. A replica's restart (its counter
+    begins again at 0) hid the preemptions of the others. Each replica's counter now carries
+    over its restarts, and a replica that misses a scrape counts with its last reading."""
+    pages: dict[str, str | int] = {"a": _gauges("0", preemptions="100"), "b": _gauges("0", preemptions="5")}
+    backend = _scraped(pages)
+    assert (await backend.signals()).preemptions_total == 105
+    pages["a"] = 503  # a misses a scrape
+    assert (await backend.signals()).preemptions_total == 105
+    pages["a"] = _gauges("0", preemptions="100")
+    assert (await backend.signals()).preemptions_total == 105
+    pages["a"], pages["b"] = _gauges("0", preemptions="2"), _gauges("0", preemptions="8")  # a restarted
+    assert (await backend.signals()).preemptions_total == 110  # 2 on a since its restart, 3 more on b
+    pages["a"] = _gauges("0", preemptions="4")
+    assert (await backend.signals()).preemptions_total == 112
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_retry_after_is_honoured_up_to_the_longest_backoff():
+    """A 429 or 503 that says when to come back (Retry-After, in seconds) is retried then, not
+    after the exponential backoff alone (0.25 s, then 0.5 s: it came back 5 s early, and was
+    refused again); a Retry-After longer than `retry_max_s` waits `retry_max_s`. Jittered
+    either way, so that the calls refused together do not all return in the same instant."""
+    seen: list[dict] = []
+    answers = [
+        httpx2.Response(429, headers={"retry-after": "5"}, json={}),
+        httpx2.Response(503, headers={"retry-after": "600"}, json={}),
+        httpx2.Response(503, headers={"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, json={}),  # no seconds: backoff
+        _ok(),
+    ]
+    backend = _backend(answers, seen, retry_attempts=4, retry_initial_s=0.25, retry_max_s=8.0)
+    began = anyio.current_time()
+    _ = [c async for c in backend.stream_chat(BODY)]
+    waited = anyio.current_time() - began
+    assert len(seen) == 4
+    assert 5.0 + 8.0 + 1.0 <= waited <= 5.0 + 8.0 + 1.0 + 3 * 0.25, waited
+    await backend.aclose()
+
+
+def _event_stream(*events: bytes) -> httpx2.Response:
+    return httpx2.Response(200, content=b"".join(events) + b"data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+
+
+def _error_event(code: int, message: str) -> bytes:
+    """How vLLM reports a failure once its 200 and the stream have begun (create_streaming_error_response)."""
+    error = {"message": message, "type": "InternalServerError" if code >= 500 else "BadRequestError", "param": None, "code": code}
+    return f"data: {json.dumps({'error': error})}\n\n".encode()
+
+
+ROLE_CHUNK = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+
+@pytest.mark.anyio
+async def test_an_error_event_is_translated_by_its_code_and_names_the_replica():
+    """vLLM reports a failure after its 200 as an error event in the stream, with the HTTP code
+    it would have answered. It was a bare BackendError ("vLLM failed the call mid-stream: ...")
+    whatever the code, naming no replica; before the first chunk an engine failure (500) was
+    neither retried nor counted by the breaker, though nothing had reached the caller."""
+    seen: list[dict] = []
+    backend = _backend([_event_stream(_error_event(500, "EngineCore died")), _ok()], seen, breaker_failures=1)
+    chunks = [c async for c in backend.stream_chat(BODY)]  # retried: nothing had been delivered
+    assert len(seen) == 2 and chunks[-1]["usage"]["total_tokens"] == 6
+
+    backend = _backend([_event_stream(_error_event(400, "Invalid tool parser: 'nope'"))], seen := [])
+    with pytest.raises(InvalidRequest, match=r"vLLM replica r0 \(http://vllm.invalid:8000\) .*Invalid tool parser"):
+        _ = [c async for c in backend.stream_chat(BODY)]
+    assert len(seen) == 1  # the body's fault: not retried
+
+    backend = _backend([_event_stream(ROLE_CHUNK, _error_event(500, "Internal server error"))], seen := [], breaker_failures=1)
+    with pytest.raises(BackendUnavailable, match=r"vLLM replica r0 \(http://vllm.invalid:8000\) .*Internal server error"):
+        _ = [c async for c in backend.stream_chat(BODY)]
+    assert len(seen) == 1  # a chunk had gone out: the failure is the caller's
+    assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "open"
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("info", ["null", "[]", '"up"', '{"vllm_config": {"scheduler_config": "SchedulerConfig(policy=fcfs)"}}'])
+async def test_a_server_info_of_another_shape_leaves_the_policy_unknown(info):
+    """`signals` reads a replica's scheduling policy from ``/server_info`` once; a 200 whose JSON
+    is not vLLM's object (a proxy's answer, another server) raised AttributeError ('NoneType'
+    object has no attribute 'get') out of `signals`, which the window loop does not catch."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=_gauges("1"))
+        return httpx.Response(200, text=info, headers={"content-type": "application/json"})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    backend = VLLMServerBackend("http://vllm.invalid:8000", http_client=http)
+    assert (await backend.signals()).waiting == 1
+    assert await backend.scheduling_policy() is None
+    await backend.aclose()
+
+
+@contextlib.contextmanager
+def _http_server(answer: bytes) -> Iterator[str]:
+    """A real HTTP server in a thread that answers every POST with the raw bytes `answer` (status
+    line, headers and body) and closes the connection: what a proxy in front of vLLM may send."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.wfile.write(answer)
+            self.close_connection = True
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_a_stream_that_ends_without_done_is_an_answer_broken_off(anyio_backend):
+    """A body delimited by the connection's close (no length, not chunked: HTTP/1.0 style, as
+    some proxies send it) ends cleanly wherever the connection drops. vLLM ends every stream
+    with ``data: [DONE]``; a stream that ends without it was cut. It passed as a whole answer,
+    "Hel" with a usage estimated for it, as if the model had stopped there."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    body = ROLE_CHUNK + b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
+    with _http_server(head + body) as url:
+        async with VLLMServerBackend(url, retry_attempts=1) as backend:
+            chunks = []
+            with pytest.raises(BackendUnavailable, match=rf"vLLM replica r0 \({url}\) broke off the answer after 2 chunks"):
+                async for chunk in backend.stream_chat(BODY):
+                    chunks.append(chunk)
+            assert len(chunks) == 2  # what came is delivered; no usage made up after it

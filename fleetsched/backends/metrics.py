@@ -14,6 +14,7 @@ cache settings as labels) but no scheduler settings. `parse_vllm_metrics` theref
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -119,6 +120,10 @@ def parse_vllm_metrics(text: str) -> VLLMMetrics:
             # Counters carry a "_created" sample beside "_total"; only the value sample counts.
             if sample.name.endswith("_created"):
                 continue
+            # NaN or +-Inf is no reading (an exporter's 0/0, a proxy's page): leave the sample out,
+            # so that int() of a sum cannot raise and a NaN cannot win max() of the KV usage.
+            if not math.isfinite(sample.value):
+                continue
             if key == KV_CACHE_USAGE:
                 kv_usage = sample.value if kv_usage is None else max(kv_usage, sample.value)
             elif key == FINISHED and "finished_reason" in sample.labels:
@@ -169,4 +174,5 @@ def merge_signals(parts: Iterable[EngineSignals]) -> EngineSignals:
 
 
 def _as_int(value: float | None) -> int | None:
-    return None if value is None else int(round(value))
+    # A sum of huge samples can still overflow to inf: no count either.
+    return None if value is None or not math.isfinite(value) else int(round(value))

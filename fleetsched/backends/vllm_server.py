@@ -7,9 +7,10 @@ fewest calls in flight whose breaker is not open; if that replica fails it befor
 (`BackendUnavailable`: unreachable, a 5xx but 503, breaker open), the call goes to the next such
 replica, at once when the first could not be reached. A named replica is the caller's: no failover.
 
-What is retried: connection errors, 429 and 5xx, with jittered exponential backoff, bounded by
-attempts (never by elapsed time, so virtual-time tests stay exact), and only until the first chunk
-arrived; after that a failure is the caller's (a model call is not idempotent once it streamed).
+What is retried: connection errors, 429 and 5xx, with jittered exponential backoff (longer where
+the answer's Retry-After asks it, up to `retry_max_s`), bounded by attempts (never by elapsed
+time, so virtual-time tests stay exact), and only until the first chunk arrived; after that a
+failure is the caller's (a model call is not idempotent once it streamed).
 
 The body is forwarded as is: the messages, and keys the SDK does not name (``priority``, vLLM
 sampling extras), travel in ``extra_body``, which the SDK sends without walking them. vLLM
@@ -21,8 +22,10 @@ for how it is found).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,7 +35,7 @@ import anyio.lowlevel
 import httpx
 import openai
 from openai import AsyncOpenAI
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
 from .base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
@@ -126,6 +129,48 @@ class Replica:
     scheduling_policy: str | None = None
     policy_checked: bool = False
     last_signals: EngineSignals = field(default_factory=EngineSignals)
+    """Its last reading; the counters in it carry over the replica's restarts (`_carry_counters`)."""
+    counter_offsets: dict[str, float] = field(default_factory=dict)
+    """Per counter, what it had counted before the replica's last restart."""
+
+
+_COUNTERS = ("preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
+"""The `EngineSignals` fields that are counters: consumers take their rise between two readings."""
+
+
+def _carry_counters(rep: Replica, signals: EngineSignals) -> EngineSignals:
+    """`signals` (a fresh reading of `rep`) with its counters made to only rise.
+
+    vLLM's counters begin again at 0 when the server restarts; a reading below the last one is
+    taken as such a restart (as Prometheus' rate() does), and the count before it is kept as an
+    offset. A counter absent from the page keeps its last value."""
+    carried: dict[str, float | None] = {}
+    for name in _COUNTERS:
+        raw, last = getattr(signals, name), getattr(rep.last_signals, name)
+        if raw is None:
+            carried[name] = last
+            continue
+        offset = rep.counter_offsets.get(name, 0.0)
+        if last is not None and raw < last - offset:  # restarted since the last reading
+            offset = rep.counter_offsets[name] = last
+        carried[name] = offset + raw
+    return dataclasses.replace(signals, **carried)
+
+
+class _ErrorEvent(Exception):
+    """A failure vLLM reported inside a stream it had begun with 200 (an event ``{"error": {...}}``,
+    its create_streaming_error_response), with the HTTP code it would have answered, if any."""
+
+    def __init__(self, message: str, status_code: int | None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP code of the server's answer `exc` stands for (an error status or event), else None."""
+    if isinstance(exc, (openai.APIStatusError, _ErrorEvent)):
+        return exc.status_code
+    return None
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -134,7 +179,8 @@ def _retryable(exc: BaseException) -> bool:
 
 def _retryable_answer(exc: BaseException) -> bool:
     """An answer of the server that a later attempt may not get: 429 or 5xx."""
-    return isinstance(exc, openai.APIStatusError) and (exc.status_code == 429 or exc.status_code >= 500)
+    status = _status(exc)
+    return status is not None and (status == 429 or status >= 500)
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -143,16 +189,33 @@ def _unreachable(exc: BaseException) -> bool:
 
 
 def _retry_after(exc: openai.APIStatusError, default: float = 1.0) -> float:
+    asked = _asked_delay(exc)
+    return default if asked is None else asked
+
+
+def _asked_delay(exc: BaseException | None) -> float | None:
+    """The seconds an answer's Retry-After header asks the client to wait, or None where it
+    names no number of seconds (absent, an HTTP date, garbage)."""
+    if not isinstance(exc, openai.APIStatusError):
+        return None
     try:
-        return max(0.0, float(exc.response.headers.get("retry-after", default)))
+        asked = float(exc.response.headers.get("retry-after", ""))
     except (TypeError, ValueError):
-        return default
+        return None
+    return max(0.0, asked) if math.isfinite(asked) else None
 
 
 def translate_error(exc: BaseException, replica: str, url: str | None = None) -> BackendError:
     """The fleetsched error for a foreign exception raised while calling `replica` (at `url`,
     the server root, which the message names where it is given)."""
     where = f"vLLM replica {replica}" if url is None else f"vLLM replica {replica} ({url})"
+    if isinstance(exc, _ErrorEvent):
+        said = f"{where} failed the call in its stream ({exc.status_code}): {exc}"
+        if exc.status_code in (400, 422):
+            return invalid_request(said)
+        if _retryable_answer(exc):
+            return BackendUnavailable(said)
+        return BackendError(said)
     if isinstance(exc, openai.RateLimitError):
         return Overloaded(f"{where} rate-limited the call", _retry_after(exc))
     if isinstance(exc, openai.APIStatusError):
@@ -183,6 +246,16 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _policy_in_server_info(info: Any) -> str | None:
+    """The policy in vLLM's ``/server_info`` JSON (``vllm_config.scheduler_config.policy``), or
+    None where the answer is not of that shape (text config, another server's JSON)."""
+    for key in ("vllm_config", "scheduler_config", "policy"):
+        if not isinstance(info, Mapping):
+            return None
+        info = info.get(key)
+    return None if info is None else str(info)
+
+
 def _default_client(base_url: str, api_key: str) -> AsyncOpenAI:
     # The SDK's own retries are off: ours know about the breaker and the first chunk.
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -199,9 +272,13 @@ class _EventStream:
         self._opened = opened
         self._lines = lines
         self._closed = False
+        self._done = False
 
     async def next(self) -> Chunk | None:
-        """The next chunk, or None at ``[DONE]`` or the end of the stream."""
+        """The next chunk, or None at ``[DONE]``. A stream that ends before ``[DONE]`` was cut
+        (vLLM ends every stream with it): that raises a transport error, as a broken one does."""
+        if self._done:
+            return None
         async for line in self._lines:
             if not line.startswith("data:"):
                 continue
@@ -212,14 +289,19 @@ class _EventStream:
                 # calls under load, each an accept and a handshake for the API server too).
                 async for _ in self._lines:
                     pass
+                self._done = True
                 return None
             chunk = json.loads(data)
             if "error" in chunk and "choices" not in chunk:  # vLLM reports a failure mid-stream so
                 error = chunk["error"]
                 message = error.get("message", error) if isinstance(error, dict) else error
-                raise BackendError(f"vLLM failed the call mid-stream: {message}")
+                code = error.get("code") if isinstance(error, dict) else None
+                # Translated (and retried, before the first chunk) by its code, as an answer with it.
+                raise _ErrorEvent(str(message), code if isinstance(code, int) else None)
             return chunk
-        return None
+        # A body delimited by the connection's close (no length, not chunked, as some proxies
+        # send it) ends cleanly wherever the connection dropped: without [DONE], it was cut.
+        raise httpx.RemoteProtocolError("the stream ended before its 'data: [DONE]'")
 
     async def close(self) -> None:
         if not self._closed:
@@ -389,7 +471,7 @@ class VLLMServerBackend(Backend):
             opened = await self._open_with_retries(target, kwargs, fail_over=fail_over)
         except BaseException as exc:
             target.in_flight -= 1
-            if isinstance(exc, openai.APIStatusError) and not _retryable(exc):
+            if _status(exc) is not None and not _retryable(exc):
                 breaker.record_success()  # it answered: the replica is up, the body was wrong
             elif _retryable(exc):
                 breaker.record_failure(anyio.current_time())
@@ -423,10 +505,7 @@ class VLLMServerBackend(Backend):
     async def _open_with_retries(self, target: Replica, kwargs: dict[str, Any], *, fail_over: bool) -> tuple[Any, Chunk | None]:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.retry_attempts),
-            # initial * 2**n capped at max, plus up to `initial` of jitter: the calls that failed
-            # together when a replica went away must not all come back in the same instant.
-            wait=wait_exponential(multiplier=self.retry_initial_s, max=self.retry_max_s)
-            + wait_random(0, self.retry_initial_s),
+            wait=self._backoff,
             # Can the call fail over, an unreachable replica is left at once, without backing off.
             retry=retry_if_exception(_retryable_answer if fail_over else _retryable),
             sleep=anyio.sleep,
@@ -439,6 +518,17 @@ class VLLMServerBackend(Backend):
             reraise=True,
         )
         return await retrying(self._open, target, kwargs)
+
+    def _backoff(self, state: RetryCallState) -> float:
+        """Seconds to wait before the next attempt: initial * 2**n capped at max, or longer where
+        the answer's Retry-After asks it (but at most max: "come back in an hour" is the caller's
+        to decide on, not a call's to sleep through), plus up to `initial` of jitter: the calls
+        that failed together when a replica went away must not all come back in the same instant."""
+        exponential = wait_exponential(multiplier=self.retry_initial_s, max=self.retry_max_s)(state)
+        asked = _asked_delay(state.outcome.exception() if state.outcome else None)
+        if asked is not None:
+            exponential = max(exponential, min(asked, self.retry_max_s))
+        return exponential + wait_random(0, self.retry_initial_s)(state)
 
     async def _open(self, target: Replica, kwargs: dict[str, Any]) -> tuple[_EventStream, Chunk | None]:
         """Send the request and wait for its first chunk (a failure up to there is retried).
@@ -481,9 +571,7 @@ class VLLMServerBackend(Backend):
             if policy is None:
                 response = await self._http.get(f"{target.url}/server_info", params={"config_format": "json"})
                 if response.status_code == 200:
-                    config = response.json().get("vllm_config") or {}
-                    if isinstance(config, Mapping):
-                        policy = (config.get("scheduler_config") or {}).get("policy")
+                    policy = _policy_in_server_info(response.json())
         except (httpx.HTTPError, ValueError) as exc:
             logger.debug("vLLM replica %s: could not read its scheduling policy: %r", target.name, exc)
             return None  # not checked: try again next time
@@ -507,14 +595,15 @@ class VLLMServerBackend(Backend):
         return target.scheduling_policy
 
     async def replica_signals(self) -> dict[str, EngineSignals]:
-        """Fetch and parse ``/metrics`` of every replica (concurrently). Unreachable ones are left out."""
+        """Fetch and parse ``/metrics`` of every replica (concurrently). Unreachable ones are left out;
+        the counters carry over restarts (`_carry_counters`)."""
         results: dict[str, EngineSignals] = {}
 
         async def fetch(rep: Replica) -> None:
             try:
                 response = await self._http.get(f"{rep.url}/metrics")
                 response.raise_for_status()
-                rep.last_signals = parse_vllm_metrics(response.text).signals
+                rep.last_signals = _carry_counters(rep, parse_vllm_metrics(response.text).signals)
             except (httpx.HTTPError, ValueError) as exc:
                 logger.debug("vLLM replica %s: /metrics failed: %r", rep.name, exc)
                 return
@@ -526,7 +615,9 @@ class VLLMServerBackend(Backend):
         return results
 
     async def signals(self) -> EngineSignals:
-        """Load signals summed over the replicas that answered.
+        """Load signals summed over the replicas that answered; the counters over every replica
+        that ever answered (a replica that misses a scrape counts with its last reading, or the
+        sum would fall, then jump back up at its return).
 
         Raises `BackendUnavailable` when none answered.
         """
@@ -539,7 +630,9 @@ class VLLMServerBackend(Backend):
             raise BackendUnavailable(
                 f"no vLLM replica answered /metrics ({', '.join(r.url for r in self._replicas.values())})"
             )
-        return merge_signals(per_replica.values())
+        answered = merge_signals(per_replica.values())
+        known = merge_signals(rep.last_signals for rep in self._replicas.values())
+        return dataclasses.replace(answered, **{name: getattr(known, name) for name in _COUNTERS})
 
     async def aclose(self) -> None:
         for rep in self._replicas.values():
