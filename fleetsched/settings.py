@@ -235,6 +235,17 @@ class ResourceSettings(_Section):
     0.3 cut fragmentation failures by a further ~12 % over on-demand compaction alone, but moved
     0.9 bytes per byte granted instead of 0.2."""
 
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, value: str) -> str:
+        # Checked here so that a misspelt name is a config error at load, not a traceback from
+        # create_pool once the run starts. Imported late: fleetsched.resources imports this module.
+        from .resources.strategies import STRATEGIES
+
+        if value != "counting" and value not in STRATEGIES:
+            raise ValueError(f"unknown strategy {value!r}; known: {', '.join(['counting', *STRATEGIES])}")
+        return value
+
     @field_validator("page_size")
     @classmethod
     def _positive_page(cls, value: ByteSize) -> ByteSize:
