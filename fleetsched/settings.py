@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
 from .errors import ConfigError
@@ -220,7 +220,10 @@ class ResourceSettings(_Section):
     size-class, or counting (byte counters only, no address space)."""
     page_size: ByteSize = ByteSize(2 << 20)
     """Granule of the allocators' address space; reservations round up to whole pages."""
-    devices: list[DeviceSettings] = Field(default_factory=lambda: [DeviceSettings(name="gpu0", memory=ByteSize(80 * 10**9))])
+    devices: list[DeviceSettings] = Field(
+        default_factory=lambda: [DeviceSettings(name="gpu0", memory=ByteSize(80 * 10**9))],
+        validate_default=True,  # the default device must hold a page of page_size too
+    )
     compact: bool = True
     """Move movable reservations (sessions idle or in a tool call) to keep memory in one piece:
     before refusing a request for fragmentation, open a hole for it; and as memory comes free or
@@ -255,12 +258,23 @@ class ResourceSettings(_Section):
 
     @field_validator("devices")
     @classmethod
-    def _unique(cls, devices: list[DeviceSettings]) -> list[DeviceSettings]:
+    def _unique(cls, devices: list[DeviceSettings], info: ValidationInfo) -> list[DeviceSettings]:
         if not devices:
             raise ValueError("at least one device is needed")
         names = [d.name for d in devices]
         if len(set(names)) != len(names):
             raise ValueError(f"device names must be unique, got {names}")
+        # An address-space pool cuts each device into pages and cannot be built over a device
+        # without one whole page (ExtentPool's ValueError once the scheduler starts). strategy and
+        # page_size are declared above, so they are in info.data unless they were invalid.
+        page = info.data.get("page_size")
+        if info.data.get("strategy", "counting") != "counting" and page is not None:
+            for device in devices:
+                if device.memory < page:
+                    raise ValueError(
+                        f"device {device.name!r} ({int(device.memory):,} B) is smaller than one page "
+                        f"(resources.page_size: {int(page):,} B)"
+                    )
         return devices
 
 

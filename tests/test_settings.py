@@ -24,3 +24,21 @@ def test_an_unknown_placement_strategy_is_refused_at_load(tmp_path, capsys):
     config.write_text('[resources]\nstrategy = "firstfit"\n[[workload.agents]]\ntenant = "default"\ncount = 1\n')
     assert main(["run", str(config), "--no-live"]) == 2
     assert "config error: resources.strategy: unknown strategy 'firstfit'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "resources",
+    [
+        {"devices": [{"name": "g", "memory": 100}]},
+        {"page_size": "1TB"},  # the default device holds 80 GB
+    ],
+)
+def test_a_device_smaller_than_one_page_is_refused_at_load(resources):
+    # It loaded, and the scheduler then failed to start with ExtentPool's ValueError traceback.
+    error = refused(resources=resources)
+    assert error.key == "resources.devices"
+    assert "is smaller than one page (resources.page_size: " in error.reason
+
+
+def test_a_counting_pool_has_no_pages_to_fit():
+    assert load_settings(resources={"strategy": "counting", "devices": [{"name": "g", "memory": 100}]})
