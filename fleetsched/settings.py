@@ -405,7 +405,16 @@ class AgentMix(_Section):
     think_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Seconds of agent-side work between turns."""
     session_memory: ByteSize | None = None
+    """Memory each session of this mix reserves (None: its tenant's, else the scheduler's)."""
 
+    @field_validator("session_memory")
+    @classmethod
+    def _positive_bytes(cls, value: ByteSize | None) -> ByteSize | None:
+        # As the tenant's and the scheduler's: the workload reads 0 as "not given" and would
+        # reserve the tenant's default instead, without a word.
+        if value is not None and value <= 0:
+            raise ValueError("must be > 0 bytes")
+        return value
 
     @model_validator(mode="after")
     def _uniform_needs_max(self) -> AgentMix:

@@ -42,3 +42,17 @@ def test_a_device_smaller_than_one_page_is_refused_at_load(resources):
 
 def test_a_counting_pool_has_no_pages_to_fit():
     assert load_settings(resources={"strategy": "counting", "devices": [{"name": "g", "memory": 100}]})
+
+
+def test_an_agent_mix_of_zero_session_memory_is_refused(tmp_path):
+    # Scheduler and tenants refuse 0 bytes; a mix took it, and the run read 0 as "not given":
+    # its sessions reserved the tenant's or the scheduler's default without a word.
+    error = refused(workload={"agents": [{"tenant": "default", "count": 1, "session_memory": 0}]})
+    assert (error.key, error.reason) == ("workload.agents.0.session_memory", "must be > 0 bytes (got 0)")
+    from fleetsched.agents.workload import read_trace
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"tenant": "default", "session_memory": "0GB"}\n')
+    with pytest.raises(ConfigError, match="must be > 0 bytes") as info:
+        read_trace(trace)
+    assert info.value.key == "workload.trace line 1: session_memory"
