@@ -376,6 +376,10 @@ class BackendSettings(_Section):
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"each must be http://host:port or https://host:port; {url!r} is not")
+            try:
+                parts.port  # reading it checks it: a number from 0 to 65535, or none at all
+            except ValueError:
+                raise ValueError(f"{url!r} has no valid port (a number from 0 to 65535)") from None
         return value
 
 

@@ -56,3 +56,12 @@ def test_an_agent_mix_of_zero_session_memory_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="must be > 0 bytes") as info:
         read_trace(trace)
     assert info.value.key == "workload.trace line 1: session_memory"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:port", "http://127.0.0.1:-1"])
+def test_a_replica_url_without_a_valid_port_is_refused(url):
+    # It loaded; every call then failed, the run printing "failed" for each session and, once,
+    # "BackendError: vLLM replica r0 (...): unhandled errors in a TaskGroup".
+    error = refused(backend={"urls": ["http://127.0.0.1:8000", url]})
+    assert error.key == "backend.urls"
+    assert f"{url!r} has no valid port" in error.reason
