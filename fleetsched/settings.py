@@ -372,6 +372,7 @@ class BackendSettings(_Section):
     @field_validator("urls")
     @classmethod
     def _http_urls(cls, value: list[str]) -> list[str]:
+        servers: dict[tuple[object, ...], str] = {}
         for url in value:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -380,6 +381,13 @@ class BackendSettings(_Section):
                 parts.port  # reading it checks it: a number from 0 to 65535, or none at all
             except ValueError:
                 raise ValueError(f"{url!r} has no valid port (a number from 0 to 65535)") from None
+            # One server given twice would be two replicas, its engine signals summed twice. The
+            # backend strips a trailing / and /v1; the host's case and a default port change nothing.
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            server = (parts.scheme, parts.hostname, port, parts.path.rstrip("/").removesuffix("/v1"))
+            if server in servers:
+                raise ValueError(f"{url!r} is the server of {servers[server]!r} again: give each replica once")
+            servers[server] = url
         return value
 
 

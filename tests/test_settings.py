@@ -65,3 +65,12 @@ def test_a_replica_url_without_a_valid_port_is_refused(url):
     error = refused(backend={"urls": ["http://127.0.0.1:8000", url]})
     assert error.key == "backend.urls"
     assert f"{url!r} has no valid port" in error.reason
+
+
+@pytest.mark.parametrize("second", ["http://gpu1:8000", "http://gpu1:8000/", "http://GPU1:8000/v1", "http://gpu1:8000/v1/"])
+def test_the_same_server_given_twice_in_backend_urls_is_refused(second):
+    # It made two replicas of one server: the window's engine signals, summed over replicas,
+    # counted its running and waiting requests twice, and its throughput too.
+    error = refused(backend={"urls": ["http://gpu0:8000", "http://gpu1:8000", second]})
+    assert error.key == "backend.urls"
+    assert error.reason.startswith(f"{second!r} is the server of 'http://gpu1:8000' again")
