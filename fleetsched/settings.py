@@ -350,9 +350,9 @@ class BackendSettings(_Section):
     retry_attempts: int = Field(4, ge=1)
     """Attempts per call before giving up, the first included; only connection errors, 429 and 5xx
     are retried, and only before the first chunk arrived."""
-    retry_initial_s: float = Field(0.25, gt=0)
+    retry_initial_s: float = Field(0.25, gt=0, allow_inf_nan=False)
     """First retry backoff; it doubles per attempt, with random jitter of the same size."""
-    retry_max_s: float = Field(8.0, gt=0)
+    retry_max_s: float = Field(8.0, gt=0, allow_inf_nan=False)
     """Longest single retry backoff."""
     breaker_failures: int = Field(5, ge=1)
     """Consecutive failed calls that open a replica's circuit breaker."""
@@ -368,6 +368,17 @@ class BackendSettings(_Section):
     """vllm-engine: prompt plus completion tokens of one request at most."""
     engine_scheduling_policy: Literal["fcfs", "priority"] = "priority"
     """vllm-engine: the scheduler's queue policy (priority honours the request's ``priority``)."""
+
+    @field_validator("retry_max_s")
+    @classmethod
+    def _max_not_below_initial(cls, value: float, info: ValidationInfo) -> float:
+        # A backoff is min(initial * 2**n, max) plus jitter of up to initial. Initial above max
+        # contradicts itself: the first backoff is cut to max, and the jitter then dwarfs it
+        # (initial 10, max 1: backoffs of 1 to 11 s).
+        initial = info.data.get("retry_initial_s")
+        if initial is not None and value < initial:
+            raise ValueError(f"must be at least retry_initial_s ({initial}): it bounds every backoff")
+        return value
 
     @field_validator("urls")
     @classmethod

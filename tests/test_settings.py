@@ -74,3 +74,19 @@ def test_the_same_server_given_twice_in_backend_urls_is_refused(second):
     error = refused(backend={"urls": ["http://gpu0:8000", "http://gpu1:8000", second]})
     assert error.key == "backend.urls"
     assert error.reason.startswith(f"{second!r} is the server of 'http://gpu1:8000' again")
+
+
+@pytest.mark.parametrize(
+    ("backend", "key", "reason"),
+    [
+        # A retry then slept forever: the jitter is drawn up to retry_initial_s.
+        ({"retry_initial_s": float("inf")}, "backend.retry_initial_s", "Input should be a finite number"),
+        ({"retry_max_s": float("inf")}, "backend.retry_max_s", "Input should be a finite number"),
+        # The jitter of up to retry_initial_s came on top of retry_max_s: backoffs of up to 11 s
+        # under a "longest single retry backoff" of 1 s.
+        ({"retry_initial_s": 10, "retry_max_s": 1}, "backend.retry_max_s", "must be at least retry_initial_s (10.0)"),
+    ],
+)
+def test_retry_backoffs_are_finite_and_the_longest_is_not_below_the_first(backend, key, reason):
+    error = refused(backend=backend)
+    assert error.key == key and reason in error.reason
