@@ -8,6 +8,7 @@ in the library reads the environment.
 
 from __future__ import annotations
 
+import os
 import re
 from contextvars import ContextVar
 from pathlib import Path
@@ -540,6 +541,21 @@ def first_error(exc: ValidationError) -> tuple[str, str]:
     return ".".join(str(part) for part in error["loc"]), error["msg"].removeprefix("Value error, ")
 
 
+def _check_environment_sections() -> None:
+    """Refuse a ``FLEETSCHED_<SECTION>__...`` variable of no section.
+
+    pydantic-settings refuses an unknown key inside a section but passes over a variable whose
+    section is unknown, so a misspelt section (``FLEETSCHED_SCHEDULR__MAX_SESSIONS``) was ignored
+    without a word. Variables without ``__`` are left alone: the scripts have their own
+    (``FLEETSCHED_VLLM_VENV``). Names are case-insensitive, as pydantic-settings reads them.
+    """
+    prefix = Settings.model_config["env_prefix"].lower()
+    for name in os.environ:
+        section, nested, _ = name.lower().removeprefix(prefix).partition("__")
+        if name.lower().startswith(prefix) and nested and section not in Settings.model_fields:
+            raise ConfigError(name, f"no section {section!r}; the sections are {', '.join(Settings.model_fields)}")
+
+
 def load_settings(path: str | Path | None = None, **overrides: object) -> Settings:
     """Read settings from `path` (or ./fleetsched.toml), the environment and `overrides`.
 
@@ -549,6 +565,7 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
         path = Path(path)
         if not path.is_file():
             raise ConfigError("--config", f"no such file: {path}")
+    _check_environment_sections()
     token = _config_path.set(path)
     try:
         return Settings(**overrides)  # type: ignore[arg-type]

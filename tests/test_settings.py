@@ -90,3 +90,16 @@ def test_the_same_server_given_twice_in_backend_urls_is_refused(second):
 def test_retry_backoffs_are_finite_and_the_longest_is_not_below_the_first(backend, key, reason):
     error = refused(backend=backend)
     assert error.key == key and reason in error.reason
+
+
+def test_an_environment_variable_of_no_section_is_refused(monkeypatch):
+    # A misspelt section was ignored without a word (a misspelt key in a section is refused), and
+    # the run went on with the value the user meant to override.
+    monkeypatch.setenv("FLEETSCHED_SCHEDULR__MAX_SESSIONS", "8")
+    error = refused()
+    assert error.key == "FLEETSCHED_SCHEDULR__MAX_SESSIONS"
+    assert error.reason.startswith("no section 'schedulr'; the sections are scheduler, resources, backend,")
+    monkeypatch.delenv("FLEETSCHED_SCHEDULR__MAX_SESSIONS")
+    monkeypatch.setenv("FLEETSCHED_VLLM_VENV", "/opt/vllm")  # the scripts' own variables: no __
+    monkeypatch.setenv("fleetsched_scheduler__max_sessions", "8")  # names are case-insensitive
+    assert load_settings().scheduler.max_sessions == 8
