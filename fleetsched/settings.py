@@ -563,6 +563,8 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
     """
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError("--config", f"{path} is a directory, not a TOML file")
         if not path.is_file():
             raise ConfigError("--config", f"no such file: {path}")
     _check_environment_sections()

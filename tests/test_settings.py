@@ -103,3 +103,9 @@ def test_an_environment_variable_of_no_section_is_refused(monkeypatch):
     monkeypatch.setenv("FLEETSCHED_VLLM_VENV", "/opt/vllm")  # the scripts' own variables: no __
     monkeypatch.setenv("fleetsched_scheduler__max_sessions", "8")  # names are case-insensitive
     assert load_settings().scheduler.max_sessions == 8
+
+
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    # It read "no such file: DIR", of a path that exists.
+    with pytest.raises(ConfigError, match="is a directory, not a TOML file"):
+        load_settings(tmp_path)
