@@ -258,3 +258,21 @@ def test_a_fleet_of_more_sessions_than_are_run_is_a_config_error(tmp_path, capsy
     assert cli_main(["simulate", str(config), "--duration", "1m"]) == 2
     error = capsys.readouterr().err
     assert "workload.agents" in error and "10,000,001 sessions" in error and "at most 1,000,000" in error
+
+
+def test_calls_refused_by_the_rate_limit_do_not_fit():
+    """A tenant over its requests_per_minute: most calls are refused (rate-limited) and their
+    sessions fail, and the report says the SLA was missed. Before, the search's checks read only
+    the calls that reached the backend, so this fleet "met every SLA": refused calls (shed too)
+    were counted nowhere, and a larger fleet refused more and still fitted."""
+    settings = sim_settings(Settings(
+        scheduler={"max_sessions": 512, "session_memory": "64MB"},
+        backend={"kind": "instant", "max_in_flight": 64, "sim": {"max_num_seqs": 8}},
+        tenants={"live": {"requests_per_minute": 60, "sla": {"ttft_p99_s": 3.0}}},
+        workload={"agents": [{"tenant": "live", "count": 20, "turns": 2, "prompt_tokens": 300, "max_tokens": 64, "think_s": 1.0}]},
+    ))  # fmt: skip
+    report, scheduler = simulate(settings, 30.0)
+    assert scheduler.recorder.refusals and report["tenants"][0]["sla"]["met"] is False  # the case at hand
+    checks = {c.metric: c for c in sla_checks(scheduler, settings, report["duration_s"])}
+    assert checks["refused_calls"].value == len(scheduler.recorder.refusals)
+    assert not all(c.ok for c in checks.values())
