@@ -276,3 +276,21 @@ def test_calls_refused_by_the_rate_limit_do_not_fit():
     checks = {c.metric: c for c in sla_checks(scheduler, settings, report["duration_s"])}
     assert checks["refused_calls"].value == len(scheduler.recorder.refusals)
     assert not all(c.ok for c in checks.values())
+
+
+def test_min_tokens_per_s_is_measured_while_the_tenant_is_backlogged():
+    """min_tokens_per_s is tokens per second the tenant had a call outstanding (`SlaSettings`,
+    and the report's value). Before, the search divided by the whole run: a session thinking 5 s
+    between calls got 11.5 tok/s and "missed" 100 (the report: 476 tok/s, met), while 16
+    sessions "met" it, so more sessions fitted where fewer did not."""
+    settings = sim_settings(Settings(
+        backend={"kind": "instant", "sim": {"max_num_seqs": 8}},
+        tenants={"live": {"sla": {"min_tokens_per_s": 100.0}}},
+        workload={"agents": [{"tenant": "live", "count": 1, "turns": 2, "prompt_tokens": 100, "max_tokens": 32, "think_s": 5.0}]},
+    ))  # fmt: skip
+    report, scheduler = simulate(settings, 30.0)
+    measured = report["tenants"][0]["sla"]["objectives"]["min_tokens_per_s"]
+    assert measured["met"] is True
+    checks = {c.metric: c for c in sla_checks(scheduler, settings, report["duration_s"])}
+    assert checks["min_tokens_per_s"].value == pytest.approx(measured["value"], rel=1e-3)
+    assert all(c.ok for c in checks.values())
