@@ -93,6 +93,20 @@ def test_rolling_window_forgets_old_events():
     assert tracker.breaches == {("a", "ttft_p99", "engine-slow"): 1}
 
 
+
+def test_rolling_tokens_per_s_count_the_time_of_failed_calls():
+    """A failed call kept the tenant backlogged without tokens: the report's min_tokens_per_s
+    counts its time (10 tokens over 10 s: 1/s, missed). Before, the live tracker kept only
+    successful calls, so the same records read 10 tokens over 1 s: attained."""
+    tenants = {"a": TenantSettings(sla={"min_tokens_per_s": 5.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0, 0, 0.5, 1, tokens=10))
+    recorder.add_call(call(1, 1, math.nan, 10, tokens=0, error="BackendUnavailable"))
+    assert not by_name(evaluate(recorder, tenants)[0])["a"]["min_tokens_per_s"].met
+    tracker = SlaTracker(tenants, window_s=60)
+    tracker.update(recorder, now=10)
+    assert tracker.attainment("a", "min_tokens_per_s") == 0.0
+
 class FixedBackend(Backend):
     """First token after `ttft` seconds, done `rest` seconds later, 8 tokens."""
 

@@ -239,7 +239,7 @@ class SlaTracker:
         self.goals = {name: targets(t.sla) for name, t in tenants.items()}
         self._events: dict[tuple[str, str], deque[tuple[float, bool]]] = {}
         self._met: dict[tuple[str, str], int] = {}  # met events in each deque: attainment in O(1)
-        self._served: dict[str, deque[tuple[float, float, int]]] = {}  # submitted, finished, tokens
+        self._served: dict[str, deque[tuple[float, float, int]]] = {}  # submitted, finished, tokens (calls not refused)
         self.breaches: dict[tuple[str, str, str], int] = {}
         """Breaches so far per (tenant, objective, reason)."""
         self.recent: deque[Breach] = deque(maxlen=200)
@@ -258,11 +258,14 @@ class SlaTracker:
                 if i < 2:
                     for objective, met, breach in call_events(record, goals):
                         self._note(record.tenant, objective, record.finished, met, breach, new)
-                    if "min_tokens_per_s" in goals and record.error is None:
+                    # As in `evaluate`: every call not refused kept the tenant backlogged, and
+                    # only successful calls' tokens count (a failed call's time, none of them).
+                    if "min_tokens_per_s" in goals and record.error not in _REFUSED:
                         served = self._served.get(record.tenant)
                         if served is None:
                             served = self._served[record.tenant] = deque()
-                        served.append((record.submitted, record.finished, record.completion_tokens))
+                        tokens = record.completion_tokens if record.error is None else 0
+                        served.append((record.submitted, record.finished, tokens))
                 else:
                     event = session_event(record, goals)
                     if event is not None:
