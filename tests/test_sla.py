@@ -107,6 +107,23 @@ def test_rolling_tokens_per_s_count_the_time_of_failed_calls():
     tracker.update(recorder, now=10)
     assert tracker.attainment("a", "min_tokens_per_s") == 0.0
 
+
+def test_a_refusal_leaves_the_window_in_its_time_order():
+    """A refusal at 13 and calls ending at 14 and 15, all taken in by one update: at 24.5 (a 10-s
+    window from 14.5) only the call at 15 is in the window. Before, the calls were queued before
+    the refusal taken in with them, and the window drops events from its oldest end only: the
+    refusal stayed behind the call at 15 (attainment 0.5 instead of 1)."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0})}
+    recorder = Recorder()
+    recorder.add_refusal(CallRecord("a", 0, 1, 13.0, finished=13.0, error="Overloaded"))
+    recorder.add_call(call(13.5, 13.5, 14, 14))
+    recorder.add_call(call(14.5, 14.5, 15, 15))
+    tracker = SlaTracker(tenants, window_s=10)
+    tracker.update(recorder, now=15)
+    assert tracker.attainment("a", "ttft_p99") == pytest.approx(2 / 3)
+    tracker.update(recorder, now=24.5)
+    assert tracker.attainment("a", "ttft_p99") == 1.0
+
 class FixedBackend(Backend):
     """First token after `ttft` seconds, done `rest` seconds later, 8 tokens."""
 

@@ -250,12 +250,18 @@ class SlaTracker:
         """Take in the records added since the last update; returns the new breaches."""
         self._now = now
         new: list[Breach] = []
+        fresh: list[list] = []
         lists: Sequence[list] = (recorder.calls, recorder.refusals, recorder.sessions)
         for i, records in enumerate(lists):
             start, self._cursors[i] = self._cursors[i], len(records)
-            for record in records[start:]:
+            fresh.append(records[start:])
+        # Calls and refusals feed the same windows, which drop events from their oldest end:
+        # take them in by time, or a refusal taken in after a later call outstays the window.
+        calls = sorted([*fresh[0], *fresh[1]], key=lambda r: r.finished)
+        for i, records in enumerate((calls, fresh[2])):
+            for record in records:
                 goals = self.goals.get(record.tenant, {})
-                if i < 2:
+                if i == 0:
                     for objective, met, breach in call_events(record, goals):
                         self._note(record.tenant, objective, record.finished, met, breach, new)
                     # As in `evaluate`: every call not refused kept the tenant backlogged, and
