@@ -124,6 +124,20 @@ def test_a_refusal_leaves_the_window_in_its_time_order():
     tracker.update(recorder, now=24.5)
     assert tracker.attainment("a", "ttft_p99") == 1.0
 
+
+def test_rolling_tokens_per_s_count_only_the_window_s_share_of_a_call():
+    """One call of 100 s, 1,000 tokens: 10 tokens/s, under a 15 tokens/s objective. In a 60-s
+    window the tenant was backlogged 60 s and got 600 of those tokens (spread over the call).
+    Before, the window's backlog was clipped to 60 s but the call's tokens counted whole: 16.7/s,
+    attained."""
+    tenants = {"a": TenantSettings(sla={"min_tokens_per_s": 15.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0, 0, 1, 100, tokens=1000))
+    assert not by_name(evaluate(recorder, tenants)[0])["a"]["min_tokens_per_s"].met
+    tracker = SlaTracker(tenants, window_s=60)
+    tracker.update(recorder, now=100)
+    assert tracker.attainment("a", "min_tokens_per_s") == 0.0
+
 class FixedBackend(Backend):
     """First token after `ttft` seconds, done `rest` seconds later, 8 tokens."""
 

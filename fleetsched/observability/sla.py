@@ -225,6 +225,11 @@ def evaluate(recorder: Recorder, tenants: Mapping[str, TenantSettings]) -> tuple
     return rows, breaches
 
 
+def _share_in(start: float, end: float, lo: float) -> float:
+    """The share of the interval [start, end] (which ends at or after `lo`) from `lo` on."""
+    return 1.0 if start >= lo or end <= start else (end - lo) / (end - start)
+
+
 class SlaTracker:
     """Live attainment per tenant and objective over a rolling window of `window_s` seconds.
 
@@ -303,7 +308,10 @@ class SlaTracker:
             if not served or target is None:
                 return None
             busy = busy_time(((s, f) for s, f, _ in served), lo, self._now)
-            tokens = sum(n for _, f, n in served if f >= lo)
+            # The backlog is clipped to the window, so the tokens must be too: a call that began
+            # before the window counts the share of its tokens made inside it (taken as spread
+            # evenly over the call), not all of them.
+            tokens = sum(n * _share_in(s, f, lo) for s, f, n in served if f >= lo)
             return (1.0 if tokens / busy >= target else 0.0) if busy > 0 else None
         key = (tenant, objective)
         events = self._events.get(key)
