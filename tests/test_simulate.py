@@ -258,3 +258,59 @@ def test_a_fleet_of_more_sessions_than_are_run_is_a_config_error(tmp_path, capsy
     assert cli_main(["simulate", str(config), "--duration", "1m"]) == 2
     error = capsys.readouterr().err
     assert "workload.agents" in error and "10,000,001 sessions" in error and "at most 1,000,000" in error
+
+
+def test_calls_refused_by_the_rate_limit_do_not_fit():
+    """A tenant over its requests_per_minute: most calls are refused (rate-limited) and their
+    sessions fail, and the report says the SLA was missed. Before, the search's checks read only
+    the calls that reached the backend, so this fleet "met every SLA": refused calls (shed too)
+    were counted nowhere, and a larger fleet refused more and still fitted."""
+    settings = sim_settings(Settings(
+        scheduler={"max_sessions": 512, "session_memory": "64MB"},
+        backend={"kind": "instant", "max_in_flight": 64, "sim": {"max_num_seqs": 8}},
+        tenants={"live": {"requests_per_minute": 60, "sla": {"ttft_p99_s": 3.0}}},
+        workload={"agents": [{"tenant": "live", "count": 20, "turns": 2, "prompt_tokens": 300, "max_tokens": 64, "think_s": 1.0}]},
+    ))  # fmt: skip
+    report, scheduler = simulate(settings, 30.0)
+    assert scheduler.recorder.refusals and report["tenants"][0]["sla"]["met"] is False  # the case at hand
+    checks = {c.metric: c for c in sla_checks(scheduler, settings, report["duration_s"])}
+    assert checks["refused_calls"].value == len(scheduler.recorder.refusals)
+    assert not all(c.ok for c in checks.values())
+
+
+def test_min_tokens_per_s_is_measured_while_the_tenant_is_backlogged():
+    """min_tokens_per_s is tokens per second the tenant had a call outstanding (`SlaSettings`,
+    and the report's value). Before, the search divided by the whole run: a session thinking 5 s
+    between calls got 11.5 tok/s and "missed" 100 (the report: 476 tok/s, met), while 16
+    sessions "met" it, so more sessions fitted where fewer did not."""
+    settings = sim_settings(Settings(
+        backend={"kind": "instant", "sim": {"max_num_seqs": 8}},
+        tenants={"live": {"sla": {"min_tokens_per_s": 100.0}}},
+        workload={"agents": [{"tenant": "live", "count": 1, "turns": 2, "prompt_tokens": 100, "max_tokens": 32, "think_s": 5.0}]},
+    ))  # fmt: skip
+    report, scheduler = simulate(settings, 30.0)
+    measured = report["tenants"][0]["sla"]["objectives"]["min_tokens_per_s"]
+    assert measured["met"] is True
+    checks = {c.metric: c for c in sla_checks(scheduler, settings, report["duration_s"])}
+    assert checks["min_tokens_per_s"].value == pytest.approx(measured["value"], rel=1e-3)
+    assert all(c.ok for c in checks.values())
+
+
+def test_a_p99_objective_fits_only_when_99_percent_of_calls_meet_it():
+    """150 calls, 2 of them late: 98.7 % within the TTFT objective, which the report calls missed
+    (at least 99 % of events must meet it). Before, the search compared the p99 by linear
+    interpolation (0.58 s, between the 148th and 149th values) with the target and the fleet fitted:
+    with n not a multiple of 100, or few calls (p99 of 0.1 and 10 s is 9.9 s), the two disagreed."""
+    from types import SimpleNamespace
+
+    from fleetsched.observability.sla import evaluate
+    from fleetsched.scheduler import CallRecord, Recorder
+
+    settings = Settings(tenants={"live": {"sla": {"ttft_p99_s": 1.0}}})
+    recorder = Recorder()
+    for i, ttft in enumerate([0.1] * 148 + [1.05] * 2):
+        recorder.add_call(CallRecord("live", 0, i, float(i), float(i), i + ttft, i + ttft + 0.5, 5, 10))
+    rows, _ = evaluate(recorder, settings.tenants)
+    assert rows[0].met is False  # the report's verdict
+    checks = {c.metric: c for c in sla_checks(SimpleNamespace(recorder=recorder), settings, 200.0)}
+    assert checks["ttft_p99_s"].value == pytest.approx(1.05) and not checks["ttft_p99_s"].ok

@@ -93,6 +93,51 @@ def test_rolling_window_forgets_old_events():
     assert tracker.breaches == {("a", "ttft_p99", "engine-slow"): 1}
 
 
+
+def test_rolling_tokens_per_s_count_the_time_of_failed_calls():
+    """A failed call kept the tenant backlogged without tokens: the report's min_tokens_per_s
+    counts its time (10 tokens over 10 s: 1/s, missed). Before, the live tracker kept only
+    successful calls, so the same records read 10 tokens over 1 s: attained."""
+    tenants = {"a": TenantSettings(sla={"min_tokens_per_s": 5.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0, 0, 0.5, 1, tokens=10))
+    recorder.add_call(call(1, 1, math.nan, 10, tokens=0, error="BackendUnavailable"))
+    assert not by_name(evaluate(recorder, tenants)[0])["a"]["min_tokens_per_s"].met
+    tracker = SlaTracker(tenants, window_s=60)
+    tracker.update(recorder, now=10)
+    assert tracker.attainment("a", "min_tokens_per_s") == 0.0
+
+
+def test_a_refusal_leaves_the_window_in_its_time_order():
+    """A refusal at 13 and calls ending at 14 and 15, all taken in by one update: at 24.5 (a 10-s
+    window from 14.5) only the call at 15 is in the window. Before, the calls were queued before
+    the refusal taken in with them, and the window drops events from its oldest end only: the
+    refusal stayed behind the call at 15 (attainment 0.5 instead of 1)."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0})}
+    recorder = Recorder()
+    recorder.add_refusal(CallRecord("a", 0, 1, 13.0, finished=13.0, error="Overloaded"))
+    recorder.add_call(call(13.5, 13.5, 14, 14))
+    recorder.add_call(call(14.5, 14.5, 15, 15))
+    tracker = SlaTracker(tenants, window_s=10)
+    tracker.update(recorder, now=15)
+    assert tracker.attainment("a", "ttft_p99") == pytest.approx(2 / 3)
+    tracker.update(recorder, now=24.5)
+    assert tracker.attainment("a", "ttft_p99") == 1.0
+
+
+def test_rolling_tokens_per_s_count_only_the_window_s_share_of_a_call():
+    """One call of 100 s, 1,000 tokens: 10 tokens/s, under a 15 tokens/s objective. In a 60-s
+    window the tenant was backlogged 60 s and got 600 of those tokens (spread over the call).
+    Before, the window's backlog was clipped to 60 s but the call's tokens counted whole: 16.7/s,
+    attained."""
+    tenants = {"a": TenantSettings(sla={"min_tokens_per_s": 15.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0, 0, 1, 100, tokens=1000))
+    assert not by_name(evaluate(recorder, tenants)[0])["a"]["min_tokens_per_s"].met
+    tracker = SlaTracker(tenants, window_s=60)
+    tracker.update(recorder, now=100)
+    assert tracker.attainment("a", "min_tokens_per_s") == 0.0
+
 class FixedBackend(Backend):
     """First token after `ttft` seconds, done `rest` seconds later, 8 tokens."""
 

@@ -225,6 +225,11 @@ def evaluate(recorder: Recorder, tenants: Mapping[str, TenantSettings]) -> tuple
     return rows, breaches
 
 
+def _share_in(start: float, end: float, lo: float) -> float:
+    """The share of the interval [start, end] (which ends at or after `lo`) from `lo` on."""
+    return 1.0 if start >= lo or end <= start else (end - lo) / (end - start)
+
+
 class SlaTracker:
     """Live attainment per tenant and objective over a rolling window of `window_s` seconds.
 
@@ -239,7 +244,7 @@ class SlaTracker:
         self.goals = {name: targets(t.sla) for name, t in tenants.items()}
         self._events: dict[tuple[str, str], deque[tuple[float, bool]]] = {}
         self._met: dict[tuple[str, str], int] = {}  # met events in each deque: attainment in O(1)
-        self._served: dict[str, deque[tuple[float, float, int]]] = {}  # submitted, finished, tokens
+        self._served: dict[str, deque[tuple[float, float, int]]] = {}  # submitted, finished, tokens (calls not refused)
         self.breaches: dict[tuple[str, str, str], int] = {}
         """Breaches so far per (tenant, objective, reason)."""
         self.recent: deque[Breach] = deque(maxlen=200)
@@ -250,19 +255,28 @@ class SlaTracker:
         """Take in the records added since the last update; returns the new breaches."""
         self._now = now
         new: list[Breach] = []
+        fresh: list[list] = []
         lists: Sequence[list] = (recorder.calls, recorder.refusals, recorder.sessions)
         for i, records in enumerate(lists):
             start, self._cursors[i] = self._cursors[i], len(records)
-            for record in records[start:]:
+            fresh.append(records[start:])
+        # Calls and refusals feed the same windows, which drop events from their oldest end:
+        # take them in by time, or a refusal taken in after a later call outstays the window.
+        calls = sorted([*fresh[0], *fresh[1]], key=lambda r: r.finished)
+        for i, records in enumerate((calls, fresh[2])):
+            for record in records:
                 goals = self.goals.get(record.tenant, {})
-                if i < 2:
+                if i == 0:
                     for objective, met, breach in call_events(record, goals):
                         self._note(record.tenant, objective, record.finished, met, breach, new)
-                    if "min_tokens_per_s" in goals and record.error is None:
+                    # As in `evaluate`: every call not refused kept the tenant backlogged, and
+                    # only successful calls' tokens count (a failed call's time, none of them).
+                    if "min_tokens_per_s" in goals and record.error not in _REFUSED:
                         served = self._served.get(record.tenant)
                         if served is None:
                             served = self._served[record.tenant] = deque()
-                        served.append((record.submitted, record.finished, record.completion_tokens))
+                        tokens = record.completion_tokens if record.error is None else 0
+                        served.append((record.submitted, record.finished, tokens))
                 else:
                     event = session_event(record, goals)
                     if event is not None:
@@ -294,7 +308,10 @@ class SlaTracker:
             if not served or target is None:
                 return None
             busy = busy_time(((s, f) for s, f, _ in served), lo, self._now)
-            tokens = sum(n for _, f, n in served if f >= lo)
+            # The backlog is clipped to the window, so the tokens must be too: a call that began
+            # before the window counts the share of its tokens made inside it (taken as spread
+            # evenly over the call), not all of them.
+            tokens = sum(n * _share_in(s, f, lo) for s, f, n in served if f >= lo)
             return (1.0 if tokens / busy >= target else 0.0) if busy > 0 else None
         key = (tenant, objective)
         events = self._events.get(key)

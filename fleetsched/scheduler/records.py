@@ -95,6 +95,18 @@ def sorted_percentile(data: Sequence[float], q: float) -> float:
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
 
 
+def rank_percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by nearest rank: the smallest value with at least q % of the
+    values at or below it; nan for no values. Unlike `percentile`'s interpolation, it is at most
+    a target exactly when at least q % of the values are, the rule an SLA objective is met by
+    (`fleetsched.observability.sla`)."""
+    data = sorted(v for v in values if not math.isnan(v))
+    if not data:
+        return math.nan
+    rank = math.ceil(q * len(data) / 100 - 1e-9)  # 1-based; the epsilon absorbs float error
+    return data[max(rank, 1) - 1]
+
+
 @dataclass(frozen=True, slots=True)
 class TenantSummary:
     tenant: str
