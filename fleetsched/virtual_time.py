@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -90,12 +91,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             self._polls_skipped += 1
             if self._polls_skipped >= _POLL_EVERY:
                 self._poll(0)
-        elif timers:
+        elif timers and timers[0][0] < math.inf:
             self._poll(0)
             if not ready:  # every task waits: time passes at once
                 self._virtual_now = max(self._virtual_now, timers[0][0])
         else:
-            self._poll(None)  # no timer at all: only another thread can wake the loop
+            # No timer, or only those at infinity (`anyio.sleep_forever()`), which never fire (a
+            # real loop, and trio's autojump, do not reach them either): only another thread can
+            # wake the loop. Jumping there would set the clock to inf for the rest of the run.
+            self._poll(None)
         now = self._virtual_now
         while timers and timers[0][0] <= now:
             handle = heapq.heappop(timers)[2]

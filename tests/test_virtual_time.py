@@ -92,3 +92,26 @@ def test_an_unknown_loop_is_named():
 
     with pytest.raises(ValueError, match="curio"):
         run_virtual(main, loop="curio")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_task_asleep_forever_is_no_timer_to_jump_to(loop):
+    """`anyio.sleep_forever()` (a sleep of ``inf``) never wakes: while a thread works and that is
+    the only timer, the loop waits for the thread instead of moving the clock to infinity."""
+
+    async def main() -> tuple[float, bool]:
+        woke = False
+
+        async def sleeper() -> None:
+            nonlocal woke
+            await anyio.sleep_forever()
+            woke = True
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sleeper)
+            await anyio.to_thread.run_sync(time.sleep, 0.02)
+            now = anyio.current_time()
+            tg.cancel_scope.cancel()
+        return now, woke
+
+    assert run_virtual(main, loop=loop) == (0.0, False)
