@@ -104,7 +104,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         while timers and timers[0][0] <= now:
             handle = heapq.heappop(timers)[2]
             handle._scheduled = False  # type: ignore[attr-defined]
-            ready.append(handle)
+            if handle._cancelled:
+                # Cancelled behind the head (so not purged): it leaves the heap here, and the count.
+                self._timer_cancelled_count -= 1  # type: ignore[attr-defined]
+            else:
+                ready.append(handle)
         # Run the callbacks ready now; those they schedule run next round (as asyncio does).
         for _ in range(len(ready)):
             handle = ready.popleft()

@@ -115,3 +115,19 @@ def test_a_task_asleep_forever_is_no_timer_to_jump_to(loop):
         return now, woke
 
     assert run_virtual(main, loop=loop) == (0.0, False)
+
+
+def test_cancelled_timers_are_counted_out_when_they_come_due():
+    """The loop looks for cancelled timers only while its count says some are in the heap: a
+    cancelled timer that leaves the heap because it came due must leave the count too, or every
+    later iteration searches a heap with none."""
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        timers = [loop.call_later(1, lambda: None) for _ in range(3)]
+        timers[1].cancel()  # behind the first: due with it, not purged from the heap's head
+        timers[2].cancel()
+        await anyio.sleep(2)
+        return len(loop._scheduled), loop._timer_cancelled_count  # type: ignore[attr-defined]
+
+    assert run_virtual(main) == (0, 0)
