@@ -1,0 +1,27 @@
+"""bench gateway's argument handling and figures, without starting its servers."""
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from fleetsched.bench import gateway
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_answered_request_gives_null_percentiles_not_nan():
+    """Every request failing (here: nothing listens) leaves no latency to take percentiles of;
+    they were float('nan'), which json.dumps writes as NaN (not JSON)."""
+    port = _closed_port()
+    load = asyncio.run(gateway._load(port, gateway._request(port, gateway._BODY, False), 20.0, 0.1, 0.0, 4))
+    assert load["requests"] == 2 and load["errors"] >= 1
+    compared = gateway._compare(load, load, 20.0)
+    text = json.dumps(compared)
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert load["p50_ms"] is None and compared["added_latency_ms"] == {"p50": None, "p99": None}
