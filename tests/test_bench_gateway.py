@@ -25,3 +25,12 @@ def test_no_answered_request_gives_null_percentiles_not_nan():
     text = json.dumps(compared)
     json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
     assert load["p50_ms"] is None and compared["added_latency_ms"] == {"p50": None, "p99": None}
+
+
+def test_every_request_sent_is_waited_for_and_counted():
+    """The figures are taken once every request is answered or failed. A request counted itself
+    pending only once its task ran, so the last one sent, not yet started when the earlier ones
+    were done, was not waited for: here 1 error of 2 requests."""
+    port = _closed_port()
+    load = asyncio.run(gateway._load(port, gateway._request(port, gateway._BODY, False), 20.0, 0.1, 0.0, 4))
+    assert load["requests"] == 2 and load["errors"] == 2

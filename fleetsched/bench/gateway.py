@@ -190,7 +190,6 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
 
     async def one(measure: bool) -> None:
         nonlocal pending, opened
-        pending += 1
         conn = None
         try:
             conn = await connection()
@@ -237,6 +236,9 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
             await asyncio.sleep(delay)  # wall-clock ok: the load generator paces real requests
         if i == warm:
             measured_start = time.perf_counter()  # wall-clock ok
+        # Counted pending when sent, not when its task first runs: the last request sent has not
+        # run yet when the loop below looks, and would not be waited for.
+        pending += 1
         task = asyncio.ensure_future(one(i >= warm))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
