@@ -34,3 +34,15 @@ def test_every_request_sent_is_waited_for_and_counted():
     port = _closed_port()
     load = asyncio.run(gateway._load(port, gateway._request(port, gateway._BODY, False), 20.0, 0.1, 0.0, 4))
     assert load["requests"] == 2 and load["errors"] == 2
+
+
+def test_a_failed_connect_gives_its_connection_slot_back():
+    """A connection that failed to open still held one of --connections: with one allowed, the
+    second request waited for it for ever (the run hung)."""
+    port = _closed_port()
+
+    async def load() -> dict:
+        return await asyncio.wait_for(gateway._load(port, gateway._request(port, gateway._BODY, False), 20.0, 0.1, 0.0, 1), 5)
+
+    result = asyncio.run(load())
+    assert result["errors"] == 2 and result["connections"] == 0

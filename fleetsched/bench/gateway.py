@@ -186,7 +186,11 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
             if idle:
                 return idle.pop()
         opened += 1
-        return await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.open_connection("127.0.0.1", port)
+        except BaseException:
+            opened -= 1  # no connection came of it: its place is free again (or a waiter hangs)
+            raise
 
     async def one(measure: bool) -> None:
         nonlocal pending, opened
