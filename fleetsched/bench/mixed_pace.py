@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import trio.testing
 
-from .._args import positive_float, positive_int
+from .._args import http_url, positive_float, positive_int
 from ..agents.workload import run_workload
 from ..scheduler import Scheduler, percentile
 from ..settings import Settings
@@ -151,7 +151,7 @@ def figures(scheduler: Scheduler, start: float, end: float, hours: float, busy_f
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench mixed-pace", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["sim", "vllm-server"], default="sim", help="sim (virtual time) or a real vLLM")
-    parser.add_argument("--url", help="vllm-server: a running server (default: start one)")
+    parser.add_argument("--url", type=http_url, help="vllm-server: a running server (default: start one)")
     parser.add_argument("--seconds", type=positive_float, default=90.0, help="vllm-server: real seconds per mode")
     parser.add_argument("--time-scale", type=positive_float, default=0.1, help="vllm-server: tool and think times scaled by this")
     parser.add_argument("--hours", type=positive_float, default=0.5, help="simulated hours per mode")
