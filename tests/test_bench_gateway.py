@@ -46,3 +46,13 @@ def test_a_failed_connect_gives_its_connection_slot_back():
 
     result = asyncio.run(load())
     assert result["errors"] == 2 and result["connections"] == 0
+
+
+@pytest.mark.parametrize("argv", [["--rate", "1", "--duration", "0.5"], ["--rate", "1e308"], ["--vllm", "--vllm-rate", "1e308"]])
+def test_a_load_of_no_request_or_too_many_is_a_usage_error(argv, capsys):
+    """Before: 0.5 requests ran with nothing measured (null figures); 1e308 a second queued
+    requests without end (the run hung, its memory growing)."""
+    with pytest.raises(SystemExit) as exited:
+        gateway.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "x --duration" in err

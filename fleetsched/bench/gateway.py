@@ -33,6 +33,7 @@ from typing import Any
 from .._args import positive_float, positive_int
 
 API_KEY = "fs-bench-key"
+MAX_REQUESTS = 10_000_000  # per server measured (the defaults send 10,000)
 _BODY = {"model": "fleetsched-tiny", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 8}
 
 
@@ -342,6 +343,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # Requests sent in a measured stretch: none leaves nothing to measure, and beyond what one
+    # process can send the load generator queues them without end (1e308 a second hung the run).
+    loads = [("--rate", args.rate)] + ([("--vllm-rate", args.vllm_rate)] if args.vllm else [])
+    for flag, rate in loads:
+        requests = rate * args.duration
+        if not 1 <= requests <= MAX_REQUESTS:
+            parser.error(f"{flag} x --duration sends {requests:.3g} requests to measure; expected 1 to {MAX_REQUESTS:,}")
     if args.serve:
         return _serve(args.serve, args.port, args.config)
     results: dict[str, Any] = {"cpus": os.cpu_count()}
