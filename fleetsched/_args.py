@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 T = TypeVar("T", int, float)
 
@@ -51,6 +52,19 @@ def _checked(text: str, kind: Callable[[str], T], ok: Callable[[T], bool], expec
     if value is None or not ok(value):  # nan fails every comparison, so it is refused too
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def http_url(text: str) -> str:
+    """A server root, http://host:port or https://host:port (what backend.urls takes): checked
+    here so that a typo is a usage error, not a settings ValidationError traceback mid-run."""
+    parts = urlsplit(text)
+    try:
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port >= 0)
+    except ValueError:  # reading the port checks it: a number from 0 to 65535
+        valid = False
+    if not valid:
+        raise argparse.ArgumentTypeError(f"expected http://host:port or https://host:port, got {text!r}")
+    return text
 
 
 def writable_file(text: str) -> str:

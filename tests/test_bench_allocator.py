@@ -105,3 +105,16 @@ def test_bad_strategies_are_a_usage_error_naming_the_option(value, capsys):
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "argument --strategies:" in err and "known: frag-aware" in err
     assert "Traceback" not in err
+
+
+def test_one_session_per_trace_gives_json_without_infinity(capsys):
+    # One session: no span between arrivals, so no offered load to measure. It was math.inf,
+    # which json.dumps writes as Infinity (not JSON); the figure is null instead.
+    import json
+
+    from fleetsched.bench.allocator import main
+
+    assert main(["--sessions", "1", "--strategies", "first-fit", "--json"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert all(t["offered_load"] is None for t in data["traces"].values())

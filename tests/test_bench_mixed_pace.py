@@ -31,3 +31,13 @@ def test_a_url_with_the_sim_backend_is_a_usage_error(capsys):
         mixed_pace.main(["--url", "http://127.0.0.1:1", "--hours", "0.001"])
     assert exited.value.code == 2
     assert "--url needs --backend vllm-server" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--hours", "1e308"], ["--arrival-rate", "1e308"], ["--hours", "1e9"]])
+def test_a_session_count_too_large_is_a_usage_error(argv, capsys):
+    """Before: 1e308 was an OverflowError traceback (int of infinity sessions); 1e9 hours tried to
+    build the settings of billions of sessions."""
+    with pytest.raises(SystemExit) as exited:
+        mixed_pace.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--arrival-rate x --hours" in err and "Traceback" not in err

@@ -237,3 +237,23 @@ def test_serve_hash_key_of_an_empty_key_is_a_usage_error_not_a_server():
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "argument --hash-key: the key is empty" in done.stderr, done.stderr[-500:]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["mixed-pace", "--backend", "vllm-server", "--url", "notaurl", "--seconds", "1"],
+        ["mixed-pace", "--backend", "vllm-server", "--url", "http://127.0.0.1:99999", "--seconds", "1"],
+        ["sim-fidelity", "--url", "localhost:8000", "--no-speed", "--no-calibrate"],
+        ["qos", "--url", "ftp://127.0.0.1:8000"],
+    ],
+)
+def test_a_bench_url_that_is_not_a_server_root_is_a_usage_error(argv, capsys):
+    """Before: mixed-pace ended in a pydantic ValidationError traceback from its settings,
+    sim-fidelity in an httpx UnsupportedProtocol traceback, qos in 'probe calls failed', exit 1."""
+    from fleetsched import bench
+
+    with pytest.raises(SystemExit) as exited:
+        bench.run(argv[0], argv[1:])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "argument --url: expected http://host:port" in err

@@ -204,11 +204,14 @@ def traces(count: int, seed: int, load: float = LOAD, idle_scale: float = 1.0) -
     ]
 
 
-def offered_load(trace: Trace) -> float:
-    """Bytes x lifetime offered per unit of time, over capacity: what `LOAD` asks for."""
+def offered_load(trace: Trace) -> float | None:
+    """Bytes x lifetime offered per unit of time, over capacity: what `LOAD` asks for.
+
+    None when the arrivals span no time (one session): there is no rate to measure, and
+    infinity would be written to the JSON as ``Infinity``, which is not JSON."""
     span = trace.sessions[-1].arrival - trace.sessions[0].arrival
     capacity = sum(d.capacity for d in trace.devices)
-    return sum(s.nbytes * s.lifetime for s in trace.sessions) / (capacity * span) if span > 0 else math.inf
+    return sum(s.nbytes * s.lifetime for s in trace.sessions) / (capacity * span) if span > 0 else None
 
 
 def _pct(values: list[float], q: float) -> float:

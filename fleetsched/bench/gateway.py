@@ -33,6 +33,7 @@ from typing import Any
 from .._args import positive_float, positive_int
 
 API_KEY = "fs-bench-key"
+MAX_REQUESTS = 10_000_000  # per server measured (the defaults send 10,000)
 _BODY = {"model": "fleetsched-tiny", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 8}
 
 
@@ -186,11 +187,14 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
             if idle:
                 return idle.pop()
         opened += 1
-        return await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.open_connection("127.0.0.1", port)
+        except BaseException:
+            opened -= 1  # no connection came of it: its place is free again (or a waiter hangs)
+            raise
 
     async def one(measure: bool) -> None:
         nonlocal pending, opened
-        pending += 1
         conn = None
         try:
             conn = await connection()
@@ -237,6 +241,9 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
             await asyncio.sleep(delay)  # wall-clock ok: the load generator paces real requests
         if i == warm:
             measured_start = time.perf_counter()  # wall-clock ok
+        # Counted pending when sent, not when its task first runs: the last request sent has not
+        # run yet when the loop below looks, and would not be waited for.
+        pending += 1
         task = asyncio.ensure_future(one(i >= warm))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -248,15 +255,16 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
         writer.close()
     latencies.sort()
 
-    def pct(q: float) -> float:
-        return latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000 if latencies else float("nan")
+    def pct(q: float) -> float | None:
+        # None (JSON null) when no request was answered: NaN would print as NaN, which is not JSON.
+        return round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 3) if latencies else None
 
     return {
         "requests": total - warm,
         "rps": round(len(latencies) / (measured_end - measured_start), 1),
-        "p50_ms": round(pct(50), 3),
-        "p90_ms": round(pct(90), 3),
-        "p99_ms": round(pct(99), 3),
+        "p50_ms": pct(50),
+        "p90_ms": pct(90),
+        "p99_ms": pct(99),
         "errors": sum(errors.values()),
         "error_kinds": errors,
         "connections": opened,
@@ -275,13 +283,15 @@ def _run_load(port: int, body: dict[str, Any], auth: bool, rate: float, duration
 
 
 def _compare(direct: dict[str, Any], gateway: dict[str, Any], rate: float) -> dict[str, Any]:
+    def added(key: str) -> float | None:  # None where either side answered no request
+        if direct[key] is None or gateway[key] is None:
+            return None
+        return round(gateway[key] - direct[key], 3)
+
     return {
         "rate": rate,
         "rps": gateway["rps"],
-        "added_latency_ms": {
-            "p50": round(gateway["p50_ms"] - direct["p50_ms"], 3),
-            "p99": round(gateway["p99_ms"] - direct["p99_ms"], 3),
-        },
+        "added_latency_ms": {"p50": added("p50_ms"), "p99": added("p99_ms")},
         "errors": gateway["errors"] + direct["errors"],
         "direct": direct,
         "gateway": gateway,
@@ -316,6 +326,11 @@ def bench_vllm(rate: float, duration_s: float, connections: int) -> dict[str, An
     return _compare(direct, gateway, rate)
 
 
+def _ms(value: float | None, sign: str = "") -> str:
+    """A latency for the text output: "-" where no request was answered."""
+    return "-" if value is None else f"{value:{sign}.3f} ms"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench gateway", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -328,6 +343,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # Requests sent in a measured stretch: none leaves nothing to measure, and beyond what one
+    # process can send the load generator queues them without end (1e308 a second hung the run).
+    loads = [("--rate", args.rate)] + ([("--vllm-rate", args.vllm_rate)] if args.vllm else [])
+    for flag, rate in loads:
+        requests = rate * args.duration
+        if not 1 <= requests <= MAX_REQUESTS:
+            parser.error(f"{flag} x --duration sends {requests:.3g} requests to measure; expected 1 to {MAX_REQUESTS:,}")
     if args.serve:
         return _serve(args.serve, args.port, args.config)
     results: dict[str, Any] = {"cpus": os.cpu_count()}
@@ -346,11 +368,11 @@ def main(argv: list[str]) -> int:
         if "skipped" in r:
             print(f"{name}: skipped: {r['skipped']}")
             continue
-        d, g = r["direct"], r["gateway"]
+        d, g, a = r["direct"], r["gateway"], r["added_latency_ms"]
         print(
-            f"{name:8} rate {r['rate']:.0f}/s: direct p50 {d['p50_ms']:.3f} ms p99 {d['p99_ms']:.3f} ms | gateway "
-            f"{g['rps']:.0f} req/s p50 {g['p50_ms']:.3f} ms p99 {g['p99_ms']:.3f} ms | added p50 "
-            f"{r['added_latency_ms']['p50']:+.3f} ms p99 {r['added_latency_ms']['p99']:+.3f} ms | errors {r['errors']}"
+            f"{name:8} rate {r['rate']:.0f}/s: direct p50 {_ms(d['p50_ms'])} p99 {_ms(d['p99_ms'])} | gateway "
+            f"{g['rps']:.0f} req/s p50 {_ms(g['p50_ms'])} p99 {_ms(g['p99_ms'])} | added p50 "
+            f"{_ms(a['p50'], '+')} p99 {_ms(a['p99'], '+')} | errors {r['errors']}"
         )
     return 0
 

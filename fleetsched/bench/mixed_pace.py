@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import trio.testing
 
-from .._args import positive_float, positive_int
+from .._args import http_url, positive_float, positive_int
 from ..agents.workload import run_workload
 from ..scheduler import Scheduler, percentile
 from ..settings import Settings
@@ -38,6 +38,10 @@ KINDS = ("chatty", "long-tool", "summariser")
 
 
 MODES = ("baseline", "fleetsched", "fleetsched-keep")
+
+# Sessions a mode may be given (the defaults give 6,483): each is built into the settings up
+# front, so a count far beyond what any run serves only exhausts memory.
+MAX_SESSIONS = 1_000_000
 
 
 def mixed_pace_settings(
@@ -147,7 +151,7 @@ def figures(scheduler: Scheduler, start: float, end: float, hours: float, busy_f
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench mixed-pace", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["sim", "vllm-server"], default="sim", help="sim (virtual time) or a real vLLM")
-    parser.add_argument("--url", help="vllm-server: a running server (default: start one)")
+    parser.add_argument("--url", type=http_url, help="vllm-server: a running server (default: start one)")
     parser.add_argument("--seconds", type=positive_float, default=90.0, help="vllm-server: real seconds per mode")
     parser.add_argument("--time-scale", type=positive_float, default=0.1, help="vllm-server: tool and think times scaled by this")
     parser.add_argument("--hours", type=positive_float, default=0.5, help="simulated hours per mode")
@@ -159,14 +163,19 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.url and args.backend != "vllm-server":
         parser.error("--url needs --backend vllm-server (the sim backend runs on virtual time, with no server)")
+    # Sessions submitted per mode: more than the modes can serve in the time (see the docstring).
+    span_s, span_flag = (args.seconds, "--seconds") if args.backend == "vllm-server" else (args.hours * 3600, "--hours")
+    wanted = args.arrival_rate * span_s * 1.2  # inf for huge values: int() of it would raise OverflowError
+    if wanted > MAX_SESSIONS:
+        parser.error(f"--arrival-rate x {span_flag} asks for {wanted:.3g} sessions per mode; at most {MAX_SESSIONS:,}")
+    args.sessions = int(wanted) + 3
     result: dict[str, Any] = {"backend": args.backend, "max_sessions": args.max_sessions, "modes": {}}
     if args.backend == "vllm-server":
         real_modes(args, result)
     else:
         result["hours"] = args.hours
-        sessions = int(args.arrival_rate * args.hours * 3600 * 1.2) + 3
         for mode in MODES:
-            settings = mixed_pace_settings(mode, sessions=sessions, arrival_rate=args.arrival_rate, max_sessions=args.max_sessions)
+            settings = mixed_pace_settings(mode, sessions=args.sessions, arrival_rate=args.arrival_rate, max_sessions=args.max_sessions)
             start = time.perf_counter()  # wall-clock ok
             clock = trio.testing.MockClock(autojump_threshold=0)
             measured = anyio.run(run_mode, settings, args.hours, backend="trio", backend_options={"clock": clock})
@@ -211,7 +220,7 @@ def real_modes(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from ..testing.vllm_server import VLLMServer
 
     result.update(seconds=args.seconds, time_scale=args.time_scale, prompt_scale=0.25, engine_nice=args.engine_nice)
-    sessions = int(args.arrival_rate * args.seconds * 1.2) + 3
+    sessions = args.sessions
     with contextlib.ExitStack() as stack:
         server = VLLMServer(scheduling_policy="priority", max_num_seqs=32, max_model_len=4096, engine_nice=args.engine_nice)
         url = args.url or stack.enter_context(server).url

@@ -52,7 +52,7 @@ from typing import Any
 import anyio
 import httpx
 
-from .._args import non_negative_float, non_negative_int, positive_float, positive_int, unit_float
+from .._args import http_url, non_negative_float, non_negative_int, positive_float, positive_int, unit_float
 from ..backends.sim._fit import answer_draws
 from ..calibrate import KEEPALIVE_EXPIRY_S
 from ..errors import BackendUnavailable
@@ -456,7 +456,7 @@ def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.
     from ..testing.vllm_server import default_engine_cpus
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--url", help="a running vLLM with --scheduling-policy priority (all modes use it; direct-fcfs then sends no priority)")
+    parser.add_argument("--url", type=http_url, help="a running vLLM with --scheduling-policy priority (all modes use it; direct-fcfs then sends no priority)")
     parser.add_argument("--duration", type=positive_float, default=30.0, help="seconds of load per mode")
     parser.add_argument("--overload", type=positive_float, default=2.5, help="offered load over the saturated rate")
     parser.add_argument(

@@ -32,6 +32,7 @@ from typing import Any
 
 import anyio
 
+from fleetsched._args import http_url
 from fleetsched.backends.sim._fit import PARAMS, LoopFeatures, Workload, closed_loop, fit_profile, theta_of
 from fleetsched.backends.sim._profiles import load_profile
 from fleetsched.settings import SimSettings
@@ -320,7 +321,7 @@ def _run_text(run: dict[str, float]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench sim-fidelity", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--url", help="a running vLLM server with the tiny model (server defaults, max_model_len 1024)")
+    parser.add_argument("--url", type=http_url, help="a running vLLM server with the tiny model (server defaults, max_model_len 1024)")
     parser.add_argument("--no-real", action="store_true", help="skip the real-vLLM comparison")
     parser.add_argument("--no-speed", action="store_true", help="skip the 1 h x 1,000 sessions speed run")
     parser.add_argument(

@@ -1,0 +1,58 @@
+"""bench gateway's argument handling and figures, without starting its servers."""
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from fleetsched.bench import gateway
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_answered_request_gives_null_percentiles_not_nan():
+    """Every request failing (here: nothing listens) leaves no latency to take percentiles of;
+    they were float('nan'), which json.dumps writes as NaN (not JSON)."""
+    port = _closed_port()
+    load = asyncio.run(gateway._load(port, gateway._request(port, gateway._BODY, False), 20.0, 0.1, 0.0, 4))
+    assert load["requests"] == 2 and load["errors"] >= 1
+    compared = gateway._compare(load, load, 20.0)
+    text = json.dumps(compared)
+    json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert load["p50_ms"] is None and compared["added_latency_ms"] == {"p50": None, "p99": None}
+
+
+def test_every_request_sent_is_waited_for_and_counted():
+    """The figures are taken once every request is answered or failed. A request counted itself
+    pending only once its task ran, so the last one sent, not yet started when the earlier ones
+    were done, was not waited for: here 1 error of 2 requests."""
+    port = _closed_port()
+    load = asyncio.run(gateway._load(port, gateway._request(port, gateway._BODY, False), 20.0, 0.1, 0.0, 4))
+    assert load["requests"] == 2 and load["errors"] == 2
+
+
+def test_a_failed_connect_gives_its_connection_slot_back():
+    """A connection that failed to open still held one of --connections: with one allowed, the
+    second request waited for it for ever (the run hung)."""
+    port = _closed_port()
+
+    async def load() -> dict:
+        return await asyncio.wait_for(gateway._load(port, gateway._request(port, gateway._BODY, False), 20.0, 0.1, 0.0, 1), 5)
+
+    result = asyncio.run(load())
+    assert result["errors"] == 2 and result["connections"] == 0
+
+
+@pytest.mark.parametrize("argv", [["--rate", "1", "--duration", "0.5"], ["--rate", "1e308"], ["--vllm", "--vllm-rate", "1e308"]])
+def test_a_load_of_no_request_or_too_many_is_a_usage_error(argv, capsys):
+    """Before: 0.5 requests ran with nothing measured (null figures); 1e308 a second queued
+    requests without end (the run hung, its memory growing)."""
+    with pytest.raises(SystemExit) as exited:
+        gateway.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "x --duration" in err
