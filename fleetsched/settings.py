@@ -31,14 +31,14 @@ class _Section(BaseModel):
 class SlaSettings(_Section):
     """A tenant's service-level objectives. None: no objective."""
 
-    ttft_p99_s: float | None = Field(None, gt=0)
+    ttft_p99_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Time to first token, 99th percentile. Orders the tenant's calls (earliest deadline first)
     and decides when batch-tier calls are shed."""
-    latency_p95_s: float | None = Field(None, gt=0)
+    latency_p95_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Whole call latency, 95th percentile."""
-    deadline_s: float | None = Field(None, gt=0)
+    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Default deadline of a session, from submission."""
-    min_tokens_per_s: float | None = Field(None, gt=0)
+    min_tokens_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Generated tokens per second the tenant should get while backlogged."""
 
 
@@ -47,7 +47,7 @@ class TenantSettings(_Section):
 
     tier: Tier = Tier.STANDARD
     """QoS band: critical, standard or batch."""
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
     """Share against other tenants of the same tier."""
     max_sessions: int | None = Field(None, ge=1)
     """Sessions of this tenant running at once (None: only the global limit)."""

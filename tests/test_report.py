@@ -206,3 +206,24 @@ def test_a_run_without_a_throughput_draws_no_mean_line(report, tmp_path, monkeyp
     assert lines == []
     plot_throughput(report, tmp_path / "t.png")
     assert lines == [report["throughput_tok_s"]]
+
+
+@pytest.mark.parametrize(
+    ("tenant", "key"),
+    [
+        ({"weight": float("inf")}, "tenants.acme.weight"),
+        ({"sla": {"ttft_p99_s": float("inf")}}, "tenants.acme.sla.ttft_p99_s"),
+        ({"sla": {"latency_p95_s": float("inf")}}, "tenants.acme.sla.latency_p95_s"),
+        ({"sla": {"deadline_s": float("inf")}}, "tenants.acme.sla.deadline_s"),
+        ({"sla": {"min_tokens_per_s": float("inf")}}, "tenants.acme.sla.min_tokens_per_s"),
+    ],
+)
+def test_a_tenant_figure_the_report_carries_must_be_finite(tenant, key):
+    """Before: TOML's ``inf`` loaded, the report held ``"weight": Infinity`` or ``"target": Infinity``
+    (not JSON), and ``fleetsched report`` refused the run's own report."""
+    from fleetsched.errors import ConfigError
+    from fleetsched.settings import load_settings
+
+    with pytest.raises(ConfigError) as info:
+        load_settings(tenants={"acme": tenant})
+    assert info.value.key == key and "finite" in info.value.reason
