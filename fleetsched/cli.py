@@ -114,6 +114,8 @@ def _main(argv: list[str] | None) -> int:
     run.add_argument("--sample-interval", type=positive_float, default=0.5, metavar="S", help="timeline sampling period in the report (default 0.5 s)")
 
     bench_cmd = commands.add_parser("bench", help="run a benchmark", add_help=False)
+    # Its own -h: `bench NAME --help` is the benchmark's (in `rest`), `bench --help` lists them.
+    bench_cmd.add_argument("-h", "--help", action="store_true", help="list the benchmarks")
     bench_cmd.add_argument("name", nargs="?", help=", ".join(f"{k}: {v}" for k, v in bench.BENCHMARKS.items()))
     bench_cmd.add_argument("rest", nargs=argparse.REMAINDER)
 

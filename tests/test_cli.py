@@ -257,3 +257,13 @@ def test_a_bench_url_that_is_not_a_server_root_is_a_usage_error(argv, capsys):
         bench.run(argv[0], argv[1:])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "argument --url: expected http://host:port" in err
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_bench_help_lists_the_benchmarks(flag, capsys):
+    # `fleetsched bench --help` was "unrecognized arguments: --help", exit 2 (its parser has no
+    # -h of its own, so that `bench NAME --help` reaches the benchmark's).
+    from fleetsched.cli import main as cli_main
+
+    assert cli_main(["bench", flag]) == 0
+    assert "allocator" in capsys.readouterr().out
