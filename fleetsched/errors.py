@@ -10,8 +10,8 @@ Every error the library raises on purpose derives from `FleetschedError`::
     ├── WouldBlock                         a *_nowait() call could not proceed at once
     │   └── QuotaWouldBlock                ... because the tenant's memory quota is full
     ├── SessionRejected                    a session can never be admitted
-    │   └── RequestTooLarge(ValueError)    asks for more memory than any device holds
-    ├── QuotaExceeded(ValueError)          asks for more than the tenant's whole quota
+    │   ├── RequestTooLarge(ValueError)    asks for more memory than any device holds
+    │   └── QuotaExceeded(ValueError)      asks for more than the tenant's whole quota
     ├── SessionFailed                      awaiting a handle whose agent raised
     ├── SessionCancelled                   awaiting a handle that was cancelled
     ├── SessionEnded(RuntimeError)         a session's context used after the session ended

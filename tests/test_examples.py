@@ -53,3 +53,12 @@ def test_the_readmes_python_example_runs_as_written(monkeypatch, capsys):
     anyio.run(namespace["main"], backend="trio", backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)})
     printed = capsys.readouterr().out
     assert "finished={'done': 100}" in printed and "slots_in_use=0" in printed
+
+
+def test_every_error_of_the_tree_is_a_public_name():
+    # RateLimited (which the README names) and ReportSchemaError were in fleetsched.errors only.
+    import fleetsched
+    import fleetsched.errors
+
+    errors = {name for name, value in vars(fleetsched.errors).items() if isinstance(value, type) and issubclass(value, fleetsched.FleetschedError)}
+    assert errors - set(fleetsched.__all__) == set()
