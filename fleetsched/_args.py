@@ -54,15 +54,23 @@ def _checked(text: str, kind: Callable[[str], T], ok: Callable[[T], bool], expec
     return value
 
 
-def http_url(text: str) -> str:
-    """A server root, http://host:port or https://host:port (what backend.urls takes): checked
-    here so that a typo is a usage error, not a settings ValidationError traceback mid-run."""
-    parts = urlsplit(text)
+def url_problem(url: str) -> str | None:
+    """Why `url` is not a server root, http://host:port or https://host:port (what
+    backend.urls and the benches' --url take); None when it is one."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "is not http://host:port or https://host:port"
     try:
-        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port >= 0)
-    except ValueError:  # reading the port checks it: a number from 0 to 65535
-        valid = False
-    if not valid:
+        parts.port  # reading it checks it: a number from 0 to 65535, or none at all
+    except ValueError:
+        return "has no valid port (a number from 0 to 65535)"
+    return None
+
+
+def http_url(text: str) -> str:
+    """A server root (`url_problem`): checked here so that a typo is a usage error, not a
+    settings ValidationError traceback mid-run."""
+    if url_problem(text) is not None:
         raise argparse.ArgumentTypeError(f"expected http://host:port or https://host:port, got {text!r}")
     return text
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
+from ._args import url_problem
 from .errors import ConfigError
 from .policies.tiers import Tier
 
@@ -386,13 +387,10 @@ class BackendSettings(_Section):
     def _http_urls(cls, value: list[str]) -> list[str]:
         servers: dict[tuple[object, ...], str] = {}
         for url in value:
+            problem = url_problem(url)
+            if problem is not None:
+                raise ValueError(f"{url!r} {problem}")
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"each must be http://host:port or https://host:port; {url!r} is not")
-            try:
-                parts.port  # reading it checks it: a number from 0 to 65535, or none at all
-            except ValueError:
-                raise ValueError(f"{url!r} has no valid port (a number from 0 to 65535)") from None
             # One server given twice would be two replicas, its engine signals summed twice. The
             # backend strips a trailing / and /v1; the host's case and a default port change nothing.
             port = parts.port or (443 if parts.scheme == "https" else 80)

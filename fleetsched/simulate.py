@@ -183,7 +183,7 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
     from .observability.sla import CANCELLED, busy_time
     # Nearest rank, not interpolation: a p99 at most the target exactly when 99 % of the values
     # are, as the report's verdict (an interpolated p99 passes with 98.7 % of 150 calls on time).
-    from .scheduler.records import rank_percentile as percentile
+    from .scheduler.records import rank_percentile
 
     checks = []
     calls_by: dict[str, list[Any]] = {}
@@ -218,11 +218,11 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
         sla = tenant.sla
         checks.append(SlaCheck(name, "call_errors", 0, failed))
         if sla.ttft_p99_s is not None:
-            checks.append(SlaCheck(name, "ttft_p99_s", sla.ttft_p99_s, percentile([c.ttft_s for c in ok], 99)))
+            checks.append(SlaCheck(name, "ttft_p99_s", sla.ttft_p99_s, rank_percentile([c.ttft_s for c in ok], 99)))
             waits = [(s.finished if math.isnan(s.admitted) else s.admitted) - s.submitted for s in sessions]
-            checks.append(SlaCheck(name, "admission_wait_p99_s", sla.ttft_p99_s, percentile(waits, 99)))
+            checks.append(SlaCheck(name, "admission_wait_p99_s", sla.ttft_p99_s, rank_percentile(waits, 99)))
         if sla.latency_p95_s is not None:
-            checks.append(SlaCheck(name, "latency_p95_s", sla.latency_p95_s, percentile([c.latency_s for c in ok], 95)))
+            checks.append(SlaCheck(name, "latency_p95_s", sla.latency_p95_s, rank_percentile([c.latency_s for c in ok], 95)))
         if sla.deadline_s is not None:
             spans = [s.finished - s.submitted for s in sessions]
             checks.append(SlaCheck(name, "deadline_s", sla.deadline_s, max(spans, default=math.nan)))

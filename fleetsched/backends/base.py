@@ -269,10 +269,13 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
                 chars += sum(len(part.get("text", "")) for part in content if isinstance(part, Mapping))
             chars += 16  # role and chat-template framing
     except (AttributeError, TypeError):  # checked here, where they are read anyway: no cost when right
-        raise InvalidRequest(
-            f"messages: expected a list of {{role, content}} objects with text content, got {messages!r:.80}"
-        ) from None
+        raise invalid_messages(messages) from None
     return max(1, chars // 4)
+
+
+def invalid_messages(messages: object) -> InvalidRequest:
+    """The error for chat messages that are not a list of ``{role, content}`` objects with text."""
+    return InvalidRequest(f"messages: expected a list of {{role, content}} objects with text content, got {messages!r:.80}")
 
 
 def requested_max_tokens(body: ChatBody, default: int = 256) -> int:

@@ -49,6 +49,7 @@ from ..base import (
     EngineSignals,
     chat_completion,
     check_fits,
+    invalid_messages,
     make_chunk,
     new_completion_id,
     usage_dict,
@@ -332,9 +333,7 @@ class SimBackend(Backend):
         try:
             text = prompt_text(messages)
         except (AttributeError, TypeError):  # caught where they are read anyway: no cost when right
-            raise InvalidRequest(
-                f"messages: expected a list of {{role, content}} objects with text content, got {messages!r:.80}"
-            ) from None
+            raise invalid_messages(messages) from None
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
         field = "max_completion_tokens"  # it wins over max_tokens, as in vLLM
         given = body.get(field)
