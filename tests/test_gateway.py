@@ -225,6 +225,7 @@ _fields = {
     "seed": _json,
     "priority": _json,
     "fleetsched_replica": _json,
+    "fleetsched_fallback": _json,
 }
 _bodies = st.fixed_dictionaries({}, optional=_fields) | _json
 

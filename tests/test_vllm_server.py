@@ -231,6 +231,25 @@ async def test_circuit_breaker_opens_against_a_dead_port():
         assert breaker.state(anyio.current_time()) == "open"
 
 
+async def test_a_caller_that_falls_back_itself_leaves_an_unreachable_replica_at_once(caplog):
+    """A call named to a replica whose caller sends it elsewhere on failure (the dispatcher, for
+    a session's affinity) is not retried when the replica cannot be reached; it was retried with
+    backoff, so each call of a session on a dead replica waited out the retries before falling
+    back, until the replica's breaker opened. The failure still counts against the breaker; a
+    call named without the key is still retried."""
+    caplog.set_level(logging.DEBUG, logger="fleetsched.backends.vllm_server")
+    dead, other = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    async with VLLMServerBackend({"dead": dead, "other": other}, retry_attempts=3, retry_initial_s=0.01, retry_max_s=0.02) as backend:
+        with pytest.raises(BackendUnavailable, match="cannot reach"):
+            _ = [c async for c in backend.stream_chat(body(4, fleetsched_replica="dead", fleetsched_fallback=True))]
+        assert "retrying" not in caplog.text
+        assert backend.replicas["dead"].breaker.consecutive_failures == 1
+        assert backend.replicas["dead"].in_flight == 0
+        with pytest.raises(BackendUnavailable, match="cannot reach"):
+            _ = [c async for c in backend.stream_chat(body(4, fleetsched_replica="dead"))]
+        assert "retrying" in caplog.text
+
+
 @pytest.mark.vllm
 async def test_named_replica_routing_with_a_dead_replica(vllm_server):
     dead = f"http://127.0.0.1:{free_port()}"
@@ -276,15 +295,18 @@ async def test_a_call_fails_over_from_a_dead_replica_to_a_live_one(vllm_server):
 
 
 @pytest.mark.vllm
-async def test_a_session_placed_on_a_dead_replica_runs_on_the_live_one(vllm_server):
+async def test_a_session_placed_on_a_dead_replica_runs_on_the_live_one(vllm_server, caplog):
     """Through the dispatcher, a call placed on a dead replica (affinity) falls over to the live
-    one; its fallback went to the least loaded replica, which was the dead one again."""
+    one, without backing off on the dead one first; its fallback went to the least loaded
+    replica, which was the dead one again."""
+    caplog.set_level(logging.DEBUG, logger="fleetsched.backends.vllm_server")
     dead = f"http://127.0.0.1:{free_port()}"
-    async with VLLMServerBackend({"dead": dead, "live": vllm_server.url}, retry_attempts=2, retry_initial_s=0.05) as backend:
+    async with VLLMServerBackend({"dead": dead, "live": vllm_server.url}, retry_attempts=3, retry_initial_s=0.05) as backend:
         dispatcher = Dispatcher(backend, window=4)
         for _ in range(2):
             response = await dispatcher.chat(body(4), tenant="a", tier=Tier.STANDARD, replica="dead")
             assert response["usage"]["completion_tokens"] == 4
+    assert "retrying" not in caplog.text
 
 
 @pytest.mark.vllm

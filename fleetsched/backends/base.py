@@ -25,6 +25,14 @@ from ..errors import ContextTooLong, InvalidRequest
 ChatBody = Mapping[str, Any]
 Chunk = dict[str, Any]
 
+REPLICA_KEY = "fleetsched_replica"
+"""Body key naming the replica of a multi-replica backend a call must go to (removed before the
+body is sent on)."""
+FALLBACK_KEY = "fleetsched_fallback"
+"""Body key set beside `REPLICA_KEY` by a caller that sends the call elsewhere itself when that
+replica fails it before its first chunk (the dispatcher, for a session's affinity): an
+unreachable replica is then given up at once instead of after backing off (removed too)."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSignals:

@@ -5,7 +5,9 @@ Each replica (a vLLM OpenAI-compatible server) gets its own `AsyncOpenAI` client
 ``"fleetsched_replica"``, which is removed before the body is sent), else to the replica with the
 fewest calls in flight whose breaker is not open; if that replica fails it before its first chunk
 (`BackendUnavailable`: unreachable, a 5xx but 503, breaker open), the call goes to the next such
-replica, at once when the first could not be reached. A named replica is the caller's: no failover.
+replica, at once when the first could not be reached. A named replica is the caller's: no failover,
+and an unreachable one is retried like any other, unless the body says the caller falls back
+itself (`FALLBACK_KEY`, as the dispatcher does for a session's replica): then it is given up at once.
 
 What is retried: connection errors, 429 and 5xx, with jittered exponential backoff (longer where
 the answer's Retry-After asks it, up to `retry_max_s`), bounded by attempts (never by elapsed
@@ -38,7 +40,7 @@ from openai import AsyncOpenAI
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
-from .base import Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
+from .base import FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
 
 try:  # openai >= 2 speaks httpx2; older releases speak httpx.
@@ -49,9 +51,6 @@ except ImportError:  # pragma: no cover - depends on the installed openai
     _TRANSPORT_ERRORS = (httpx.TransportError,)
 
 logger = logging.getLogger(__name__)
-
-REPLICA_KEY = "fleetsched_replica"
-"""Body key naming the replica a call must go to (removed before the body is sent)."""
 
 ClientFactory = Callable[[str, str], AsyncOpenAI]
 """Builds the client of one replica from (base_url, api_key); tests inject mock transports."""
@@ -404,13 +403,14 @@ class VLLMServerBackend(Backend):
         """
         request = dict(body)
         named = request.pop(REPLICA_KEY, None) or replica
+        caller_falls_back = bool(request.pop(FALLBACK_KEY, False))
         target = self.pick_replica(named)
         kwargs = self._create_kwargs(request)
         tried = [target]
         while True:
             others = [] if named is not None else self._untried(tried)
             try:
-                stream, first = await self._connect(target, kwargs, fail_over=bool(others))
+                stream, first = await self._connect(target, kwargs, fail_over=bool(others) or caller_falls_back)
                 break
             except BackendUnavailable as exc:
                 if not others:

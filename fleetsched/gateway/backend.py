@@ -15,8 +15,8 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
-from ..backends.vllm_server import REPLICA_KEY, VLLMServerBackend, translate_error
+from ..backends.base import FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
+from ..backends.vllm_server import VLLMServerBackend, translate_error
 from ..errors import BackendError, BackendUnavailable
 
 ENDPOINT_KEY = "fleetsched_endpoint"
@@ -86,6 +86,7 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
     import openai
 
     named = body.pop(REPLICA_KEY, None)
+    body.pop(FALLBACK_KEY, None)  # no retries here to skip: a failure is the caller's at once
     target = backend.pick_replica(named)
     body.pop("stream", None)
     stream_options = {**(body.pop("stream_options", None) or {}), "include_usage": True}
@@ -130,6 +131,7 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
     if isinstance(prompt, list):
         prompt = "".join(str(p) for p in prompt)
     body.pop(REPLICA_KEY, None)
+    body.pop(FALLBACK_KEY, None)
     upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}]})
     created = int(time.time())  # wall-clock ok: a response field, not a measurement
     try:

@@ -23,6 +23,8 @@ import anyio
 import anyio.lowlevel
 
 from ..backends.base import (
+    FALLBACK_KEY,
+    REPLICA_KEY,
     Backend,
     ChatBody,
     Chunk,
@@ -41,8 +43,6 @@ from .records import CallRecord, Recorder, percentile
 #: VTC weights: a prompt token costs 1, a generated token 2.
 INPUT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
-#: Body key that routes a call to a named replica (the vllm-server backend removes it).
-REPLICA_KEY = "fleetsched_replica"
 #: The service rate (for predicted waits) is measured over periods at least this long.
 RATE_PERIOD_S = 2.0
 #: Engine-side TTFTs kept for `take_engine_ttft` at most (the most recent): with a fixed window
@@ -258,8 +258,9 @@ class Dispatcher:
 
     async def _routed(self, request: dict[str, Any], replica: str) -> AsyncIterator[Chunk]:
         """The call on its session's replica (affinity keeps its prefix cached there); if that
-        replica is down before the first chunk, on the least loaded one instead."""
-        upstream = self.backend.stream_chat({**request, REPLICA_KEY: replica})
+        replica is down before the first chunk, on the least loaded one instead: at once, not
+        after the backend's retries (`FALLBACK_KEY`) while the replica's breaker is still closed."""
+        upstream = self.backend.stream_chat({**request, REPLICA_KEY: replica, FALLBACK_KEY: True})
         try:
             try:
                 first = await upstream.__anext__()
