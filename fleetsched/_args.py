@@ -88,3 +88,17 @@ def writable_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written (permission denied)")
     return text
 
+
+
+def applies_only(parser: argparse.ArgumentParser, args: argparse.Namespace, defaults: dict[str, object], applies: bool, where: str) -> None:
+    """Refuse the options `defaults` names (by `dest`) when given where they do not apply
+    (`applies` false: `where` says when they do), and set those not given to their defaults.
+
+    Their arguments default to None, so that an option given is told from one left out: an
+    option ignored without a word (``--seconds`` on a simulated run) lets a user believe it did
+    what it says."""
+    for dest, default in defaults.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        elif not applies:
+            parser.error(f"--{dest.replace('_', '-')} applies only {where}")

@@ -56,3 +56,11 @@ def test_a_load_of_no_request_or_too_many_is_a_usage_error(argv, capsys):
         gateway.main(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "x --duration" in err
+
+
+def test_a_vllm_rate_without_vllm_is_a_usage_error(capsys):
+    """Before: `--vllm-rate 5` without `--vllm` was ignored without a word (no vLLM was measured)."""
+    with pytest.raises(SystemExit) as exited:
+        gateway.main(["--vllm-rate", "5"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--vllm-rate applies only with --vllm" in err

@@ -41,3 +41,21 @@ def test_a_session_count_too_large_is_a_usage_error(argv, capsys):
         mixed_pace.main(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "--arrival-rate x --hours" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--seconds", "30"], "--seconds"),
+        (["--time-scale", "0.5"], "--time-scale"),
+        (["--engine-nice", "0"], "--engine-nice"),
+        (["--backend", "vllm-server", "--hours", "0.1"], "--hours"),
+    ],
+)
+def test_an_option_of_the_other_backend_is_a_usage_error(argv, flag, capsys):
+    """Before: `--seconds 30` on the sim backend was ignored without a word, and the run took its
+    0.5 simulated hours; `--hours` against a real vLLM likewise."""
+    with pytest.raises(SystemExit) as exited:
+        mixed_pace.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"{flag} applies only with --backend" in err

@@ -153,6 +153,9 @@ def test_a_bench_option_out_of_range_is_a_usage_error_naming_it():
         (["simulate", "examples/quickstart.toml", "--stream-interval", "0"], "argument --stream-interval: expected an integer >= 1"),
         (["run", "examples/quickstart.toml", "--sample-interval", "0"], "argument --sample-interval: expected a number > 0"),
         (["serve", "--port", "70000"], "argument --port: expected a port from 0 to 65535, got '70000'"),
+        # Beyond what the machine holds: 10 million sessions filled its memory instead of failing.
+        (["bench", "overhead", "--sessions", "10000000"], "--sessions and --latency-sessions: at most 100,000"),
+        (["bench", "overhead", "--calls", "100000"], "--latency-sessions x --calls makes 100,000,000 calls; at most 10,000,000"),
     ]:
         done = fleetsched(*argv)
         assert done.returncode == 2 and message in done.stderr, (argv, done.stderr[-300:])

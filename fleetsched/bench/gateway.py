@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .._args import positive_float, positive_int
+from .._args import applies_only, positive_float, positive_int
 
 API_KEY = "fs-bench-key"
 MAX_REQUESTS = 10_000_000  # per server measured (the defaults send 10,000)
@@ -338,11 +338,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--duration", type=positive_float, default=10.0, help="seconds of measured load per server")
     parser.add_argument("--connections", type=positive_int, default=64, help="keep-alive connections at most")
     parser.add_argument("--vllm", action="store_true", help="also measure in front of the real CPU vLLM")
-    parser.add_argument("--vllm-rate", type=positive_float, default=20.0, help="requests per second against vLLM")
+    parser.add_argument("--vllm-rate", type=positive_float, help="with --vllm: requests per second against vLLM (20)")
     parser.add_argument("--serve", choices=["direct", "gateway"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    applies_only(parser, args, {"vllm_rate": 20.0}, args.vllm, "with --vllm")
     # Requests sent in a measured stretch: none leaves nothing to measure, and beyond what one
     # process can send the load generator queues them without end (1e308 a second hung the run).
     loads = [("--rate", args.rate)] + ([("--vllm-rate", args.vllm_rate)] if args.vllm else [])

@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import trio.testing
 
-from .._args import http_url, positive_float, positive_int
+from .._args import applies_only, http_url, positive_float, positive_int
 from ..agents.workload import run_workload
 from ..scheduler import Scheduler, percentile
 from ..settings import Settings
@@ -152,17 +152,20 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench mixed-pace", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["sim", "vllm-server"], default="sim", help="sim (virtual time) or a real vLLM")
     parser.add_argument("--url", type=http_url, help="vllm-server: a running server (default: start one)")
-    parser.add_argument("--seconds", type=positive_float, default=90.0, help="vllm-server: real seconds per mode")
-    parser.add_argument("--time-scale", type=positive_float, default=0.1, help="vllm-server: tool and think times scaled by this")
-    parser.add_argument("--hours", type=positive_float, default=0.5, help="simulated hours per mode")
+    parser.add_argument("--seconds", type=positive_float, help="vllm-server: real seconds per mode (90)")
+    parser.add_argument("--time-scale", type=positive_float, help="vllm-server: tool and think times scaled by this (0.1)")
+    parser.add_argument("--hours", type=positive_float, help="sim: simulated hours per mode (0.5)")
     parser.add_argument("--max-sessions", type=positive_int, default=48, help="concurrent sessions (the same in both modes)")
     parser.add_argument("--arrival-rate", type=positive_float, default=3.0, help="sessions submitted per second")
-    parser.add_argument("--engine-nice", type=int, default=19,
-                        help="vllm-server: niceness of the engine processes of the server it starts (see VLLMServer.engine_nice)")
+    parser.add_argument("--engine-nice", type=int,
+                        help="vllm-server: niceness of the engine processes of the server it starts (19; see VLLMServer.engine_nice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.url and args.backend != "vllm-server":
         parser.error("--url needs --backend vllm-server (the sim backend runs on virtual time, with no server)")
+    real = args.backend == "vllm-server"
+    applies_only(parser, args, {"seconds": 90.0, "time_scale": 0.1, "engine_nice": 19}, real, "with --backend vllm-server")
+    applies_only(parser, args, {"hours": 0.5}, not real, "with --backend sim (a real vLLM runs for --seconds)")
     # Sessions submitted per mode: more than the modes can serve in the time (see the docstring).
     span_s, span_flag = (args.seconds, "--seconds") if args.backend == "vllm-server" else (args.hours * 3600, "--hours")
     wanted = args.arrival_rate * span_s * 1.2  # inf for huge values: int() of it would raise OverflowError

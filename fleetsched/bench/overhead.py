@@ -130,6 +130,11 @@ async def _direct_phase(sessions: int, calls: int) -> dict[str, float]:
     return {"calls": len(spent), "wall_s": wall, "p50_ms": percentile(spent, 50) * 1e3, "p99_ms": percentile(spent, 99) * 1e3}
 
 
+#: Concurrent sessions a phase may hold (ten times the default), and calls the latency phase may make.
+MAX_SESSIONS = 100_000
+MAX_CALLS = 10_000_000
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched bench overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=positive_int, default=10_000, help="concurrent sessions in the memory phase")
@@ -137,6 +142,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--calls", type=positive_int, default=50, help="calls per session in the latency phase")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    # Each session is held in memory at once (tens of KB each): beyond these the run exhausts the
+    # machine's memory or runs for hours instead of measuring anything.
+    if args.sessions > MAX_SESSIONS or args.latency_sessions > MAX_SESSIONS:
+        parser.error(f"--sessions and --latency-sessions: at most {MAX_SESSIONS:,} concurrent sessions")
+    if args.latency_sessions * args.calls > MAX_CALLS:
+        parser.error(f"--latency-sessions x --calls makes {args.latency_sessions * args.calls:,} calls; at most {MAX_CALLS:,}")
 
     gc.collect()
     memory = anyio.run(_memory_phase, args.sessions, 3)
