@@ -194,3 +194,17 @@ async def test_a_streamed_call_that_fails_reaches_the_sdk_as_an_openai_error(aft
     assert type(error) is caught and error.body["type"] == kind
     assert ("went away" if after_first else "maximum context length") in str(error)
     check_released(scheduler)
+
+
+async def test_a_stream_that_fails_midway_is_recorded_as_failed():
+    # Its call record said no error: reports, metrics and the SLA table counted the call as served.
+    async def agent(ctx):
+        stream = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+
+    async with Scheduler(settings(), backend=FailingStream(after_first=True)) as scheduler:
+        await (await scheduler.submit(agent, tenant="acme"))
+    assert [call.error for call in scheduler.recorder.calls] == ["BackendUnavailable"]
+    check_released(scheduler)

@@ -96,6 +96,7 @@ class _EventStream(httpx.AsyncByteStream):
                 answer = response_for(exc)
                 if answer is None:
                     raise
+                await self._end(exc)
                 yield b"data: " + answer.content + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
@@ -112,10 +113,22 @@ class _EventStream(httpx.AsyncByteStream):
             yield _event({**last, "choices": []})  # its usage with it
 
     async def aclose(self) -> None:
+        await self._end(None)
+
+    async def _end(self, failure: Exception | None) -> None:
+        """End the call, at most once (`failure`: the error it ended with, which its record keeps)."""
         if not self._closed:
             self._closed = True
             self._open_streams.discard(self)
-            await self._opened.__aexit__(None, None, None)
+            await _leave(self._opened, failure)
+
+
+async def _leave(opened: AbstractAsyncContextManager[Any], failure: BaseException | None) -> None:
+    """Leave the block of a dispatcher stream, normally or with the exception that ended it."""
+    if failure is None:
+        await opened.__aexit__(None, None, None)
+    else:
+        await opened.__aexit__(type(failure), failure, failure.__traceback__)
 
 
 def _event(chunk: Chunk) -> bytes:
@@ -149,7 +162,7 @@ class SessionTransport(httpx.AsyncBaseTransport):
                 try:  # answered once the first chunk came: a failure up to it is an HTTP error, as a server's
                     first = await anext(chunks, None)
                 except BaseException as exc:
-                    await opened.__aexit__(type(exc), exc, exc.__traceback__)
+                    await _leave(opened, exc)
                     raise
         except Exception as exc:
             answer = response_for(exc)
