@@ -303,15 +303,20 @@ class Scheduler:
         return handle, now
 
     def _enqueue(self, handle: SessionHandle, now: float) -> None:
-        pressure_before = bool(self._queue)
-        handle._entry = self._queue.push(Entry(handle.tenant, int(handle.tier), now, handle))
-        self._admit_ready()
+        handle._entry = self._push(Entry(handle.tenant, int(handle.tier), now, handle))
         if handle.state is SessionState.QUEUED and handle.deadline < math.inf:
             assert self._task_group is not None
             handle._queue_timer = anyio.CancelScope()
             self._task_group.start_soon(self._expire_queued, handle, handle._queue_timer)
+
+    def _push(self, entry: Entry) -> Entry:
+        """Queue `entry` (a new session, or one returning from a tool) and admit whoever can run."""
+        pressure_before = bool(self._queue)
+        pushed = self._queue.push(entry)
+        self._admit_ready()
         if self._queue and not pressure_before:
-            self._reconsider_tools(now)  # sessions now wait: tools kept for lack of pressure may park
+            self._reconsider_tools(anyio.current_time())  # sessions now wait: tools kept for lack of pressure may park
+        return pushed
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -565,10 +570,9 @@ class Scheduler:
         handle._readmit = granted = anyio.Event()
         # deadline -1 sorts before new sessions (deadline 0) of the tenant; arrival keeps its age.
         entry = Entry(handle.tenant, int(handle.tier), handle.timestamps[SessionState.QUEUED], handle, deadline=-1.0)
-        handle._readmit_entry = self._queue.push(entry)
-        self._admit_ready()
+        handle._readmit_entry = self._push(entry)
         try:
-            await granted.wait()  # _resume may have set it already, during _admit_ready above
+            await granted.wait()  # _resume may have set it already, during _push above
         except BaseException:
             self._queue.remove(entry)  # no-op if it was already granted (then _finish releases)
             handle._readmit = None
