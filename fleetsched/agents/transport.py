@@ -64,9 +64,10 @@ class _EventStream(httpx.AsyncByteStream):
     Chunks carry no usage; with `include_usage` (``stream_options``) a last chunk with no choices
     carries it, as OpenAI and vLLM send it. A failure of ours ends it with an error event.
 
-    It stays in `open_streams` (its session's) until closed: an agent that leaves the SDK's
-    stream without closing it (``break`` out of ``async for``) holds a place of the dispatcher's
-    window until its session ends, which closes it then.
+    It stays in its session's open streams until closed: an agent that leaves the SDK's stream
+    without closing it (``break`` out of ``async for``) holds a place of the dispatcher's window
+    until its session ends, which closes it then. A task still reading it then (one that outlived
+    the agent) has its wait cut, and gets `SessionEnded`.
     """
 
     def __init__(
@@ -74,7 +75,7 @@ class _EventStream(httpx.AsyncByteStream):
         opened: AbstractAsyncContextManager[AsyncIterator[Chunk]],
         chunks: AsyncIterator[Chunk],
         first: Chunk | None,
-        open_streams: set[Any],
+        ctx: SessionContext,
         request: httpx.Request,
         include_usage: bool,
     ) -> None:
@@ -83,9 +84,11 @@ class _EventStream(httpx.AsyncByteStream):
         self._chunks = chunks
         self._first = first
         self._request = request
-        self._closed = False
-        self._open_streams = open_streams
-        open_streams.add(self)
+        self._closing = False  # no more reads: `aclose` was called
+        self._closed = False  # the call ended
+        self._reading: anyio.CancelScope | None = None  # a read under way
+        self._ctx = ctx
+        ctx._open_streams.add(self)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
@@ -107,19 +110,36 @@ class _EventStream(httpx.AsyncByteStream):
         while chunk is not None:
             last = chunk
             yield _event({key: value for key, value in chunk.items() if key != "usage"})
-            with _read_timeout(self._request):
-                chunk = await anext(self._chunks, None)
+            chunk = await self._next()
         if self._include_usage and last is not None and last.get("usage"):
             yield _event({**last, "choices": []})  # its usage with it
 
+    async def _next(self) -> Chunk | None:
+        """The next chunk (None: no more). Closed meanwhile or before, raise `SessionEnded` if
+        its session ended, else `httpx.StreamClosed`."""
+        if not self._closing:
+            with _read_timeout(self._request), anyio.CancelScope() as self._reading:
+                try:
+                    chunk = await anext(self._chunks, None)
+                finally:
+                    self._reading = None
+                if not self._closing:
+                    return chunk
+        self._ctx._check_live()
+        raise httpx.StreamClosed()
+
     async def aclose(self) -> None:
+        self._closing = True
+        if self._reading is not None:  # another task waits for a chunk: cut its wait; it ends the call
+            self._reading.cancel()
+            return
         await self._end(None)
 
     async def _end(self, failure: Exception | None) -> None:
         """End the call, at most once (`failure`: the error it ended with, which its record keeps)."""
         if not self._closed:
             self._closed = True
-            self._open_streams.discard(self)
+            self._ctx._open_streams.discard(self)
             await _leave(self._opened, failure)
 
 
@@ -169,7 +189,7 @@ class SessionTransport(httpx.AsyncBaseTransport):
             if answer is None:
                 raise
             return answer
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, first, self._ctx._open_streams, request, include_usage))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, first, self._ctx, request, include_usage))
 
 
 @contextmanager
