@@ -516,18 +516,26 @@ class Scheduler:
             if handle._holds_slot and handle._park_timer is None:
                 self._plan_park(handle, tool, started, now)
 
-    async def tool_finished(self, handle: SessionHandle, tool: str, seconds: float) -> None:
-        """A session left a tool: learn its duration; if it was parked, wait to be re-admitted."""
+    async def tool_finished(self, handle: SessionHandle, tool: str, seconds: float, *, readmit: bool = True) -> None:
+        """A session left a tool: learn its duration; if it was parked, wait to be re-admitted
+        unless not `readmit` (the tool raised: a later model call of the session re-admits it)."""
         self._tool_stats.observe(tool, seconds)
-        await self.busy(handle)
+        if readmit:
+            await self.busy(handle)
+        else:
+            self._out_of_tool(handle)
 
-    async def busy(self, handle: SessionHandle) -> None:
-        """`handle` is busy again (its tool period ended, or it makes a model call inside one): it
-        is no longer parked in this period, and if it was parked, it waits to be re-admitted."""
+    def _out_of_tool(self, handle: SessionHandle) -> None:
+        """`handle` is no longer idle in a tool: no park is planned for it."""
         self._in_tool.pop(handle, None)
         if handle._park_timer is not None:
             handle._park_timer.cancel()
             handle._park_timer = None
+
+    async def busy(self, handle: SessionHandle) -> None:
+        """`handle` is busy again (its tool period ended, or it makes a model call inside one): it
+        is no longer parked in this period, and if it was parked, it waits to be re-admitted."""
+        self._out_of_tool(handle)
         if handle._holds_slot or handle.done:
             return
         if handle._readmitting is None:
