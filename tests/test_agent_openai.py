@@ -208,3 +208,24 @@ async def test_a_stream_that_fails_midway_is_recorded_as_failed():
         await (await scheduler.submit(agent, tenant="acme"))
     assert [call.error for call in scheduler.recorder.calls] == ["BackendUnavailable"]
     check_released(scheduler)
+
+
+async def test_a_stream_the_agent_gives_up_on_is_recorded_as_an_unstreamed_one_is():
+    # Given up on midway (a cancel scope of the agent's), the unstreamed call's record said
+    # CancelledError and the streamed one's no error: reports counted it as served.
+    async def agent(ctx):
+        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)  # see above
+        with anyio.move_on_after(0.5):
+            await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000)
+        with anyio.move_on_after(0.5):
+            stream = await ctx.openai.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True
+            )
+            async for _ in stream:
+                pass
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        await (await scheduler.submit(agent, tenant="acme"))
+    _, unstreamed, streamed = [call.error for call in scheduler.recorder.calls]
+    assert unstreamed == streamed == anyio.get_cancelled_exc_class().__name__
+    check_released(scheduler)

@@ -99,7 +99,6 @@ class _EventStream(httpx.AsyncByteStream):
                 answer = response_for(exc)
                 if answer is None:
                     raise
-                await self._end(exc)
                 yield b"data: " + answer.content + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
@@ -115,12 +114,16 @@ class _EventStream(httpx.AsyncByteStream):
             yield _event({**last, "choices": []})  # its usage with it
 
     async def _next(self) -> Chunk | None:
-        """The next chunk (None: no more). Closed meanwhile or before, raise `SessionEnded` if
-        its session ended, else `httpx.StreamClosed`."""
+        """The next chunk (None: no more). A read that fails or is cut ends the call, which its
+        record keeps. Closed meanwhile or before, raise `SessionEnded` if its session ended, else
+        `httpx.StreamClosed`."""
         if not self._closing:
             with _read_timeout(self._request), anyio.CancelScope() as self._reading:
                 try:
                     chunk = await anext(self._chunks, None)
+                except BaseException as exc:
+                    await self._end(exc)
+                    raise
                 finally:
                     self._reading = None
                 if not self._closing:
@@ -135,8 +138,8 @@ class _EventStream(httpx.AsyncByteStream):
             return
         await self._end(None)
 
-    async def _end(self, failure: Exception | None) -> None:
-        """End the call, at most once (`failure`: the error it ended with, which its record keeps)."""
+    async def _end(self, failure: BaseException | None) -> None:
+        """End the call, at most once (`failure`: the exception it ended with, which its record keeps)."""
         if not self._closed:
             self._closed = True
             self._ctx._open_streams.discard(self)
