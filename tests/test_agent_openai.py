@@ -6,7 +6,9 @@ import anyio
 import openai
 import pytest
 
-from fleetsched import Scheduler
+from fleetsched import BackendUnavailable, ContextTooLong, Scheduler, SessionFailed
+from fleetsched.backends.base import make_chunk
+from fleetsched.backends.instant import InstantBackend
 
 from .helpers import check_released, settings
 
@@ -155,4 +157,75 @@ async def test_streamed_usage_comes_as_openai_sends_it(backend):
     *content, last = seen[True]
     assert all(usage is None and choices == 1 for choices, usage in content)
     assert last == (0, scheduler.recorder.calls[-1].completion_tokens)
+    check_released(scheduler)
+
+
+class FailingStream(InstantBackend):
+    """Fails a stream as a vLLM server's can: refused at its first read (`ContextTooLong`: the
+    server's 400 comes with the response), or cut after its first chunk."""
+
+    def __init__(self, after_first: bool) -> None:
+        super().__init__()
+        self.after_first = after_first
+
+    async def stream_chat(self, body):
+        if not self.after_first:
+            raise ContextTooLong("this model's maximum context length is 8 tokens")
+        yield make_chunk("c", "m", 0, role="assistant", content="par")
+        raise BackendUnavailable("the server went away")
+
+
+@pytest.mark.parametrize(
+    ("after_first", "caught", "kind"),
+    [(False, openai.BadRequestError, "invalid_request_error"), (True, openai.APIError, "backend_unavailable")],
+)
+async def test_a_streamed_call_that_fails_reaches_the_sdk_as_an_openai_error(after_first, caught, kind):
+    # A failure at the stream's first read was the raw ContextTooLong, and one after a chunk the
+    # raw BackendUnavailable: an agent catching openai's errors (to trim its history) missed both.
+    async def agent(ctx):
+        stream = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            pass
+
+    async with Scheduler(settings(), backend=FailingStream(after_first)) as scheduler:
+        with pytest.raises(SessionFailed) as info:
+            await (await scheduler.submit(agent, tenant="acme"))
+    error = info.value.__cause__
+    assert type(error) is caught and error.body["type"] == kind
+    assert ("went away" if after_first else "maximum context length") in str(error)
+    check_released(scheduler)
+
+
+async def test_a_stream_that_fails_midway_is_recorded_as_failed():
+    # Its call record said no error: reports, metrics and the SLA table counted the call as served.
+    async def agent(ctx):
+        stream = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+
+    async with Scheduler(settings(), backend=FailingStream(after_first=True)) as scheduler:
+        await (await scheduler.submit(agent, tenant="acme"))
+    assert [call.error for call in scheduler.recorder.calls] == ["BackendUnavailable"]
+    check_released(scheduler)
+
+
+async def test_a_stream_the_agent_gives_up_on_is_recorded_as_an_unstreamed_one_is():
+    # Given up on midway (a cancel scope of the agent's), the unstreamed call's record said
+    # CancelledError and the streamed one's no error: reports counted it as served.
+    async def agent(ctx):
+        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)  # see above
+        with anyio.move_on_after(0.5):
+            await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000)
+        with anyio.move_on_after(0.5):
+            stream = await ctx.openai.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True
+            )
+            async for _ in stream:
+                pass
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        await (await scheduler.submit(agent, tenant="acme"))
+    _, unstreamed, streamed = [call.error for call in scheduler.recorder.calls]
+    assert unstreamed == streamed == anyio.get_cancelled_exc_class().__name__
     check_released(scheduler)

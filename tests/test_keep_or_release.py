@@ -148,3 +148,65 @@ async def test_an_agent_that_sleeps_without_ctx_tool_keeps_its_slot_until_its_de
     assert type(sleepy.error).__name__ == "DeadlineExceeded"
     assert ("B", "start", 10.0) in log
     check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_a_session_waiting_to_return_is_pressure_on_tools_kept_for_lack_of_it():
+    """A's tool ends while B sits in a tool kept because nobody waited when it began: A waiting to
+    return makes the policy decide again, and B parks (before: A waited for all of B's tool)."""
+    log: list = []
+
+    def in_tool(label: str, seconds: float):
+        async def agent(ctx):
+            async with ctx.tool(label):
+                await anyio.sleep(seconds)
+            log.append((label, "back", anyio.current_time()))
+
+        return agent
+
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "adaptive", "drain_grace_s": 1000})
+    async with Scheduler(s) as scheduler:
+        a = await scheduler.submit(in_tool("A", 100), tenant="acme")
+        await anyio.sleep(1)
+        b = await scheduler.submit(in_tool("B", 200), tenant="acme")  # A parks for it; B's tool is kept
+        await a
+        await b
+    assert log == [("A", "back", 100.0), ("B", "back", 201.0)]
+    assert (a.parked_count, b.parked_count) == (1, 1)
+    check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_a_tool_that_raises_while_parked_fails_its_session_at_once():
+    """The tool raised at 3 s while its session was parked: leaving the block waited to be
+    re-admitted first, behind a session holding the slot for 100 s, and the session's deadline
+    (50 s) came meanwhile: it failed at 50 s with DeadlineExceeded, the tool's error lost."""
+
+    async def failing(ctx):
+        async with ctx.tool("search"):
+            await anyio.sleep(3)
+            raise RuntimeError("search failed")
+
+    async def recovering(ctx):  # catches it and goes on: its next model call re-admits it
+        try:
+            async with ctx.tool("search"):
+                await anyio.sleep(3)
+                raise RuntimeError("search failed")
+        except RuntimeError:
+            pass
+        await ctx.chat([{"role": "user", "content": "answer anyway"}], max_tokens=4)
+        return anyio.current_time()
+
+    log: list = []
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "release", "drain_grace_s": 1000})
+    async with Scheduler(s) as scheduler:
+        bad = await scheduler.submit(failing, tenant="acme", deadline_s=50)
+        recovered = await scheduler.submit(recovering, tenant="acme")
+        await scheduler.submit(sleeper(100, log, "B"), tenant="acme")  # both park at once for it
+        with pytest.raises(SessionFailed) as info:
+            await bad
+        assert anyio.current_time() == 3.0
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert await recovered == 100.0
+    assert recovered.parked_count == 1
+    check_released(scheduler)

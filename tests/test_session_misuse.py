@@ -387,3 +387,34 @@ async def test_a_call_waiting_for_readmission_is_not_sent_by_a_park_in_the_same_
         assert await session == "ok" and await other == "held"
     assert sent == [(True, True)]
     check_released(scheduler)
+
+
+async def test_an_openai_stream_read_by_a_task_that_outlives_its_session_ends_with_it():
+    """A task started outside the agent reads a ``ctx.openai`` stream when the agent returns: the
+    session's end closed the stream under the reading task ("aclose(): asynchronous generator is
+    already running"), which crashed the scheduler and every session in it. Now the reader's
+    wait is cut and it gets `SessionEnded`."""
+    outcome = []
+    reading = anyio.Event()
+
+    async def reader(ctx):
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=2000, stream=True)
+        try:
+            async for _ in stream:
+                reading.set()
+        except SessionEnded:
+            outcome.append("ended")
+
+    async with anyio.create_task_group() as outer:
+        async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+
+            async def agent(ctx):
+                outer.start_soon(reader, ctx)
+                await reading.wait()
+                return "left"
+
+            assert await (await scheduler.submit(agent, tenant="acme")) == "left"
+            chatter = await scheduler.submit(await hold(1), tenant="acme")
+            assert await chatter == "held"
+    assert outcome == ["ended"]
+    check_released(scheduler)

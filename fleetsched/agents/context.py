@@ -32,8 +32,8 @@ class SessionContext:
         self, handle: SessionHandle, dispatcher: Dispatcher, *, model: str, ttft_slo_s: float = math.inf, pace: Any = None
     ) -> None:
         """`pace` (the scheduler) is told when tools start and end, `tool_started(handle, name)`
-        and ``await tool_finished(handle, name, seconds)``, and asked before a model call
-        ``await busy(handle)``: a session parked in a tool waits there to be re-admitted."""
+        and ``await tool_finished(handle, name, seconds, readmit=...)``, and asked before a model
+        call ``await busy(handle)``: a session parked in a tool waits there to be re-admitted."""
         self._pace = pace
         self._handle = handle
         self._dispatcher = dispatcher
@@ -157,9 +157,11 @@ class SessionContext:
 
         Meanwhile the session's memory may be moved by a compaction, or its slot and memory lent
         to waiting sessions (the scheduler's keep-or-release policy); leaving the block then
-        waits until the session is re-admitted. Blocks nested or open at once in several tasks
-        of the session make one tool period, from the first's start to the last's end; a model
-        call inside it ends the session's idleness (it is re-admitted first if it was parked).
+        waits until the session is re-admitted (not when the block raises: the exception goes on
+        at once, and the session's next model call, if any, re-admits it). Blocks nested or open
+        at once in several tasks of the session make one tool period, from the first's start to
+        the last's end; a model call inside it ends the session's idleness (it is re-admitted
+        first if it was parked).
         """
         if not isinstance(name, str):
             raise TypeError(f"tool name: expected a str, got {name!r:.80}")
@@ -176,17 +178,25 @@ class SessionContext:
                 self._pace.tool_started(handle, name)
         try:
             yield
-        finally:
-            self._tools_open -= 1
-            if self._tools_open == 0:  # the period ends: pinned again, and re-admitted if parked
-                if handle.reservation is not None:
-                    handle.reservation.movable = False
-                seconds = anyio.current_time() - self._tool_start
-                handle.counters.tool_calls += 1
-                handle.counters.tool_s += seconds
-                if self._pace is not None:
-                    await self._pace.tool_finished(handle, self._tool_name, seconds)
-                handle.activity = Activity.THINKING
+        except BaseException:
+            await self._tool_left(readmit=False)
+            raise
+        await self._tool_left(readmit=True)
+
+    async def _tool_left(self, readmit: bool) -> None:
+        """A `tool` block was left; the last one ends the tool period: the memory is pinned
+        again, and a parked session is re-admitted if `readmit`."""
+        handle = self._handle
+        self._tools_open -= 1
+        if self._tools_open == 0:
+            if handle.reservation is not None:
+                handle.reservation.movable = False
+            seconds = anyio.current_time() - self._tool_start
+            handle.counters.tool_calls += 1
+            handle.counters.tool_s += seconds
+            if self._pace is not None:
+                await self._pace.tool_finished(handle, self._tool_name, seconds, readmit=readmit)
+            handle.activity = Activity.THINKING
 
     def _check_live(self) -> None:
         handle = self._handle

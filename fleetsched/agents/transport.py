@@ -4,8 +4,10 @@ Agent code written for the `openai` SDK runs unchanged: `SessionContext.openai` 
 ``openai.AsyncOpenAI`` whose HTTP transport is this one, so its requests never touch the network.
 ``POST .../chat/completions`` goes through the scheduler's dispatcher with the session's tenant,
 tier and deadline; streamed responses are sent back as server-sent events, and refusals as the
-HTTP errors the SDK knows (429 rate-limited, 503 shed, both with ``Retry-After``). The SDK's
-`timeout` is its read timeout: the longest wait for the answer, or for each streamed chunk.
+HTTP errors the SDK knows (429 rate-limited, 503 shed, both with ``Retry-After``). A stream is
+answered once its first chunk came, so a failure up to it is such an HTTP error too; a failure
+after it ends the stream with an error event, which the SDK raises as ``openai.APIError``. The
+SDK's `timeout` is its read timeout: the longest wait for the answer, or for each streamed chunk.
 """
 
 from __future__ import annotations
@@ -56,53 +58,100 @@ def response_for(exc: BaseException) -> httpx.Response | None:
 
 
 class _EventStream(httpx.AsyncByteStream):
-    """Server-sent events over an already opened dispatcher stream; closing it ends the call.
+    """Server-sent events over an already opened dispatcher stream, from its `first` chunk on
+    (None: it had none); closing it ends the call.
 
     Chunks carry no usage; with `include_usage` (``stream_options``) a last chunk with no choices
-    carries it, as OpenAI and vLLM send it.
+    carries it, as OpenAI and vLLM send it. A failure of ours ends it with an error event.
 
-    It stays in `open_streams` (its session's) until closed: an agent that leaves the SDK's
-    stream without closing it (``break`` out of ``async for``) holds a place of the dispatcher's
-    window until its session ends, which closes it then.
+    It stays in its session's open streams until closed: an agent that leaves the SDK's stream
+    without closing it (``break`` out of ``async for``) holds a place of the dispatcher's window
+    until its session ends, which closes it then. A task still reading it then (one that outlived
+    the agent) has its wait cut, and gets `SessionEnded`.
     """
 
     def __init__(
         self,
         opened: AbstractAsyncContextManager[AsyncIterator[Chunk]],
         chunks: AsyncIterator[Chunk],
-        open_streams: set[Any],
+        first: Chunk | None,
+        ctx: SessionContext,
         request: httpx.Request,
         include_usage: bool,
     ) -> None:
         self._opened = opened
         self._include_usage = include_usage
         self._chunks = chunks
+        self._first = first
         self._request = request
-        self._closed = False
-        self._open_streams = open_streams
-        open_streams.add(self)
+        self._closing = False  # no more reads: `aclose` was called
+        self._closed = False  # the call ended
+        self._reading: anyio.CancelScope | None = None  # a read under way
+        self._ctx = ctx
+        ctx._open_streams.add(self)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
-            last: Chunk | None = None
-            while True:
-                with _read_timeout(self._request):
-                    chunk = await anext(self._chunks, None)
-                if chunk is None:
-                    break
-                last = chunk
-                yield _event({key: value for key, value in chunk.items() if key != "usage"})
-            if self._include_usage and last is not None and last.get("usage"):
-                yield _event({**last, "choices": []})  # its usage with it
+            try:
+                async for event in self._events():
+                    yield event
+            except Exception as exc:  # mid-stream: the error travels as an event, as vLLM sends one
+                answer = response_for(exc)
+                if answer is None:
+                    raise
+                yield b"data: " + answer.content + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
             await self.aclose()
 
+    async def _events(self) -> AsyncIterator[bytes]:
+        chunk, last = self._first, None
+        while chunk is not None:
+            last = chunk
+            yield _event({key: value for key, value in chunk.items() if key != "usage"})
+            chunk = await self._next()
+        if self._include_usage and last is not None and last.get("usage"):
+            yield _event({**last, "choices": []})  # its usage with it
+
+    async def _next(self) -> Chunk | None:
+        """The next chunk (None: no more). A read that fails or is cut ends the call, which its
+        record keeps. Closed meanwhile or before, raise `SessionEnded` if its session ended, else
+        `httpx.StreamClosed`."""
+        if not self._closing:
+            with _read_timeout(self._request), anyio.CancelScope() as self._reading:
+                try:
+                    chunk = await anext(self._chunks, None)
+                except BaseException as exc:
+                    await self._end(exc)
+                    raise
+                finally:
+                    self._reading = None
+                if not self._closing:
+                    return chunk
+        self._ctx._check_live()
+        raise httpx.StreamClosed()
+
     async def aclose(self) -> None:
+        self._closing = True
+        if self._reading is not None:  # another task waits for a chunk: cut its wait; it ends the call
+            self._reading.cancel()
+            return
+        await self._end(None)
+
+    async def _end(self, failure: BaseException | None) -> None:
+        """End the call, at most once (`failure`: the exception it ended with, which its record keeps)."""
         if not self._closed:
             self._closed = True
-            self._open_streams.discard(self)
-            await self._opened.__aexit__(None, None, None)
+            self._ctx._open_streams.discard(self)
+            await _leave(self._opened, failure)
+
+
+async def _leave(opened: AbstractAsyncContextManager[Any], failure: BaseException | None) -> None:
+    """Leave the block of a dispatcher stream, normally or with the exception that ended it."""
+    if failure is None:
+        await opened.__aexit__(None, None, None)
+    else:
+        await opened.__aexit__(type(failure), failure, failure.__traceback__)
 
 
 def _event(chunk: Chunk) -> bytes:
@@ -133,12 +182,17 @@ class SessionTransport(httpx.AsyncBaseTransport):
                     return httpx.Response(200, json=await self._ctx.chat(body=body))
                 opened = self._ctx.stream(body=body)
                 chunks = await opened.__aenter__()
+                try:  # answered once the first chunk came: a failure up to it is an HTTP error, as a server's
+                    first = await anext(chunks, None)
+                except BaseException as exc:
+                    await _leave(opened, exc)
+                    raise
         except Exception as exc:
             answer = response_for(exc)
             if answer is None:
                 raise
             return answer
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, self._ctx._open_streams, request, include_usage))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, first, self._ctx, request, include_usage))
 
 
 @contextmanager

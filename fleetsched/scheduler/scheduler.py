@@ -303,15 +303,20 @@ class Scheduler:
         return handle, now
 
     def _enqueue(self, handle: SessionHandle, now: float) -> None:
-        pressure_before = bool(self._queue)
-        handle._entry = self._queue.push(Entry(handle.tenant, int(handle.tier), now, handle))
-        self._admit_ready()
+        handle._entry = self._push(Entry(handle.tenant, int(handle.tier), now, handle))
         if handle.state is SessionState.QUEUED and handle.deadline < math.inf:
             assert self._task_group is not None
             handle._queue_timer = anyio.CancelScope()
             self._task_group.start_soon(self._expire_queued, handle, handle._queue_timer)
+
+    def _push(self, entry: Entry) -> Entry:
+        """Queue `entry` (a new session, or one returning from a tool) and admit whoever can run."""
+        pressure_before = bool(self._queue)
+        pushed = self._queue.push(entry)
+        self._admit_ready()
         if self._queue and not pressure_before:
-            self._reconsider_tools(now)  # sessions now wait: tools kept for lack of pressure may park
+            self._reconsider_tools(anyio.current_time())  # sessions now wait: tools kept for lack of pressure may park
+        return pushed
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -511,18 +516,26 @@ class Scheduler:
             if handle._holds_slot and handle._park_timer is None:
                 self._plan_park(handle, tool, started, now)
 
-    async def tool_finished(self, handle: SessionHandle, tool: str, seconds: float) -> None:
-        """A session left a tool: learn its duration; if it was parked, wait to be re-admitted."""
+    async def tool_finished(self, handle: SessionHandle, tool: str, seconds: float, *, readmit: bool = True) -> None:
+        """A session left a tool: learn its duration; if it was parked, wait to be re-admitted
+        unless not `readmit` (the tool raised: a later model call of the session re-admits it)."""
         self._tool_stats.observe(tool, seconds)
-        await self.busy(handle)
+        if readmit:
+            await self.busy(handle)
+        else:
+            self._out_of_tool(handle)
 
-    async def busy(self, handle: SessionHandle) -> None:
-        """`handle` is busy again (its tool period ended, or it makes a model call inside one): it
-        is no longer parked in this period, and if it was parked, it waits to be re-admitted."""
+    def _out_of_tool(self, handle: SessionHandle) -> None:
+        """`handle` is no longer idle in a tool: no park is planned for it."""
         self._in_tool.pop(handle, None)
         if handle._park_timer is not None:
             handle._park_timer.cancel()
             handle._park_timer = None
+
+    async def busy(self, handle: SessionHandle) -> None:
+        """`handle` is busy again (its tool period ended, or it makes a model call inside one): it
+        is no longer parked in this period, and if it was parked, it waits to be re-admitted."""
+        self._out_of_tool(handle)
         if handle._holds_slot or handle.done:
             return
         if handle._readmitting is None:
@@ -565,10 +578,9 @@ class Scheduler:
         handle._readmit = granted = anyio.Event()
         # deadline -1 sorts before new sessions (deadline 0) of the tenant; arrival keeps its age.
         entry = Entry(handle.tenant, int(handle.tier), handle.timestamps[SessionState.QUEUED], handle, deadline=-1.0)
-        handle._readmit_entry = self._queue.push(entry)
-        self._admit_ready()
+        handle._readmit_entry = self._push(entry)
         try:
-            await granted.wait()  # _resume may have set it already, during _admit_ready above
+            await granted.wait()  # _resume may have set it already, during _push above
         except BaseException:
             self._queue.remove(entry)  # no-op if it was already granted (then _finish releases)
             handle._readmit = None
