@@ -54,9 +54,12 @@ MAX_DURATION_S = 365 * 86400.0
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``"90"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"``; ValueError otherwise."""
+    """Seconds in ``"90"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"``; ValueError otherwise.
+
+    Only a lone number goes without a unit: ``"1h30"`` (30 seconds? minutes?) is refused."""
     parts = re.findall(r"(\d+(?:\.\d+)?)\s*(min|[smhd]?)", text.strip().lower())
-    if not parts or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text.strip().lower()):
+    unitless = len(parts) > 1 and any(not u for _, u in parts)
+    if not parts or unitless or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text.strip().lower()):
         raise ValueError(f"not a duration: {text!r} (examples: 90s, 15m, 2h, 1h30m)")
     seconds = sum(float(n) * _UNITS[u] for n, u in parts)
     if not 0 < seconds <= MAX_DURATION_S:

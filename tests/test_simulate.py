@@ -40,6 +40,13 @@ def test_parse_duration_rejects_junk():
             parse_duration(nothing)
 
 
+@pytest.mark.parametrize("text", ["1h30", "2m30", "90 90", "1 30"])
+def test_parse_duration_rejects_a_number_without_its_unit_among_others(text: str):
+    """Before: '1h30' was 1 h 30 s (3,630 s, not the 90 minutes meant), '90 90' 180 s."""
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration(text)
+
+
 def test_sessions_still_running_at_the_end_get_the_drain_grace_only():
     """A 600-s tool call in a 60-s simulation: the run ends at 60 s plus the 5-s drain (before:
     at 1,805 s, its throughput diluted accordingly)."""
