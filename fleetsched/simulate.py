@@ -318,9 +318,12 @@ def _size(agents: list[AgentMix], total: int) -> int:
 
 
 def _mix(agents: list[AgentMix], total: int) -> dict[str, int]:
-    if total == 0:
-        return {}
-    return {m.kind or f"{m.tenant}-{i}": m.count for i, m in enumerate(scale_fleet(agents, total))}
+    """Sessions by kind in the fleet `scale_fleet` makes of `total` (entries of one kind added up)."""
+    mix: dict[str, int] = {}
+    for i, m in enumerate(scale_fleet(agents, total) if total else []):
+        kind = m.kind or f"{m.tenant}-{i}"
+        mix[kind] = mix.get(kind, 0) + m.count
+    return mix
 
 
 def main(argv: list[str]) -> int:

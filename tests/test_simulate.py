@@ -82,6 +82,16 @@ def test_the_search_labels_a_fleet_with_the_sessions_it_ran():
     assert result["max_sessions"] == sum(result["agents"].values())
 
 
+def test_the_fleet_found_counts_every_entry_of_a_kind_shared_by_tenants():
+    """Two entries of kind 'chat' (two tenants): a fleet of 6 sessions that met every SLA was
+    reported as 2 sessions {'chat': 2} (before), the second entry's count written over the first's."""
+    base = sim_settings(fleet(count=2, ttft_p99_s=60.0))
+    agents = [m.model_copy(update={"kind": "chat"}) for m in base.workload.agents]
+    settings = base.model_copy(update={"workload": base.workload.model_copy(update={"agents": agents})})
+    result = find_max_sessions(settings, 10.0, echo=lambda _: None, limit=8)
+    assert result["max_sessions"] == 6 and result["agents"] == {"chat": 6}
+
+
 def test_sim_settings_switch_to_sim_and_raise_the_stream_interval():
     settings = sim_settings(fleet())
     assert settings.backend.kind == "sim"
