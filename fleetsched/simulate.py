@@ -169,6 +169,11 @@ class SlaCheck:
     value: float
 
     @property
+    def measured(self) -> str:
+        """The value as shown: nan (no successful call, no session, no backlog) is "none measured"."""
+        return "none measured" if math.isnan(self.value) else f"{self.value:.3g}"
+
+    @property
     def ok(self) -> bool:
         return self.value <= self.target if self.metric != "min_tokens_per_s" else self.value >= self.target
 
@@ -268,7 +273,7 @@ def find_max_sessions(
         failed = [c for c in checks if not c.ok]
         probes[ran] = not failed
         if failed:
-            misses[ran] = ", ".join(f"{c.tenant}.{c.metric} ({c.value:.3g} vs {c.target:.3g})" for c in failed)
+            misses[ran] = ", ".join(f"{c.tenant}.{c.metric} ({c.measured} vs {c.target:.3g})" for c in failed)
         verdict = "misses " + misses[ran] if failed else "meets every SLA"
         echo(f"  {ran:6d} sessions: {throughput_text(report)}, {verdict} [{report['wall_s']:.1f} s wall]")
         return not failed

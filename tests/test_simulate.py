@@ -92,6 +92,17 @@ def test_the_fleet_found_counts_every_entry_of_a_kind_shared_by_tenants():
     assert result["max_sessions"] == 6 and result["agents"] == {"chat": 6}
 
 
+def test_a_miss_with_nothing_measured_says_so():
+    """Every call over the model's context fails: the smallest fleet 'misses live.ttft_p99_s
+    (nan vs 5)' before; now '(none measured vs 5)'."""
+    base = sim_settings(fleet(count=2, ttft_p99_s=5.0))
+    agents = [m.model_copy(update={"prompt_tokens": 9000}) for m in base.workload.agents]
+    settings = base.model_copy(update={"workload": base.workload.model_copy(update={"agents": agents})})
+    result = find_max_sessions(settings, 10.0, echo=lambda _: None, limit=8)
+    assert result["max_sessions"] == 0
+    assert "live.ttft_p99_s (none measured vs 5)" in result["smallest_misses"] and "nan" not in result["smallest_misses"]
+
+
 def test_sim_settings_switch_to_sim_and_raise_the_stream_interval():
     settings = sim_settings(fleet())
     assert settings.backend.kind == "sim"
