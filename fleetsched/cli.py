@@ -95,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # the run stopped where it was: say so, without a traceback
-        print("fleetsched: interrupted", file=sys.stderr)
-        return 130
+        pass
+    except BaseExceptionGroup as group:  # trio (simulate --loop trio) raises it in its task groups
+        if group.split(KeyboardInterrupt)[1] is not None:
+            raise
+    print("fleetsched: interrupted", file=sys.stderr)
+    return 130
 
 
 def _main(argv: list[str] | None) -> int:

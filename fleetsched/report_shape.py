@@ -1,8 +1,9 @@
 """The shape of a ``fleetsched.run/2`` report: the fields that ``fleetsched report`` reads.
 
 `check_shape(data)` raises `ReportSchemaError` naming the first field that is missing, of the
-wrong type or not finite (``tenants.0.sla: Field required``), and a timeline series that is not
-aligned with the timeline's ``t``. Fields nobody reads back (``sim``, ``wall_s``, ...) are not
+wrong type, not finite or out of range (a count or a duration below 0, a ratio outside 0..1), as
+in ``tenants.0.sla: Field required``, and a timeline series that is not aligned with the
+timeline's ``t``. Fields nobody reads back (``sim``, ``wall_s``, ...) are not
 checked, and the report is used as read: these models only check it. ``docs/report-schema.md``
 documents every field.
 """
@@ -15,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ReportSchemaError
 from .settings import first_error
+
+
+#: Counts, and seconds, tokens or bytes: never below 0. Ratios (attainment, fragmentation): 0..1.
+_Count = Annotated[int, Field(ge=0)]
+_Amount = Annotated[float, Field(ge=0)]
+_Ratio = Annotated[float, Field(ge=0, le=1)]
 
 
 class _Shape(BaseModel):
@@ -30,13 +37,13 @@ class _Percentiles(_Shape):
 class _Objective(_Shape):
     target: float
     value: float | None
-    attainment: float | None
+    attainment: _Ratio | None
     met: bool | None
-    breaches: dict[str, int]
+    breaches: dict[str, _Count]
 
 
 class _TenantSla(_Shape):
-    refused: dict[str, int]
+    refused: dict[str, _Count]
     objectives: dict[str, _Objective]
 
 
@@ -44,19 +51,19 @@ class _Tenant(_Shape):
     tenant: str
     tier: str
     weight: float
-    sessions_done: int
-    sessions_failed: int
-    calls: int
+    sessions_done: _Count
+    sessions_failed: _Count
+    calls: _Count
     ttft_s: _Percentiles
     latency_s: _Percentiles
-    prompt_tokens: int
-    completion_tokens: int
+    prompt_tokens: _Count
+    completion_tokens: _Count
     sla: _TenantSla
 
 
 class _Breaches(_Shape):
-    total: int
-    by_reason: dict[str, int]
+    total: _Count
+    by_reason: dict[str, _Count]
 
 
 class _Unreachable(_Shape):
@@ -98,13 +105,13 @@ class _Timeline(_Shape):
     in_flight: list[float]
     window: list[float]
     memory_allocated_bytes: dict[str, list[float]]
-    fragmentation: dict[str, list[float]]
-    attainment: dict[str, list[float | None]]
+    fragmentation: dict[str, list[_Ratio]]
+    attainment: dict[str, list[_Ratio | None]]
 
 
 class _Device(_Shape):
     name: str
-    total_bytes: int
+    total_bytes: _Count
 
 
 class _Memory(_Shape):
@@ -113,12 +120,12 @@ class _Memory(_Shape):
 
 class _Report(_Shape):
     backend: str
-    duration_s: float
-    sessions: dict[str, int]
-    calls: int
-    refused_calls: int = 0
-    completion_tokens: int
-    throughput_tok_s: float | None
+    duration_s: _Amount
+    sessions: dict[str, _Count]
+    calls: _Count
+    refused_calls: _Count = 0
+    completion_tokens: _Count
+    throughput_tok_s: _Amount | None
     memory: _Memory
     tenants: list[_Tenant]
     sla: _Sla

@@ -54,9 +54,12 @@ MAX_DURATION_S = 365 * 86400.0
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``"90"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"``; ValueError otherwise."""
+    """Seconds in ``"90"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"``; ValueError otherwise.
+
+    Only a lone number goes without a unit: ``"1h30"`` (30 seconds? minutes?) is refused."""
     parts = re.findall(r"(\d+(?:\.\d+)?)\s*(min|[smhd]?)", text.strip().lower())
-    if not parts or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text.strip().lower()):
+    unitless = len(parts) > 1 and any(not u for _, u in parts)
+    if not parts or unitless or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text.strip().lower()):
         raise ValueError(f"not a duration: {text!r} (examples: 90s, 15m, 2h, 1h30m)")
     seconds = sum(float(n) * _UNITS[u] for n, u in parts)
     if not 0 < seconds <= MAX_DURATION_S:
@@ -166,6 +169,11 @@ class SlaCheck:
     value: float
 
     @property
+    def measured(self) -> str:
+        """The value as shown: nan (no successful call, no session, no backlog) is "none measured"."""
+        return "none measured" if math.isnan(self.value) else f"{self.value:.3g}"
+
+    @property
     def ok(self) -> bool:
         return self.value <= self.target if self.metric != "min_tokens_per_s" else self.value >= self.target
 
@@ -265,7 +273,7 @@ def find_max_sessions(
         failed = [c for c in checks if not c.ok]
         probes[ran] = not failed
         if failed:
-            misses[ran] = ", ".join(f"{c.tenant}.{c.metric} ({c.value:.3g} vs {c.target:.3g})" for c in failed)
+            misses[ran] = ", ".join(f"{c.tenant}.{c.metric} ({c.measured} vs {c.target:.3g})" for c in failed)
         verdict = "misses " + misses[ran] if failed else "meets every SLA"
         echo(f"  {ran:6d} sessions: {throughput_text(report)}, {verdict} [{report['wall_s']:.1f} s wall]")
         return not failed
@@ -315,9 +323,12 @@ def _size(agents: list[AgentMix], total: int) -> int:
 
 
 def _mix(agents: list[AgentMix], total: int) -> dict[str, int]:
-    if total == 0:
-        return {}
-    return {m.kind or f"{m.tenant}-{i}": m.count for i, m in enumerate(scale_fleet(agents, total))}
+    """Sessions by kind in the fleet `scale_fleet` makes of `total` (entries of one kind added up)."""
+    mix: dict[str, int] = {}
+    for i, m in enumerate(scale_fleet(agents, total) if total else []):
+        kind = m.kind or f"{m.tenant}-{i}"
+        mix[kind] = mix.get(kind, 0) + m.count
+    return mix
 
 
 def main(argv: list[str]) -> int:

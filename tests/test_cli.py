@@ -205,6 +205,20 @@ def test_ctrl_c_stops_a_run_with_one_line_and_status_130():
     assert run.returncode == 130 and err == "fleetsched: interrupted\n"
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_ctrl_c_stops_a_simulation_with_one_line_and_status_130(loop):
+    """Before, on trio: a traceback of the KeyboardInterrupt in an exception group, status 1."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fleetsched.cli", "simulate", "examples/tenant_slas.toml", "--duration", "1h", "--loop", loop],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(3)  # an hour takes minutes
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=30)
+    assert run.returncode == 130 and err.endswith("\nfleetsched: interrupted\n"), err[-2000:]
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("command", [["run", "examples/quickstart.toml"], ["simulate", "examples/quickstart.toml", "--duration", "5s"]])
 def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(command, capsys):
     """Before: a FileNotFoundError traceback after the whole run, its results lost."""

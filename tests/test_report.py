@@ -172,6 +172,25 @@ def test_a_report_edited_by_hand_is_refused_naming_the_field(report, tmp_path, c
     assert err.startswith(f"fleetsched report: {path}: ") and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r.__setitem__("calls", -3), r"calls: Input should be greater than or equal to 0 \(got -3\)"),
+        (lambda r: r["tenants"][0].__setitem__("sessions_done", -1), r"tenants\.0\.sessions_done: Input should be greater than or equal to 0"),
+        (lambda r: r.__setitem__("duration_s", -5.0), r"duration_s: Input should be greater than or equal to 0"),
+        (lambda r: r["tenants"][0]["sla"]["objectives"]["ttft_p99"].__setitem__("attainment", 1.5), r"tenants\.0\.sla\.objectives\.ttft_p99\.attainment: Input should be less than or equal to 1 \(got 1\.5\)"),
+        (lambda r: r["timeline"]["attainment"]["pager"].__setitem__(0, -0.5), r"timeline\.attainment\.pager\.0: Input should be greater than or equal to 0"),
+    ],
+)
+def test_a_figure_out_of_its_range_is_refused_naming_the_field(report, tmp_path, edit, message):
+    """Counts and durations are at least 0 and ratios from 0 to 1 (docs/report-schema.md); before,
+    -3 calls or an attainment of 1.5 were read and shown ('150.0%')."""
+    path = tmp_path / "edited.json"
+    write_report(_edited(report, edit), path)
+    with pytest.raises(ReportSchemaError, match=message):
+        load_report(path)
+
+
 def test_a_number_too_large_for_a_float_is_refused(report, tmp_path):
     """Before: JSON's 1e400 read as inf, and the page said 'fleetsched run: inf s'."""
     path = tmp_path / "inf.json"

@@ -40,6 +40,13 @@ def test_parse_duration_rejects_junk():
             parse_duration(nothing)
 
 
+@pytest.mark.parametrize("text", ["1h30", "2m30", "90 90", "1 30"])
+def test_parse_duration_rejects_a_number_without_its_unit_among_others(text: str):
+    """Before: '1h30' was 1 h 30 s (3,630 s, not the 90 minutes meant), '90 90' 180 s."""
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration(text)
+
+
 def test_sessions_still_running_at_the_end_get_the_drain_grace_only():
     """A 600-s tool call in a 60-s simulation: the run ends at 60 s plus the 5-s drain (before:
     at 1,805 s, its throughput diluted accordingly)."""
@@ -73,6 +80,27 @@ def test_the_search_labels_a_fleet_with_the_sessions_it_ran():
     for size, _ in result["probes"].items():
         assert size == sum(m.count for m in scale_fleet(settings.workload.agents, size))
     assert result["max_sessions"] == sum(result["agents"].values())
+
+
+def test_the_fleet_found_counts_every_entry_of_a_kind_shared_by_tenants():
+    """Two entries of kind 'chat' (two tenants): a fleet of 6 sessions that met every SLA was
+    reported as 2 sessions {'chat': 2} (before), the second entry's count written over the first's."""
+    base = sim_settings(fleet(count=2, ttft_p99_s=60.0))
+    agents = [m.model_copy(update={"kind": "chat"}) for m in base.workload.agents]
+    settings = base.model_copy(update={"workload": base.workload.model_copy(update={"agents": agents})})
+    result = find_max_sessions(settings, 10.0, echo=lambda _: None, limit=8)
+    assert result["max_sessions"] == 6 and result["agents"] == {"chat": 6}
+
+
+def test_a_miss_with_nothing_measured_says_so():
+    """Every call over the model's context fails: the smallest fleet 'misses live.ttft_p99_s
+    (nan vs 5)' before; now '(none measured vs 5)'."""
+    base = sim_settings(fleet(count=2, ttft_p99_s=5.0))
+    agents = [m.model_copy(update={"prompt_tokens": 9000}) for m in base.workload.agents]
+    settings = base.model_copy(update={"workload": base.workload.model_copy(update={"agents": agents})})
+    result = find_max_sessions(settings, 10.0, echo=lambda _: None, limit=8)
+    assert result["max_sessions"] == 0
+    assert "live.ttft_p99_s (none measured vs 5)" in result["smallest_misses"] and "nan" not in result["smallest_misses"]
 
 
 def test_sim_settings_switch_to_sim_and_raise_the_stream_interval():

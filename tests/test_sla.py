@@ -66,6 +66,18 @@ def test_attainment_breach_reasons_and_values_by_hand():
     assert len(breaches) == 3 + 2 + 1
 
 
+def test_a_session_that_failed_within_its_deadline_breaches_it_as_failed():
+    """Before, 'queued too long' when its admission wait was half its span: a session refused
+    its first call at once after a 1-s wait read as queued too long against a 10-s deadline."""
+    tenants = {"a": TenantSettings(sla={"deadline_s": 10.0})}
+    recorder = Recorder()
+    recorder.add_session(SessionRecord("a", 0, "k", "failed", 0.0, 1.0, 1.0, 1, 5, 0))  # waited 1 s, failed at once
+    recorder.add_session(SessionRecord("a", 0, "k", "failed", 0.0, 0.5, 3.0, 1, 5, 0))  # failed after 2.5 s of running
+    rows, breaches = evaluate(recorder, tenants)
+    assert by_name(rows)["a"]["deadline"].breaches == {"failed": 2}
+    assert [b.reason for b in breaches] == ["failed", "failed"]
+
+
 def test_objectives_met_at_their_quantile():
     tenants = {"a": TenantSettings(sla={"latency_p95_s": 1.0})}
     recorder = Recorder()

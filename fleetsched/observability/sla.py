@@ -19,7 +19,8 @@ or was cancelled) are not call events: the session's deadline accounts for them.
 A missed event is a `Breach` with a reason: ``shed`` or ``rate-limited`` (refused),
 ``failed`` (the call raised), ``queued`` (queued too long: the dispatcher queue time, started -
 submitted, is at least half the value) or ``engine-slow`` (the rest). A session past its
-deadline is ``queued`` when its admission wait dominates, else ``engine-slow``.
+deadline is ``queued`` when its admission wait dominates, else ``engine-slow``; one that failed
+within it is ``failed``.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def session_event(session: SessionRecord, goals: Mapping[str, float]) -> tuple[b
     span = session.finished - session.submitted
     if session.state == "done" and span <= target:
         return True, None
+    if span <= target:  # failed in time: its failure, not its wait or the engine, missed the deadline
+        return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, "failed")
     wait = session.admitted - session.submitted if session.admitted == session.admitted else span
     return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, _reason(wait, span))
 
