@@ -73,9 +73,12 @@ def test_a_session_that_failed_within_its_deadline_breaches_it_as_failed():
     recorder = Recorder()
     recorder.add_session(SessionRecord("a", 0, "k", "failed", 0.0, 1.0, 1.0, 1, 5, 0))  # waited 1 s, failed at once
     recorder.add_session(SessionRecord("a", 0, "k", "failed", 0.0, 0.5, 3.0, 1, 5, 0))  # failed after 2.5 s of running
+    # Failed by the deadline itself (DeadlineExceeded, at the deadline on virtual time) after
+    # 8 s queued: queued too long, as before.
+    recorder.add_session(SessionRecord("a", 0, "k", "failed", 0.0, 8.0, 10.0, 1, 5, 0))
     rows, breaches = evaluate(recorder, tenants)
-    assert by_name(rows)["a"]["deadline"].breaches == {"failed": 2}
-    assert [b.reason for b in breaches] == ["failed", "failed"]
+    assert by_name(rows)["a"]["deadline"].breaches == {"failed": 2, "queued": 1}
+    assert [b.reason for b in breaches] == ["failed", "failed", "queued"]
 
 
 def test_objectives_met_at_their_quantile():

@@ -106,7 +106,9 @@ def session_event(session: SessionRecord, goals: Mapping[str, float]) -> tuple[b
     span = session.finished - session.submitted
     if session.state == "done" and span <= target:
         return True, None
-    if span <= target:  # failed in time: its failure, not its wait or the engine, missed the deadline
+    # Failed before its deadline: its failure, not its wait or the engine, missed the objective.
+    # One failed by the deadline itself ends at it (later on a real clock): the split below.
+    if span < target:
         return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, "failed")
     wait = session.admitted - session.submitted if session.admitted == session.admitted else span
     return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, _reason(wait, span))
