@@ -561,10 +561,12 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
     """
     if path is not None:
         path = Path(path)
+        # Named by the path, as a TOML syntax error is: `run` and `simulate` take it as an
+        # argument, the gateway as --config, and a program as `path`.
         if path.is_dir():
-            raise ConfigError("--config", f"{path} is a directory, not a TOML file")
+            raise ConfigError(str(path), "a directory, not a TOML file")
         if not path.is_file():
-            raise ConfigError("--config", f"no such file: {path}")
+            raise ConfigError(str(path), "no such file")
     _check_environment_sections()
     token = _config_path.set(path)
     try:

@@ -116,7 +116,8 @@ def test_unknown_workload_tenant_and_missing_file(tmp_path):
     assert done.returncode == 2 and "workload.agents.0.tenant" in done.stderr and "ghost" in done.stderr
     assert "(got {" not in done.stderr  # not the whole config echoed after the message
     done = fleetsched("run", str(tmp_path / "nope.toml"))
-    assert done.returncode == 2 and "no such file" in done.stderr
+    # It read "--config: no such file", of an option `run` does not have.
+    assert done.returncode == 2 and f"{tmp_path / 'nope.toml'}: no such file" in done.stderr and "--config" not in done.stderr
 
 
 @pytest.mark.parametrize(

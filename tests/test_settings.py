@@ -107,5 +107,5 @@ def test_an_environment_variable_of_no_section_is_refused(monkeypatch):
 
 def test_a_config_path_that_is_a_directory_says_so(tmp_path):
     # It read "no such file: DIR", of a path that exists.
-    with pytest.raises(ConfigError, match="is a directory, not a TOML file"):
+    with pytest.raises(ConfigError, match="a directory, not a TOML file"):
         load_settings(tmp_path)
