@@ -229,3 +229,19 @@ async def test_a_stream_the_agent_gives_up_on_is_recorded_as_an_unstreamed_one_i
     _, unstreamed, streamed = [call.error for call in scheduler.recorder.calls]
     assert unstreamed == streamed == anyio.get_cancelled_exc_class().__name__
     check_released(scheduler)
+
+
+async def test_a_client_the_agent_closed_is_replaced_at_its_next_use():
+    """An agent that closes ctx.openai (``async with ctx.openai as client:``) gets a working
+    client from ctx.openai afterwards (before: the closed one, whose every call raised httpx's
+    'Cannot send a request, as the client has been closed')."""
+
+    async def agent(ctx):
+        async with ctx.openai as client:
+            first = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], max_tokens=2)
+        second = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}], max_tokens=2)
+        return first.usage.completion_tokens, second.usage.completion_tokens
+
+    async with Scheduler(settings()) as scheduler:
+        assert await (await scheduler.submit(agent, tenant="acme")) == (2, 2)
+    check_released(scheduler)

@@ -77,8 +77,9 @@ class SessionContext:
         Chat completions (streaming or not, with tools) work as against a server; the SDK's own
         retries are off, since fleetsched decides retries and order. No timeout unless the agent
         sets one (``timeout=`` on a call, or ``with_options``): the session's deadline bounds it.
+        One the agent closed (``async with ctx.openai as client:``) is replaced by a new one.
         """
-        if self._openai is None:
+        if self._openai is None or self._openai.is_closed():
             import openai
 
             from .transport import SessionTransport
