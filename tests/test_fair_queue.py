@@ -76,6 +76,22 @@ def test_returning_tenant_does_not_bank_idle_time():
     assert [e.tenant for e in drain(q)] == ["busy", "idle", "busy", "idle"]
 
 
+def test_a_tenant_waiting_in_another_band_is_lifted_on_returning_to_this_one():
+    # "away" waits in the batch band (unserved: standard goes first) while "busy" is served in
+    # standard. Its batch entry used to count as a backlog, so its standard entries kept the
+    # counter of 0 and went first 50 times in a row.
+    q = FairQueue()
+    q.push(Entry("away", Tier.BATCH, 0, "waiting"))
+    for i in range(50):
+        q.push(Entry("busy", Tier.STANDARD, 0, i))
+        q.pick(0)
+    for i in range(3):
+        q.push(Entry("busy", Tier.STANDARD, 0, "b"))
+        q.push(Entry("away", Tier.STANDARD, 0, "a"))
+    assert q.counter("away") == q.counter("busy")
+    assert [e.tenant for e in drain(q)][:6] == ["busy", "away"] * 3
+
+
 def test_aging_promotes_a_waiting_lower_band():
     q = FairQueue(aging_s=10)
     q.push(Entry("batchy", Tier.BATCH, 0.0, "old-batch"))

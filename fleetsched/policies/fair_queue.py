@@ -9,7 +9,8 @@ Order, from the outside in:
 2. **Weighted fair share between tenants of a band**, by virtual counters in the manner of VTC
    (Sheng et al., "Fairness in Serving Large Language Models"): serving a tenant adds
    ``cost / weight`` to its counter, the backlogged tenant with the smallest counter goes next, and a
-   tenant that returns from idle is lifted to the band's current minimum so idle time is not banked.
+   tenant that returns from idle in the band (it may wait in another) is lifted to the band's
+   current minimum so idle time is not banked.
 3. **Within a tenant**, by key: ``(deadline, arrival)``. Admission uses no deadline (plain FIFO);
    calls use the deadline derived from the tenant's TTFT SLA (earliest deadline first).
 
@@ -76,8 +77,7 @@ class FairQueue:
             raise ValueError(f"minimum shares must add up to less than 1, got {self._min_share}")
         self._served: dict[int, float] = {}
         self._queues: dict[tuple[str, int], _SubQueue] = {}
-        # Live entries per tenant and per band: "is it backlogged?" in O(1) on every push.
-        self._live_by_tenant: dict[str, int] = {}
+        # Live entries per band: "is it backlogged?" in O(1) on every push.
         self._live_by_band: dict[int, int] = {}
         self._counters: dict[str, float] = {}
         self._last_served: dict[int, float] = {}
@@ -120,7 +120,9 @@ class FairQueue:
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = _SubQueue()
-        if not self._tenant_backlogged(entry.tenant):
+        # Idle in this band, even if it waits in another: entries waiting in a lower band, unserved
+        # while this one is, must not keep its counter low here.
+        if not queue.live:
             self._lift(entry.tenant, entry.tier)
         if entry.tier in self._min_share and not self._band_backlogged(entry.tier):
             self._lift_band(entry.tier)
@@ -163,7 +165,8 @@ class FairQueue:
         Keeps the counters and the band's last-served mark as if it had been pushed and picked,
         so a later backlog starts from fair counters.
         """
-        if not self._tenant_backlogged(tenant):
+        queue = self._queues.get((tenant, tier))
+        if queue is None or not queue.live:
             self._lift(tenant, tier)
         self.charge(tenant, cost, tier)
         self._last_served[tier] = self.counter(tenant)
@@ -243,11 +246,7 @@ class FairQueue:
         queue.live += delta
         self._len += delta
         self.queued_cost += delta * entry.cost
-        self._live_by_tenant[entry.tenant] = self._live_by_tenant.get(entry.tenant, 0) + delta
         self._live_by_band[entry.tier] = self._live_by_band.get(entry.tier, 0) + delta
-
-    def _tenant_backlogged(self, tenant: str) -> bool:
-        return self._live_by_tenant.get(tenant, 0) > 0
 
     def _band_backlogged(self, tier: int) -> bool:
         return self._live_by_band.get(tier, 0) > 0
