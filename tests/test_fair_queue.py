@@ -122,6 +122,20 @@ def test_remove_and_eligibility():
     assert len(q) == 0
 
 
+def test_only_a_queued_entry_is_removed_and_only_one_not_queued_is_pushed():
+    q = FairQueue()
+    queued = q.push(Entry("a", 1, 0, "queued"))
+    # An entry never pushed, of a tenant and tier with one waiting: it took that one's count,
+    # and the waiting entry was lost (len 0, pick None).
+    assert not q.remove(Entry("a", 1, 0, "never pushed"))
+    assert len(q) == 1 and q.queued_by() == {("a", 1): 1}
+    with pytest.raises(ValueError, match="already queued"):
+        q.push(queued)  # twice in the heap: its pick left a count with no entry (AssertionError)
+    assert q.pick(0) is queued and len(q) == 0 and q.pick(0) is None
+    assert not q.remove(queued)  # picked: no longer queued
+    assert q.push(queued) is queued and q.remove(queued) and len(q) == 0
+
+
 def test_max_tier_leaves_lower_tiers_in_place():
     q = FairQueue(aging_s=10)
     q.push(Entry("a", Tier.BATCH, 0, "b1"))

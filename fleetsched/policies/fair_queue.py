@@ -38,7 +38,8 @@ class Entry:
     cost: float = 1.0
     deadline: float = 0.0
     seq: int = 0
-    removed: bool = False
+    queued: bool = False
+    """Whether it waits in a queue: set by `FairQueue.push`, cleared by `pick` and `remove`."""
 
     def key(self) -> tuple[float, int]:
         return (self.deadline, self.seq)
@@ -51,7 +52,7 @@ class _SubQueue:
 
     def head(self) -> Entry | None:
         heap = self.heap
-        while heap and heap[0][2].removed:
+        while heap and not heap[0][2].queued:
             heapq.heappop(heap)
         return heap[0][2] if heap else None
 
@@ -115,7 +116,11 @@ class FairQueue:
     # -- updates ---------------------------------------------------------------------------
 
     def push(self, entry: Entry) -> Entry:
-        """Queue `entry`. A tenant returning from idle is lifted to its band's minimum counter."""
+        """Queue `entry`. A tenant returning from idle is lifted to its band's minimum counter.
+
+        Raises ValueError if `entry` is queued already (pushed and neither picked nor removed)."""
+        if entry.queued:
+            raise ValueError(f"entry {entry.item!r:.80} of tenant {entry.tenant!r} is already queued")
         key = (entry.tenant, entry.tier)
         queue = self._queues.get(key)
         if queue is None:
@@ -127,20 +132,17 @@ class FairQueue:
         if entry.tier in self._min_share and not self._band_backlogged(entry.tier):
             self._lift_band(entry.tier)
         entry.seq = next(self._seq)
-        entry.removed = False
+        entry.queued = True
         heapq.heappush(queue.heap, (entry.deadline, entry.seq, entry))
         self._count(entry, queue, 1)
         return entry
 
     def remove(self, entry: Entry) -> bool:
         """Withdraw a queued entry (a cancelled waiter). Returns False if it was not queued."""
-        if entry.removed:
+        if not entry.queued:
             return False
-        queue = self._queues.get((entry.tenant, entry.tier))
-        if queue is None or not queue.live:
-            return False
-        entry.removed = True
-        self._count(entry, queue, -1)
+        entry.queued = False
+        self._count(entry, self._queues[(entry.tenant, entry.tier)], -1)
         return True
 
     def charge(self, tenant: str, cost: float, tier: int | None = None) -> None:
@@ -222,7 +224,7 @@ class FairQueue:
         """Live entries in no particular order."""
         for queue in self._queues.values():
             for _, _, entry in queue.heap:
-                if not entry.removed:
+                if entry.queued:
                     yield entry
 
     # -- internals ---------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class FairQueue:
         queue = self._queues[(entry.tenant, entry.tier)]
         top = heapq.heappop(queue.heap)[2]
         assert top is entry
-        entry.removed = True
+        entry.queued = False
         self._count(entry, queue, -1)
 
     def _count(self, entry: Entry, queue: _SubQueue, delta: int) -> None:
