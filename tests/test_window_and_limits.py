@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from fleetsched import Scheduler
-from fleetsched.backends.base import estimate_prompt_tokens, make_chunk, usage_dict
+from fleetsched.backends.base import EngineSignals, estimate_prompt_tokens, make_chunk, usage_dict
 from fleetsched.errors import ContextTooLong, Overloaded, RateLimited
 from fleetsched.policies.tiers import Tier
 from fleetsched.policies.window import AimdWindow, WindowSignals
@@ -70,6 +70,31 @@ async def test_adaptive_window_starts_within_min_and_max_window(max_in_flight, e
         assert scheduler.statistics().dispatcher.window == expected
     off = settings(backend={"kind": "instant", "max_in_flight": 64}, dispatch={"adaptive_window": False, "max_window": 8})
     assert Scheduler(off).dispatcher.window == 64  # a fixed window is max_in_flight as it stands
+
+
+
+class RestartingBackend(SlowBackend):
+    """Reports the engine's preemption counter from `totals`, one value a call (then the last)."""
+
+    def __init__(self, totals: list[float]) -> None:
+        super().__init__()
+        self.totals = totals
+
+    async def signals(self) -> EngineSignals:
+        total = self.totals.pop(0) if len(self.totals) > 1 else self.totals[0]
+        return EngineSignals(waiting=0, kv_cache_usage=0.5, preemptions_total=total)
+
+
+@pytest.mark.anyio
+async def test_preemptions_after_a_server_restart_shrink_the_window():
+    # The server restarted between the 2nd and 3rd readings (its counter went 100 -> 3): the 3
+    # preemptions since are new ones. Counted as 3 - 100 = -97, none, the window held.
+    s = settings(backend={"kind": "instant", "max_in_flight": 32}, dispatch={"window_interval_s": 1.0})
+    async with Scheduler(s, backend=RestartingBackend([100.0, 100.0, 3.0, 3.0])) as scheduler:
+        await anyio.sleep(2.5)
+        assert scheduler.statistics().dispatcher.window == 32  # no preemption yet: holds
+        await anyio.sleep(1)
+        assert scheduler.statistics().dispatcher.window == 25
 
 
 def test_token_bucket():

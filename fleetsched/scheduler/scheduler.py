@@ -606,10 +606,13 @@ class Scheduler:
             except FleetschedError:
                 continue  # no signals this round; keep the window
             preempted = 0.0
-            if signals.preemptions_total is not None:
+            total = signals.preemptions_total
+            if total is not None:
                 if last_preemptions is not None:
-                    preempted = signals.preemptions_total - last_preemptions
-                last_preemptions = signals.preemptions_total
+                    # A reading below the last is a counter begun again at 0 (the server restarted,
+                    # where the backend does not carry its counters over): all of it is new.
+                    preempted = total - last_preemptions if total >= last_preemptions else total
+                last_preemptions = total
             d = self.dispatcher.statistics()
             window = policy.next_window(
                 WindowSignals(
