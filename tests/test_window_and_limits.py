@@ -114,6 +114,20 @@ def test_rate_limits_take_both_or_neither():
     assert limits.try_take("other", 10**9, now=0) == 0  # no limit declared
 
 
+
+@pytest.mark.parametrize(
+    ("limit", "now", "first", "second"),
+    [(RateLimit(1, 23), 0.0, 27, 23), (RateLimit(60, 1000), 1e6 + 0.3, 1000, 999), (RateLimit(7, 70000), 12345.678, 70000, 1)],
+)
+def test_a_call_made_when_its_wait_is_over_is_taken(limit, now, first, second):
+    # The wait is what refilling takes, but refilling over it in floats came up short by 1e-15
+    # to 1e-9 tokens: a caller that waited retry_after_s was refused again (for 1e-11 s or so).
+    limits = TenantRateLimits({"a": limit})
+    assert limits.try_take("a", first, now) == 0
+    wait = limits.try_take("a", second, now)
+    assert wait > 0
+    assert limits.try_take("a", second, now + wait) == 0
+
 @pytest.mark.anyio
 async def test_dispatcher_refuses_over_the_rate_limit_with_retry_after():
     limits = TenantRateLimits({"a": RateLimit(requests_per_minute=3)})
