@@ -192,6 +192,27 @@ def test_minimum_shares_must_leave_room():
         FairQueue(min_share={1: 0.6, 2: 0.5})
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # A weight of 0 was a ZeroDivisionError at the first charge, a negative one a counter that
+        # fell with service (its tenant served ahead of the others for ever), as set_weight refuses.
+        ({"weights": {"a": 0.0}}, "weight of tenant 'a' must be > 0, got 0.0"),
+        ({"weights": {"a": -1.0}}, "weight of tenant 'a' must be > 0, got -1.0"),
+        ({"weights": {"a": float("nan")}}, "weight of tenant 'a' must be > 0, got nan"),
+        # A negative period demoted waiting entries a band per period; nan promoted all at once.
+        ({"aging_s": -5.0}, "aging period must be >= 0 s"),
+        ({"aging_s": float("nan")}, "aging period must be >= 0 s"),
+        # Left out without a word, as if no share had been asked for.
+        ({"min_share": {2: -0.1}}, r"minimum share of tier 2 must be in \[0, 1\), got -0.1"),
+        ({"min_share": {2: float("nan")}}, r"minimum share of tier 2 must be in \[0, 1\), got nan"),
+    ],
+)
+def test_bad_weights_aging_and_shares_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FairQueue(**kwargs)
+
+
 @pytest.mark.parametrize("field", ["min_share", "stream_interval"])
 def test_a_tier_named_twice_in_dispatch_settings_is_refused(field):
     # {batch = 0.5, BATCH = 0.4} passed (0.9 < 1) and the dispatcher kept whichever came last.

@@ -61,7 +61,8 @@ class FairQueue:
     """Tier bands, weighted fair share between tenants (VTC), EDF/FIFO within a tenant, aging.
 
     `weights` maps tenant to weight (default 1.0 for tenants not listed). `aging_s` of None or 0
-    turns aging off.
+    turns aging off. Raises ValueError for a weight not > 0, a negative aging period, or minimum
+    shares outside [0, 1) or adding up to 1 or more.
     """
 
     def __init__(
@@ -71,8 +72,15 @@ class FairQueue:
         aging_s: float | None = None,
         min_share: Mapping[int, float] | None = None,
     ) -> None:
-        self._weights = dict(weights or {})
+        self._weights: dict[str, float] = {}
+        for tenant, weight in (weights or {}).items():
+            self.set_weight(tenant, weight)
+        if aging_s is not None and not aging_s >= 0:
+            raise ValueError(f"aging period must be >= 0 s (0: no aging), got {aging_s}")
         self._aging_s = aging_s or None
+        for tier, share in (min_share or {}).items():
+            if not 0 <= share < 1:
+                raise ValueError(f"minimum share of tier {tier} must be in [0, 1), got {share}")
         self._min_share = {int(tier): share for tier, share in (min_share or {}).items() if share > 0}
         if sum(self._min_share.values()) >= 1:
             raise ValueError(f"minimum shares must add up to less than 1, got {self._min_share}")
