@@ -54,7 +54,8 @@ class SchedulerStatistics:
     running: Mapping[tuple[str, str], int]
     """Admitted or running sessions per (tenant, tier), holding a slot."""
     parked: int
-    """Sessions in a tool call whose slot and memory were released to others."""
+    """Sessions in a tool call whose slot and memory were released to others (one whose tool
+    call is over and that waits to be re-admitted is in `queued`)."""
     finished: Mapping[str, int]
     """Finished sessions per final state."""
     slots_in_use: int
@@ -636,7 +637,7 @@ class Scheduler:
         parked = 0
         for handle in self._running.values():
             if not handle._holds_slot:
-                parked += 1
+                parked += handle.parked  # else waiting to be re-admitted: counted as queued
                 continue
             key = (handle.tenant, handle.tier)
             by_tier[key] = by_tier.get(key, 0) + 1
