@@ -64,6 +64,30 @@ async def test_rate_limit_reaches_the_sdk_as_429_with_retry_after():
     check_released(scheduler)
 
 
+
+async def test_a_call_retried_after_its_retry_after_goes_through():
+    # 11 requests a minute: the 12th may go 60/11 = 5.45 s later. Retry-After said 5 (rounded
+    # down), and a client that waited that long was refused again.
+    s = settings({"acme": {"requests_per_minute": 11}})
+
+    async def agent(ctx):
+        def call():
+            return ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+
+        for _ in range(11):
+            await call()
+        try:
+            await call()
+        except openai.RateLimitError as exc:
+            wait = exc.response.headers["retry-after"]
+        await anyio.sleep(int(wait))
+        await call()
+        return wait
+
+    async with Scheduler(s) as scheduler:
+        assert await (await scheduler.submit(agent, tenant="acme")) == "6"
+    check_released(scheduler)
+
 async def test_malformed_request_is_a_400_not_a_crash():
     async def agent(ctx):
         try:

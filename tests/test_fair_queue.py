@@ -76,6 +76,22 @@ def test_returning_tenant_does_not_bank_idle_time():
     assert [e.tenant for e in drain(q)] == ["busy", "idle", "busy", "idle"]
 
 
+def test_a_tenant_waiting_in_another_band_is_lifted_on_returning_to_this_one():
+    # "away" waits in the batch band (unserved: standard goes first) while "busy" is served in
+    # standard. Its batch entry used to count as a backlog, so its standard entries kept the
+    # counter of 0 and went first 50 times in a row.
+    q = FairQueue()
+    q.push(Entry("away", Tier.BATCH, 0, "waiting"))
+    for i in range(50):
+        q.push(Entry("busy", Tier.STANDARD, 0, i))
+        q.pick(0)
+    for i in range(3):
+        q.push(Entry("busy", Tier.STANDARD, 0, "b"))
+        q.push(Entry("away", Tier.STANDARD, 0, "a"))
+    assert q.counter("away") == q.counter("busy")
+    assert [e.tenant for e in drain(q)][:6] == ["busy", "away"] * 3
+
+
 def test_aging_promotes_a_waiting_lower_band():
     q = FairQueue(aging_s=10)
     q.push(Entry("batchy", Tier.BATCH, 0.0, "old-batch"))
@@ -104,6 +120,20 @@ def test_remove_and_eligibility():
     assert q.pick(0, eligible=lambda t: t != "b") is None
     assert q.pick(0).item == "b"
     assert len(q) == 0
+
+
+def test_only_a_queued_entry_is_removed_and_only_one_not_queued_is_pushed():
+    q = FairQueue()
+    queued = q.push(Entry("a", 1, 0, "queued"))
+    # An entry never pushed, of a tenant and tier with one waiting: it took that one's count,
+    # and the waiting entry was lost (len 0, pick None).
+    assert not q.remove(Entry("a", 1, 0, "never pushed"))
+    assert len(q) == 1 and q.queued_by() == {("a", 1): 1}
+    with pytest.raises(ValueError, match="already queued"):
+        q.push(queued)  # twice in the heap: its pick left a count with no entry (AssertionError)
+    assert q.pick(0) is queued and len(q) == 0 and q.pick(0) is None
+    assert not q.remove(queued)  # picked: no longer queued
+    assert q.push(queued) is queued and q.remove(queued) and len(q) == 0
 
 
 def test_max_tier_leaves_lower_tiers_in_place():
@@ -160,6 +190,27 @@ def test_minimum_share_is_not_banked_while_idle():
 def test_minimum_shares_must_leave_room():
     with pytest.raises(ValueError, match="less than 1"):
         FairQueue(min_share={1: 0.6, 2: 0.5})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # A weight of 0 was a ZeroDivisionError at the first charge, a negative one a counter that
+        # fell with service (its tenant served ahead of the others for ever), as set_weight refuses.
+        ({"weights": {"a": 0.0}}, "weight of tenant 'a' must be > 0, got 0.0"),
+        ({"weights": {"a": -1.0}}, "weight of tenant 'a' must be > 0, got -1.0"),
+        ({"weights": {"a": float("nan")}}, "weight of tenant 'a' must be > 0, got nan"),
+        # A negative period demoted waiting entries a band per period; nan promoted all at once.
+        ({"aging_s": -5.0}, "aging period must be >= 0 s"),
+        ({"aging_s": float("nan")}, "aging period must be >= 0 s"),
+        # Left out without a word, as if no share had been asked for.
+        ({"min_share": {2: -0.1}}, r"minimum share of tier 2 must be in \[0, 1\), got -0.1"),
+        ({"min_share": {2: float("nan")}}, r"minimum share of tier 2 must be in \[0, 1\), got nan"),
+    ],
+)
+def test_bad_weights_aging_and_shares_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FairQueue(**kwargs)
 
 
 @pytest.mark.parametrize("field", ["min_share", "stream_interval"])

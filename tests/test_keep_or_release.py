@@ -8,6 +8,8 @@ import anyio
 import pytest
 
 from fleetsched import Scheduler, SessionCancelled, SessionFailed, SessionState
+from fleetsched.observability.metrics import SchedulerCollector
+from fleetsched.observability.sla import SlaTracker
 from fleetsched.policies.pace import KeepOrRelease, ToolStats
 
 from .helpers import check_released, settings
@@ -122,7 +124,8 @@ async def test_cancel_while_parked_or_waiting_to_return():
         returning = await scheduler.submit(tool_agent(1, log, "R"), tenant="acme")
         blocker = await scheduler.submit(sleeper(100, log, "B"), tenant="acme")
         await anyio.sleep(10)  # A parked at 0, R parked at 0, B holds the slot; R waits to return
-        assert scheduler.statistics().parked == 2
+        stats = scheduler.statistics()
+        assert (stats.parked, stats.queued_total) == (1, 1)  # A parked; R queued to return
         parked.cancel()
         returning.cancel()
         for handle in (parked, returning):
@@ -209,4 +212,35 @@ async def test_a_tool_that_raises_while_parked_fails_its_session_at_once():
         assert isinstance(info.value.__cause__, RuntimeError)
         assert await recovered == 100.0
     assert recovered.parked_count == 1
+    check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_a_session_waiting_to_return_counts_as_queued_not_parked():
+    """A's tool ended at 5 s while B holds the only slot: A waits to be re-admitted, queued. It
+    was counted parked too (in statistics() and the fleetsched_sessions gauge): 3 sessions of 2."""
+
+    async def in_tool(ctx):
+        async with ctx.tool("search"):
+            await anyio.sleep(5)
+
+    async def holding(ctx):
+        await anyio.sleep(10)
+
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "release"})
+    async with Scheduler(s) as scheduler:
+        a = await scheduler.submit(in_tool, tenant="acme")
+        await anyio.sleep(1)
+        b = await scheduler.submit(holding, tenant="acme")
+        await anyio.sleep(1)
+        stats = scheduler.statistics()
+        assert (stats.queued_total, stats.running_total, stats.parked) == (0, 1, 1)  # A in its tool
+        await anyio.sleep(5)
+        stats = scheduler.statistics()
+        assert (stats.queued_total, stats.running_total, stats.parked) == (1, 1, 0)  # A back from it
+        collector = SchedulerCollector(scheduler, SlaTracker(s.tenants))
+        sessions = next(f for f in collector.collect() if f.name == "fleetsched_sessions")
+        assert {x.labels["state"]: x.value for x in sessions.samples} == {"queued": 1, "running": 1, "parked": 0}
+        await a
+        await b
     check_released(scheduler)

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from fleetsched import Scheduler
-from fleetsched.backends.base import estimate_prompt_tokens, make_chunk, usage_dict
+from fleetsched.backends.base import EngineSignals, estimate_prompt_tokens, make_chunk, usage_dict
 from fleetsched.errors import ContextTooLong, Overloaded, RateLimited
 from fleetsched.policies.tiers import Tier
 from fleetsched.policies.window import AimdWindow, WindowSignals
@@ -72,6 +72,31 @@ async def test_adaptive_window_starts_within_min_and_max_window(max_in_flight, e
     assert Scheduler(off).dispatcher.window == 64  # a fixed window is max_in_flight as it stands
 
 
+
+class RestartingBackend(SlowBackend):
+    """Reports the engine's preemption counter from `totals`, one value a call (then the last)."""
+
+    def __init__(self, totals: list[float]) -> None:
+        super().__init__()
+        self.totals = totals
+
+    async def signals(self) -> EngineSignals:
+        total = self.totals.pop(0) if len(self.totals) > 1 else self.totals[0]
+        return EngineSignals(waiting=0, kv_cache_usage=0.5, preemptions_total=total)
+
+
+@pytest.mark.anyio
+async def test_preemptions_after_a_server_restart_shrink_the_window():
+    # The server restarted between the 2nd and 3rd readings (its counter went 100 -> 3): the 3
+    # preemptions since are new ones. Counted as 3 - 100 = -97, none, the window held.
+    s = settings(backend={"kind": "instant", "max_in_flight": 32}, dispatch={"window_interval_s": 1.0})
+    async with Scheduler(s, backend=RestartingBackend([100.0, 100.0, 3.0, 3.0])) as scheduler:
+        await anyio.sleep(2.5)
+        assert scheduler.statistics().dispatcher.window == 32  # no preemption yet: holds
+        await anyio.sleep(1)
+        assert scheduler.statistics().dispatcher.window == 25
+
+
 def test_token_bucket():
     bucket = TokenBucket(rate_per_s=1.0, capacity=10)
     assert bucket.wait_s(10, now=0) == 0
@@ -88,6 +113,20 @@ def test_rate_limits_take_both_or_neither():
     assert limits.try_take("a", 10, now=0) == 0
     assert limits.try_take("other", 10**9, now=0) == 0  # no limit declared
 
+
+
+@pytest.mark.parametrize(
+    ("limit", "now", "first", "second"),
+    [(RateLimit(1, 23), 0.0, 27, 23), (RateLimit(60, 1000), 1e6 + 0.3, 1000, 999), (RateLimit(7, 70000), 12345.678, 70000, 1)],
+)
+def test_a_call_made_when_its_wait_is_over_is_taken(limit, now, first, second):
+    # The wait is what refilling takes, but refilling over it in floats came up short by 1e-15
+    # to 1e-9 tokens: a caller that waited retry_after_s was refused again (for 1e-11 s or so).
+    limits = TenantRateLimits({"a": limit})
+    assert limits.try_take("a", first, now) == 0
+    wait = limits.try_take("a", second, now)
+    assert wait > 0
+    assert limits.try_take("a", second, now + wait) == 0
 
 @pytest.mark.anyio
 async def test_dispatcher_refuses_over_the_rate_limit_with_retry_after():

@@ -13,6 +13,7 @@ SDK's `timeout` is its read timeout: the longest wait for the answer, or for eac
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -31,8 +32,9 @@ def error_response(
     status: int, message: str, kind: str, *, retry_after_s: float | None = None, code: str | None = None
 ) -> httpx.Response:
     """An OpenAI-style error body: ``{"error": {"message", "type", "code"}}`` (`code`: OpenAI's
-    name for the error where it has one, else the status)."""
-    headers = {"retry-after": f"{max(1, round(retry_after_s))}"} if retry_after_s is not None else {}
+    name for the error where it has one, else the status). Retry-After is `retry_after_s` rounded
+    up to whole seconds: a client that waits that long is not refused again for being early."""
+    headers = {"retry-after": f"{max(1, math.ceil(retry_after_s))}"} if retry_after_s is not None else {}
     body = {"error": {"message": message, "type": kind, "param": None, "code": code or status}}
     return httpx.Response(status, json=body, headers=headers)
 

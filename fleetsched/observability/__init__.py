@@ -5,5 +5,4 @@
 - `metrics`: a Prometheus collector read at scrape time, and a ``/metrics`` server on the loop.
 - `timeline`: a sampler of queue depths, throughput, memory and attainment over the run.
 - `render`: ``fleetsched report RUN.json --out DIR`` (plots with matplotlib and an HTML page).
-- `tracing`: optional OpenTelemetry spans per session and call.
 """

@@ -131,7 +131,7 @@ class SchedulerCollector(Collector):
         for (tenant, _), n in stats.running.items():
             counts[(tenant, "running")] = counts.get((tenant, "running"), 0) + n
         for handle in scheduler.running_sessions():
-            if not handle._holds_slot:
+            if handle.parked:
                 counts[(handle.tenant, "parked")] = counts.get((handle.tenant, "parked"), 0) + 1
         for (tenant, state), n in counts.items():
             sessions.add_metric([tenant, state], n)

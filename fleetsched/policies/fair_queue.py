@@ -9,7 +9,8 @@ Order, from the outside in:
 2. **Weighted fair share between tenants of a band**, by virtual counters in the manner of VTC
    (Sheng et al., "Fairness in Serving Large Language Models"): serving a tenant adds
    ``cost / weight`` to its counter, the backlogged tenant with the smallest counter goes next, and a
-   tenant that returns from idle is lifted to the band's current minimum so idle time is not banked.
+   tenant that returns from idle in the band (it may wait in another) is lifted to the band's
+   current minimum so idle time is not banked.
 3. **Within a tenant**, by key: ``(deadline, arrival)``. Admission uses no deadline (plain FIFO);
    calls use the deadline derived from the tenant's TTFT SLA (earliest deadline first).
 
@@ -37,7 +38,8 @@ class Entry:
     cost: float = 1.0
     deadline: float = 0.0
     seq: int = 0
-    removed: bool = False
+    queued: bool = False
+    """Whether it waits in a queue: set by `FairQueue.push`, cleared by `pick` and `remove`."""
 
     def key(self) -> tuple[float, int]:
         return (self.deadline, self.seq)
@@ -50,7 +52,7 @@ class _SubQueue:
 
     def head(self) -> Entry | None:
         heap = self.heap
-        while heap and heap[0][2].removed:
+        while heap and not heap[0][2].queued:
             heapq.heappop(heap)
         return heap[0][2] if heap else None
 
@@ -59,7 +61,8 @@ class FairQueue:
     """Tier bands, weighted fair share between tenants (VTC), EDF/FIFO within a tenant, aging.
 
     `weights` maps tenant to weight (default 1.0 for tenants not listed). `aging_s` of None or 0
-    turns aging off.
+    turns aging off. Raises ValueError for a weight not > 0, a negative aging period, or minimum
+    shares outside [0, 1) or adding up to 1 or more.
     """
 
     def __init__(
@@ -69,15 +72,21 @@ class FairQueue:
         aging_s: float | None = None,
         min_share: Mapping[int, float] | None = None,
     ) -> None:
-        self._weights = dict(weights or {})
+        self._weights: dict[str, float] = {}
+        for tenant, weight in (weights or {}).items():
+            self.set_weight(tenant, weight)
+        if aging_s is not None and not aging_s >= 0:
+            raise ValueError(f"aging period must be >= 0 s (0: no aging), got {aging_s}")
         self._aging_s = aging_s or None
+        for tier, share in (min_share or {}).items():
+            if not 0 <= share < 1:
+                raise ValueError(f"minimum share of tier {tier} must be in [0, 1), got {share}")
         self._min_share = {int(tier): share for tier, share in (min_share or {}).items() if share > 0}
         if sum(self._min_share.values()) >= 1:
             raise ValueError(f"minimum shares must add up to less than 1, got {self._min_share}")
         self._served: dict[int, float] = {}
         self._queues: dict[tuple[str, int], _SubQueue] = {}
-        # Live entries per tenant and per band: "is it backlogged?" in O(1) on every push.
-        self._live_by_tenant: dict[str, int] = {}
+        # Live entries per band: "is it backlogged?" in O(1) on every push.
         self._live_by_band: dict[int, int] = {}
         self._counters: dict[str, float] = {}
         self._last_served: dict[int, float] = {}
@@ -115,30 +124,33 @@ class FairQueue:
     # -- updates ---------------------------------------------------------------------------
 
     def push(self, entry: Entry) -> Entry:
-        """Queue `entry`. A tenant returning from idle is lifted to its band's minimum counter."""
+        """Queue `entry`. A tenant returning from idle is lifted to its band's minimum counter.
+
+        Raises ValueError if `entry` is queued already (pushed and neither picked nor removed)."""
+        if entry.queued:
+            raise ValueError(f"entry {entry.item!r:.80} of tenant {entry.tenant!r} is already queued")
         key = (entry.tenant, entry.tier)
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = _SubQueue()
-        if not self._tenant_backlogged(entry.tenant):
+        # Idle in this band, even if it waits in another: entries waiting in a lower band, unserved
+        # while this one is, must not keep its counter low here.
+        if not queue.live:
             self._lift(entry.tenant, entry.tier)
         if entry.tier in self._min_share and not self._band_backlogged(entry.tier):
             self._lift_band(entry.tier)
         entry.seq = next(self._seq)
-        entry.removed = False
+        entry.queued = True
         heapq.heappush(queue.heap, (entry.deadline, entry.seq, entry))
         self._count(entry, queue, 1)
         return entry
 
     def remove(self, entry: Entry) -> bool:
         """Withdraw a queued entry (a cancelled waiter). Returns False if it was not queued."""
-        if entry.removed:
+        if not entry.queued:
             return False
-        queue = self._queues.get((entry.tenant, entry.tier))
-        if queue is None or not queue.live:
-            return False
-        entry.removed = True
-        self._count(entry, queue, -1)
+        entry.queued = False
+        self._count(entry, self._queues[(entry.tenant, entry.tier)], -1)
         return True
 
     def charge(self, tenant: str, cost: float, tier: int | None = None) -> None:
@@ -163,7 +175,8 @@ class FairQueue:
         Keeps the counters and the band's last-served mark as if it had been pushed and picked,
         so a later backlog starts from fair counters.
         """
-        if not self._tenant_backlogged(tenant):
+        queue = self._queues.get((tenant, tier))
+        if queue is None or not queue.live:
             self._lift(tenant, tier)
         self.charge(tenant, cost, tier)
         self._last_served[tier] = self.counter(tenant)
@@ -219,7 +232,7 @@ class FairQueue:
         """Live entries in no particular order."""
         for queue in self._queues.values():
             for _, _, entry in queue.heap:
-                if not entry.removed:
+                if entry.queued:
                     yield entry
 
     # -- internals ---------------------------------------------------------------------------
@@ -235,7 +248,7 @@ class FairQueue:
         queue = self._queues[(entry.tenant, entry.tier)]
         top = heapq.heappop(queue.heap)[2]
         assert top is entry
-        entry.removed = True
+        entry.queued = False
         self._count(entry, queue, -1)
 
     def _count(self, entry: Entry, queue: _SubQueue, delta: int) -> None:
@@ -243,11 +256,7 @@ class FairQueue:
         queue.live += delta
         self._len += delta
         self.queued_cost += delta * entry.cost
-        self._live_by_tenant[entry.tenant] = self._live_by_tenant.get(entry.tenant, 0) + delta
         self._live_by_band[entry.tier] = self._live_by_band.get(entry.tier, 0) + delta
-
-    def _tenant_backlogged(self, tenant: str) -> bool:
-        return self._live_by_tenant.get(tenant, 0) > 0
 
     def _band_backlogged(self, tier: int) -> bool:
         return self._live_by_band.get(tier, 0) > 0

@@ -32,8 +32,10 @@ class TokenBucket:
     def wait_s(self, amount: float, now: float) -> float:
         """Seconds until `amount` could be taken (0: now)."""
         self._refill(now)
-        need = min(amount, self.capacity)
-        return 0.0 if self.tokens >= need else (need - self.tokens) / self.rate_per_s
+        short = min(amount, self.capacity) - self.tokens
+        # Refilling over a wait returned here comes up short by float rounding (up to about 1e-10
+        # of the capacity with a clock at 1e8 s): a caller that waited it must not be refused again.
+        return 0.0 if short <= self.capacity * 1e-9 else short / self.rate_per_s
 
     def take(self, amount: float, now: float) -> None:
         self._refill(now)

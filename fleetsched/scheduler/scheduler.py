@@ -54,7 +54,8 @@ class SchedulerStatistics:
     running: Mapping[tuple[str, str], int]
     """Admitted or running sessions per (tenant, tier), holding a slot."""
     parked: int
-    """Sessions in a tool call whose slot and memory were released to others."""
+    """Sessions in a tool call whose slot and memory were released to others (one whose tool
+    call is over and that waits to be re-admitted is in `queued`)."""
     finished: Mapping[str, int]
     """Finished sessions per final state."""
     slots_in_use: int
@@ -606,10 +607,13 @@ class Scheduler:
             except FleetschedError:
                 continue  # no signals this round; keep the window
             preempted = 0.0
-            if signals.preemptions_total is not None:
+            total = signals.preemptions_total
+            if total is not None:
                 if last_preemptions is not None:
-                    preempted = signals.preemptions_total - last_preemptions
-                last_preemptions = signals.preemptions_total
+                    # A reading below the last is a counter begun again at 0 (the server restarted,
+                    # where the backend does not carry its counters over): all of it is new.
+                    preempted = total - last_preemptions if total >= last_preemptions else total
+                last_preemptions = total
             d = self.dispatcher.statistics()
             window = policy.next_window(
                 WindowSignals(
@@ -633,7 +637,7 @@ class Scheduler:
         parked = 0
         for handle in self._running.values():
             if not handle._holds_slot:
-                parked += 1
+                parked += handle.parked  # else waiting to be re-admitted: counted as queued
                 continue
             key = (handle.tenant, handle.tier)
             by_tier[key] = by_tier.get(key, 0) + 1

@@ -107,6 +107,12 @@ class SessionHandle:
     def done(self) -> bool:
         return self.state.terminal
 
+    @property
+    def parked(self) -> bool:
+        """Whether its slot and memory are lent to others while it is in a tool call. Once it
+        waits to be re-admitted (its tool period over) it is queued instead, not parked."""
+        return self.state is SessionState.RUNNING and not self._holds_slot and self._readmit is None
+
     def waited_s(self) -> float:
         """Seconds from submission to admission (so far, if still queued)."""
         start = self.timestamps[SessionState.QUEUED]
