@@ -263,3 +263,20 @@ def test_calibrate_prints_the_profile_it_cannot_write(vllm_server, capsys):
     out, err = capsys.readouterr()
     assert "fleetsched calibrate: cannot write /dev/full: [Errno 28] No space left on device" in err and "Traceback" not in err
     assert "[sim]" in out and "step_base_s = " in out
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [  # before: a fit that never ended (nan), ZeroDivisionError (0, inf), an IndexError (none),
+        # a profile with a negative front-end turn (a negative TTFT)
+        (lambda: [Measurement(Workload(2, 100, 10), float("nan"), 0.05, 0.05)], "throughput must be a finite number > 0, got nan"),
+        (lambda: [Measurement(Workload(2, 100, 10), 0.0, 0.05, 0.05)], "throughput must be a finite number > 0, got 0.0"),
+        (lambda: [Measurement(Workload(2, 100, 10), float("inf"))], "throughput must be a finite number > 0, got inf"),
+        (lambda: [Measurement(Workload(2, 100, 10), 500.0, -0.05, -0.05)], "ttft_mean_s must be a finite number >= 0"),
+        (lambda: [Measurement(Workload(2, 100, 10), 500.0, 0.05, float("nan"))], r"ttft_p50_s must be a finite number >= 0 \(or None\), got nan"),
+        (lambda: [], "no measurements to fit"),
+    ],
+)
+def test_measurements_that_are_no_measures_are_refused_by_name(make, message):
+    with pytest.raises(ValueError, match=message):
+        fit_profile(SimSettings(), make())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -191,6 +192,16 @@ class Measurement:
     """Output tokens per second, all clients together."""
     ttft_mean_s: float | None = None
     ttft_p50_s: float | None = None
+    """Seconds; None or 0 when not measured."""
+
+    def __post_init__(self) -> None:
+        # The fit divides by each figure: a NaN never let it settle, a 0 or inf divided by zero.
+        if not 0 < self.throughput < math.inf:
+            raise ValueError(f"measurement: throughput must be a finite number > 0, got {self.throughput!r}")
+        for name in ("ttft_mean_s", "ttft_p50_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise ValueError(f"measurement: {name} must be a finite number >= 0 (or None), got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +310,8 @@ def fit_profile(
     by golden-section search, the other costs fitted at each point, and then set free from the
     best point.
     """
+    if not measurements:
+        raise ValueError("fit_profile: no measurements to fit")
     unknown = set(fit) - set(PARAMS)
     if unknown:
         raise ValueError(f"fit: unknown parameters {sorted(unknown)}; known: {', '.join(PARAMS)}")
