@@ -45,6 +45,15 @@ def test_profile_from_a_file_round_trips(tmp_path):
     assert (sim.step_base_s, sim.max_num_seqs) == (0.5, 3)
 
 
+@pytest.mark.parametrize("text", ["notes\r\nfrom a Windows file", "red \x1b[31mtext\x1b[0m", "nul\x00, del\x7f", 'tab\t, quote " and \\'])
+def test_a_profile_s_text_with_control_characters_loads_back(tmp_path, text):
+    """TOML strings may not hold control characters other than a tab. Before: a calibrate
+    --description with a carriage return (or an escape) wrote a profile that did not load."""
+    path = tmp_path / "mine.toml"
+    path.write_text(dump_profile({"description": text}, {"step_base_s": 0.5}))
+    assert load_profile(str(path)).info["description"] == text
+
+
 def test_hermes_profile_reproduces_its_table_within_10_percent():
     table = hermes_table()
     assert [p["batch"] for p in table["points"]] == list(HERMES_TABLE)

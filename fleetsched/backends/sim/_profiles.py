@@ -9,6 +9,7 @@ measurements it was fitted to and the fit's errors. Select one with ``backend.si
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,13 +54,19 @@ def load_profile(name: str) -> Profile:
     return Profile(path.stem, path, sim, data.get("profile", {}), data.get("fit", {}))
 
 
+#: What a TOML basic string must escape: the quote, the backslash and control characters (a
+#: tab may stand as it is, but need not), each by its short escape where TOML has one.
+_ESCAPED = re.compile(r'["\\\x00-\x1f\x7f]')
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        return '"' + _ESCAPED.sub(lambda m: _SHORT_ESCAPES.get(m.group(), f"\\u{ord(m.group()):04x}"), value) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
