@@ -280,3 +280,23 @@ def test_calibrate_prints_the_profile_it_cannot_write(vllm_server, capsys):
 def test_measurements_that_are_no_measures_are_refused_by_name(make, message):
     with pytest.raises(ValueError, match=message):
         fit_profile(SimSettings(), make())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [  # before: a sweep of the server, then a ZeroDivisionError traceback (the sim engine never
+        # scheduled the requests the server had served), or a profile whose max_model_len
+        # refuses the requests it was fitted on
+        (["--shapes", "160:96", "--kv-cache-tokens", "128"], "--shapes 160:96: the request needs 255 tokens of KV cache"),
+        (["--shapes", "2000:100"], "--shapes 2000:100: this model's maximum context length is 1024 tokens"),
+    ],
+)
+def test_calibrate_refuses_shapes_the_engine_it_describes_cannot_serve(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        calibrate_main(["--url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.toml"), *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_loop_whose_requests_cannot_fit_the_cache_is_refused():
+    with pytest.raises(ValueError, match="needs 255 tokens of KV cache"):
+        closed_loop(SimSettings(kv_cache_tokens=128, block_size=16), Workload(4, 160, 96))

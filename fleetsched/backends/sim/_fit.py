@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from fleetsched.settings import SimSettings
 
-from ._engine import FINISHED, SimEngine
+from ._engine import FINISHED, SimEngine, check_request_fits
 
 #: The profile's fields, in the order of the feature vectors.
 PARAMS = ("step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s", "request_overhead_s", "request_serial_s")
@@ -125,8 +125,11 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
     engine sees a request ``request_overhead_s`` after the front end is done with it, at the
     first step that starts after that (as the backend does), and idles when nothing has arrived.
     Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
-    its answer length (`Workload.answer_lengths`).
+    its answer length (`Workload.answer_lengths`). Raises `ContextTooLong` (a ValueError) when
+    the longest request does not fit the engine (`check_request_fits`).
     """
+    lengths = workload.answer_lengths()  # each client's, popped as it sends
+    check_request_fits(settings, workload.prompt_tokens, max(map(max, lengths)))
     theta = theta_of(settings) if theta is None else tuple(theta)
     engine = SimEngine(settings)
     out = LoopFeatures()
@@ -155,7 +158,6 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
         sent[request] = at
         left[request] = client
 
-    lengths = workload.answer_lengths()  # each client's, popped as it sends
     for client in range(workload.concurrency):
         send(client, now)
     while True:
