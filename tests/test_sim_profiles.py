@@ -54,6 +54,22 @@ def test_a_profile_s_text_with_control_characters_loads_back(tmp_path, text):
     assert load_profile(str(path)).info["description"] == text
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [  # before: tomllib's or the codec's message alone, naming no file
+        (b"[sim\nstep_base_s = 1\n", r"mine\.toml is not TOML: Expected ']' at the end of a table declaration \(at line 1, column 5\)"),
+        (b"[sim]\nstep_base_s = 1 # \xff\n", r"mine\.toml is not UTF-8 text"),
+    ],
+)
+def test_a_profile_that_is_not_toml_is_named(tmp_path, content, message):
+    path = tmp_path / "mine.toml"
+    path.write_bytes(content)
+    config = tmp_path / "c.toml"
+    config.write_text(f'[backend.sim]\nprofile = "{path}"\n')
+    with pytest.raises(ConfigError, match=message):
+        load_settings(config)
+
+
 def test_hermes_profile_reproduces_its_table_within_10_percent():
     table = hermes_table()
     assert [p["batch"] for p in table["points"]] == list(HERMES_TABLE)

@@ -38,15 +38,20 @@ def shipped_profiles() -> list[str]:
 def load_profile(name: str) -> Profile:
     """The profile `name` (a shipped name, or a path to a TOML file).
 
-    Raises ValueError naming the shipped profiles when there is no such profile, and when the
-    file has no ``[sim]`` table.
+    Raises ValueError naming the shipped profiles when there is no such profile, and naming the
+    file when it is not UTF-8 TOML or has no ``[sim]`` table.
     """
     path = Path(name)
     if path.suffix != ".toml" or not path.is_file():
         path = PROFILE_DIR / f"{name}.toml"
     if not path.is_file():
         raise ValueError(f"no sim profile {name!r}: give a TOML file or one of {', '.join(shipped_profiles())}")
-    data = tomllib.loads(path.read_text())
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"sim profile {path} is not UTF-8 text (byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"sim profile {path} is not TOML: {exc}") from None
     sim = data.get("sim")
     if not isinstance(sim, dict):
         raise ValueError(f"sim profile {path}: no [sim] table of SimSettings fields")
