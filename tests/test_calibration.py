@@ -300,3 +300,13 @@ def test_calibrate_refuses_shapes_the_engine_it_describes_cannot_serve(args, mes
 def test_a_loop_whose_requests_cannot_fit_the_cache_is_refused():
     with pytest.raises(ValueError, match="needs 255 tokens of KV cache"):
         closed_loop(SimSettings(kv_cache_tokens=128, block_size=16), Workload(4, 160, 96))
+
+
+def test_a_front_end_turn_that_fits_nothing_is_passed_over():
+    """The search for the front-end turn tries up to half the quickest TTFT; here the median
+    request waits two turns, so that one is longer than every time measured and no non-negative
+    profile fits it. Before: that one point ended the whole fit with 'no non-negative profile
+    fits these measurements', though shorter turns fit (0 among them)."""
+    fit = fit_profile(SimSettings(), [Measurement(Workload(2, 100, 10), 500.0, 0.05, 0.05)])
+    assert all(t >= 0 for t in fit.theta) and fit.theta[5] < 0.025
+    assert fit.max_throughput_rel_err < 0.1  # the figures disagree: a TTFT longer than a request takes

@@ -329,13 +329,18 @@ def fit_profile(
         return _alternate(base, measurements, start, fixed, free, ttft_weight)[1]
     pinned = [*free[:5], False]
 
-    def at(serial: float) -> tuple[float, Fit]:
-        return _alternate(base, measurements, start, [*fixed[:5], serial], pinned, ttft_weight)
+    def at(serial: float) -> tuple[float, Fit | None]:
+        try:
+            return _alternate(base, measurements, start, [*fixed[:5], serial], pinned, ttft_weight)
+        except ValueError:  # a turn longer than the times measured: no profile has it
+            return math.inf, None
 
     grid = [share * min(ttfts) for share in SERIAL_GRID]
     fits = [at(serial) for serial in grid]
     i = min(range(len(grid)), key=lambda i: fits[i][0])
     best = fits[i]
+    if best[1] is None:
+        raise ValueError("no non-negative profile fits these measurements")
     # Golden-section search between the best point's neighbours.
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     for _ in range(SERIAL_SEARCH_ROUNDS):
@@ -347,6 +352,7 @@ def fit_profile(
         else:
             lo = left
     # Last, every cost free, from the best schedule found.
+    assert best[1] is not None  # the grid's best fits, and the search only replaces it by a better
     return min(best, _alternate(base, measurements, list(best[1].theta), fixed, free, ttft_weight), key=lambda fit: fit[0])[1]
 
 
@@ -360,15 +366,21 @@ GOLDEN = (5**0.5 - 1) / 2
 def _alternate(
     base: SimSettings, measurements: Sequence[Measurement], start: Sequence[float], fixed: Sequence[float], free: Sequence[bool], ttft_weight: float
 ) -> tuple[float, Fit]:
-    """Rounds of run-then-solve from `start`; the best round's squared error and fit."""
+    """Rounds of run-then-solve from `start`; the best round's squared error and fit. Raises
+    ValueError when no non-negative profile fits the first round's schedules."""
     theta: Vector = tuple(v if f else x for v, f, x in zip(start, free, fixed))  # type: ignore[assignment]
     best: tuple[float, Fit] | None = None
-    for _ in range(FIT_ROUNDS):
+    for round_ in range(FIT_ROUNDS):
         loops = [closed_loop(base, m.workload, theta) for m in measurements]
         error = _squared_error(theta, measurements, loops, ttft_weight)
         if best is None or error < best[0]:
             best = (error, Fit(theta, evaluate(theta, measurements, loops)))
-        solved = _solve(theta, measurements, loops, fixed, free, ttft_weight)
+        try:
+            solved = _solve(theta, measurements, loops, fixed, free, ttft_weight)
+        except ValueError:
+            if not round_:
+                raise
+            break  # these schedules admit no non-negative profile: the earlier rounds' best stands
         if solved == theta:
             break  # the schedules it was solved on are its own
         theta = solved
