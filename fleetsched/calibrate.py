@@ -29,6 +29,7 @@ import anyio
 import httpx
 
 from ._args import positive_int, writable_file
+from .backends.sim._engine import check_request_fits
 from .backends.sim._fit import PARAMS, Fit, Measurement, Workload, fit_profile
 from .backends.sim._profiles import dump_profile
 from .settings import SimSettings
@@ -369,6 +370,11 @@ def main(argv: list[str]) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
         max_model_len=args.max_model_len,
     )
+    for prompt, max_tokens in args.shapes:  # the fit runs them on this engine: after the sweep is too late
+        try:
+            check_request_fits(base, prompt, max_tokens)
+        except ValueError as exc:
+            parser.error(f"--shapes {prompt}:{max_tokens}: {exc} (give the server's --max-model-len and --kv-cache-tokens)")
     print(f"sweeping {args.url}: concurrency {args.concurrency}, (prompt, max_tokens) {args.shapes}")
     try:
         samples = anyio.run(sweep, args.url, args.model, args.concurrency, args.shapes, args.rounds, print, args.stream_interval, args.repeats)

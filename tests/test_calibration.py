@@ -263,3 +263,50 @@ def test_calibrate_prints_the_profile_it_cannot_write(vllm_server, capsys):
     out, err = capsys.readouterr()
     assert "fleetsched calibrate: cannot write /dev/full: [Errno 28] No space left on device" in err and "Traceback" not in err
     assert "[sim]" in out and "step_base_s = " in out
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [  # before: a fit that never ended (nan), ZeroDivisionError (0, inf), an IndexError (none),
+        # a profile with a negative front-end turn (a negative TTFT)
+        (lambda: [Measurement(Workload(2, 100, 10), float("nan"), 0.05, 0.05)], "throughput must be a finite number > 0, got nan"),
+        (lambda: [Measurement(Workload(2, 100, 10), 0.0, 0.05, 0.05)], "throughput must be a finite number > 0, got 0.0"),
+        (lambda: [Measurement(Workload(2, 100, 10), float("inf"))], "throughput must be a finite number > 0, got inf"),
+        (lambda: [Measurement(Workload(2, 100, 10), 500.0, -0.05, -0.05)], "ttft_mean_s must be a finite number >= 0"),
+        (lambda: [Measurement(Workload(2, 100, 10), 500.0, 0.05, float("nan"))], r"ttft_p50_s must be a finite number >= 0 \(or None\), got nan"),
+        (lambda: [], "no measurements to fit"),
+    ],
+)
+def test_measurements_that_are_no_measures_are_refused_by_name(make, message):
+    with pytest.raises(ValueError, match=message):
+        fit_profile(SimSettings(), make())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [  # before: a sweep of the server, then a ZeroDivisionError traceback (the sim engine never
+        # scheduled the requests the server had served), or a profile whose max_model_len
+        # refuses the requests it was fitted on
+        (["--shapes", "160:96", "--kv-cache-tokens", "128"], "--shapes 160:96: the request needs 255 tokens of KV cache"),
+        (["--shapes", "2000:100"], "--shapes 2000:100: this model's maximum context length is 1024 tokens"),
+    ],
+)
+def test_calibrate_refuses_shapes_the_engine_it_describes_cannot_serve(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        calibrate_main(["--url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.toml"), *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_loop_whose_requests_cannot_fit_the_cache_is_refused():
+    with pytest.raises(ValueError, match="needs 255 tokens of KV cache"):
+        closed_loop(SimSettings(kv_cache_tokens=128, block_size=16), Workload(4, 160, 96))
+
+
+def test_a_front_end_turn_that_fits_nothing_is_passed_over():
+    """The search for the front-end turn tries up to half the quickest TTFT; here the median
+    request waits two turns, so that one is longer than every time measured and no non-negative
+    profile fits it. Before: that one point ended the whole fit with 'no non-negative profile
+    fits these measurements', though shorter turns fit (0 among them)."""
+    fit = fit_profile(SimSettings(), [Measurement(Workload(2, 100, 10), 500.0, 0.05, 0.05)])
+    assert all(t >= 0 for t in fit.theta) and fit.theta[5] < 0.025
+    assert fit.max_throughput_rel_err < 0.1  # the figures disagree: a TTFT longer than a request takes

@@ -76,12 +76,21 @@ def test_parse_cache_config():
     assert capacity.labels["cache_dtype"] == "auto"
 
 
-def test_parse_sums_engines_and_falls_back_to_tokens():
+def test_parse_falls_back_to_tokens():
+    text = 'vllm:cache_config_info{block_size="128",engine="0",kv_cache_size_tokens="2560",num_gpu_blocks="None"} 1.0\n'
+    assert parse_vllm_cache_config(text).num_gpu_blocks == 20
+
+
+def test_a_data_parallel_server_s_blocks_are_counted_once():
+    """vLLM's front end sums its engines' blocks into its one cache config, then exports that
+    config once per engine (vllm/v1/engine/utils.py, wait_for_engine_startup; loggers.py,
+    log_metrics_info): each sample holds the server's total. Before: summed again, a server of
+    two engines read as twice its cache, and admission reserved half the memory it needs."""
     text = (
-        'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="10"} 1.0\n'
-        'vllm:cache_config_info{block_size="128",engine="1",kv_cache_size_tokens="2560",num_gpu_blocks="None"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="54000"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="54000"} 1.0\n'
     )
-    assert parse_vllm_cache_config(text).num_gpu_blocks == 30
+    assert parse_vllm_cache_config(text).num_gpu_blocks == 54000
 
 
 def test_parse_errors():

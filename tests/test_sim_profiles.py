@@ -45,6 +45,31 @@ def test_profile_from_a_file_round_trips(tmp_path):
     assert (sim.step_base_s, sim.max_num_seqs) == (0.5, 3)
 
 
+@pytest.mark.parametrize("text", ["notes\r\nfrom a Windows file", "red \x1b[31mtext\x1b[0m", "nul\x00, del\x7f", 'tab\t, quote " and \\'])
+def test_a_profile_s_text_with_control_characters_loads_back(tmp_path, text):
+    """TOML strings may not hold control characters other than a tab. Before: a calibrate
+    --description with a carriage return (or an escape) wrote a profile that did not load."""
+    path = tmp_path / "mine.toml"
+    path.write_text(dump_profile({"description": text}, {"step_base_s": 0.5}))
+    assert load_profile(str(path)).info["description"] == text
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [  # before: tomllib's or the codec's message alone, naming no file
+        (b"[sim\nstep_base_s = 1\n", r"mine\.toml is not TOML: Expected ']' at the end of a table declaration \(at line 1, column 5\)"),
+        (b"[sim]\nstep_base_s = 1 # \xff\n", r"mine\.toml is not UTF-8 text"),
+    ],
+)
+def test_a_profile_that_is_not_toml_is_named(tmp_path, content, message):
+    path = tmp_path / "mine.toml"
+    path.write_bytes(content)
+    config = tmp_path / "c.toml"
+    config.write_text(f'[backend.sim]\nprofile = "{path}"\n')
+    with pytest.raises(ConfigError, match=message):
+        load_settings(config)
+
+
 def test_hermes_profile_reproduces_its_table_within_10_percent():
     table = hermes_table()
     assert [p["batch"] for p in table["points"]] == list(HERMES_TABLE)

@@ -89,3 +89,12 @@ def test_cli_runs_a_trace_and_refuses_a_bad_one(tmp_path):
     write(trace, {"tenant": "acme"}, "{oops")
     done = subprocess.run([sys.executable, "-m", "fleetsched.cli", "run", str(config), "--no-live"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "workload.trace line 2" in done.stderr
+
+
+def test_an_unknown_tenant_is_named_by_its_line(tmp_path):
+    """Before: 'workload.trace session 2', counted without the blank lines, while every other
+    error of a trace names its line."""
+    trace = write(tmp_path / "t.jsonl", "", {"tenant": "acme"}, "", {"tenant": "ghost"})
+    with pytest.raises(ConfigError, match="'ghost' is not a declared tenant") as info:
+        plan(WorkloadSettings(trace=trace), ["acme"])
+    assert info.value.key == "workload.trace line 4: tenant"

@@ -88,9 +88,10 @@ class PlannedSession:
     agent: Agent
 
 
-def read_trace(path: Path) -> list[tuple[float, AgentMix]]:
+def read_trace(path: Path, tenants: Iterable[str] | None = None) -> list[tuple[float, AgentMix]]:
     """The sessions of a JSONL trace as (arrival offset, agent mix of one). Raises `ConfigError`
-    naming the line and the field that is wrong."""
+    naming the line and the field that is wrong; with `tenants`, a tenant not among them too."""
+    known = set(tenants) if tenants is not None else None
     sessions = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -117,6 +118,8 @@ def read_trace(path: Path) -> list[tuple[float, AgentMix]]:
             raise ConfigError(f"{key}: {field}", message) from None
         except ValueError as exc:  # JSON syntax, or `at`
             raise ConfigError(key, str(exc)) from None
+        if known is not None and mix.tenant not in known:
+            raise ConfigError(f"{key}: tenant", f"{mix.tenant!r} is not a declared tenant")
         sessions.append((at, mix))
     return sessions
 
@@ -137,10 +140,7 @@ def plan(workload: WorkloadSettings, tenants: Iterable[str] | None = None) -> li
             at += rng.expovariate(workload.arrival_rate)
         sessions.append(PlannedSession(at, kind, mix, scripted_chat_agent(mix, rng)))
     if workload.trace is not None:
-        known = set(tenants) if tenants is not None else None
-        for number, (offset, mix) in enumerate(read_trace(workload.trace), 1):
-            if known is not None and mix.tenant not in known:
-                raise ConfigError(f"workload.trace session {number}: tenant", f"{mix.tenant!r} is not a declared tenant")
+        for offset, mix in read_trace(workload.trace, tenants):
             sessions.append(PlannedSession(offset, mix.kind or mix.tenant, mix, scripted_chat_agent(mix, rng)))
         sessions.sort(key=lambda planned: planned.at)
     return sessions

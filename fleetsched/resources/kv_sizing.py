@@ -180,25 +180,29 @@ def _unescape(value: str) -> str:
 def parse_vllm_cache_config(metrics_text: str) -> KVCacheCapacity:
     """Read ``vllm:cache_config_info`` from a vLLM server's ``/metrics`` text (Prometheus format).
 
-    Reads ``num_gpu_blocks`` (or, failing that, ``kv_cache_size_tokens`` / ``block_size``); with
-    several engines (one sample each) the blocks add up. Raises ValueError when the metric is
-    absent or lacks usable numbers (vLLM reports "None" before the engine has profiled memory).
+    Reads ``num_gpu_blocks`` (or, failing that, ``kv_cache_size_tokens`` / ``block_size``). A
+    data-parallel server exports one sample per engine, each holding the server's total (its
+    front end sums the engines' blocks into one cache config), so they are not added up; the
+    smallest is read, should they differ. Raises ValueError when the metric is absent or lacks
+    usable numbers (vLLM reports "None" before the engine has profiled memory).
     """
     samples = [
         {key: _unescape(value) for key, value in _LABEL.findall(m.group("labels"))} for m in _SAMPLE.finditer(metrics_text)
     ]
     if not samples:
         raise ValueError("no vllm:cache_config_info sample in the metrics text; is this a vLLM server's /metrics?")
-    blocks = 0
-    for labels in samples:  # one per engine of a data-parallel server: their caches add up
-        block_size = _number(labels, "block_size")
-        if _number(labels, "num_gpu_blocks", required=False):
-            blocks += _number(labels, "num_gpu_blocks")
-        elif _number(labels, "kv_cache_size_tokens", required=False):
-            blocks += _number(labels, "kv_cache_size_tokens") // block_size
-        else:
-            _number(labels, "num_gpu_blocks")  # raises, naming the label
+    blocks = min(_blocks(labels) for labels in samples)
     return KVCacheCapacity(blocks, _number(samples[0], "block_size"), samples[0])
+
+
+def _blocks(labels: Mapping[str, str]) -> int:
+    """The blocks one ``vllm:cache_config_info`` sample reports."""
+    block_size = _number(labels, "block_size")
+    if _number(labels, "num_gpu_blocks", required=False):
+        return _number(labels, "num_gpu_blocks")
+    if _number(labels, "kv_cache_size_tokens", required=False):
+        return _number(labels, "kv_cache_size_tokens") // block_size
+    return _number(labels, "num_gpu_blocks")  # raises, naming the label
 
 
 def _number(labels: Mapping[str, str], key: str, *, required: bool = True) -> int:

@@ -48,14 +48,13 @@ from ..base import (
     Chunk,
     EngineSignals,
     chat_completion,
-    check_fits,
     invalid_messages,
     make_chunk,
     new_completion_id,
     usage_dict,
     wants_continuous_usage,
 )
-from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step
+from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, check_request_fits
 from ._kv_cache import CHARS_PER_TOKEN, block_hashes, prompt_text
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
 
@@ -346,17 +345,7 @@ class SimBackend(Backend):
             max_tokens = given
         else:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, s.max_model_len - prompt))
-        check_fits(s.max_model_len, prompt, max_tokens)
-        # Its last token is sampled, never written to the cache: it needs one slot less than its
-        # length (a prompt that fills the cache can still get one token, as in vLLM).
-        slots = prompt + max_tokens - 1
-        capacity = (s.kv_cache_tokens // s.block_size) * s.block_size
-        if slots > capacity:
-            raise ContextTooLong(
-                f"the request needs {slots} tokens of KV cache ({prompt} prompt + {max_tokens} "
-                f"completion, the last never cached) but the whole cache holds {capacity}; shorten it "
-                "or enlarge kv_cache_tokens"
-            )
+        check_request_fits(s, prompt, max_tokens)
         hashes = block_hashes(text, s.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
         interval = body.get("stream_interval", s.stream_interval)  # per request, as vLLM takes it

@@ -39,8 +39,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+from fleetsched.errors import ContextTooLong
 from fleetsched.settings import SimSettings
 
+from ..base import check_fits
 from ._kv_cache import BlockPool
 from ._queues import make_queue
 
@@ -160,6 +162,22 @@ class Step:
         self.repeat -= n
         self.context += n * self.coasting
         self.duration += n * self.growth
+
+
+def check_request_fits(settings: SimSettings, prompt_tokens: int, max_tokens: int) -> None:
+    """Raise `ContextTooLong` for a request vLLM would refuse: over the model's context, or more
+    than the whole KV cache holds (the engine would wait for room that never comes)."""
+    check_fits(settings.max_model_len, prompt_tokens, max_tokens)
+    # Its last token is sampled, never written to the cache: it needs one slot less than its
+    # length (a prompt that fills the cache can still get one token, as in vLLM).
+    slots = prompt_tokens + max_tokens - 1
+    capacity = (settings.kv_cache_tokens // settings.block_size) * settings.block_size
+    if slots > capacity:
+        raise ContextTooLong(
+            f"the request needs {slots} tokens of KV cache ({prompt_tokens} prompt + {max_tokens} "
+            f"completion, the last never cached) but the whole cache holds {capacity}; shorten it "
+            "or enlarge kv_cache_tokens"
+        )
 
 
 class SimEngine:

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from fleetsched.settings import SimSettings
 
-from ._engine import FINISHED, SimEngine
+from ._engine import FINISHED, SimEngine, check_request_fits
 
 #: The profile's fields, in the order of the feature vectors.
 PARAMS = ("step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s", "request_overhead_s", "request_serial_s")
@@ -124,8 +125,11 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
     engine sees a request ``request_overhead_s`` after the front end is done with it, at the
     first step that starts after that (as the backend does), and idles when nothing has arrived.
     Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
-    its answer length (`Workload.answer_lengths`).
+    its answer length (`Workload.answer_lengths`). Raises `ContextTooLong` (a ValueError) when
+    the longest request does not fit the engine (`check_request_fits`).
     """
+    lengths = workload.answer_lengths()  # each client's, popped as it sends
+    check_request_fits(settings, workload.prompt_tokens, max(map(max, lengths)))
     theta = theta_of(settings) if theta is None else tuple(theta)
     engine = SimEngine(settings)
     out = LoopFeatures()
@@ -154,7 +158,6 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
         sent[request] = at
         left[request] = client
 
-    lengths = workload.answer_lengths()  # each client's, popped as it sends
     for client in range(workload.concurrency):
         send(client, now)
     while True:
@@ -191,6 +194,16 @@ class Measurement:
     """Output tokens per second, all clients together."""
     ttft_mean_s: float | None = None
     ttft_p50_s: float | None = None
+    """Seconds; None or 0 when not measured."""
+
+    def __post_init__(self) -> None:
+        # The fit divides by each figure: a NaN never let it settle, a 0 or inf divided by zero.
+        if not 0 < self.throughput < math.inf:
+            raise ValueError(f"measurement: throughput must be a finite number > 0, got {self.throughput!r}")
+        for name in ("ttft_mean_s", "ttft_p50_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise ValueError(f"measurement: {name} must be a finite number >= 0 (or None), got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +312,8 @@ def fit_profile(
     by golden-section search, the other costs fitted at each point, and then set free from the
     best point.
     """
+    if not measurements:
+        raise ValueError("fit_profile: no measurements to fit")
     unknown = set(fit) - set(PARAMS)
     if unknown:
         raise ValueError(f"fit: unknown parameters {sorted(unknown)}; known: {', '.join(PARAMS)}")
@@ -314,13 +329,18 @@ def fit_profile(
         return _alternate(base, measurements, start, fixed, free, ttft_weight)[1]
     pinned = [*free[:5], False]
 
-    def at(serial: float) -> tuple[float, Fit]:
-        return _alternate(base, measurements, start, [*fixed[:5], serial], pinned, ttft_weight)
+    def at(serial: float) -> tuple[float, Fit | None]:
+        try:
+            return _alternate(base, measurements, start, [*fixed[:5], serial], pinned, ttft_weight)
+        except ValueError:  # a turn longer than the times measured: no profile has it
+            return math.inf, None
 
     grid = [share * min(ttfts) for share in SERIAL_GRID]
     fits = [at(serial) for serial in grid]
     i = min(range(len(grid)), key=lambda i: fits[i][0])
     best = fits[i]
+    if best[1] is None:
+        raise ValueError("no non-negative profile fits these measurements")
     # Golden-section search between the best point's neighbours.
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     for _ in range(SERIAL_SEARCH_ROUNDS):
@@ -332,6 +352,7 @@ def fit_profile(
         else:
             lo = left
     # Last, every cost free, from the best schedule found.
+    assert best[1] is not None  # the grid's best fits, and the search only replaces it by a better
     return min(best, _alternate(base, measurements, list(best[1].theta), fixed, free, ttft_weight), key=lambda fit: fit[0])[1]
 
 
@@ -345,15 +366,21 @@ GOLDEN = (5**0.5 - 1) / 2
 def _alternate(
     base: SimSettings, measurements: Sequence[Measurement], start: Sequence[float], fixed: Sequence[float], free: Sequence[bool], ttft_weight: float
 ) -> tuple[float, Fit]:
-    """Rounds of run-then-solve from `start`; the best round's squared error and fit."""
+    """Rounds of run-then-solve from `start`; the best round's squared error and fit. Raises
+    ValueError when no non-negative profile fits the first round's schedules."""
     theta: Vector = tuple(v if f else x for v, f, x in zip(start, free, fixed))  # type: ignore[assignment]
     best: tuple[float, Fit] | None = None
-    for _ in range(FIT_ROUNDS):
+    for round_ in range(FIT_ROUNDS):
         loops = [closed_loop(base, m.workload, theta) for m in measurements]
         error = _squared_error(theta, measurements, loops, ttft_weight)
         if best is None or error < best[0]:
             best = (error, Fit(theta, evaluate(theta, measurements, loops)))
-        solved = _solve(theta, measurements, loops, fixed, free, ttft_weight)
+        try:
+            solved = _solve(theta, measurements, loops, fixed, free, ttft_weight)
+        except ValueError:
+            if not round_:
+                raise
+            break  # these schedules admit no non-negative profile: the earlier rounds' best stands
         if solved == theta:
             break  # the schedules it was solved on are its own
         theta = solved

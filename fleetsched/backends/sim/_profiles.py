@@ -9,6 +9,7 @@ measurements it was fitted to and the fit's errors. Select one with ``backend.si
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,20 +38,31 @@ def shipped_profiles() -> list[str]:
 def load_profile(name: str) -> Profile:
     """The profile `name` (a shipped name, or a path to a TOML file).
 
-    Raises ValueError naming the shipped profiles when there is no such profile, and when the
-    file has no ``[sim]`` table.
+    Raises ValueError naming the shipped profiles when there is no such profile, and naming the
+    file when it is not UTF-8 TOML or has no ``[sim]`` table.
     """
     path = Path(name)
     if path.suffix != ".toml" or not path.is_file():
         path = PROFILE_DIR / f"{name}.toml"
     if not path.is_file():
         raise ValueError(f"no sim profile {name!r}: give a TOML file or one of {', '.join(shipped_profiles())}")
-    data = tomllib.loads(path.read_text())
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"sim profile {path} is not UTF-8 text (byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"sim profile {path} is not TOML: {exc}") from None
     sim = data.get("sim")
     if not isinstance(sim, dict):
         raise ValueError(f"sim profile {path}: no [sim] table of SimSettings fields")
     sim = {k: v for k, v in sim.items() if k != "profile"}
     return Profile(path.stem, path, sim, data.get("profile", {}), data.get("fit", {}))
+
+
+#: What a TOML basic string must escape: the quote, the backslash and control characters (a
+#: tab may stand as it is, but need not), each by its short escape where TOML has one.
+_ESCAPED = re.compile(r'["\\\x00-\x1f\x7f]')
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _toml_value(value: Any) -> str:
@@ -59,7 +71,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        return '"' + _ESCAPED.sub(lambda m: _SHORT_ESCAPES.get(m.group(), f"\\u{ord(m.group()):04x}"), value) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
