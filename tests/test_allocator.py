@@ -162,6 +162,20 @@ def test_too_large_fails_at_once():
     assert info.value.largest == 16 * PAGE
 
 
+@pytest.mark.parametrize("strategy", ["buddy", "size-class"])
+def test_a_request_larger_than_a_small_device_goes_to_one_it_fits(strategy):
+    # Rounding capped at the device used to round 10 pages down to the small device's 8, and the
+    # request was granted there with less than it asked (internal fragmentation went negative).
+    p = pool(8 * PAGE, 64 * PAGE, strategy=strategy)
+    r = p.reserve_nowait(10 * PAGE)
+    assert r.device == "gpu1" and r.size >= r.nbytes
+    assert all(d.internal_fragmentation >= 0 for d in p.statistics().devices)
+    r.release()
+    p.reserve_nowait(64 * PAGE)  # gpu1 full: 10 pages fit nowhere
+    with pytest.raises(WouldBlock):
+        p.reserve_nowait(10 * PAGE)
+
+
 class _Index:
     """An integer type that is not an int (as numpy's are)."""
 

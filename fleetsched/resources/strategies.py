@@ -36,7 +36,9 @@ class PlacementStrategy(ABC):
     address_index: ClassVar[bool] = False
 
     def round(self, pages: int, space: AddressSpace) -> int:
-        """Pages to hold for a request of `pages` (never more than the device has)."""
+        """Pages to hold for a request of `pages`: never fewer, and no more than the device has
+        unless `pages` itself is more (a request for a larger device of the pool, which this one
+        must not take)."""
         return pages
 
     @abstractmethod
@@ -67,7 +69,7 @@ class Buddy(PlacementStrategy):
     name = "buddy"
 
     def round(self, pages: int, space: AddressSpace) -> int:
-        return min(1 << (pages - 1).bit_length(), space.pages)
+        return max(pages, min(1 << (pages - 1).bit_length(), space.pages))
 
     def choose(self, space: AddressSpace, n: int) -> int | None:
         align = n if n & (n - 1) == 0 else space.pages  # capped at the device: offset 0 only
@@ -92,7 +94,7 @@ class SizeClass(PlacementStrategy):
             if pages <= size:
                 return max(size, 1)
         step = max(1, round(self.STEP * total))
-        return min(-(-pages // step) * step, total)
+        return max(pages, min(-(-pages // step) * step, total))
 
     def choose(self, space: AddressSpace, n: int) -> int | None:
         hole = space.smallest_fit(n)
