@@ -31,7 +31,9 @@ def accounts_agree(pool: ExtentPool) -> None:
 
 
 @pytest.mark.parametrize("how", ["on-demand compaction", "a compaction plan"])
-@pytest.mark.parametrize("reentry", ["release the moved one", "release another", "pin the moved one", "reserve"])
+@pytest.mark.parametrize(
+    "reentry", ["release the moved one", "release another", "pin the moved one", "reserve", "apply a plan"]
+)
 def test_a_move_callback_that_changes_the_pool_is_refused_and_the_move_undone(how, reentry):
     """Before: the pool was corrupted (two reservations on one page, bytes leaked, a waiter
     granted twice, a movable count of -1) or failed with a bare KeyError."""
@@ -44,6 +46,8 @@ def test_a_move_callback_that_changes_the_pool_is_refused_and_the_move_undone(ho
             held[0].release()
         elif reentry == "pin the moved one":
             reservation.movable = False
+        elif reentry == "apply a plan":  # planned from the reservation's old offset: a bare KeyError
+            pool.apply_plan(pool.plan_compaction(threshold=0.0))
         else:
             pool.reserve_nowait(MB, owner="inside")
 

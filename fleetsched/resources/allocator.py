@@ -529,8 +529,10 @@ class ExtentPool(MemoryPool):
         move is skipped when its reservation was released, is no longer movable, is no longer
         where the plan found it, or its destination is no longer free. If the callback raises,
         that move is not made and the exception propagates; earlier moves stay made. Waiters are
-        served and release listeners called afterwards, since larger holes may now exist.
+        served and release listeners called afterwards, since larger holes may now exist. Raises
+        RuntimeError when called from inside a move callback (that move is half made).
         """
+        self._check_not_moving("applying a compaction plan")
         applied = skipped = moved = 0
         move_callback = move_callback or self._move_callback
         try:
