@@ -345,6 +345,17 @@ def test_bad_quotas_devices_and_priorities_are_refused_by_name(kind):
     assert not p.reservations() and p.statistics().allocated == 0
 
 
+@pytest.mark.parametrize("bad", [1.5, 4096.0, "4096", 0, True])
+def test_a_page_size_or_capacity_that_is_not_a_whole_number_of_bytes_is_refused(bad):
+    # A float page size or capacity was taken and turned the pool's counts into floats (1.5 B
+    # pages: 4096.5 B allocated); a string failed inside a comparison.
+    with pytest.raises(ValueError, match=f"page size must be a whole number of bytes > 0, got {bad!r}"):
+        pool(16 * PAGE, page=bad)
+    with pytest.raises(ValueError, match=f"device 'gpu0': capacity must be a whole number of bytes > 0, got {bad!r}"):
+        DeviceSpec("gpu0", bad)  # type: ignore[arg-type]
+    assert DeviceSpec("gpu0", _Index()).capacity == 3 * PAGE  # numpy's integers are sizes too
+
+
 def test_counting_pool_resizes_too():
     p = CountingPool([DeviceSpec("a", 10)])
     r = p.reserve_nowait(4)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from .defrag import CompactionPlan, DeviceLayout, ExtentView, HolePlan, Move, plan_compaction, plan_hole
 from .extents import AddressSpace
-from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation
+from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation, _positive_bytes
 from .settle import Neighbour, plan_fill, plan_slide
 from .strategies import DEFAULT_STRATEGY, PlacementStrategy, make_strategy
 
@@ -95,9 +95,7 @@ class ExtentPool(MemoryPool):
         self._compacting = False
         #: Times the pool looked for moves (to place a request, or past its threshold), moving or not.
         self.compaction_searches = 0
-        if page_size <= 0:
-            raise ValueError(f"page size must be > 0 bytes, got {page_size}")
-        self.page_size = page_size
+        self.page_size = page_size = _positive_bytes(page_size, "page size")
         self.strategy = make_strategy(strategy) if isinstance(strategy, str) else strategy
         self._spaces: dict[str, AddressSpace] = {}
         for d in self.devices:
