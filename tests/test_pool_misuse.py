@@ -135,3 +135,30 @@ def test_the_pools_figures_for_several_devices():
         assert [d.reservations for d in pool.statistics().devices] == [1, 0]
         assert pool.statistics().fragmentation == 0.0
 
+
+
+async def test_listeners_hear_a_release_whose_waiter_s_compaction_failed():
+    """Before: the move callback's error, raised while the release placed a waiter by moving a
+    reservation, skipped the release listeners: admission never heard memory had come free."""
+    pool = ExtentPool([DeviceSpec("g0", 10 * MB)], page_size=MB, strategy="first-fit", settle=False)
+    held = [pool.reserve_nowait(2 * MB, owner=i) for i in range(5)]
+    held[1].release()
+    held[2].movable = True  # the 4 pages a waiter needs open only by moving it
+    heard: list[str] = []
+    pool.add_release_listener(lambda: heard.append("admission"))
+
+    def copy_fails(reservation, move) -> None:
+        raise OSError("copy failed")
+
+    pool.set_move_callback(copy_fails)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.acquire, 4 * MB)
+        await anyio.sleep(1)
+        heard.clear()
+        with pytest.raises(OSError, match="copy failed"):
+            held[3].release()
+        assert heard == ["admission"] and held[3].released
+        assert pool.statistics().waiting == 1  # still first in line
+        held[0].release()  # pages 0-3 free: the waiter is served
+    accounts_agree(pool)
+    assert pool.statistics().waiting == 0

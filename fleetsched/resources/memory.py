@@ -444,8 +444,11 @@ class MemoryPool(ABC):
 
     def _serve(self) -> None:
         """Serve the waiters and tell the listeners (the line may have moved)."""
-        self._wake()
         failed: BaseException | None = None
+        try:
+            self._wake()
+        except Exception as exc:  # a move callback failed placing a waiter: the listeners still hear
+            failed = exc
         for listener in list(self._listeners):
             try:
                 listener()
