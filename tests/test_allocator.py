@@ -12,6 +12,7 @@ from fleetsched.resources import (
     create_pool,
     make_strategy,
 )
+from fleetsched.resources.strategies import FragAware
 from fleetsched.settings import DeviceSettings, ResourceSettings
 
 GB = 10**9
@@ -116,6 +117,23 @@ def test_frag_aware_puts_large_at_the_top_and_small_at_the_bottom():
     large = p.reserve_nowait(16 * PAGE)
     assert small.offset == 0
     assert large.offset == 48 * PAGE
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"candidates": 0}, "candidates must be an integer >= 1, got 0"),
+        ({"candidates": 1.5}, "candidates must be an integer >= 1, got 1.5"),
+        ({"sliver": -0.5}, "sliver must be a number >= 0, got -0.5"),
+        ({"large_fraction": float("nan")}, "large_fraction must lie in .0, 1., got nan"),
+        ({"large_fraction": "1/8"}, "large_fraction must lie in .0, 1., got '1/8'"),
+    ],
+)
+def test_frag_aware_refuses_bad_options_by_name(options, message):
+    # candidates=0 was taken, and the pool then refused every request that was not an exact
+    # fit, on empty devices too, as fragmentation failures; 1.5 failed inside islice.
+    with pytest.raises(ValueError, match=message):
+        FragAware(**options)
 
 
 def test_unknown_strategy_names_the_known_ones():

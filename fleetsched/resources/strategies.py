@@ -127,6 +127,14 @@ class FragAware(PlacementStrategy):
     name = "frag-aware"
 
     def __init__(self, *, large_fraction: float = 1 / 8, sliver: float = 0.0, candidates: int = 16) -> None:
+        """Raises ValueError naming an option out of its range (no candidates would refuse all
+        but exact fits, on an empty device too)."""
+        if not (isinstance(large_fraction, (int, float)) and 0 <= large_fraction <= 1):
+            raise ValueError(f"large_fraction must lie in [0, 1], got {large_fraction!r}")
+        if not (isinstance(sliver, (int, float)) and sliver >= 0):
+            raise ValueError(f"sliver must be a number >= 0, got {sliver!r}")
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+            raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
         self.large_fraction = large_fraction
         self.sliver = sliver
         self.candidates = candidates
