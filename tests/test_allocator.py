@@ -146,6 +146,16 @@ def test_unknown_strategy_names_the_known_ones():
 # -- the pool ----------------------------------------------------------------------------------------
 
 
+def test_a_pool_refuses_a_strategy_that_is_neither_a_name_nor_a_strategy():
+    # A strategy class (not an instance) failed at the first reservation with "round() missing 1
+    # required positional argument", None at construction with an AttributeError.
+    for bad in (FragAware, None, 3):
+        with pytest.raises(TypeError, match=f"strategy: expected a name .frag-aware, .* or a PlacementStrategy, got {bad!r}"):
+            pool(16 * PAGE, strategy=bad)  # type: ignore[arg-type]
+
+
+
+
 def test_create_pool_builds_every_strategy():
     assert isinstance(create_pool(ResourceSettings(strategy="counting")), CountingPool)
     for name in STRATEGIES:

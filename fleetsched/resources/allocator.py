@@ -43,7 +43,7 @@ from .defrag import CompactionPlan, DeviceLayout, ExtentView, HolePlan, Move, pl
 from .extents import AddressSpace
 from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation, _positive_bytes
 from .settle import Neighbour, plan_fill, plan_slide
-from .strategies import DEFAULT_STRATEGY, PlacementStrategy, make_strategy
+from .strategies import DEFAULT_STRATEGY, STRATEGIES, PlacementStrategy, make_strategy
 
 DEFAULT_PAGE_SIZE = 2 << 20
 
@@ -96,7 +96,12 @@ class ExtentPool(MemoryPool):
         #: Times the pool looked for moves (to place a request, or past its threshold), moving or not.
         self.compaction_searches = 0
         self.page_size = page_size = _positive_bytes(page_size, "page size")
-        self.strategy = make_strategy(strategy) if isinstance(strategy, str) else strategy
+        if isinstance(strategy, str):
+            strategy = make_strategy(strategy)
+        elif not isinstance(strategy, PlacementStrategy):
+            known = ", ".join(STRATEGIES)
+            raise TypeError(f"strategy: expected a name ({known}) or a PlacementStrategy, got {strategy!r}")
+        self.strategy = strategy
         self._spaces: dict[str, AddressSpace] = {}
         for d in self.devices:
             pages = d.capacity // page_size
