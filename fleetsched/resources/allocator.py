@@ -85,8 +85,10 @@ class ExtentPool(MemoryPool):
         self.settles = 0
         #: Of those, fills: a reservation at an edge of the largest free run moved into a hole.
         self.fills = 0
-        if settle_moves is not None and settle_moves < 1:
-            raise ValueError(f"settle_moves must be >= 1 or None, got {settle_moves}")
+        if settle_moves is not None and (
+            isinstance(settle_moves, bool) or not isinstance(settle_moves, int) or settle_moves < 1
+        ):
+            raise ValueError(f"settle_moves must be an integer >= 1 or None, got {settle_moves!r}")
         #: Moves one call (a release, a reservation turning movable) makes at most to settle;
         #: a hole left halfway waits for the next call. None: no limit.
         self.settle_moves = settle_moves
