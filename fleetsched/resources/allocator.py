@@ -205,8 +205,12 @@ class ExtentPool(MemoryPool):
         if best is None:
             return None
         plan = best[1]
-        self._carry_out(plan.moves)
-        self.compactions += 1
+        made = self.moves
+        try:
+            self._carry_out(plan.moves)
+        finally:  # counted as made, also when a later move's callback raises
+            if self.moves > made:
+                self.compactions += 1
         return self._commit(plan.device, plan.offset, plan.length, nbytes)
 
     def _carry_out(self, moves: tuple[Move, ...]) -> None:
