@@ -284,6 +284,8 @@ def test_a_failing_move_callback_stops_settling_and_propagates():
     assert r1.released and pages(r2, r3, r4) == [2, 6, 8]  # r2 moved, r3's move undone
     pool.check_invariants()
     assert pool.statistics().allocated == 8 * PAGE
+    # The settling that moved r2 counts (it did not: 1 move, 0 settles).
+    assert (pool.settles, pool.statistics().moves) == (1, 1)
 
 
 def test_resize_keeps_the_index_and_a_shrink_settles():

@@ -403,11 +403,13 @@ class ExtentPool(MemoryPool):
 
     def _settle_moves(self, moves: list[Move]) -> None:
         self._compacting = True
+        made = self.moves
         try:
             self._carry_out(tuple(moves))
         finally:
             self._compacting = False
-        self.settles += 1
+            if self.moves > made:  # also when a later move's callback raised
+                self.settles += 1
 
     def _released_memory(self) -> None:
         try:
