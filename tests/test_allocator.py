@@ -12,6 +12,7 @@ from fleetsched.resources import (
     create_pool,
     make_strategy,
 )
+from fleetsched.resources.strategies import FragAware
 from fleetsched.settings import DeviceSettings, ResourceSettings
 
 GB = 10**9
@@ -118,6 +119,23 @@ def test_frag_aware_puts_large_at_the_top_and_small_at_the_bottom():
     assert large.offset == 48 * PAGE
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"candidates": 0}, "candidates must be an integer >= 1, got 0"),
+        ({"candidates": 1.5}, "candidates must be an integer >= 1, got 1.5"),
+        ({"sliver": -0.5}, "sliver must be a number >= 0, got -0.5"),
+        ({"large_fraction": float("nan")}, "large_fraction must lie in .0, 1., got nan"),
+        ({"large_fraction": "1/8"}, "large_fraction must lie in .0, 1., got '1/8'"),
+    ],
+)
+def test_frag_aware_refuses_bad_options_by_name(options, message):
+    # candidates=0 was taken, and the pool then refused every request that was not an exact
+    # fit, on empty devices too, as fragmentation failures; 1.5 failed inside islice.
+    with pytest.raises(ValueError, match=message):
+        FragAware(**options)
+
+
 def test_unknown_strategy_names_the_known_ones():
     with pytest.raises(ValueError, match="first-fit"):
         make_strategy("worst-fit")
@@ -126,6 +144,16 @@ def test_unknown_strategy_names_the_known_ones():
 
 
 # -- the pool ----------------------------------------------------------------------------------------
+
+
+def test_a_pool_refuses_a_strategy_that_is_neither_a_name_nor_a_strategy():
+    # A strategy class (not an instance) failed at the first reservation with "round() missing 1
+    # required positional argument", None at construction with an AttributeError.
+    for bad in (FragAware, None, 3):
+        with pytest.raises(TypeError, match=f"strategy: expected a name .frag-aware, .* or a PlacementStrategy, got {bad!r}"):
+            pool(16 * PAGE, strategy=bad)  # type: ignore[arg-type]
+
+
 
 
 def test_create_pool_builds_every_strategy():
@@ -160,6 +188,20 @@ def test_too_large_fails_at_once():
     with pytest.raises(RequestTooLarge) as info:
         p.reserve_nowait(17 * PAGE)
     assert info.value.largest == 16 * PAGE
+
+
+@pytest.mark.parametrize("strategy", ["buddy", "size-class"])
+def test_a_request_larger_than_a_small_device_goes_to_one_it_fits(strategy):
+    # Rounding capped at the device used to round 10 pages down to the small device's 8, and the
+    # request was granted there with less than it asked (internal fragmentation went negative).
+    p = pool(8 * PAGE, 64 * PAGE, strategy=strategy)
+    r = p.reserve_nowait(10 * PAGE)
+    assert r.device == "gpu1" and r.size >= r.nbytes
+    assert all(d.internal_fragmentation >= 0 for d in p.statistics().devices)
+    r.release()
+    p.reserve_nowait(64 * PAGE)  # gpu1 full: 10 pages fit nowhere
+    with pytest.raises(WouldBlock):
+        p.reserve_nowait(10 * PAGE)
 
 
 class _Index:
@@ -329,6 +371,17 @@ def test_bad_quotas_devices_and_priorities_are_refused_by_name(kind):
     with pytest.raises(TypeError, match="priority: expected an integer .lower is sooner., got 'high'"):
         p.reserve_nowait(PAGE, priority="high")  # type: ignore[arg-type]
     assert not p.reservations() and p.statistics().allocated == 0
+
+
+@pytest.mark.parametrize("bad", [1.5, 4096.0, "4096", 0, True])
+def test_a_page_size_or_capacity_that_is_not_a_whole_number_of_bytes_is_refused(bad):
+    # A float page size or capacity was taken and turned the pool's counts into floats (1.5 B
+    # pages: 4096.5 B allocated); a string failed inside a comparison.
+    with pytest.raises(ValueError, match=f"page size must be a whole number of bytes > 0, got {bad!r}"):
+        pool(16 * PAGE, page=bad)
+    with pytest.raises(ValueError, match=f"device 'gpu0': capacity must be a whole number of bytes > 0, got {bad!r}"):
+        DeviceSpec("gpu0", bad)  # type: ignore[arg-type]
+    assert DeviceSpec("gpu0", _Index()).capacity == 3 * PAGE  # numpy's integers are sizes too
 
 
 def test_counting_pool_resizes_too():

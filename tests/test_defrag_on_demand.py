@@ -244,3 +244,26 @@ def test_threshold_compaction_stopped_by_its_callback_counts_the_moves_it_made()
     stats = pool.statistics()
     assert (stats.compactions, stats.moves, stats.moved_bytes) == (1, 2, sum(r.size for r in moved))
     pool.space("gpu0").check()
+
+
+def test_on_demand_compaction_stopped_by_its_callback_counts_the_moves_it_made():
+    """Before: a callback that raised on the second move of a plan left the first move made and
+    counted in moves, but no compaction counted (1 move in 0 compactions)."""
+    pool = ExtentPool([DeviceSpec("gpu0", 8 * PAGE)], strategy="first-fit", page_size=PAGE, settle=False)
+    held = [pool.reserve_nowait(PAGE, owner=i) for i in range(8)]
+    for i in (1, 4, 7):
+        held[i].release()
+    held[2].movable = held[3].movable = True  # 3 free pages, none together: two moves open [1, 4)
+    calls = []
+
+    def fails_second(r, m):
+        calls.append(m)
+        if len(calls) == 2:
+            raise OSError("copy failed")
+
+    pool.set_move_callback(fails_second)
+    with pytest.raises(OSError, match="copy failed"):
+        pool.reserve_nowait(3 * PAGE, owner="big")
+    stats = pool.statistics()
+    assert (stats.compactions, stats.moves, stats.moved_bytes) == (1, 1, PAGE)
+    pool.check_invariants()

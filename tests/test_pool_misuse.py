@@ -31,7 +31,9 @@ def accounts_agree(pool: ExtentPool) -> None:
 
 
 @pytest.mark.parametrize("how", ["on-demand compaction", "a compaction plan"])
-@pytest.mark.parametrize("reentry", ["release the moved one", "release another", "pin the moved one", "reserve"])
+@pytest.mark.parametrize(
+    "reentry", ["release the moved one", "release another", "pin the moved one", "reserve", "apply a plan"]
+)
 def test_a_move_callback_that_changes_the_pool_is_refused_and_the_move_undone(how, reentry):
     """Before: the pool was corrupted (two reservations on one page, bytes leaked, a waiter
     granted twice, a movable count of -1) or failed with a bare KeyError."""
@@ -44,6 +46,8 @@ def test_a_move_callback_that_changes_the_pool_is_refused_and_the_move_undone(ho
             held[0].release()
         elif reentry == "pin the moved one":
             reservation.movable = False
+        elif reentry == "apply a plan":  # planned from the reservation's old offset: a bare KeyError
+            pool.apply_plan(pool.plan_compaction(threshold=0.0))
         else:
             pool.reserve_nowait(MB, owner="inside")
 
@@ -131,3 +135,30 @@ def test_the_pools_figures_for_several_devices():
         assert [d.reservations for d in pool.statistics().devices] == [1, 0]
         assert pool.statistics().fragmentation == 0.0
 
+
+
+async def test_listeners_hear_a_release_whose_waiter_s_compaction_failed():
+    """Before: the move callback's error, raised while the release placed a waiter by moving a
+    reservation, skipped the release listeners: admission never heard memory had come free."""
+    pool = ExtentPool([DeviceSpec("g0", 10 * MB)], page_size=MB, strategy="first-fit", settle=False)
+    held = [pool.reserve_nowait(2 * MB, owner=i) for i in range(5)]
+    held[1].release()
+    held[2].movable = True  # the 4 pages a waiter needs open only by moving it
+    heard: list[str] = []
+    pool.add_release_listener(lambda: heard.append("admission"))
+
+    def copy_fails(reservation, move) -> None:
+        raise OSError("copy failed")
+
+    pool.set_move_callback(copy_fails)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.acquire, 4 * MB)
+        await anyio.sleep(1)
+        heard.clear()
+        with pytest.raises(OSError, match="copy failed"):
+            held[3].release()
+        assert heard == ["admission"] and held[3].released
+        assert pool.statistics().waiting == 1  # still first in line
+        held[0].release()  # pages 0-3 free: the waiter is served
+    accounts_agree(pool)
+    assert pool.statistics().waiting == 0

@@ -262,8 +262,11 @@ def test_no_settling_when_off(options):
 def test_compact_off_turns_settling_off_unless_asked():
     assert ExtentPool([DeviceSpec("g", 4 * PAGE)], page_size=PAGE, compact=False).settle is False
     assert ExtentPool([DeviceSpec("g", 4 * PAGE)], page_size=PAGE, compact=False, settle=True).settle is True
-    with pytest.raises(ValueError):
-        ExtentPool([DeviceSpec("g", 4 * PAGE)], page_size=PAGE, settle_moves=0)
+    # 1.5 was taken: a call made two moves, the budget went below 0 and never hit the 0 that
+    # queues the rest of a hole for the next call; "2" failed inside a comparison.
+    for bad in (0, 1.5, "2", True):
+        with pytest.raises(ValueError, match=f"settle_moves must be an integer >= 1 or None, got {bad!r}"):
+            ExtentPool([DeviceSpec("g", 4 * PAGE)], page_size=PAGE, settle_moves=bad)
 
 
 def test_a_failing_move_callback_stops_settling_and_propagates():
@@ -281,6 +284,8 @@ def test_a_failing_move_callback_stops_settling_and_propagates():
     assert r1.released and pages(r2, r3, r4) == [2, 6, 8]  # r2 moved, r3's move undone
     pool.check_invariants()
     assert pool.statistics().allocated == 8 * PAGE
+    # The settling that moved r2 counts (it did not: 1 move, 0 settles).
+    assert (pool.settles, pool.statistics().moves) == (1, 1)
 
 
 def test_resize_keeps_the_index_and_a_shrink_settles():

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from .defrag import CompactionPlan, DeviceLayout, ExtentView, HolePlan, Move, plan_compaction, plan_hole
 from .extents import AddressSpace
-from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation
+from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation, _positive_bytes
 from .settle import Neighbour, plan_fill, plan_slide
-from .strategies import DEFAULT_STRATEGY, PlacementStrategy, make_strategy
+from .strategies import DEFAULT_STRATEGY, STRATEGIES, PlacementStrategy, make_strategy
 
 DEFAULT_PAGE_SIZE = 2 << 20
 
@@ -85,8 +85,10 @@ class ExtentPool(MemoryPool):
         self.settles = 0
         #: Of those, fills: a reservation at an edge of the largest free run moved into a hole.
         self.fills = 0
-        if settle_moves is not None and settle_moves < 1:
-            raise ValueError(f"settle_moves must be >= 1 or None, got {settle_moves}")
+        if settle_moves is not None and (
+            isinstance(settle_moves, bool) or not isinstance(settle_moves, int) or settle_moves < 1
+        ):
+            raise ValueError(f"settle_moves must be an integer >= 1 or None, got {settle_moves!r}")
         #: Moves one call (a release, a reservation turning movable) makes at most to settle;
         #: a hole left halfway waits for the next call. None: no limit.
         self.settle_moves = settle_moves
@@ -95,10 +97,13 @@ class ExtentPool(MemoryPool):
         self._compacting = False
         #: Times the pool looked for moves (to place a request, or past its threshold), moving or not.
         self.compaction_searches = 0
-        if page_size <= 0:
-            raise ValueError(f"page size must be > 0 bytes, got {page_size}")
-        self.page_size = page_size
-        self.strategy = make_strategy(strategy) if isinstance(strategy, str) else strategy
+        self.page_size = page_size = _positive_bytes(page_size, "page size")
+        if isinstance(strategy, str):
+            strategy = make_strategy(strategy)
+        elif not isinstance(strategy, PlacementStrategy):
+            known = ", ".join(STRATEGIES)
+            raise TypeError(f"strategy: expected a name ({known}) or a PlacementStrategy, got {strategy!r}")
+        self.strategy = strategy
         self._spaces: dict[str, AddressSpace] = {}
         for d in self.devices:
             pages = d.capacity // page_size
@@ -200,8 +205,12 @@ class ExtentPool(MemoryPool):
         if best is None:
             return None
         plan = best[1]
-        self._carry_out(plan.moves)
-        self.compactions += 1
+        made = self.moves
+        try:
+            self._carry_out(plan.moves)
+        finally:  # counted as made, also when a later move's callback raises
+            if self.moves > made:
+                self.compactions += 1
         return self._commit(plan.device, plan.offset, plan.length, nbytes)
 
     def _carry_out(self, moves: tuple[Move, ...]) -> None:
@@ -394,11 +403,13 @@ class ExtentPool(MemoryPool):
 
     def _settle_moves(self, moves: list[Move]) -> None:
         self._compacting = True
+        made = self.moves
         try:
             self._carry_out(tuple(moves))
         finally:
             self._compacting = False
-        self.settles += 1
+            if self.moves > made:  # also when a later move's callback raised
+                self.settles += 1
 
     def _released_memory(self) -> None:
         try:
@@ -529,8 +540,10 @@ class ExtentPool(MemoryPool):
         move is skipped when its reservation was released, is no longer movable, is no longer
         where the plan found it, or its destination is no longer free. If the callback raises,
         that move is not made and the exception propagates; earlier moves stay made. Waiters are
-        served and release listeners called afterwards, since larger holes may now exist.
+        served and release listeners called afterwards, since larger holes may now exist. Raises
+        RuntimeError when called from inside a move callback (that move is half made).
         """
+        self._check_not_moving("applying a compaction plan")
         applied = skipped = moved = 0
         move_callback = move_callback or self._move_callback
         try:

@@ -47,8 +47,8 @@ class DeviceSpec:
     capacity: int
 
     def __post_init__(self) -> None:
-        if self.capacity <= 0:
-            raise ValueError(f"device {self.name!r}: capacity must be > 0 bytes, got {self.capacity}")
+        capacity = _positive_bytes(self.capacity, f"device {self.name!r}: capacity")
+        object.__setattr__(self, "capacity", capacity)  # numpy's integers as an int
 
 
 class Reservation:
@@ -179,12 +179,18 @@ def _whole_bytes(nbytes: object, verb: str) -> int:
     return whole
 
 
-def _valid_quota(tenant: str, nbytes: object) -> int:
-    """`nbytes` as a quota: a whole number of bytes > 0 (nan would switch the quota off)."""
+def _positive_bytes(nbytes: object, what: str) -> int:
+    """`nbytes` as an int, for a setting (a quota, a capacity, a page size): a whole number of
+    bytes > 0, else ValueError naming `what` (nan would switch a quota off, a float page size
+    make the pool's counts floats)."""
     try:
         return _whole_bytes(nbytes, "hold")
     except (TypeError, ValueError):
-        raise ValueError(f"memory quota of tenant {tenant!r} must be a whole number of bytes > 0, got {nbytes!r}") from None
+        raise ValueError(f"{what} must be a whole number of bytes > 0, got {nbytes!r}") from None
+
+
+def _valid_quota(tenant: str, nbytes: object) -> int:
+    return _positive_bytes(nbytes, f"memory quota of tenant {tenant!r}")
 
 
 class MemoryPool(ABC):
@@ -438,8 +444,11 @@ class MemoryPool(ABC):
 
     def _serve(self) -> None:
         """Serve the waiters and tell the listeners (the line may have moved)."""
-        self._wake()
         failed: BaseException | None = None
+        try:
+            self._wake()
+        except Exception as exc:  # a move callback failed placing a waiter: the listeners still hear
+            failed = exc
         for listener in list(self._listeners):
             try:
                 listener()

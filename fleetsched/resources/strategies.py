@@ -36,7 +36,9 @@ class PlacementStrategy(ABC):
     address_index: ClassVar[bool] = False
 
     def round(self, pages: int, space: AddressSpace) -> int:
-        """Pages to hold for a request of `pages` (never more than the device has)."""
+        """Pages to hold for a request of `pages`: never fewer, and no more than the device has
+        unless `pages` itself is more (a request for a larger device of the pool, which this one
+        must not take)."""
         return pages
 
     @abstractmethod
@@ -67,7 +69,7 @@ class Buddy(PlacementStrategy):
     name = "buddy"
 
     def round(self, pages: int, space: AddressSpace) -> int:
-        return min(1 << (pages - 1).bit_length(), space.pages)
+        return max(pages, min(1 << (pages - 1).bit_length(), space.pages))
 
     def choose(self, space: AddressSpace, n: int) -> int | None:
         align = n if n & (n - 1) == 0 else space.pages  # capped at the device: offset 0 only
@@ -92,7 +94,7 @@ class SizeClass(PlacementStrategy):
             if pages <= size:
                 return max(size, 1)
         step = max(1, round(self.STEP * total))
-        return min(-(-pages // step) * step, total)
+        return max(pages, min(-(-pages // step) * step, total))
 
     def choose(self, space: AddressSpace, n: int) -> int | None:
         hole = space.smallest_fit(n)
@@ -125,6 +127,14 @@ class FragAware(PlacementStrategy):
     name = "frag-aware"
 
     def __init__(self, *, large_fraction: float = 1 / 8, sliver: float = 0.0, candidates: int = 16) -> None:
+        """Raises ValueError naming an option out of its range (no candidates would refuse all
+        but exact fits, on an empty device too)."""
+        if not (isinstance(large_fraction, (int, float)) and 0 <= large_fraction <= 1):
+            raise ValueError(f"large_fraction must lie in [0, 1], got {large_fraction!r}")
+        if not (isinstance(sliver, (int, float)) and sliver >= 0):
+            raise ValueError(f"sliver must be a number >= 0, got {sliver!r}")
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+            raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
         self.large_fraction = large_fraction
         self.sliver = sliver
         self.candidates = candidates
