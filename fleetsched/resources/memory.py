@@ -266,7 +266,11 @@ class MemoryPool(ABC):
         return max(d.capacity for d in self.devices)
 
     def set_quota(self, tenant: str, nbytes: int | None) -> None:
-        """Cap the bytes `tenant` may hold at once (None removes the cap)."""
+        """Cap the bytes `tenant` may hold at once (None removes the cap).
+
+        A quota counts the bytes its reservations asked for, not what placement rounds them up
+        to (pages, a buddy block, a size class): the rounding depends on the device each lands
+        on, and a tenant is not charged for the pool's choice of device."""
         self._check_not_moving("changing a quota")
         if nbytes is None:
             self._quotas.pop(tenant, None)
