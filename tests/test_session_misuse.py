@@ -227,6 +227,39 @@ async def test_a_base_exception_from_an_agent_fails_its_session_alone(error):
     check_released(scheduler)
 
 
+@pytest.mark.parametrize("how", ["deadline", "cancel"])
+async def test_a_task_of_the_agent_failing_while_cancelled_fails_its_session_alone(how):
+    """An agent's own task group, cancelled (its deadline, `cancel()`), with a task that raises
+    as it is cancelled: on trio the group holds the task's error beside `Cancelled`, and it went
+    on out of the session and brought the scheduler down (the good session was cancelled)."""
+
+    async def messy(ctx):
+        async def child():
+            try:
+                await anyio.sleep(100)
+            except anyio.get_cancelled_exc_class():
+                raise RuntimeError("cleanup failed") from None
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(child)
+            await anyio.sleep(100)
+
+    async with Scheduler(settings()) as scheduler:
+        good = await scheduler.submit(await hold(10), tenant="acme")
+        bad = await scheduler.submit(messy, tenant="acme", deadline_s=2 if how == "deadline" else None)
+        if how == "cancel":
+            await anyio.sleep(2)
+            bad.cancel()
+        with pytest.raises(SessionFailed) as info:
+            await bad
+        assert await good == "held"
+    failure = info.value.__cause__
+    assert isinstance(failure, ExceptionGroup)
+    assert [type(e) for e in failure.exceptions] == [RuntimeError]
+    assert bad.timestamps[SessionState.FAILED] == 2.0
+    check_released(scheduler)
+
+
 async def test_cancelled_from_outside_during_its_drain_the_scheduler_still_ends_every_session():
     """The code around ``async with Scheduler`` gives up while it drains: sessions that `run`
     started and queued ones are cancelled, nothing stays held (before: a queued session was

@@ -72,14 +72,20 @@ class SchedulerStatistics:
         return sum(self.running.values())
 
 
-def _fails_the_session(exc: BaseException) -> bool:
-    """Whether an exception out of an agent is its session's failure: any but cancellation,
-    KeyboardInterrupt and SystemExit (a GeneratorExit or a BaseException subclass of the agent's
-    own fails its session alone, not the whole scheduler)."""
-    passing = (anyio.get_cancelled_exc_class(), KeyboardInterrupt, SystemExit)
+def _failure_of(exc: BaseException) -> BaseException | None:
+    """The session's failure in an exception out of its agent, or None where it only passes
+    through: any exception but cancellation, KeyboardInterrupt and SystemExit (a GeneratorExit or
+    a BaseException subclass of the agent's own fails its session alone, not the whole scheduler).
+
+    A group with a KeyboardInterrupt or SystemExit passes; otherwise its part that is not
+    cancellation is the failure (a task group of the agent's whose tasks raised as they were
+    cancelled holds their errors beside `Cancelled`, on trio)."""
+    cancelled = anyio.get_cancelled_exc_class()
     if isinstance(exc, BaseExceptionGroup):
-        return exc.subgroup(lambda e: isinstance(e, passing)) is None
-    return not isinstance(exc, passing)
+        if exc.subgroup((KeyboardInterrupt, SystemExit)) is not None:
+            return None
+        return exc.split(cancelled)[1]
+    return None if isinstance(exc, (cancelled, KeyboardInterrupt, SystemExit)) else exc
 
 
 class Scheduler:
@@ -406,9 +412,10 @@ class Scheduler:
                     handle.result = await running
                     outcome = SessionState.DONE
                 except BaseException as exc:
-                    if not _fails_the_session(exc):
+                    failure = _failure_of(exc)
+                    if failure is None:
                         raise  # cancellation, Ctrl-C, exit: not the session's own failure
-                    handle.error = exc
+                    handle.error = failure
                     outcome = SessionState.FAILED
             if outcome is None and scope.cancelled_caught and not handle._cancel_requested:
                 handle.error = DeadlineExceeded(f"{handle.name} passed its deadline")
