@@ -191,6 +191,30 @@ async def test_shutdown_drains_then_cancels():
         await scheduler.submit(sleeper(1), tenant="acme")
 
 
+async def test_submitting_to_a_closed_scheduler_says_it_closed():
+    """Before its block, `submit` says to enter the scheduler; during the drain and after, that
+    it has closed (it said "enter it with `async with` first" then too, which fails: a Scheduler
+    runs once)."""
+    scheduler = Scheduler(settings(scheduler={"drain_grace_s": 30}))
+    with pytest.raises(SchedulerClosed, match="enter it with `async with` first"):
+        await scheduler.submit(sleeper(1), tenant="acme")
+    refusals = []
+
+    async def spawner(ctx):
+        await anyio.sleep(1)
+        try:
+            await scheduler.submit(sleeper(1), tenant="acme")
+        except SchedulerClosed as exc:
+            refusals.append(str(exc))
+
+    async with scheduler:
+        await scheduler.submit(spawner, tenant="acme")
+    with pytest.raises(SchedulerClosed) as info:
+        await scheduler.run(sleeper(1), tenant="acme")
+    refusals.append(str(info.value))
+    assert refusals == ["the scheduler has closed: its `async with` block was left (a Scheduler runs once)"] * 2
+
+
 async def test_error_in_the_block_cancels_at_once():
     with pytest.raises(KeyError):
         async with Scheduler(settings()) as scheduler:

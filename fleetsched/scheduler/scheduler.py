@@ -265,6 +265,8 @@ class Scheduler:
     ) -> tuple[SessionHandle, float]:
         """A checked, counted session in the QUEUED state, and the time of its submission."""
         if not self._accepting:
+            if self._exit_stack is not None:  # entered: it is draining or has closed
+                raise SchedulerClosed("the scheduler has closed: its `async with` block was left (a Scheduler runs once)")
             raise SchedulerClosed("the scheduler is not accepting sessions (enter it with `async with` first)")
         if not callable(agent):
             raise TypeError(f"agent: expected an async function taking the session's context, got {agent!r:.80}")
