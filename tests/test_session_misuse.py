@@ -451,3 +451,33 @@ async def test_an_openai_stream_read_by_a_task_that_outlives_its_session_ends_wi
             assert await chatter == "held"
     assert outcome == ["ended"]
     check_released(scheduler)
+
+
+async def test_a_stream_refused_or_failed_counts_no_call_as_a_chat_refused_counts_none():
+    """A session's call count (its record's `calls`) is of calls made: ctx.chat counted only
+    those that answered, while ctx.stream counted in its block's `finally` every attempt,
+    refused ones (a context too long, a session that had ended) included."""
+    too_long = {"role": "user", "content": "x" * 400_000}  # over the sim model's context
+
+    async def agent(ctx):
+        for call in (lambda: ctx.chat([too_long]), lambda: _read(ctx.stream([too_long]))):
+            with pytest.raises(InvalidRequest):
+                await call()
+        await _read(ctx.stream(MESSAGES, max_tokens=3))
+        await ctx.chat(MESSAGES, max_tokens=2)
+        return ctx
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        ctx = await handle
+        with pytest.raises(SessionEnded):  # after its end: refused, not counted
+            await _read(ctx.stream(MESSAGES))
+    assert handle.counters.calls == 2 and handle.counters.completion_tokens == 5
+    assert scheduler.recorder.sessions[0].calls == 2
+    check_released(scheduler)
+
+
+async def _read(stream) -> None:
+    async with stream as chunks:
+        async for _ in chunks:
+            pass

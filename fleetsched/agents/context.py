@@ -150,7 +150,7 @@ class SessionContext:
         finally:
             block_open = False
             self._call_ended()
-            self._count(usage)
+        self._count(usage)  # a call made, as `chat` counts: not one refused or failed
 
     @asynccontextmanager
     async def tool(self, name: str) -> AsyncIterator[None]:
