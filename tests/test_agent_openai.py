@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from fleetsched import BackendUnavailable, ContextTooLong, Scheduler, SessionFailed
-from fleetsched.backends.base import make_chunk
+from fleetsched.backends.base import make_chunk, usage_dict
 from fleetsched.backends.instant import InstantBackend
 
 from .helpers import check_released, settings
@@ -181,6 +181,35 @@ async def test_streamed_usage_comes_as_openai_sends_it(backend):
     *content, last = seen[True]
     assert all(usage is None and choices == 1 for choices, usage in content)
     assert last == (0, scheduler.recorder.calls[-1].completion_tokens)
+    check_released(scheduler)
+
+
+class VLLMShapedStream(InstantBackend):
+    """Ends its stream as vLLM's server does: the finish reason with the last tokens, then the
+    usage in a chunk whose choices are empty."""
+
+    async def stream_chat(self, body):
+        yield make_chunk("c", "m", 0, role="assistant", content="ok", finish_reason="stop")
+        yield make_chunk("c", "m", 0, usage=usage_dict(3, 1))
+
+
+async def test_a_backends_usage_chunk_is_no_chunk_without_choices_to_the_sdk():
+    # On a backend that streams as vLLM (vllm-server, vllm-engine) the usage chunk, its usage
+    # taken off, reached the agent as a chunk with no choices, asked for or not: an agent
+    # reading chunk.choices[0] of every chunk (without include_usage, as OpenAI allows) failed.
+    async def agent(ctx):
+        seen = {}
+        for options in (None, {"include_usage": True}):
+            extra = {"stream_options": options} if options else {}
+            stream = await ctx.openai.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], stream=True, **extra
+            )
+            seen[bool(options)] = [(len(chunk.choices), chunk.usage and chunk.usage.completion_tokens) async for chunk in stream]
+        return seen
+
+    async with Scheduler(settings(), backend=VLLMShapedStream()) as scheduler:
+        seen = await (await scheduler.submit(agent, tenant="acme"))
+    assert seen == {False: [(1, None)], True: [(1, None), (0, 1)]}
     check_released(scheduler)
 
 

@@ -110,7 +110,8 @@ class _EventStream(httpx.AsyncByteStream):
         chunk, last = self._first, None
         while chunk is not None:
             last = chunk
-            yield _event({key: value for key, value in chunk.items() if key != "usage"})
+            if chunk.get("choices"):  # not a chunk of usage alone (vLLM's last): that comes below, if asked for
+                yield _event({key: value for key, value in chunk.items() if key != "usage"})
             chunk = await self._next()
         if self._include_usage and last is not None and last.get("usage"):
             yield _event({**last, "choices": []})  # its usage with it
