@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from fleetsched.backends.base import collect_chat
+from fleetsched.backends.instant import InstantBackend
 from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, SimEngine
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
@@ -65,11 +66,25 @@ async def test_stream_shape_and_exact_times():
             times.append(anyio.current_time() - t0)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": " tok"}
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "m" for c in chunks)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"] == {"prompt_tokens": 32, "completion_tokens": 5, "total_tokens": 37}
     assert collect_chat(chunks)["choices"][0]["message"]["content"] == " tok" * 5
     # One prefill step yields the first token, then one token a step.
     assert times[:5] == pytest.approx([STEP, 2 * STEP, 3 * STEP, 4 * STEP, 5 * STEP])
+
+
+@pytest.mark.parametrize("make", [lambda: SimBackend(flat()), InstantBackend], ids=["sim", "instant"])
+async def test_a_stream_ends_as_vllms_does(make):
+    """As vLLM's server streams: the finish reason comes with the last tokens, and the usage in a
+    chunk of its own whose choices are empty (a client reading ``choices[0]`` of every chunk
+    works on the sim only if it works on vLLM). It came in a last chunk with an empty delta."""
+    async with make() as backend:
+        chunks = [chunk async for chunk in backend.stream_chat(body(32, 5))]
+    *answer, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    assert all(c["choices"] and "usage" not in c for c in answer)
+    assert [c["choices"][0]["finish_reason"] for c in answer] == [None] * (len(answer) - 1) + [answer[-1]["choices"][0]["finish_reason"]]
+    assert answer[-1]["choices"][0]["finish_reason"] in ("length", "stop") and answer[-1]["choices"][0]["delta"]["content"]
 
 
 async def test_throughput_grows_with_concurrency():
@@ -249,7 +264,7 @@ async def test_slow_consumer_does_not_stall_the_engine():
             tg.start_soon(fast)
     assert fast_done[0] - t0 == pytest.approx(20 * STEP)
     # The slow consumer got the tokens it missed coalesced: its second chunk carries 19 of them.
-    assert [c["choices"][0]["delta"].get("content") for c in slow_chunks] == [" tok", " tok" * 19, None]
+    assert [c["choices"][0]["delta"].get("content") for c in slow_chunks[:-1]] == [" tok", " tok" * 19]
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -23,5 +23,5 @@ class InstantBackend(Backend):
         cid = new_completion_id()
         model = body.get("model") or "instant"
         n = min(self.completion_tokens, requested_max_tokens(body))
-        yield make_chunk(cid, model, 0, role="assistant", content=self.text)
-        yield make_chunk(cid, model, 0, finish_reason="stop", usage=usage_dict(estimate_prompt_tokens(body), n))
+        yield make_chunk(cid, model, 0, role="assistant", content=self.text, finish_reason="stop")
+        yield make_chunk(cid, model, 0, usage=usage_dict(estimate_prompt_tokens(body), n))  # as vLLM: no choices

@@ -114,8 +114,9 @@ class SimBackend(Backend):
     Use as ``async with SimBackend(settings) as backend:``; entering starts the engine loop,
     leaving stops it and fails streams still open with `BackendUnavailable`. `stream_chat`
     checks the body at once (`InvalidRequest`, `ContextTooLong`) and streams exactly
-    ``max_tokens`` tokens (vLLM with ``ignore_eos``), then a chunk with ``finish_reason
-    "length"`` and ``usage``. Leaving the stream early aborts the request in the engine.
+    ``max_tokens`` tokens (vLLM with ``ignore_eos``), the last with ``finish_reason "length"``,
+    then a chunk with ``usage`` and no choices, as vLLM ends a stream. Leaving the stream early
+    aborts the request in the engine.
     """
 
     name = "sim"
@@ -447,10 +448,11 @@ class SimBackend(Backend):
                 role = "assistant" if request.delivered == 0 else None
                 request.delivered = request.num_output
                 usage = usage_dict(request.prompt_tokens, request.num_output) if request.continuous_usage else None
-                yield make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, usage=usage)
-                if request.status == FINISHED and request.delivered == request.num_output:
-                    usage = usage_dict(request.prompt_tokens, request.num_output)
-                    yield make_chunk(cid, model, created, finish_reason="length", usage=usage)
+                # As vLLM: the finish reason with the last tokens, then the usage with no choices.
+                finish = "length" if request.status == FINISHED else None
+                yield make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, finish_reason=finish, usage=usage)
+                if finish is not None:
+                    yield make_chunk(cid, model, created, usage=usage_dict(request.prompt_tokens, request.num_output))
                     return
         finally:
             self._drop(request)
