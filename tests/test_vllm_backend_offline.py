@@ -236,6 +236,19 @@ async def test_stream_options_that_are_no_object_are_refused(stream):
 
 
 @pytest.mark.anyio
+async def test_a_body_without_messages_is_an_invalid_request():
+    """vLLM answers such a body 400 ('messages: Field required'); it was a `BackendError`, which
+    the dispatcher and ctx.openai take for a failure of the backend (a 500), not of the body."""
+    seen: list[dict] = []
+    backend = _backend([], seen)
+    body = {key: value for key, value in BODY.items() if key != "messages"}
+    with pytest.raises(InvalidRequest, match="messages"):
+        _ = [c async for c in backend.stream_chat(body)]
+    assert seen == [] and backend.replicas["r0"].in_flight == 0
+    await backend.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_stream_cut_mid_answer_says_so():
     """The server gone mid-answer (its process killed: the body ends before its last chunk):
     the error says the answer broke off and names the URL; it read 'cannot reach vLLM replica

@@ -487,7 +487,7 @@ class VLLMServerBackend(Backend):
         try:
             messages = request.pop("messages")
         except KeyError:
-            raise BackendError("chat body has no 'messages'") from None
+            raise InvalidRequest("chat body has no 'messages'") from None
         model = request.pop("model", None) or self.model
         request.pop("stream", None)
         given_options = request.pop("stream_options", None) or {}
