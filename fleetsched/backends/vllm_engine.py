@@ -34,37 +34,13 @@ from .base import (
     usage_dict,
     wants_continuous_usage,
 )
+from .sampling import RULES as SAMPLING_RULES, check_sampling
 
 _request_ids = itertools.count(1)
 
-# Body keys that map one to one onto vLLM SamplingParams, by the type each must have. The engine
-# core checks the types only when it decodes the request, in its own thread: a float seed there
-# killed that thread, and every later call of every session hung. So they are checked here.
-_INT_KEYS = ("top_k", "seed", "min_tokens")
-_NUMBER_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_SAMPLING_KEYS = (*_NUMBER_KEYS, *_INT_KEYS, "ignore_eos", "stop_token_ids")
-
-
-def _is_int(value: object) -> bool:
-    """An integer the engine takes: 64-bit (a larger seed was vLLM's EngineGenerateError)."""
-    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
-
-
-def _check_sampling_type(key: str, value: object) -> None:
-    """Raise `InvalidRequest` naming `key` when `value` is not of the type vLLM's engine takes."""
-    if key in _INT_KEYS:
-        ok, expected = _is_int(value), "a 64-bit integer"
-    elif key == "ignore_eos":
-        ok, expected = isinstance(value, bool), "true or false"
-    elif key == "stop_token_ids":
-        ok, expected = isinstance(value, list) and all(map(_is_int, value)), "a list of token IDs (integers)"
-    elif key == "stop":
-        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
-        expected = "a string or a list of strings"
-    else:
-        ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-    if not ok:
-        raise InvalidRequest(f"{key}: expected {expected}, got {value!r:.80}")
+# Body keys that map one to one onto vLLM SamplingParams (`check_sampling` checks them; a str
+# `stop` becomes a list).
+_SAMPLING_KEYS = tuple(key for key in SAMPLING_RULES if key != "stop")
 
 
 def _request_refused() -> type[Exception]:
@@ -169,17 +145,16 @@ class VLLMEngineBackend(Backend):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        options = {key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None}
-        stop = body.get("stop")
-        if stop is not None:
-            options["stop"] = [stop] if isinstance(stop, str) else stop
-        for key, value in options.items():
-            _check_sampling_type(key, value)
         if body.get("n") not in (None, 1):  # the chunks carry one choice
             raise InvalidRequest(f"n: the in-process vLLM engine backend gives one choice a call, not {body['n']!r:.20}")
         # As vLLM's server: a call that names no length may fill the rest of the context.
         max_tokens = requested_max_tokens(body, default=max(1, self._max_model_len - prompt_tokens))
         check_fits(self._max_model_len, prompt_tokens, max_tokens)
+        check_sampling(body, max_tokens)
+        options = {key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None}
+        stop = body.get("stop")
+        if stop is not None:
+            options["stop"] = [stop] if isinstance(stop, str) else stop
         try:
             return SamplingParams(
                 max_tokens=max_tokens,

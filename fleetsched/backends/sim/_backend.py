@@ -54,6 +54,7 @@ from ..base import (
     usage_dict,
     wants_continuous_usage,
 )
+from ..sampling import check_sampling
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, check_request_fits
 from ._kv_cache import CHARS_PER_TOKEN, block_hashes, prompt_text
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
@@ -346,6 +347,7 @@ class SimBackend(Backend):
             max_tokens = given
         else:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, s.max_model_len - prompt))
+        check_sampling(body, max_tokens)
         check_request_fits(s, prompt, max_tokens)
         hashes = block_hashes(text, s.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)

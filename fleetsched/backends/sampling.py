@@ -1,0 +1,66 @@
+"""The sampling parameters of a chat body, checked as vLLM's OpenAI server refuses them (a 400).
+
+The sim must refuse what vLLM refuses, or an agent developed against it fails on its first call
+to vLLM; the in-process engine must refuse them before they reach the engine core, which checks
+the types only when it decodes the request, in its own thread: a float seed there killed that
+thread, and every later call of every session hung.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import InvalidRequest
+
+
+def _is_int(value: object) -> bool:
+    """An integer the engine takes: 64-bit (a larger seed was vLLM's EngineGenerateError)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_stop(value: object) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _between(low: float, high: float) -> Callable[[object], bool]:
+    return lambda value: _is_number(value) and low <= value <= high  # type: ignore[operator]
+
+
+#: Per key: whether a value is one vLLM 0.32 takes (its SamplingParams' ranges), and what it
+#: takes in words. A key absent or null is left to the engine's default.
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (_between(0.0, 2.0), "a number from 0 to 2"),
+    "top_p": (lambda v: _is_number(v) and 0.0 < v <= 1.0, "a number over 0, at most 1"),
+    "min_p": (_between(0.0, 1.0), "a number from 0 to 1"),
+    "presence_penalty": (_between(-2.0, 2.0), "a number from -2 to 2"),
+    "frequency_penalty": (_between(-2.0, 2.0), "a number from -2 to 2"),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0.0, "a number over 0"),
+    "top_k": (lambda v: _is_int(v) and v >= -1, "an integer, 0 (or -1) for none or at least 1"),
+    "seed": (_is_int, "a 64-bit integer"),
+    "min_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "stop": (_is_stop, "a string or a list of strings"),
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of token IDs (integers)"),
+}
+_KEYS = frozenset(RULES)
+
+
+def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
+    """Raise `InvalidRequest` naming the first sampling parameter of `body` that vLLM would
+    refuse (of the wrong type or out of range; ``min_tokens`` over `max_tokens`, the completion
+    length the call gets). A body with none of them costs one set test."""
+    if _KEYS.isdisjoint(body):
+        return
+    for key, (ok, expected) in RULES.items():
+        value = body.get(key)
+        if value is not None and not ok(value):
+            raise InvalidRequest(f"{key}: expected {expected}, got {value!r:.80}")
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens: expected at most max_tokens ({max_tokens}), got {min_tokens}")
