@@ -372,7 +372,7 @@ def main(argv: list[str]) -> int:
     )
     for prompt, max_tokens in args.shapes:  # the fit runs them on this engine: after the sweep is too late
         try:
-            check_request_fits(base, prompt, max_tokens)
+            check_request_fits(base, prompt, max_tokens, whole=True)
         except ValueError as exc:
             parser.error(f"--shapes {prompt}:{max_tokens}: {exc} (give the server's --max-model-len and --kv-cache-tokens)")
     print(f"sweeping {args.url}: concurrency {args.concurrency}, (prompt, max_tokens) {args.shapes}")

@@ -120,8 +120,10 @@ class InvalidRequest(BackendError, ValueError):
 
 
 class ContextTooLong(InvalidRequest):
-    """Prompt plus completion exceed the model's context (``max_model_len``) or what the whole
-    KV cache can hold. OpenAI clients see it as a 400 with code ``context_length_exceeded``."""
+    """The call does not fit the model's context (``max_model_len``): its prompt fills it, or
+    its ``max_tokens`` alone exceeds it (a ``max_tokens`` longer than the prompt leaves is cut,
+    as vLLM's server does), or it needs more than the whole KV cache can hold. OpenAI clients
+    see it as a 400 with code ``context_length_exceeded``."""
 
 
 class BackendUnavailable(BackendError):

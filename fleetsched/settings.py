@@ -104,8 +104,10 @@ class GatewaySettings(_Section):
     session_idle_s: float = Field(300.0, gt=0)
     """A session named by ``X-Session-ID`` ends after this long without a call."""
     max_context_tokens: int | None = Field(None, ge=1)
-    """Prompt plus max_tokens of one request at most (the backend's max model length); None:
-    taken from the backend settings where they say it, else unchecked."""
+    """The backend's context (max model length) in tokens: a request whose prompt fills it, or
+    whose max_tokens exceeds it, is refused before it is queued, as vLLM refuses it (a longer
+    max_tokens than the prompt leaves is cut by the engine). None: taken from the backend
+    settings where they say it, else unchecked."""
     max_body_bytes: int = Field(4 << 20, ge=1)
     """Largest request body accepted (413 above)."""
 

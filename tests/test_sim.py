@@ -205,7 +205,9 @@ async def test_bad_inputs_raise_at_once():
         with pytest.raises(InvalidRequest, match="priority"):
             backend.stream_chat(body(10, 5) | {"priority": "high"})
         with pytest.raises(ContextTooLong, match="maximum context length is 256"):
-            backend.stream_chat(body(250, 10))
+            backend.stream_chat(body(256, 10))  # the prompt fills the context
+        with pytest.raises(ContextTooLong, match="max_tokens=300 cannot be greater than"):
+            backend.stream_chat(body(10, 300))
         with pytest.raises(ContextTooLong, match="whole cache holds 160"):
             backend.stream_chat(body(150, 20))
         assert backend.engine.queue.peek() is None
@@ -489,3 +491,12 @@ async def test_a_request_arriving_exactly_at_a_step_boundary_in_a_glide_is_admit
             tg.start_soon(run_one, backend, body(16, 4), log, "short")  # arrives at 18.5, a step's end
     assert log["short"][0] - start == 19.5 * step
     assert log["short"][1] - start == 22.5 * step
+
+
+async def test_a_max_tokens_the_prompt_leaves_no_room_for_is_cut_as_vllm_cuts_it():
+    """vLLM 0.32's server cuts max_tokens to what the prompt leaves of the context, and the
+    answer ends with finish_reason "length" (a 4,014-token prompt with max_tokens 200 got 82
+    tokens on a 4,096 context); the sim refused the call with ContextTooLong."""
+    async with SimBackend(flat(max_model_len=256, kv_cache_tokens=1024)) as backend:
+        response, _ = await backend.complete_chat(body(250, 10))
+    assert response["usage"]["completion_tokens"] == 6 and response["choices"][0]["finish_reason"] == "length"

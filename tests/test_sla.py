@@ -238,4 +238,11 @@ def test_agents_whose_first_call_exceeds_the_context_are_named_at_start():
     assert over_context(settings(100)) == []
     (message,) = over_context(settings(5000))
     assert "workload.agents[0] (a)" in message and "over the model's context of 1024" in message
+    # A prompt that leaves fewer than max_tokens: vLLM cuts the answer, as the sim does.
+    from fleetsched.observability.feasibility import first_prompt_tokens
+
+    near = settings(990)
+    room = 1024 - first_prompt_tokens(near.workload.agents[0])
+    (message,) = over_context(near)
+    assert 0 < room < 16 and f"leaves {room} of its max_tokens 16" in message and "cut short" in message
     assert over_context(settings(5000, kind="instant")) == []  # no context known

@@ -304,16 +304,19 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     return count
 
 
-def check_fits(max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
-    """Raise `ContextTooLong` when the prompt and the completion asked for exceed the model's
-    context, as vLLM's OpenAI server refuses them (its engine alone would cut the answer short)."""
-    total = prompt_tokens + max_tokens
-    if total > max_model_len:
+def completion_room(max_model_len: int, prompt_tokens: int, max_tokens: int) -> int:
+    """The completion tokens a call gets in a context of `max_model_len`, as vLLM's OpenAI
+    server (0.32) decides: `max_tokens` cut to what the prompt leaves of the context (the answer
+    then ends with ``finish_reason "length"``). Raises `ContextTooLong` where the server refuses
+    the call: a prompt that fills the context, or a `max_tokens` larger than the whole context."""
+    if prompt_tokens >= max_model_len:
         raise ContextTooLong(
-            f"this model's maximum context length is {max_model_len} tokens, but the request "
-            f"needs {total} ({prompt_tokens} in the messages, {max_tokens} in the completion); "
-            "shorten the messages or lower max_tokens"
+            f"this model's maximum context length is {max_model_len} tokens, but the messages take "
+            f"{prompt_tokens}, which leaves no room for the completion; shorten the messages"
         )
+    if max_tokens > max_model_len:
+        raise ContextTooLong(f"max_tokens={max_tokens} cannot be greater than the model's maximum context length ({max_model_len})")
+    return min(max_tokens, max_model_len - prompt_tokens)
 
 
 #: How vLLM words a request that does not fit the model's context (prompt, or prompt + max_tokens).

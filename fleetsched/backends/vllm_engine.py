@@ -27,7 +27,7 @@ from .base import (
     ChatBody,
     Chunk,
     EngineSignals,
-    check_fits,
+    completion_room,
     invalid_request,
     make_chunk,
     requested_max_tokens,
@@ -149,7 +149,7 @@ class VLLMEngineBackend(Backend):
             raise InvalidRequest(f"n: the in-process vLLM engine backend gives one choice a call, not {body['n']!r:.20}")
         # As vLLM's server: a call that names no length may fill the rest of the context.
         max_tokens = requested_max_tokens(body, default=max(1, self._max_model_len - prompt_tokens))
-        check_fits(self._max_model_len, prompt_tokens, max_tokens)
+        max_tokens = completion_room(self._max_model_len, prompt_tokens, max_tokens)  # cut to the context, as the server does
         check_sampling(body, max_tokens)
         options = {key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None}
         stop = body.get("stop")

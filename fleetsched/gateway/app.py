@@ -39,8 +39,8 @@ import httpx
 
 from ..agents.transport import error_response, response_for
 from ..backends import create_backend
-from ..backends.base import FALLBACK_KEY, REPLICA_KEY, Backend, estimate_prompt_tokens, requested_max_tokens
-from ..errors import BackendError, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
+from ..backends.base import FALLBACK_KEY, REPLICA_KEY, Backend, completion_room, estimate_prompt_tokens, requested_max_tokens
+from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, tokens_asked
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
@@ -82,7 +82,8 @@ class _SessionRecorder(Recorder):
 
 
 def context_limit(settings: Settings) -> int | None:
-    """Prompt plus max_tokens a backend accepts at most (None: unknown, not checked)."""
+    """The backend's context in tokens (None: unknown, not checked): a prompt that fills it, or
+    a max_tokens over it, is refused as vLLM refuses them."""
     if settings.gateway.max_context_tokens is not None:
         return settings.gateway.max_context_tokens
     kind = settings.backend.kind
@@ -329,17 +330,13 @@ class Gateway:
             body.pop(private, None)
         prompt = estimate_prompt_tokens(body)
         max_tokens = requested_max_tokens(body, default=0)
-        if self.max_context is not None and prompt + max_tokens > self.max_context:
-            return await _error(
-                send,
-                _invalid(
-                    f"this request needs about {prompt + max_tokens} tokens (prompt about {prompt}, max_tokens "
-                    f"{max_tokens}) but the backend's context holds at most {self.max_context} tokens "
-                    "(gateway.max_context_tokens); shorten the prompt or lower max_tokens",
-                    "messages" if endpoint == "chat" else "prompt",
-                    code="context_length_exceeded",
-                ),
-            )
+        if self.max_context is not None:
+            try:  # refused as vLLM refuses it; a max_tokens the prompt leaves no room for is cut there
+                completion_room(self.max_context, prompt, max_tokens)
+            except ContextTooLong as exc:
+                message = f"{exc} (gateway.max_context_tokens; the prompt is about {prompt} tokens)"
+                param = "max_tokens" if prompt < self.max_context else "messages" if endpoint == "chat" else "prompt"
+                return await _error(send, _invalid(message, param, code="context_length_exceeded"))
         tokens = prompt + requested_max_tokens(body)
         try:
             wait = await self.state.take(tenant, tokens)

@@ -15,8 +15,8 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import Backend, estimate_prompt_tokens
-from ..errors import BackendUnavailable
+from ..backends.base import Backend, completion_room, estimate_prompt_tokens
+from ..errors import BackendUnavailable, ContextTooLong
 from ..settings import AgentMix, Settings, SimSettings
 
 _PROBE_TEXT = "Reply with one word."
@@ -146,8 +146,9 @@ async def check_feasibility(settings: Settings, backend: Backend) -> dict[str, A
 
 
 def over_context(settings: Settings) -> list[str]:
-    """The workload's agents whose first call already exceeds the model's context (where the
-    settings know it: the sim and the in-process engine): every call of theirs will fail."""
+    """The workload's agents whose first call already does not fit the model's context (where
+    the settings know it: the sim and the in-process engine): refused (every call of theirs
+    will fail), or its answer cut short (as vLLM cuts `max_tokens` to what the prompt leaves)."""
     kind = settings.backend.kind
     limit = settings.backend.sim.max_model_len if kind == "sim" else settings.backend.engine_max_model_len if kind == "vllm-engine" else None
     if limit is None:
@@ -155,10 +156,12 @@ def over_context(settings: Settings) -> list[str]:
     out = []
     for index, mix in enumerate(settings.workload.agents):
         prompt = first_prompt_tokens(mix)
-        if prompt + mix.max_tokens > limit:
-            out.append(
-                f"workload.agents[{index}] ({mix.kind or mix.tenant}): its first call needs about {prompt + mix.max_tokens} tokens "
-                f"({prompt} prompt + {mix.max_tokens} max_tokens), over the model's context of {limit}: "
-                "every call will fail with ContextTooLong"
-            )
+        agent = f"workload.agents[{index}] ({mix.kind or mix.tenant}): its first call has about {prompt} prompt tokens"
+        try:
+            room = completion_room(limit, prompt, mix.max_tokens)
+        except ContextTooLong:
+            out.append(f"{agent} and max_tokens {mix.max_tokens}, over the model's context of {limit}: every call will fail with ContextTooLong")
+            continue
+        if room < mix.max_tokens:
+            out.append(f"{agent}: the model's context of {limit} leaves {room} of its max_tokens {mix.max_tokens}, and its answers will be cut short")
     return out

@@ -5,7 +5,8 @@
 Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunks and usage (on
 every chunk when asked for), leaves a second call early and checks that nothing is left in
 flight, then that a prompt over the context, or max_tokens past it, is refused with
-`ContextTooLong` (a call naming no max_tokens fills the context's rest), and one with bad
+`ContextTooLong` (a call naming no max_tokens, or more than the prompt leaves, fills the
+context's rest), and one with bad
 sampling parameters (of the wrong type or out of range) with `InvalidRequest`, the engine serving
 calls after them. Prints one JSON line; exits 1 on failure. It is a script rather than a test
 because vLLM is not installed in the main virtualenv.
@@ -57,9 +58,13 @@ async def check(model_dir: str) -> dict:
         try:  # a short prompt asking for more than the context holds: refused, as vLLM's server does
             _ = [c async for c in backend.stream_chat({**request, "max_tokens": 2000})]
         except ContextTooLong as exc:
-            assert "2000 in the completion" in str(exc), exc
+            assert "max_tokens=2000 cannot be greater than" in str(exc), exc
         else:
             raise AssertionError("max_tokens past max_model_len was not refused with ContextTooLong")
+        # A max_tokens past what the prompt leaves: cut to the rest of the context, as the server does.
+        cut = {"messages": [{"role": "user", "content": "hi " * 480}], "max_tokens": 1000, "ignore_eos": True}
+        tail = [c async for c in backend.stream_chat(cut)][-1]["usage"]
+        assert tail["prompt_tokens"] + tail["completion_tokens"] == 1024, tail
         # No max_tokens, a prompt near the context: served, the answer filling the rest of it.
         near = {"messages": [{"role": "user", "content": "hi " * 480}], "ignore_eos": True}
         tail = [c async for c in backend.stream_chat(near)][-1]["usage"]

@@ -347,8 +347,8 @@ class SimBackend(Backend):
             max_tokens = given
         else:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, s.max_model_len - prompt))
+        max_tokens = check_request_fits(s, prompt, max_tokens)  # cut to the context, as vLLM does
         check_sampling(body, max_tokens)
-        check_request_fits(s, prompt, max_tokens)
         hashes = block_hashes(text, s.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
         interval = body.get("stream_interval", s.stream_interval)  # per request, as vLLM takes it

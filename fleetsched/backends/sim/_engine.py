@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from fleetsched.errors import ContextTooLong
 from fleetsched.settings import SimSettings
 
-from ..base import check_fits
+from ..base import completion_room
 from ._kv_cache import BlockPool
 from ._queues import make_queue
 
@@ -164,10 +164,19 @@ class Step:
         self.duration += n * self.growth
 
 
-def check_request_fits(settings: SimSettings, prompt_tokens: int, max_tokens: int) -> None:
-    """Raise `ContextTooLong` for a request vLLM would refuse: over the model's context, or more
-    than the whole KV cache holds (the engine would wait for room that never comes)."""
-    check_fits(settings.max_model_len, prompt_tokens, max_tokens)
+def check_request_fits(settings: SimSettings, prompt_tokens: int, max_tokens: int, *, whole: bool = False) -> int:
+    """The completion tokens the request gets (`completion_room`: `max_tokens` cut to what the
+    prompt leaves of the model's context, as vLLM does). Raises `ContextTooLong` for a request
+    vLLM would refuse: one that leaves no room in the context, or needs more than the whole KV
+    cache holds (the engine would wait for room that never comes); with `whole`, also for one
+    the context would cut short (a calibration needs every answer at its full length)."""
+    room = completion_room(settings.max_model_len, prompt_tokens, max_tokens)
+    if whole and room < max_tokens:
+        raise ContextTooLong(
+            f"{prompt_tokens} prompt + {max_tokens} completion tokens exceed the model's maximum context "
+            f"length of {settings.max_model_len}: the answer would be cut to {room} tokens"
+        )
+    max_tokens = room
     # Its last token is sampled, never written to the cache: it needs one slot less than its
     # length (a prompt that fills the cache can still get one token, as in vLLM).
     slots = prompt_tokens + max_tokens - 1
@@ -178,6 +187,7 @@ def check_request_fits(settings: SimSettings, prompt_tokens: int, max_tokens: in
             f"completion, the last never cached) but the whole cache holds {capacity}; shorten it "
             "or enlarge kv_cache_tokens"
         )
+    return max_tokens
 
 
 class SimEngine:

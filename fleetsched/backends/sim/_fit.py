@@ -129,7 +129,7 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
     the longest request does not fit the engine (`check_request_fits`).
     """
     lengths = workload.answer_lengths()  # each client's, popped as it sends
-    check_request_fits(settings, workload.prompt_tokens, max(map(max, lengths)))
+    check_request_fits(settings, workload.prompt_tokens, max(map(max, lengths)), whole=True)
     theta = theta_of(settings) if theta is None else tuple(theta)
     engine = SimEngine(settings)
     out = LoopFeatures()
