@@ -323,7 +323,9 @@ class Scheduler:
 
     def _admit_ready(self) -> None:
         """Admit queued sessions, in policy order, while a slot and memory are both free."""
-        if self._admitting or self._task_group is None or self._closing:
+        # Nothing queued is the common case (every release and session end calls this, the pool's
+        # listener and `_finish` both): it costs no clock read.
+        if not self._queue or self._admitting or self._task_group is None or self._closing:
             return
         self._admitting = True
         try:
