@@ -20,7 +20,7 @@ from .observability.sla import OBJECTIVES, QUANTILE, REASON_TEXT, REASONS, evalu
 from .policies.tiers import Tier
 from .report_shape import check_shape
 from .scheduler import Scheduler, summarise
-from .scheduler.records import sorted_percentile
+from .scheduler.records import CallRecord, CallTimes, sorted_percentile
 
 SCHEMA = "fleetsched.run/2"
 #: Breach events kept in the report (the counts cover all of them).
@@ -31,16 +31,36 @@ def _num(value: float, digits: int = 4) -> float | None:
     return None if value is None or math.isnan(value) or math.isinf(value) else round(value, digits)
 
 
-def _quantiles(values: list[float]) -> list[float] | None:
-    """The 0th..100th percentiles (101 values) of `values`: a CDF that stays small."""
-    data = sorted(v for v in values if not math.isnan(v))
+def _quantiles(data: list[float]) -> list[float] | None:
+    """The 0th..100th percentiles (101 values) of `data` (sorted, no nan): a CDF that stays small."""
     if not data:
         return None
     return [round(sorted_percentile(data, q), 6) for q in range(101)]
 
 
-def _sla_section(scheduler: Scheduler, start: float) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    rows, breaches = evaluate(scheduler.recorder, scheduler.settings.tenants)
+def _call_times(calls: list[CallRecord]) -> tuple[dict[str, CallTimes], dict[int, CallTimes]]:
+    """The successful calls' `CallTimes` per tenant and per tier, each call's times sorted once
+    (with a long run's hundreds of thousands of calls, sorts are much of the report's cost)."""
+    groups: dict[tuple[str, int], list[CallRecord]] = {}
+    for c in calls:
+        if c.error is None:
+            groups.setdefault((c.tenant, c.tier), []).append(c)
+    times = {key: CallTimes.of(ok) for key, ok in groups.items()}
+    of_tenant: dict[str, list[CallTimes]] = {}
+    of_tier: dict[int, list[CallTimes]] = {}
+    for (tenant, tier), group_times in times.items():
+        of_tenant.setdefault(tenant, []).append(group_times)
+        of_tier.setdefault(tier, []).append(group_times)
+    return (
+        {tenant: CallTimes.merged(parts) for tenant, parts in of_tenant.items()},
+        {tier: CallTimes.merged(parts) for tier, parts in of_tier.items()},
+    )
+
+
+def _sla_section(
+    scheduler: Scheduler, start: float, times: Mapping[str, CallTimes]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    rows, breaches = evaluate(scheduler.recorder, scheduler.settings.tenants, times)
     by_reason = {r: 0 for r in REASONS}
     for b in breaches:
         by_reason[b.reason] += 1
@@ -100,9 +120,10 @@ def build_report(
     recorder = scheduler.recorder
     if start is None:
         start = min((s.submitted for s in recorder.sessions), default=0.0)
-    sla, sla_by_tenant = _sla_section(scheduler, start)
+    by_tenant, by_tier = _call_times(recorder.calls)
+    sla, sla_by_tenant = _sla_section(scheduler, start, by_tenant)
     tenants = []
-    for row in summarise(recorder, settings.tenants):
+    for row in summarise(recorder, settings.tenants, by_tenant):
         tenant = settings.tenants[row.tenant]
         tenants.append(
             {
@@ -122,19 +143,13 @@ def build_report(
                 "sla": sla_by_tenant[row.tenant],
             }
         )
-    ok = [c for c in recorder.calls if c.error is None]
-    distributions: dict[str, Any] = {}
-    for metric, attr in (("ttft_s", "ttft_s"), ("latency_s", "latency_s")):
-        by_tenant: dict[str, list[float]] = {}
-        by_tier: dict[int, list[float]] = {}
-        for c in ok:
-            value = getattr(c, attr)
-            by_tenant.setdefault(c.tenant, []).append(value)
-            by_tier.setdefault(c.tier, []).append(value)
-        distributions[metric] = {
-            "tenant": {k: _quantiles(v) for k, v in by_tenant.items()},
-            "tier": {str(Tier(k)): _quantiles(v) for k, v in by_tier.items()},
+    distributions = {
+        metric: {
+            "tenant": {k: _quantiles(getattr(v, metric)) for k, v in by_tenant.items()},
+            "tier": {str(Tier(k)): _quantiles(getattr(v, metric)) for k, v in by_tier.items()},
         }
+        for metric in ("ttft_s", "latency_s")
+    }
     completion = sum(t["completion_tokens"] for t in tenants)
     sla["feasibility"] = dict(feasibility) if feasibility is not None else None
     return {

@@ -246,3 +246,34 @@ def test_a_tenant_figure_the_report_carries_must_be_finite(tenant, key):
     with pytest.raises(ConfigError) as info:
         load_settings(tenants={"acme": tenant})
     assert info.value.key == key and "finite" in info.value.reason
+
+
+def test_the_reports_shared_sorts_give_the_figures_of_sorting_apart():
+    """`build_report` sorts each tenant's and tier's call times once and shares them with
+    `summarise` and `evaluate`: the same figures as each computing its own, for a tenant whose
+    calls span two tiers, a failed call and a call without a first token among them."""
+    import math
+
+    from fleetsched.observability.sla import evaluate
+    from fleetsched.report import _call_times
+    from fleetsched.scheduler import summarise
+    from fleetsched.scheduler.records import CallRecord, Recorder, percentile
+
+    recorder = Recorder()
+    for i in range(40):
+        tenant, tier = ("a", i % 2) if i % 4 else ("b", 2)
+        call = CallRecord(tenant, tier, i, submitted=i, started=i + 0.1, first_token=i + 0.2 + (i % 7) / 10, finished=i + 1 + (i % 5) / 3)
+        if i == 5:
+            call.error = "Overloaded"
+        if i == 9:
+            call.first_token = math.nan
+        recorder.add_call(call)
+    tenants = Settings(tenants={"a": {"sla": {"ttft_p99_s": 0.5, "latency_p95_s": 1.5}}, "b": {}}).tenants
+    by_tenant, by_tier = _call_times(recorder.calls)
+    assert summarise(recorder, tenants, by_tenant) == summarise(recorder, tenants)
+    assert repr(evaluate(recorder, tenants, by_tenant)) == repr(evaluate(recorder, tenants))  # a breach's value may be nan
+    ok = [c for c in recorder.calls if c.error is None]
+    for tier, times in by_tier.items():
+        assert times.ttft_s == sorted(c.ttft_s for c in ok if c.tier == tier and not math.isnan(c.ttft_s))
+    assert by_tenant["a"].latency_s == sorted(c.latency_s for c in ok if c.tenant == "a")
+    assert percentile([c.ttft_s for c in ok if c.tenant == "a"], 99) == summarise(recorder, tenants, by_tenant)[0].ttft_p99_s

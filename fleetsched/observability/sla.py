@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..scheduler.records import CallRecord, Recorder, SessionRecord, percentile
+from ..scheduler.records import CallRecord, CallTimes, Recorder, SessionRecord, sorted_percentile
 from ..settings import SlaSettings, TenantSettings
 
 OBJECTIVES = ("ttft_p99", "latency_p95", "deadline", "min_tokens_per_s")
@@ -176,8 +176,11 @@ class TenantSla:
         return True if True in verdicts else None
 
 
-def evaluate(recorder: Recorder, tenants: Mapping[str, TenantSettings]) -> tuple[list[TenantSla], list[Breach]]:
-    """Every tenant's objectives over the whole run; the breaches in time order."""
+def evaluate(
+    recorder: Recorder, tenants: Mapping[str, TenantSettings], times: Mapping[str, CallTimes] | None = None
+) -> tuple[list[TenantSla], list[Breach]]:
+    """Every tenant's objectives over the whole run; the breaches in time order. `times`: each
+    tenant's `CallTimes`, where the caller has them already (as `summarise` takes them)."""
     calls: dict[str, list[CallRecord]] = {name: [] for name in tenants}
     for call in [*recorder.calls, *recorder.refusals]:
         calls.setdefault(call.tenant, []).append(call)
@@ -208,12 +211,13 @@ def evaluate(recorder: Recorder, tenants: Mapping[str, TenantSettings]) -> tuple
             if event is not None:
                 note("deadline", *event)
         ok = [c for c in calls[name] if c.error is None]
+        ok_times = (times or {}).get(name) or CallTimes.of(ok)
         results = []
         for objective, target in goals.items():
             if objective == "ttft_p99":
-                value = percentile([c.ttft_s for c in ok], 99)
+                value = sorted_percentile(ok_times.ttft_s, 99)
             elif objective == "latency_p95":
-                value = percentile([c.latency_s for c in ok], 95)
+                value = sorted_percentile(ok_times.latency_s, 95)
             elif objective == "deadline":
                 spans = [s.finished - s.submitted for s in sessions[name] if s.state in ("done", "failed")]
                 value = max(spans, default=math.nan)

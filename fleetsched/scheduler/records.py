@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -108,6 +109,33 @@ def rank_percentile(values: Sequence[float], q: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class CallTimes:
+    """The TTFTs and latencies of successful calls, sorted and free of nan: a report takes many
+    percentiles of the same calls (`sorted_percentile`), and sorts each list once."""
+
+    ttft_s: list[float]
+    latency_s: list[float]
+
+    @classmethod
+    def of(cls, ok: Sequence[CallRecord]) -> CallTimes:
+        """The times of `ok`, successful calls."""
+        return cls(
+            sorted(v for c in ok if not math.isnan(v := c.ttft_s)),
+            sorted(v for c in ok if not math.isnan(v := c.latency_s)),
+        )
+
+    @classmethod
+    def merged(cls, parts: Sequence[CallTimes]) -> CallTimes:
+        """The times of several groups of calls together (sorting sorted runs only merges them)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(
+            sorted(itertools.chain.from_iterable(p.ttft_s for p in parts)),
+            sorted(itertools.chain.from_iterable(p.latency_s for p in parts)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class TenantSummary:
     tenant: str
     sessions_done: int
@@ -124,8 +152,9 @@ class TenantSummary:
     completion_tokens: int
 
 
-def summarise(recorder: Recorder, tenants: Iterable[str]) -> list[TenantSummary]:
-    """Per-tenant figures over everything recorded."""
+def summarise(recorder: Recorder, tenants: Iterable[str], times: Mapping[str, CallTimes] | None = None) -> list[TenantSummary]:
+    """Per-tenant figures over everything recorded. `times`: each tenant's `CallTimes`, where
+    the caller has them already (`build_report` shares them with the SLA and the distributions)."""
     rows = []
     calls_of: dict[str, list[CallRecord]] = {}
     for call in recorder.calls:
@@ -137,8 +166,8 @@ def summarise(recorder: Recorder, tenants: Iterable[str]) -> list[TenantSummary]
         calls = calls_of.get(tenant, [])
         ok = [c for c in calls if c.error is None]
         sessions = sessions_of.get(tenant, [])
-        ttft = sorted(v for c in ok if not math.isnan(v := c.ttft_s))
-        latency = sorted(v for c in ok if not math.isnan(v := c.latency_s))
+        tenant_times = (times or {}).get(tenant) or CallTimes.of(ok)
+        ttft, latency = tenant_times.ttft_s, tenant_times.latency_s
         rows.append(
             TenantSummary(
                 tenant=tenant,

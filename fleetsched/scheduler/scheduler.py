@@ -42,7 +42,7 @@ from ..resources.ratelimit import RateLimit, TenantRateLimits
 from ..settings import Settings
 from .dispatcher import Dispatcher, DispatcherStatistics
 from .records import Recorder, SessionRecord
-from .session import Activity, Agent, SessionHandle, SessionState
+from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHandle, SessionState
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +297,7 @@ class Scheduler:
             name=name,
             kind=kind,
         )
-        handle._set_state(SessionState.QUEUED, now)
+        handle._set_state(QUEUED, now)
         try:
             self.pool.check(memory, tenant)
         except SessionRejected as exc:
@@ -331,7 +331,9 @@ class Scheduler:
 
     def _admit_ready(self) -> None:
         """Admit queued sessions, in policy order, while a slot and memory are both free."""
-        if self._admitting or self._task_group is None or self._closing:
+        # Nothing queued is the common case (every release and session end calls this, the pool's
+        # listener and `_finish` both): it costs no clock read.
+        if not self._queue or self._admitting or self._task_group is None or self._closing:
             return
         self._admitting = True
         try:
@@ -387,7 +389,7 @@ class Scheduler:
             handle._queue_timer.cancel()
             handle._queue_timer = None
         handle._scope = anyio.CancelScope(deadline=handle.deadline)
-        handle._set_state(SessionState.ADMITTED, now)
+        handle._set_state(ADMITTED, now)
         self._running[handle.id] = handle
         if spawn:
             assert self._task_group is not None
@@ -401,8 +403,8 @@ class Scheduler:
         outcome: SessionState | None = None
         try:
             with scope:
-                handle._set_state(SessionState.RUNNING, anyio.current_time())
-                handle.activity = Activity.THINKING
+                handle._set_state(RUNNING, anyio.current_time())
+                handle.activity = THINKING
                 if scope.cancel_called:  # cancelled, or past its deadline, since its admission
                     await anyio.lowlevel.checkpoint()  # delivers it: the agent never starts
                 try:
@@ -412,7 +414,7 @@ class Scheduler:
                             f"the agent returned {type(running).__name__}, not an awaitable: define it with `async def`"
                         )
                     handle.result = await running
-                    outcome = SessionState.DONE
+                    outcome = DONE
                 except BaseException as exc:
                     failure = _failure_of(exc)
                     if failure is None:
@@ -493,8 +495,8 @@ class Scheduler:
                 int(handle.tier),
                 handle.kind,
                 state,
-                ts[SessionState.QUEUED],
-                ts.get(SessionState.ADMITTED, math.nan),
+                ts[QUEUED],
+                ts.get(ADMITTED, math.nan),
                 ts[handle.state],
                 c.calls,
                 c.prompt_tokens,

@@ -47,6 +47,13 @@ class Activity(StrEnum):
     TOOL = "tool"
 
 
+# The members that every session or every model call sets, as module globals for those paths: on
+# Python 3.11 reading `SessionState.DONE` goes through the enum metaclass's `__getattr__` hook,
+# about 900 instructions, against some 100 for a global.
+QUEUED, ADMITTED, RUNNING, DONE = SessionState.QUEUED, SessionState.ADMITTED, SessionState.RUNNING, SessionState.DONE
+THINKING, MODEL_CALL, TOOL = Activity.THINKING, Activity.MODEL_CALL, Activity.TOOL
+
+
 @dataclass(slots=True)
 class SessionCounters:
     calls: int = 0
@@ -78,7 +85,7 @@ class SessionHandle:
         self.memory = memory
         #: Absolute deadline on the scheduler's clock (inf: none).
         self.deadline = deadline
-        self.state = SessionState.QUEUED
+        self.state = QUEUED
         self.activity: Activity | None = None
         self.timestamps: dict[SessionState, float] = {}
         self.counters = SessionCounters()
