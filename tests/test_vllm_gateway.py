@@ -79,7 +79,7 @@ def test_completions_streaming_and_not(gateway_url):
 
 def test_refusals_are_4xx_never_500(gateway_url):
     c = client(gateway_url)
-    with pytest.raises(openai.BadRequestError, match="2048 tokens") as info:
+    with pytest.raises(openai.BadRequestError, match="2048") as info:
         c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4000)
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):  # the engine's own 400, passed through
