@@ -51,25 +51,16 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 _KEYS = frozenset(RULES)
 
 
-def sampling_problem(body: Mapping[str, Any], max_tokens: float = math.inf) -> tuple[str, str] | None:
-    """The first sampling parameter of `body` that vLLM would refuse (of the wrong type or out of
-    range; ``min_tokens`` over `max_tokens`, the completion length the call gets), as (its name,
-    what is wrong), or None. A body with none of them costs one set test."""
+def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
+    """Raise `InvalidRequest` naming the first sampling parameter of `body` that vLLM would
+    refuse (of the wrong type or out of range; ``min_tokens`` over `max_tokens`, the completion
+    length the call gets). A body with none of them costs one set test."""
     if _KEYS.isdisjoint(body):
-        return None
+        return
     for key, (ok, expected) in RULES.items():
         value = body.get(key)
         if value is not None and not ok(value):
-            return key, f"expected {expected}, got {value!r:.80}"
+            raise InvalidRequest(f"{key}: expected {expected}, got {value!r:.80}")
     min_tokens = body.get("min_tokens")
     if min_tokens is not None and min_tokens > max_tokens:
-        return "min_tokens", f"expected at most max_tokens ({max_tokens}), got {min_tokens}"
-    return None
-
-
-def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
-    """Raise `InvalidRequest` naming the first sampling parameter of `body` that vLLM would
-    refuse (`sampling_problem`)."""
-    problem = sampling_problem(body, max_tokens)
-    if problem is not None:
-        raise InvalidRequest(f"{problem[0]}: {problem[1]}")
+        raise InvalidRequest(f"min_tokens: expected at most max_tokens ({max_tokens}), got {min_tokens}")

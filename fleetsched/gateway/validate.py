@@ -10,8 +10,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..backends.sampling import sampling_problem
-
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -56,6 +54,16 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
+def _number(body: Mapping[str, Any], name: str, low: float | None = None, high: float | None = None) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise Invalid(name, f"must be a number, got {type(value).__name__}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise Invalid(name, f"must be between {low} and {high}, got {value}")
+
+
 def _integer(body: Mapping[str, Any], name: str, low: int, high: int = 2**31 - 1) -> int | None:
     value = body.get(name)
     if value is None:
@@ -86,12 +94,19 @@ def _common(body: Mapping[str, Any]) -> None:
         raise Invalid("stream_options", "is only allowed when stream is true")
     _integer(body, "max_tokens", 1)
     _integer(body, "max_completion_tokens", 1)
+    _integer(body, "seed", -(2**63), 2**63 - 1)
     n = _integer(body, "n", 1)
     if n not in (None, 1):
         raise Invalid("n", "only n=1 is served by this gateway; send n requests instead")
-    problem = sampling_problem(body)  # temperature, top_p, seed, stop...: as vLLM refuses them
-    if problem is not None:
-        raise Invalid(*problem)
+    _number(body, "temperature", 0, 2)
+    _number(body, "top_p", 0, 1)
+    _number(body, "presence_penalty", -2, 2)
+    _number(body, "frequency_penalty", -2, 2)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        raise Invalid("stop", "must be a string or a list of strings")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise Invalid("user", "must be a string")
