@@ -177,6 +177,8 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": true}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+        # vLLM refuses a top_p of 0 (its range is (0, 1]); the gateway took it for a valid one.
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0}', "top_p"),
         # stream_options' flags are booleans (vLLM's StreamOptions): a string or a number was
         # taken by its truthiness ("no" asked for usage on every chunk) on the sim, a 400 without
         # the field's name from vLLM.

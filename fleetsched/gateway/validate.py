@@ -100,6 +100,8 @@ def _common(body: Mapping[str, Any]) -> None:
         raise Invalid("n", "only n=1 is served by this gateway; send n requests instead")
     _number(body, "temperature", 0, 2)
     _number(body, "top_p", 0, 1)
+    if body.get("top_p") == 0:  # vLLM's range is (0, 1]: it refuses 0
+        raise Invalid("top_p", "must be over 0 and at most 1, got 0")
     _number(body, "presence_penalty", -2, 2)
     _number(body, "frequency_penalty", -2, 2)
     stop = body.get("stop")
