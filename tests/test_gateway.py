@@ -177,6 +177,12 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": true}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+        # Fields that need another (vLLM's ChatCompletionRequest validators): the gateway served them.
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": -2}', "top_logprobs"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}', "tool_choice"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], "tool_choice": "always"}', "tool_choice"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', "tools"),
         # vLLM refuses a top_p of 0 (its range is (0, 1]); the gateway took it for a valid one.
         (b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0}', "top_p"),
         # stream_options' flags are booleans (vLLM's StreamOptions): a string or a number was

@@ -141,8 +141,25 @@ def check_chat(body: Any) -> dict[str, Any]:
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise Invalid("logprobs", "must be true or false")
+    _needs(body)
     _common(body)
     return body
+
+
+def _needs(body: Mapping[str, Any]) -> None:
+    """The chat fields that need another, refused as vLLM's request validators refuse them."""
+    top_logprobs = _integer(body, "top_logprobs", -1)  # -1: the whole vocabulary
+    if top_logprobs is not None and top_logprobs != 0 and not body.get("logprobs"):
+        raise Invalid("top_logprobs", "needs logprobs set to true")
+    if body.get("tools") == []:
+        raise Invalid("tools", "must not be empty: give at least one tool or leave tools out")
+    choice = body.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    if body.get("tools") is None:
+        raise Invalid("tool_choice", "needs tools")
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        raise Invalid("tool_choice", f'must be "none", "auto", "required" or a named tool, got {choice!r:.40}')
 
 
 def check_completion(body: Any) -> dict[str, Any]:
