@@ -509,7 +509,9 @@ class SimEngine:
         counts = list(scheduled.values())
         coasting = self._coasting
         tokens = sum(counts) + coasting
-        context = tokens + self._coasting_context + sum(r._computed for r in requests)
+        context = tokens + self._coasting_context
+        for request in requests:  # a loop, not sum() over a generator: about half the instructions
+            context += request._computed
         duration = (
             self._step_base_s
             + self._step_per_token_s * tokens
