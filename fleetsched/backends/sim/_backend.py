@@ -400,9 +400,9 @@ class SimBackend(Backend):
                 await park(request)
         finally:
             self._drop(request)
-        request.delivered = request.num_output
-        message = {"role": "assistant", "content": TOKEN_TEXT * request.num_output}
-        usage = usage_dict(request.prompt_tokens, request.num_output)
+        output = request.delivered = request.num_output
+        message = {"role": "assistant", "content": TOKEN_TEXT * output}
+        usage = usage_dict(request.prompt_tokens, output)
         created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
         return chat_completion(new_completion_id(), model, created, message, "length", usage), request.first_token_at
 

@@ -538,6 +538,7 @@ class SimEngine:
         self._coasting_context += coasting
         emitted: list[SimRequest] = []
         computed = decoded = coasting
+        coast = self.coast
         for request, n in zip(step.requests, step.counts):
             if request.status != RUNNING:  # aborted while the step ran
                 continue
@@ -557,13 +558,12 @@ class SimEngine:
                     del self.running[request]
                     del self._attended[request]
                     self.finished += 1
+                    continue
+            if coast:  # in this pass, not one of its own: nothing above depends on who coasts
+                self._coast(request)
         self.computed_tokens += computed
         self.prompt_computed += computed - decoded
         self.generated_tokens += len(emitted) + coasting
-        if self.coast:
-            for request in step.requests:
-                if request.status == RUNNING and request.coasting_since < 0:
-                    self._coast(request)
         if self._watch_now:  # in running order, as if they had been looked at
             emitted.extend(self._watch_now)
             emitted.sort(key=_by_run_order)
