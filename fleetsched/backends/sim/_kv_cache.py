@@ -100,7 +100,11 @@ class BlockPool:
     def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` are free (so taking them shrinks the free queue)."""
         ref = self._ref
-        return sum(1 for b in blocks if ref[b] == 0)
+        count = 0
+        for b in blocks:  # a loop, not sum() over a generator: about half the instructions
+            if ref[b] == 0:
+                count += 1
+        return count
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference on cached `blocks` (prefix hits), pulling free ones off the queue."""
