@@ -456,6 +456,25 @@ async def test_sampling_parameters_vllm_refuses_are_refused_naming_the_field(fie
             backend.stream_chat({**body(16, 4), field: value})
 
 
+# Each refused by vLLM 0.32's chat request validators (its chat_completion/protocol.py), one
+# field needing another; each served by the sim.
+BAD_PAIRS = [
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
+    ({"tool_choice": "auto"}, "tool_choice"), ({"tools": [{"type": "function"}], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": []}, "tools"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "field"), BAD_PAIRS)
+async def test_fields_that_need_another_are_refused_naming_the_field(extra, field):
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match=f"^{field}: "):
+            backend.stream_chat({**body(16, 4), **extra})
+        good = {"logprobs": True, "top_logprobs": 2, "tools": [{"type": "function"}], "tool_choice": "none"}
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **good})]
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
 async def test_sampling_parameters_vllm_takes_are_taken():
     good = {"temperature": 0, "top_p": 1, "top_k": -1, "seed": -5, "stop": "x", "min_tokens": 4, "presence_penalty": None}
     async with SimBackend(flat()) as backend:

@@ -48,7 +48,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop": (_is_stop, "a string or a list of strings"),
     "stop_token_ids": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of token IDs (integers)"),
 }
-_KEYS = frozenset(RULES)
+#: The keys `check_sampling` looks at: those of `RULES`, and those `_check_pairs` does.
+_KEYS = frozenset(RULES) | {"top_logprobs", "tools", "tool_choice"}
 
 
 def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
@@ -64,3 +65,25 @@ def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
     min_tokens = body.get("min_tokens")
     if min_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens: expected at most max_tokens ({max_tokens}), got {min_tokens}")
+    _check_pairs(body)
+
+
+def _check_pairs(body: Mapping[str, Any]) -> None:
+    """Refuse what vLLM's chat request validators refuse across fields: `top_logprobs` without
+    `logprobs`, `tool_choice` without `tools` or of an unknown kind, an empty `tools`."""
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs is not None:
+        if not _is_int(top_logprobs) or top_logprobs < -1:
+            raise InvalidRequest(f"top_logprobs: expected an integer >= 0 (or -1 for all), got {top_logprobs!r:.80}")
+        if top_logprobs != 0 and not body.get("logprobs"):
+            raise InvalidRequest("top_logprobs: needs logprobs set to true")
+    tools = body.get("tools")
+    if tools == []:
+        raise InvalidRequest("tools: expected at least one tool (or no tools field)")
+    choice = body.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    if tools is None:
+        raise InvalidRequest("tool_choice: needs tools")
+    if choice not in ("auto", "required") and not isinstance(choice, Mapping):
+        raise InvalidRequest(f'tool_choice: expected "none", "auto", "required" or a named tool, got {choice!r:.80}')
