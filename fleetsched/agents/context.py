@@ -31,7 +31,7 @@ class SessionContext:
     def __init__(
         self, handle: SessionHandle, dispatcher: Dispatcher, *, model: str, ttft_slo_s: float = math.inf, pace: Any = None
     ) -> None:
-        """`pace` (the scheduler) is told when tools start and end, `tool_started(handle, name)`
+        """`pace` (the scheduler) is told when tools start and end, `tool_started(handle, name, now)`
         and ``await tool_finished(handle, name, seconds, readmit=...)``, and asked before a model
         call ``await busy(handle)``: a session parked in a tool waits there to be re-admitted."""
         self._pace = pace
@@ -171,13 +171,14 @@ class SessionContext:
         handle = self._handle
         self._tools_open += 1
         if self._tools_open == 1:  # the session's tool period begins
-            self._tool_name, self._tool_start = name, anyio.current_time()
+            now = anyio.current_time()
+            self._tool_name, self._tool_start = name, now
             self._tool_idle = True
             handle.activity = TOOL
             if handle.reservation is not None and not handle.calls_in_flight:
                 handle.reservation.movable = True  # idle: a compaction may move its memory meanwhile
             if self._pace is not None:
-                self._pace.tool_started(handle, name)
+                self._pace.tool_started(handle, name, now)
         try:
             yield
         except BaseException:
@@ -243,7 +244,8 @@ class SessionContext:
     def _route(self) -> dict[str, Any]:
         """The dispatcher's arguments for a call of this session: who, how urgent, where.
 
-        `due` is when the first token is due under the tenant's TTFT objective (inf: none);
+        `due_in` is how long after the call's arrival its first token is due under the tenant's
+        TTFT objective (inf: none; the dispatcher adds the arrival time it reads);
         `replica` is the one the session's memory is placed on (affinity).
         """
         handle = self._handle
@@ -252,7 +254,7 @@ class SessionContext:
             "tenant": handle.tenant,
             "tier": handle.tier,
             "session": handle.id,
-            "due": anyio.current_time() + self._ttft_slo_s if self._ttft_slo_s != math.inf else math.inf,
+            "due_in": self._ttft_slo_s,
             "deadline": handle.deadline,
             "replica": reservation.device if reservation is not None else None,
         }

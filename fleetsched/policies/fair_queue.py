@@ -204,15 +204,22 @@ class FairQueue:
         best: dict[int, tuple[tuple[int, float, float, int], Entry]] = {}  # per tier, for minimum shares
         shares = bool(self._min_share)
         winner: tuple[tuple[int, float, float, int], Entry] | None = None
-        counters, aging = self._counters, self._aging_s is not None
+        counters, aging_s = self._counters, self._aging_s
         for (tenant, tier), queue in self._queues.items():
             if not queue.live or (max_tier is not None and tier > max_tier):
                 continue
             if eligible is not None and not eligible(tenant):
                 continue
-            head = queue.head()
-            assert head is not None
-            band = self._band(head, now) if aging else tier
+            # Every pick of every queued model call runs this loop: the usual cases are spared
+            # their method calls (a live queue whose top entry is live; a head not yet waiting
+            # an aging period, which `_band` would not promote).
+            head = queue.heap[0][2]
+            if not head.queued:
+                head = queue.head()
+                assert head is not None
+            band = tier
+            if aging_s is not None and tier and now - head.arrival >= aging_s:
+                band = self._band(head, now)
             ranked = ((band, counters.get(tenant, 0.0), head.deadline, head.seq), head)
             if shares and (tier not in best or ranked[0] < best[tier][0]):
                 best[tier] = ranked
@@ -221,10 +228,11 @@ class FairQueue:
         if winner is None:
             return None
         if len(best) > 1:
-            total = sum(self._served.values())
+            served = self._served
+            total = sum(served.values())
             for tier in sorted(best):
                 share = self._min_share.get(tier, 0.0)
-                if tier != winner[1].tier and self.served(tier) < share * total:
+                if tier != winner[1].tier and served.get(tier, 0.0) < share * total:
                     return best[tier][1]  # the band is owed its minimum share
         return winner[1]
 

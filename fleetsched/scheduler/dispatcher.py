@@ -155,6 +155,7 @@ class Dispatcher:
         tier: int,
         session: int = 0,
         due: float = math.inf,
+        due_in: float = math.inf,
         deadline: float = math.inf,
         replica: str | None = None,
     ) -> dict[str, Any]:
@@ -164,8 +165,8 @@ class Dispatcher:
         context manager and generator layers, and lets the backend collect the answer
         (`Backend.complete_chat`).
         """
-        _check_call(body, tier, due)
-        record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
+        _check_call(body, tier, due, due_in)
+        record, estimate = await self._begin(body, tenant, tier, session, due, due_in, deadline)
         # "stream": False: only the first token's time and the whole answer matter here.
         request = {**body, "priority": tier, "stream": False}
         try:
@@ -196,21 +197,24 @@ class Dispatcher:
         tier: int,
         session: int = 0,
         due: float = math.inf,
+        due_in: float = math.inf,
         deadline: float = math.inf,
         replica: str | None = None,
     ) -> AsyncIterator[AsyncIterator[Chunk]]:
         """``async with dispatcher.stream(body, ...) as chunks: async for chunk in chunks: ...``
 
-        `due` orders calls within a tenant (earliest first); `deadline` is the session's: a call
+        `due` orders calls within a tenant (earliest first); `due_in` gives it as seconds from the
+        call's arrival (a TTFT objective: the earlier of the two counts), so that the caller need
+        not read the clock for it; `deadline` is the session's: a call
         made after it raises `DeadlineExceeded` without reaching the backend. Leaving the block
         early aborts the call at the engine. `replica` (the session's placement) routes the call to
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
-        _check_call(body, tier, due)
+        _check_call(body, tier, due, due_in)
         given_options = body.get("stream_options") or {}
         if not isinstance(given_options, Mapping):
             raise InvalidRequest(f"stream_options: expected an object, got {given_options!r:.80}")
-        record, estimate = await self._begin(body, tenant, tier, session, due, deadline)
+        record, estimate = await self._begin(body, tenant, tier, session, due, due_in, deadline)
         request = {**body, "priority": tier}
         # Every chunk carries the engine's count of the tokens so far (vLLM's continuous usage
         # stats): the tenant is charged what its call received, however the engine split the
@@ -282,9 +286,11 @@ class Dispatcher:
             await abort_stream(upstream)
 
     async def _begin(
-        self, body: ChatBody, tenant: str, tier: int, session: int, due: float, deadline: float
+        self, body: ChatBody, tenant: str, tier: int, session: int, due: float, due_in: float, deadline: float
     ) -> tuple[CallRecord, int]:
         now = anyio.current_time()
+        if due_in < math.inf:
+            due = min(due, now + due_in)
         if now > deadline:
             raise DeadlineExceeded(f"session {session} made a model call {now - deadline:.3f} s after its deadline")
         estimate = estimate_prompt_tokens(body)
@@ -544,12 +550,12 @@ def _check_count(name: str, value: object, least: int) -> None:
         raise ValueError(f"{name} must be >= {least}, got {value}")
 
 
-def _check_call(body: object, tier: object, due: object) -> None:
+def _check_call(body: object, tier: object, due: object, due_in: object = math.inf) -> None:
     """Refuse a call's bad arguments before it takes anything (rate limits, a place, a queue
     entry): a tier that is not one of `Tier`'s would be queued and compared with the others,
     and a NaN due breaks the earliest-deadline order. The common case costs three tests."""
     try:
-        if type(body) is dict and tier in _TIERS and due >= 0:  # type: ignore[operator]
+        if type(body) is dict and tier in _TIERS and due >= 0 and due_in >= 0:  # type: ignore[operator]
             return
     except TypeError:  # an unhashable tier, a due that is no number: named below
         pass
@@ -563,6 +569,8 @@ def _check_call(body: object, tier: object, due: object) -> None:
         raise ValueError(f"tier: expected 0 (critical), 1 (standard) or 2 (batch), got {tier!r:.40}")
     if not (isinstance(due, (int, float)) and due >= 0):
         raise ValueError(f"due: expected a time on the clock (>= 0, or inf for none), got {due!r:.40}")
+    if not (isinstance(due_in, (int, float)) and due_in >= 0):
+        raise ValueError(f"due_in: expected seconds (>= 0, or inf for none), got {due_in!r:.40}")
 
 
 def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:

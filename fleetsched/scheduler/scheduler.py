@@ -244,7 +244,7 @@ class Scheduler:
         """
         handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind)
         if self._start_at_once(handle, now, spawn=False):
-            await self._run(handle)
+            await self._run(handle, now)
             return await handle
         self._enqueue(handle, now)
         try:
@@ -395,7 +395,9 @@ class Scheduler:
             assert self._task_group is not None
             self._task_group.start_soon(self._run, handle, name=handle.name)
 
-    async def _run(self, handle: SessionHandle) -> None:
+    async def _run(self, handle: SessionHandle, now: float | None = None) -> None:
+        """Run the admitted session's agent and finish it. `now`: the time, when the caller
+        admitted it in this very instant (`run`, with no await between) and has it already."""
         slo = self.settings.tenants[handle.tenant].sla.ttft_p99_s
         ctx = SessionContext(handle, self.dispatcher, model=self.settings.backend.model, ttft_slo_s=slo or math.inf, pace=self)
         scope = handle._scope
@@ -403,7 +405,7 @@ class Scheduler:
         outcome: SessionState | None = None
         try:
             with scope:
-                handle._set_state(RUNNING, anyio.current_time())
+                handle._set_state(RUNNING, anyio.current_time() if now is None else now)
                 handle.activity = THINKING
                 if scope.cancel_called:  # cancelled, or past its deadline, since its admission
                     await anyio.lowlevel.checkpoint()  # delivers it: the agent never starts
@@ -506,9 +508,8 @@ class Scheduler:
 
     # -- tool calls: keep or release ---------------------------------------------------------------
 
-    def tool_started(self, handle: SessionHandle, tool: str) -> None:
-        """A session entered a tool: park it now, after a time to live, or never (the policy)."""
-        now = anyio.current_time()
+    def tool_started(self, handle: SessionHandle, tool: str, now: float) -> None:
+        """A session entered a tool at `now`: park it now, after a time to live, or never (the policy)."""
         self._in_tool[handle] = (tool, now)
         self._plan_park(handle, tool, now, now)
 
