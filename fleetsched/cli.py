@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 import anyio
 from rich.console import Console
@@ -95,12 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # the run stopped where it was: say so, without a traceback
-        pass
+        _quiet_unstarted_tasks()
     except BaseExceptionGroup as group:  # trio (simulate --loop trio) raises it in its task groups
         if group.split(KeyboardInterrupt)[1] is not None:
             raise
+        _quiet_unstarted_tasks()
     print("fleetsched: interrupted", file=sys.stderr)
     return 130
+
+
+def _quiet_unstarted_tasks() -> None:
+    """Ctrl-C stops the run wherever it is; on trio that can be inside `start_soon`, after a
+    task's coroutine was made and before it started. Its "never awaited" warning, given when the
+    interrupt's traceback is dropped or at exit, would only be noise after "interrupted"."""
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def _main(argv: list[str] | None) -> int:
