@@ -459,6 +459,12 @@ async def test_a_call_cancelled_while_it_waits_for_its_turn_is_not_charged():
         ({"due_in": -1.0}, "due_in"),
         ({"due_in": float("nan")}, "due_in"),
         ({"due_in": "soon"}, "due_in"),
+        # A bool is no tier and no time: True was taken for the standard tier (it took a place,
+        # then the sim refused its "priority"), and for a due or a due_in of 1 s.
+        ({"tier": True}, "tier"),
+        ({"tier": False}, "tier"),
+        ({"due": True}, "due"),
+        ({"due_in": True}, "due_in"),
         ({"body": ["not", "a", "dict"]}, "body"),
         ({"body": None}, "body"),
     ],

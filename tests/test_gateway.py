@@ -183,6 +183,10 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}', "tool_choice"),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], "tool_choice": "always"}', "tool_choice"),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', "tools"),
+        # A named tool_choice must name one of the tools (vLLM's check_tool_usage): the gateway served these.
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "search"}}], "tool_choice": {"type": "function", "function": {"name": "fetch"}}}', "tool_choice"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "search"}}], "tool_choice": {"type": "function"}}', "tool_choice.function"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "search"}}], "tool_choice": {"type": "function", "function": {"name": ""}}}', "tool_choice.function.name"),
         # vLLM refuses a top_p of 0 (its range is (0, 1]); the gateway took it for a valid one.
         (b'{"messages": [{"role": "user", "content": "x"}], "top_p": 0}', "top_p"),
         # stream_options' flags are booleans (vLLM's StreamOptions): a string or a number was
@@ -203,6 +207,14 @@ def test_malformed_bodies_are_400(url, body, param):
     response = httpx.post(url + "/v1/chat/completions", content=body, headers={"authorization": f"Bearer {ACME}"})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_tool_choice_naming_one_of_the_tools_is_served(url):
+    tools = [{"type": "function", "function": {"name": "search"}}, {"type": "function", "function": {"name": "fetch"}}]
+    choice = {"type": "function", "function": {"name": "fetch"}}
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "tools": tools, "tool_choice": choice}
+    response = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {ACME}"})
+    assert response.status_code == 200, response.text
 
 
 def test_a_surrogate_pair_is_text_and_served(url):

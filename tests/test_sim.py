@@ -456,12 +456,19 @@ async def test_sampling_parameters_vllm_refuses_are_refused_naming_the_field(fie
             backend.stream_chat({**body(16, 4), field: value})
 
 
+TOOL = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}
+
 # Each refused by vLLM 0.32's chat request validators (its chat_completion/protocol.py), one
 # field needing another; each served by the sim.
 BAD_PAIRS = [
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": -2}, "top_logprobs"),
     ({"tool_choice": "auto"}, "tool_choice"), ({"tools": [{"type": "function"}], "tool_choice": "always"}, "tool_choice"),
     ({"tools": []}, "tools"),
+    # A named tool_choice must name one of the tools (vLLM's check_tool_usage): the sim served these.
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "fetch"}}}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": ""}}}, "tool_choice.function.name"),
 ]  # fmt: skip
 
 
@@ -473,6 +480,14 @@ async def test_fields_that_need_another_are_refused_naming_the_field(extra, fiel
         good = {"logprobs": True, "top_logprobs": 2, "tools": [{"type": "function"}], "tool_choice": "none"}
         chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **good})]
         assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_a_tool_choice_naming_one_of_the_tools_is_served():
+    named = {"tools": [{"type": "function"}, TOOL], "tool_choice": {"type": "function", "function": {"name": "search"}}}
+    async with SimBackend(flat()) as backend:
+        for choice in (named["tool_choice"], "required", "auto"):
+            chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **named, "tool_choice": choice})]
+            assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
 async def test_sampling_parameters_vllm_takes_are_taken():

@@ -70,7 +70,8 @@ def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
 
 def _check_pairs(body: Mapping[str, Any]) -> None:
     """Refuse what vLLM's chat request validators refuse across fields: `top_logprobs` without
-    `logprobs`, `tool_choice` without `tools` or of an unknown kind, an empty `tools`."""
+    `logprobs`, `tool_choice` without `tools`, of an unknown kind or naming none of them, an
+    empty `tools`."""
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None:
         if not _is_int(top_logprobs) or top_logprobs < -1:
@@ -85,5 +86,26 @@ def _check_pairs(body: Mapping[str, Any]) -> None:
         return
     if tools is None:
         raise InvalidRequest("tool_choice: needs tools")
-    if choice not in ("auto", "required") and not isinstance(choice, Mapping):
+    if choice in ("auto", "required"):
+        return
+    if not isinstance(choice, Mapping):
         raise InvalidRequest(f'tool_choice: expected "none", "auto", "required" or a named tool, got {choice!r:.80}')
+    problem = named_tool_problem(choice, tools)
+    if problem is not None:
+        raise InvalidRequest(f"{problem[0]}: {problem[1]}")
+
+
+def named_tool_problem(choice: Mapping[str, Any], tools: object) -> tuple[str, str] | None:
+    """What vLLM's `check_tool_usage` refuses in a named `tool_choice`, ``{"type": "function",
+    "function": {"name": ...}}``: (the field, what is wrong), or None if it names one of `tools`."""
+    function = choice.get("function")
+    if not isinstance(function, Mapping):
+        return "tool_choice.function", f'expected an object naming one of the tools ({{"name": ...}}), got {function!r:.80}'
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        return "tool_choice.function.name", f"expected the name of one of the tools, got {name!r:.80}"
+    for tool in tools if isinstance(tools, list) else ():
+        given = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(given, Mapping) and given.get("name") == name:
+            return None
+    return "tool_choice", f"names the tool {name!r:.80}, which is none of the tools given"

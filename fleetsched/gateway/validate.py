@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..backends.sampling import named_tool_problem
+
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -158,8 +160,13 @@ def _needs(body: Mapping[str, Any]) -> None:
         return
     if body.get("tools") is None:
         raise Invalid("tool_choice", "needs tools")
-    if choice not in ("auto", "required") and not isinstance(choice, dict):
+    if choice in ("auto", "required"):
+        return
+    if not isinstance(choice, dict):
         raise Invalid("tool_choice", f'must be "none", "auto", "required" or a named tool, got {choice!r:.40}')
+    problem = named_tool_problem(choice, body["tools"])
+    if problem is not None:
+        raise Invalid(*problem)
 
 
 def check_completion(body: Any) -> dict[str, Any]:
