@@ -301,3 +301,15 @@ async def test_bad_arguments_to_the_loop_name_what_was_wrong(arguments, error, m
     check_released(scheduler)
     assert isinstance(failed.value.__cause__, error) and message in str(failed.value.__cause__)
     assert scheduler.statistics().dispatcher.calls_started == 0  # refused before its first model call
+
+
+async def test_a_loop_without_tools_is_served_by_the_sim():
+    """Before: the loop sent ``tools: []``, which vLLM (and the sim, like it) refuses."""
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], [], max_tokens=4)
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        result = await (await scheduler.submit(agent, tenant="acme"))
+    assert result.stopped == "answer" and result.turns == 1
+    check_released(scheduler)

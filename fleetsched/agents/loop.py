@@ -85,12 +85,13 @@ async def run_tool_loop(
     _check_arguments(messages, tools, max_turns, script)
     by_name = {tool.name: tool for tool in tools}
     conversation = [dict(m) for m in messages]
-    schemas = [tool.schema() for tool in tools]
+    # No tools, no tools field: vLLM refuses an empty list.
+    offered = {"tools": [tool.schema() for tool in tools]} if tools else {}
     errors = 0
     for turn in range(max_turns):
         if anyio.current_time() >= ctx.deadline:
             return LoopResult(None, "deadline", turn, conversation, errors)
-        response = await ctx.chat(conversation, tools=schemas, max_tokens=max_tokens)
+        response = await ctx.chat(conversation, max_tokens=max_tokens, **offered)
         message = response["choices"][0]["message"]
         calls = list(message.get("tool_calls") or ())
         if script is not None:
