@@ -183,6 +183,9 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}', "tool_choice"),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}], "tool_choice": "always"}', "tool_choice"),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', "tools"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', "tools.0.function"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "code", "function": {"name": "f"}}]}', "tools.0.type"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {}}], "tool_choice": "auto"}', "tools.0.function.name"),
         # A named tool_choice must name one of the tools (vLLM's check_tool_usage): the gateway served these.
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "search"}}], "tool_choice": {"type": "function", "function": {"name": "fetch"}}}', "tool_choice"),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "search"}}], "tool_choice": {"type": "function"}}', "tool_choice.function"),

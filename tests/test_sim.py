@@ -469,6 +469,10 @@ BAD_PAIRS = [
     ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": ""}}}, "tool_choice.function.name"),
+    # Tools of the wrong shape (vLLM's ChatCompletionToolsParam): the sim served these.
+    ({"tools": "search"}, "tools"), ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [TOOL, {"type": "code", "function": {"name": "f"}}]}, "tools.1.type"),
+    ({"tools": [{"function": {"description": "no name"}}], "tool_choice": "none"}, "tools.0.function.name"),
 ]  # fmt: skip
 
 
@@ -477,13 +481,13 @@ async def test_fields_that_need_another_are_refused_naming_the_field(extra, fiel
     async with SimBackend(flat()) as backend:
         with pytest.raises(InvalidRequest, match=f"^{field}: "):
             backend.stream_chat({**body(16, 4), **extra})
-        good = {"logprobs": True, "top_logprobs": 2, "tools": [{"type": "function"}], "tool_choice": "none"}
+        good = {"logprobs": True, "top_logprobs": 2, "tools": [TOOL], "tool_choice": "none"}
         chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **good})]
         assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
 async def test_a_tool_choice_naming_one_of_the_tools_is_served():
-    named = {"tools": [{"type": "function"}, TOOL], "tool_choice": {"type": "function", "function": {"name": "search"}}}
+    named = {"tools": [{"type": "function", "function": {"name": "fetch"}}, TOOL], "tool_choice": {"type": "function", "function": {"name": "search"}}}
     async with SimBackend(flat()) as backend:
         for choice in (named["tool_choice"], "required", "auto"):
             chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **named, "tool_choice": choice})]

@@ -82,17 +82,38 @@ def _check_pairs(body: Mapping[str, Any]) -> None:
     if tools == []:
         raise InvalidRequest("tools: expected at least one tool (or no tools field)")
     choice = body.get("tool_choice")
-    if choice is None or choice == "none":
-        return
-    if tools is None:
-        raise InvalidRequest("tool_choice: needs tools")
-    if choice in ("auto", "required"):
-        return
-    if not isinstance(choice, Mapping):
-        raise InvalidRequest(f'tool_choice: expected "none", "auto", "required" or a named tool, got {choice!r:.80}')
-    problem = named_tool_problem(choice, tools)
+    if choice is not None and choice != "none":
+        if tools is None:
+            raise InvalidRequest("tool_choice: needs tools")
+        if choice not in ("auto", "required"):
+            if not isinstance(choice, Mapping):
+                raise InvalidRequest(f'tool_choice: expected "none", "auto", "required" or a named tool, got {choice!r:.80}')
+            problem = named_tool_problem(choice, tools)
+            if problem is not None:
+                raise InvalidRequest(f"{problem[0]}: {problem[1]}")
+    problem = tools_problem(tools)  # after tool_choice, as vLLM checks its fields after it
     if problem is not None:
         raise InvalidRequest(f"{problem[0]}: {problem[1]}")
+
+
+def tools_problem(tools: object) -> tuple[str, str] | None:
+    """What vLLM refuses in `tools` (absent: nothing), each ``{"type": "function", "function":
+    {"name": ...}}``: (the field, what is wrong), or None."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        return "tools", f"expected a list of tools, got {tools!r:.80}"
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            return f"tools.{i}", f'expected an object ({{"type": "function", "function": {{"name": ...}}}}), got {tool!r:.80}'
+        if tool.get("type", "function") != "function":
+            return f"tools.{i}.type", f'expected "function", got {tool["type"]!r:.80}'
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            return f"tools.{i}.function", f'expected an object ({{"name": ...}}), got {function!r:.80}'
+        if not isinstance(function.get("name"), str):
+            return f"tools.{i}.function.name", f"expected the tool's name, got {function.get('name')!r:.80}"
+    return None
 
 
 def named_tool_problem(choice: Mapping[str, Any], tools: object) -> tuple[str, str] | None:
