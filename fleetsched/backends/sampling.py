@@ -69,34 +69,38 @@ def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
 
 
 def _check_pairs(body: Mapping[str, Any]) -> None:
-    """Refuse what vLLM's chat request validators refuse across fields: `top_logprobs` without
-    `logprobs`, `tool_choice` without `tools`, of an unknown kind or naming none of them, an
-    empty `tools`."""
-    top_logprobs = body.get("top_logprobs")
-    if top_logprobs is not None:
-        if not _is_int(top_logprobs) or top_logprobs < -1:
-            raise InvalidRequest(f"top_logprobs: expected an integer >= 0 (or -1 for all), got {top_logprobs!r:.80}")
-        if top_logprobs != 0 and not body.get("logprobs"):
-            raise InvalidRequest("top_logprobs: needs logprobs set to true")
-    tools = body.get("tools")
-    if tools == []:
-        raise InvalidRequest("tools: expected at least one tool (or no tools field)")
-    choice = body.get("tool_choice")
-    if choice is not None and choice != "none":
-        if tools is None:
-            raise InvalidRequest("tool_choice: needs tools")
-        if choice not in ("auto", "required"):
-            if not isinstance(choice, Mapping):
-                raise InvalidRequest(f'tool_choice: expected "none", "auto", "required" or a named tool, got {choice!r:.80}')
-            problem = named_tool_problem(choice, tools)
-            if problem is not None:
-                raise InvalidRequest(f"{problem[0]}: {problem[1]}")
-    problem = tools_problem(tools)  # after tool_choice, as vLLM checks its fields after it
+    problem = pairs_problem(body)
     if problem is not None:
         raise InvalidRequest(f"{problem[0]}: {problem[1]}")
 
 
-def tools_problem(tools: object) -> tuple[str, str] | None:
+def pairs_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What vLLM's chat request validators refuse across fields, as (the field, what is wrong),
+    or None: `top_logprobs` without `logprobs`, `tool_choice` without `tools`, of an unknown
+    kind or naming none of them, `tools` empty or of the wrong shape."""
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs is not None:
+        if not _is_int(top_logprobs) or top_logprobs < -1:
+            return "top_logprobs", f"expected an integer >= 0 (or -1 for all), got {top_logprobs!r:.80}"
+        if top_logprobs != 0 and not body.get("logprobs"):
+            return "top_logprobs", "needs logprobs set to true"
+    tools = body.get("tools")
+    if tools == []:
+        return "tools", "expected at least one tool (or no tools field)"
+    choice = body.get("tool_choice")
+    if choice is not None and choice != "none":
+        if tools is None:
+            return "tool_choice", "needs tools"
+        if choice not in ("auto", "required"):
+            if not isinstance(choice, Mapping):
+                return "tool_choice", f'expected "none", "auto", "required" or a named tool, got {choice!r:.80}'
+            problem = _named_tool_problem(choice, tools)
+            if problem is not None:
+                return problem
+    return _tools_problem(tools)  # after tool_choice, as vLLM checks its fields after it
+
+
+def _tools_problem(tools: object) -> tuple[str, str] | None:
     """What vLLM refuses in `tools` (absent: nothing), each ``{"type": "function", "function":
     {"name": ...}}``: (the field, what is wrong), or None."""
     if tools is None:
@@ -116,7 +120,7 @@ def tools_problem(tools: object) -> tuple[str, str] | None:
     return None
 
 
-def named_tool_problem(choice: Mapping[str, Any], tools: object) -> tuple[str, str] | None:
+def _named_tool_problem(choice: Mapping[str, Any], tools: object) -> tuple[str, str] | None:
     """What vLLM's `check_tool_usage` refuses in a named `tool_choice`, ``{"type": "function",
     "function": {"name": ...}}``: (the field, what is wrong), or None if it names one of `tools`."""
     function = choice.get("function")

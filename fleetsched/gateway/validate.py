@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..backends.sampling import named_tool_problem, tools_problem
+from ..backends.sampling import pairs_problem
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -150,23 +150,7 @@ def check_chat(body: Any) -> dict[str, Any]:
 
 def _needs(body: Mapping[str, Any]) -> None:
     """The chat fields that need another, refused as vLLM's request validators refuse them."""
-    top_logprobs = _integer(body, "top_logprobs", -1)  # -1: the whole vocabulary
-    if top_logprobs is not None and top_logprobs != 0 and not body.get("logprobs"):
-        raise Invalid("top_logprobs", "needs logprobs set to true")
-    tools = body.get("tools")
-    if tools == []:
-        raise Invalid("tools", "must not be empty: give at least one tool or leave tools out")
-    choice = body.get("tool_choice")
-    if choice is not None and choice != "none":
-        if tools is None:
-            raise Invalid("tool_choice", "needs tools")
-        if choice not in ("auto", "required"):
-            if not isinstance(choice, dict):
-                raise Invalid("tool_choice", f'must be "none", "auto", "required" or a named tool, got {choice!r:.40}')
-            problem = named_tool_problem(choice, tools)
-            if problem is not None:
-                raise Invalid(*problem)
-    problem = tools_problem(tools)
+    problem = pairs_problem(body)
     if problem is not None:
         raise Invalid(*problem)
 
