@@ -155,5 +155,9 @@ def run_virtual(fn: Callable[..., Awaitable[T]], *args: Any, loop: Loop = "async
         import trio.testing
 
         clock = trio.testing.MockClock(autojump_threshold=0)
-        return anyio.run(fn, *args, backend="trio", backend_options={"clock": clock})
+        # Ctrl-C at the main task's next checkpoint, not wherever the signal lands: raised inside
+        # a session's task or in `start_soon`, it left a coroutine never awaited, or the
+        # simulation running on.
+        options = {"clock": clock, "restrict_keyboard_interrupt_to_checkpoints": True}
+        return anyio.run(fn, *args, backend="trio", backend_options=options)
     raise ValueError(f"loop: expected one of {', '.join(LOOPS)}, got {loop!r}")
