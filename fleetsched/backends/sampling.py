@@ -52,16 +52,25 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 _KEYS = frozenset(RULES) | {"top_logprobs", "tools", "tool_choice"}
 
 
+def rule_problem(body: Mapping[str, Any], key: str) -> tuple[str, str] | None:
+    """(`key`, what is wrong) if `body`'s value for `key` breaks its rule in `RULES`, else None."""
+    value = body.get(key)
+    ok, expected = RULES[key]
+    if value is None or ok(value):
+        return None
+    return key, f"expected {expected}, got {value!r:.80}"
+
+
 def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
     """Raise `InvalidRequest` naming the first sampling parameter of `body` that vLLM would
     refuse (of the wrong type or out of range; ``min_tokens`` over `max_tokens`, the completion
     length the call gets). A body with none of them costs one set test."""
     if _KEYS.isdisjoint(body):
         return
-    for key, (ok, expected) in RULES.items():
-        value = body.get(key)
-        if value is not None and not ok(value):
-            raise InvalidRequest(f"{key}: expected {expected}, got {value!r:.80}")
+    for key in RULES:
+        problem = rule_problem(body, key)
+        if problem is not None:
+            raise InvalidRequest(f"{problem[0]}: {problem[1]}")
     min_tokens = body.get("min_tokens")
     if min_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens: expected at most max_tokens ({max_tokens}), got {min_tokens}")

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..backends.sampling import pairs_problem
+from ..backends.sampling import pairs_problem, rule_problem
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -56,16 +56,6 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
-def _number(body: Mapping[str, Any], name: str, low: float | None = None, high: float | None = None) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise Invalid(name, f"must be a number, got {type(value).__name__}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise Invalid(name, f"must be between {low} and {high}, got {value}")
-
-
 def _integer(body: Mapping[str, Any], name: str, low: int, high: int = 2**31 - 1) -> int | None:
     value = body.get(name)
     if value is None:
@@ -96,21 +86,15 @@ def _common(body: Mapping[str, Any]) -> None:
         raise Invalid("stream_options", "is only allowed when stream is true")
     _integer(body, "max_tokens", 1)
     _integer(body, "max_completion_tokens", 1)
-    _integer(body, "seed", -(2**63), 2**63 - 1)
     n = _integer(body, "n", 1)
     if n not in (None, 1):
         raise Invalid("n", "only n=1 is served by this gateway; send n requests instead")
-    _number(body, "temperature", 0, 2)
-    _number(body, "top_p", 0, 1)
-    if body.get("top_p") == 0:  # vLLM's range is (0, 1]: it refuses 0
-        raise Invalid("top_p", "must be over 0 and at most 1, got 0")
-    _number(body, "presence_penalty", -2, 2)
-    _number(body, "frequency_penalty", -2, 2)
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (
-        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
-    ):
-        raise Invalid("stop", "must be a string or a list of strings")
+    # Checked here as vLLM refuses them; the rest (top_k...) are left to the engine, whose 400
+    # names the replica.
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop"):
+        problem = rule_problem(body, key)
+        if problem is not None:
+            raise Invalid(*problem)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise Invalid("user", "must be a string")
