@@ -80,13 +80,16 @@ def test_verdict_reports_the_effective_overload_against_the_best_rate():
 
 def test_the_service_gap_is_sampled_during_the_load():
     tally = Tally()
-    tally.sample_gap()  # nothing served yet
+    tally.sample_gap(0.25)  # nothing served yet
     for tenant, tokens in (("batch-a", 30), ("batch-b", 10), ("batch-c", 20)):
         for _ in range(tokens):
             tally.token(tenant)
-    tally.sample_gap()
-    assert tally.gaps == [0, 40]  # VTC-weighted: 2 a token
-    assert summarise(tally, 1.0, 0.0)["fairness_gap_sampled_tokens"] == {"p50": 20, "p90": 36, "max": 40, "samples": 2}
+    tally.sample_gap(0.5)
+    tally.sample_gap(0.75)
+    assert tally.gaps == [0, 40, 40]  # VTC-weighted: 2 a token
+    assert summarise(tally, 1.0, 0.0)["fairness_gap_sampled_tokens"] == {
+        "p50": 40, "p90": 40, "max": 40, "max_at_s": 0.5, "samples": 3  # the first sample of the largest
+    }
     assert summarise(Tally(), 1.0, 0.0)["fairness_gap_sampled_tokens"]["max"] is None
 
 

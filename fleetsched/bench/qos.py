@@ -88,6 +88,8 @@ class Tally:
         self.calls = 0
         #: The batch tenants' service gap (largest less smallest), sampled during the load.
         self.gaps: list[int] = []
+        #: When each gap was sampled, in seconds from the start of the load (nan: not given).
+        self.gap_times: list[float] = []
 
     def _add_ttft(self, tier: str, started: float, ttft: float) -> None:
         self.ttft_all[tier].append(ttft)
@@ -110,8 +112,9 @@ class Tally:
         service = [self.service[t] for t in BATCH_TENANTS]
         return max(service) - min(service)
 
-    def sample_gap(self) -> None:
+    def sample_gap(self, at: float = math.nan) -> None:
         self.gaps.append(self.gap())
+        self.gap_times.append(at)
 
 
 class CallTally:
@@ -235,15 +238,15 @@ async def offered_load(call, tally: Tally, *, rate: float, duration: float, max_
     async def sample_gaps() -> None:
         while True:
             await anyio.sleep(GAP_SAMPLE_S)
-            tally.sample_gap()
+            tally.sample_gap(anyio.current_time() - start)
 
     cpu = time.process_time()
     with anyio.move_on_after(duration):
         async with anyio.create_task_group() as tg:
             for i in range(CRITICAL_AGENTS):
                 tg.start_soon(critical_agent, i)
-            tg.start_soon(sample_gaps)
             start = anyio.current_time()
+            tg.start_soon(sample_gaps)
             n = 0
             while True:
                 # Launch every call due by now, so a busy event loop cannot lower the offered load.
@@ -259,11 +262,18 @@ def _percentiles(ttfts: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {tier: {"p50": round(percentile(v, 50), 4), "p99": round(percentile(v, 99), 4), "calls": len(v)} for tier, v in sorted(ttfts.items())}
 
 
-def _gap_figures(gaps: list[int]) -> dict[str, int | None]:
-    """The sampled service gaps' p50, p90 and largest (None without samples)."""
+def _gap_figures(gaps: list[int], times: list[float]) -> dict[str, float | None]:
+    """The sampled service gaps' p50, p90 and largest (None without samples), and when the
+    largest was sampled (``max_at_s``, seconds into the load: a spike in the warm-up reads
+    differently from one in the steady state)."""
     if not gaps:
-        return {"p50": None, "p90": None, "max": None, "samples": 0}
-    return {"p50": round(percentile(gaps, 50)), "p90": round(percentile(gaps, 90)), "max": max(gaps), "samples": len(gaps)}
+        return {"p50": None, "p90": None, "max": None, "max_at_s": None, "samples": 0}
+    largest = max(range(len(gaps)), key=gaps.__getitem__)
+    at = times[largest]
+    return {
+        "p50": round(percentile(gaps, 50)), "p90": round(percentile(gaps, 90)), "max": gaps[largest],
+        "max_at_s": None if math.isnan(at) else round(at, 2), "samples": len(gaps),
+    }
 
 
 def summarise(tally: Tally, duration: float, cpu_s: float) -> dict[str, Any]:
@@ -273,7 +283,7 @@ def summarise(tally: Tally, duration: float, cpu_s: float) -> dict[str, Any]:
         "ttft_s_warmup_included": _percentiles(tally.ttft_all),
         "throughput_tok_s": round(tally.tokens / duration, 1),
         "tenant_service_tokens": dict(sorted(tally.service.items())),
-        "fairness_gap_sampled_tokens": _gap_figures(tally.gaps),
+        "fairness_gap_sampled_tokens": _gap_figures(tally.gaps, tally.gap_times),
         "errors": tally.errors,
         # On a small machine this process shares a CPU with the API server: what it spends a
         # call (load generator and client, and in the fleetsched mode the dispatcher and the
