@@ -7,6 +7,7 @@ test (window, order, fairness, cancellation) is the real dispatcher.
 from __future__ import annotations
 
 from collections import Counter
+from decimal import Decimal
 from functools import partial
 
 import anyio
@@ -465,6 +466,12 @@ async def test_a_call_cancelled_while_it_waits_for_its_turn_is_not_charged():
         ({"tier": False}, "tier"),
         ({"due": True}, "due"),
         ({"due_in": True}, "due_in"),
+        # A Decimal compares with floats, so it passed the check, then `now + due_in` raised a
+        # bare TypeError; a Decimal NaN raised decimal.InvalidOperation from the check itself.
+        ({"due_in": Decimal("5")}, "due_in"),
+        ({"due_in": Decimal("NaN")}, "due_in"),
+        ({"due": Decimal("5")}, "due"),
+        ({"due": Decimal("NaN")}, "due"),
         ({"body": ["not", "a", "dict"]}, "body"),
         ({"body": None}, "body"),
     ],

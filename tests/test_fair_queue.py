@@ -136,6 +136,24 @@ def test_only_a_queued_entry_is_removed_and_only_one_not_queued_is_pushed():
     assert q.push(queued) is queued and q.remove(queued) and len(q) == 0
 
 
+def test_a_removed_entry_pushed_again_is_queued_once_in_its_new_place():
+    """`remove` leaves the entry's heap item behind (dropped when it reaches the top). Pushed
+    again, the entry was live under both items: listed twice, and picked by its old key (ahead
+    of "b", pushed after its first push but before its second, and ahead of its new deadline)."""
+    q = FairQueue()
+    a = q.push(Entry("a", 1, 0, "a"))
+    q.push(Entry("a", 1, 1, "b"))
+    assert q.remove(a)
+    a.deadline = 5.0
+    q.push(a)
+    assert sorted(e.item for e in q) == ["a", "b"] and len(q) == 2
+    assert [e.item for e in drain(q)] == ["b", "a"]
+    # Pushed again after that pick, it is one entry again (its old items are dead).
+    q.push(a)
+    assert len(list(q)) == len(q) == 1
+    assert drain(q) == [a] and len(q) == 0 and not list(q)
+
+
 def test_max_tier_leaves_lower_tiers_in_place():
     q = FairQueue(aging_s=10)
     q.push(Entry("a", Tier.BATCH, 0, "b1"))

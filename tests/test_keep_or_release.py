@@ -244,3 +244,36 @@ async def test_a_session_waiting_to_return_counts_as_queued_not_parked():
         await a
         await b
     check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_a_tool_cut_short_by_its_sessions_cancellation_is_not_learned():
+    """Three sessions were cancelled half a second into a 100-s tool: their 0.5 s were learned
+    as the tool's duration, a short tool, so the next session in it kept its slot for keep_s
+    (2 s) while B waited, where a tool with no history is released after unknown_ttl_s (1 s)."""
+    log: list = []
+
+    async def cut_short(ctx):
+        async with ctx.tool("long-tool"):
+            await anyio.sleep(100)
+
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "adaptive", "drain_grace_s": 1000})
+    async with Scheduler(s) as scheduler:
+        for _ in range(3):
+            handle = await scheduler.submit(cut_short, tenant="acme")
+            await anyio.sleep(0.5)
+            handle.cancel()
+            with pytest.raises(SessionCancelled):
+                await handle
+        start = anyio.current_time()
+        a = await scheduler.submit(tool_agent(100, log, "A"), tenant="acme")
+        await anyio.sleep(0.5)
+        await scheduler.submit(sleeper(10, log, "B"), tenant="acme")
+        await a
+    assert [(label, event, t - start) for label, event, t in log] == [
+        ("A", "start", 0.0),
+        ("B", "start", 1.0),
+        ("B", "end", 11.0),
+        ("A", "end", 100.0),
+    ]
+    check_released(scheduler)

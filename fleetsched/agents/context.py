@@ -32,7 +32,7 @@ class SessionContext:
         self, handle: SessionHandle, dispatcher: Dispatcher, *, model: str, ttft_slo_s: float = math.inf, pace: Any = None
     ) -> None:
         """`pace` (the scheduler) is told when tools start and end, `tool_started(handle, name, now)`
-        and ``await tool_finished(handle, name, seconds, readmit=...)``, and asked before a model
+        and ``await tool_finished(handle, name, seconds, readmit=..., complete=...)``, and asked before a model
         call ``await busy(handle)``: a session parked in a tool waits there to be re-admitted."""
         self._pace = pace
         self._handle = handle
@@ -181,14 +181,17 @@ class SessionContext:
                 self._pace.tool_started(handle, name, now)
         try:
             yield
-        except BaseException:
-            await self._tool_left(readmit=False)
+        except BaseException as exc:
+            # Cancelled (its session, or a scope around the block): the tool was cut short, and
+            # its time so far is no duration of the tool to learn.
+            await self._tool_left(readmit=False, complete=not isinstance(exc, anyio.get_cancelled_exc_class()))
             raise
         await self._tool_left(readmit=True)
 
-    async def _tool_left(self, readmit: bool) -> None:
+    async def _tool_left(self, readmit: bool, complete: bool = True) -> None:
         """A `tool` block was left; the last one ends the tool period: the memory is pinned
-        again, and a parked session is re-admitted if `readmit`."""
+        again, and a parked session is re-admitted if `readmit`. The period's duration is
+        learned only if `complete` (not cut short by a cancellation)."""
         handle = self._handle
         self._tools_open -= 1
         if self._tools_open == 0:
@@ -198,7 +201,7 @@ class SessionContext:
             handle.counters.tool_calls += 1
             handle.counters.tool_s += seconds
             if self._pace is not None:
-                await self._pace.tool_finished(handle, self._tool_name, seconds, readmit=readmit)
+                await self._pace.tool_finished(handle, self._tool_name, seconds, readmit=readmit, complete=complete)
             handle.activity = THINKING
 
     def _check_live(self) -> None:

@@ -45,6 +45,12 @@ class Entry:
         return (self.deadline, self.seq)
 
 
+def _live(item: tuple[float, int, Entry]) -> bool:
+    """Whether a heap item stands for its entry now: `remove` leaves the item in the heap, and
+    the entry may have been pushed again since (a new item, a new seq)."""
+    return item[2].queued and item[1] == item[2].seq
+
+
 @dataclass(slots=True)
 class _SubQueue:
     heap: list[tuple[float, int, Entry]] = field(default_factory=list)
@@ -52,7 +58,7 @@ class _SubQueue:
 
     def head(self) -> Entry | None:
         heap = self.heap
-        while heap and not heap[0][2].queued:
+        while heap and not _live(heap[0]):
             heapq.heappop(heap)
         return heap[0][2] if heap else None
 
@@ -213,8 +219,9 @@ class FairQueue:
             # Every pick of every queued model call runs this loop: the usual cases are spared
             # their method calls (a live queue whose top entry is live; a head not yet waiting
             # an aging period, which `_band` would not promote).
-            head = queue.heap[0][2]
-            if not head.queued:
+            top = queue.heap[0]
+            head = top[2]
+            if not head.queued or top[1] != head.seq:
                 head = queue.head()
                 assert head is not None
             band = tier
@@ -239,9 +246,9 @@ class FairQueue:
     def __iter__(self) -> Iterator[Entry]:
         """Live entries in no particular order."""
         for queue in self._queues.values():
-            for _, _, entry in queue.heap:
-                if entry.queued:
-                    yield entry
+            for item in queue.heap:
+                if _live(item):
+                    yield item[2]
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -254,8 +261,8 @@ class FairQueue:
 
     def _pop(self, entry: Entry) -> None:
         queue = self._queues[(entry.tenant, entry.tier)]
-        top = heapq.heappop(queue.heap)[2]
-        assert top is entry
+        top = heapq.heappop(queue.heap)
+        assert top[2] is entry and top[1] == entry.seq
         entry.queued = False
         self._count(entry, queue, -1)
 

@@ -14,6 +14,7 @@ itself never preempts a running request for a waiting high-priority one.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -539,6 +540,8 @@ class Dispatcher:
 
 
 _TIERS = frozenset(Tier)
+#: The types of a due or a due_in that the fast path of `_check_call` takes; others go the long way.
+_TIMES = frozenset({float, int})
 
 
 def _check_count(name: str, value: object, least: int) -> None:
@@ -554,12 +557,14 @@ def _check_call(body: object, tier: object, due: object, due_in: object = math.i
     """Refuse a call's bad arguments before it takes anything (rate limits, a place, a queue
     entry): a tier that is not one of `Tier`'s would be queued and compared with the others,
     and a NaN due breaks the earliest-deadline order. A bool is none of them, though True
-    equals 1 (the standard tier). The common case costs the seven tests of the first `if`s."""
+    equals 1 (the standard tier), and a Decimal is no time: it compares with floats but cannot
+    be added to the clock's (`_begin`'s ``now + due_in`` raised a bare TypeError). The common
+    case costs the seven tests of the first `if`s."""
     try:
-        if type(body) is dict and tier in _TIERS and due >= 0 and due_in >= 0:  # type: ignore[operator]
-            if type(tier) is not bool and type(due) is not bool and type(due_in) is not bool:
+        if type(body) is dict and tier in _TIERS and type(due) in _TIMES and type(due_in) in _TIMES:
+            if type(tier) is not bool and due >= 0 and due_in >= 0:  # type: ignore[operator]
                 return
-    except TypeError:  # an unhashable tier, a due that is no number: named below
+    except TypeError:  # an unhashable tier: named below
         pass
     if not isinstance(body, Mapping):
         raise InvalidRequest(f"body: expected an object (a dict), got {type(body).__name__}")
@@ -576,7 +581,8 @@ def _check_call(body: object, tier: object, due: object, due_in: object = math.i
 
 
 def _is_number(value: object) -> TypeGuard[float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number other than a bool (numpy's among them; a Decimal is not one)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:

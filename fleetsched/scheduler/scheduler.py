@@ -529,10 +529,15 @@ class Scheduler:
             if handle._holds_slot and handle._park_timer is None:
                 self._plan_park(handle, tool, started, now)
 
-    async def tool_finished(self, handle: SessionHandle, tool: str, seconds: float, *, readmit: bool = True) -> None:
-        """A session left a tool: learn its duration; if it was parked, wait to be re-admitted
-        unless not `readmit` (the tool raised: a later model call of the session re-admits it)."""
-        self._tool_stats.observe(tool, seconds)
+    async def tool_finished(
+        self, handle: SessionHandle, tool: str, seconds: float, *, readmit: bool = True, complete: bool = True
+    ) -> None:
+        """A session left a tool: learn its duration if `complete` (a tool cut short by a
+        cancellation ran for less than it would have: learned, it would look shorter than it
+        is); if it was parked, wait to be re-admitted unless not `readmit` (the tool raised: a
+        later model call of the session re-admits it)."""
+        if complete:
+            self._tool_stats.observe(tool, seconds)
         if readmit:
             await self.busy(handle)
         else:
