@@ -12,8 +12,10 @@ loops give the same semantics (trio's ``MockClock(autojump_threshold=0)``):
   iteration (see `VirtualTimeLoop`).
 
 Library code never sees the difference: it reads time with ``anyio.current_time()`` and waits with
-``anyio.sleep()``. While a worker thread runs, the clock still jumps (as trio's autojump does), so
-simulated code must not wait on threads for timing.
+``anyio.sleep()``. Worker threads started through `run_sync_in_thread` hold the clock still
+while they work, on either loop: their work takes no virtual time, and no timer fires meanwhile (a
+thread that never returns holds virtual time still for good). A thread started any other way does
+not: while it works the clock jumps as if every task waited on timers.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import asyncio
 import heapq
 import itertools
 import math
+import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -46,9 +50,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     It runs asyncio's loop iteration with two changes. When nothing is ready, the clock jumps to
     the next timer instead of the selector sleeping (the selector is still polled first, so a
-    thread's wake-up stops the jump). And its timer heap holds ``(when, seq, handle)`` tuples,
-    which the heap compares in C: asyncio's own heap compares `TimerHandle` objects through a
-    Python ``__lt__``, about ten calls a timer with a thousand agents asleep.
+    thread's wake-up stops the jump); while a hold is on (`hold_clock`, taken by
+    `run_sync_in_thread`), the selector sleeps for real instead, until a thread wakes the loop.
+    And its timer heap holds ``(when, seq, handle)`` tuples, which the heap compares in C:
+    asyncio's own heap compares `TimerHandle` objects through a Python ``__lt__``, about ten
+    calls a timer with a thousand agents asleep.
     """
 
     def __init__(self) -> None:
@@ -56,9 +62,19 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._virtual_now = 0.0
         self._timer_seq = itertools.count()
         self._polls_skipped = 0
+        self._holds = 0
 
     def time(self) -> float:
         return self._virtual_now
+
+    def hold_clock(self) -> Callable[[], None]:
+        """Keep the clock from jumping until the function returned is called (once). Holds nest."""
+        self._holds += 1
+
+        def release() -> None:
+            self._holds -= 1
+
+        return release
 
     def run_forever(self) -> None:
         # Declare the loop to sniffio while it runs, as trio does: `anyio.current_time()` (read
@@ -103,6 +119,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             self._polls_skipped += 1
             if self._polls_skipped >= _POLL_EVERY:
                 self._poll(0)
+        elif self._holds:
+            # A worker thread works (`run_sync_in_thread`): time stands still until it reports,
+            # through `call_soon_threadsafe`, which wakes the selector.
+            self._poll(None)
         elif timers and timers[0][0] < math.inf:
             self._poll(0)
             if not ready:  # every task waits: time passes at once
@@ -145,6 +165,65 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         while timers and timers[0][2]._cancelled:
             self._timer_cancelled_count -= 1
             heapq.heappop(timers)[2]._scheduled = False  # type: ignore[attr-defined]
+
+
+async def run_sync_in_thread(fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:
+    """``anyio.to_thread.run_sync(fn, *args)``, with a virtual clock held still while it runs.
+
+    On a virtual clock (`VirtualTimeLoop`, or trio's ``MockClock``) the clock does not jump while
+    the thread works: its work takes no virtual time, and no timer fires meanwhile, so a timeout
+    around it cannot cut it off. The hold ends with the call, also when a cancellation leaves the
+    thread behind (``abandon_on_cancel``). A thread that never returns, or that waits on the
+    loop's timers (``anyio.from_thread.run(anyio.sleep, ...)``), therefore holds virtual time
+    still for good. On a real clock this is ``anyio.to_thread.run_sync``, nothing more.
+    """
+    release = _hold_virtual_clock()
+    try:
+        return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=abandon_on_cancel)
+    finally:
+        if release is not None:
+            release()
+
+
+@dataclass(slots=True)
+class _AutojumpHold:
+    threshold: float  # the clock's own, put back when the last hold is released
+    count: int = 0
+
+
+#: The holds on each trio MockClock (a clock is not ours to add attributes to).
+_autojump_holds: weakref.WeakKeyDictionary[Any, _AutojumpHold] = weakref.WeakKeyDictionary()
+
+
+def _hold_virtual_clock() -> Callable[[], None] | None:
+    """Keep the running loop's virtual clock from jumping until the function returned is called;
+    None on a real clock."""
+    library = sniffio.current_async_library()
+    if library == "asyncio":
+        loop = asyncio.get_running_loop()
+        return loop.hold_clock() if isinstance(loop, VirtualTimeLoop) else None
+    if library != "trio":
+        return None
+    import trio.testing
+
+    clock = trio.lowlevel.current_clock()
+    if not isinstance(clock, trio.testing.MockClock):
+        return None
+    # An infinite threshold turns autojump off (trio's default); the IO wait then sleeps for real
+    # until the thread reports back, and `jump()` still works.
+    hold = _autojump_holds.get(clock)
+    if hold is None:
+        hold = _autojump_holds[clock] = _AutojumpHold(clock.autojump_threshold)
+        clock.autojump_threshold = math.inf
+    hold.count += 1
+
+    def release() -> None:
+        hold.count -= 1
+        if not hold.count:
+            del _autojump_holds[clock]
+            clock.autojump_threshold = hold.threshold
+
+    return release
 
 
 def run_virtual(fn: Callable[..., Awaitable[T]], *args: Any, loop: Loop = "asyncio") -> T:

@@ -12,8 +12,9 @@ import pytest
 from fleetsched import Scheduler, SessionFailed, SessionState
 from fleetsched.agents.loop import Tool, run_tool_loop
 from fleetsched.backends.instant import InstantBackend
+from fleetsched.virtual_time import LOOPS, run_virtual
 
-from .helpers import check_released, settings
+from .helpers import check_released, settings, virtual_loop
 
 pytestmark = pytest.mark.anyio
 
@@ -184,7 +185,7 @@ class Deferred:
         return add(a, b)
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # a real clock: a mock one jumps while a thread works
+@pytest.mark.parametrize("anyio_backend", [virtual_loop("asyncio"), virtual_loop("trio")], ids=["asyncio", "trio"])
 async def test_plain_functions_are_tools_too(anyio_backend):
     """A `def` tool was an error for the model on every call ("object str can't be used in
     'await' expression"); it now runs in a worker thread, so it does not stall other sessions."""
@@ -193,14 +194,12 @@ async def test_plain_functions_are_tools_too(anyio_backend):
         Tool("upper", lambda word: word.upper()),
         Tool("add_later", lambda a, b: add(a, b)),  # a `def` returning an awaitable: awaited
         Tool("deferred", Deferred()),
-        Tool("slow", lambda: time.sleep(0.5), timeout_s=0.05),  # the limit holds: the thread is left behind
     ]
     script = [[
         {"name": "add", "arguments": {"a": 2, "b": 3}},
         {"name": "upper", "arguments": {"word": "ok"}},
         {"name": "add_later", "arguments": {"a": 1, "b": 2}},
         {"name": "deferred", "arguments": {"a": 3, "b": 4}},
-        {"name": "slow"},
     ]]
 
     async def agent(ctx):
@@ -209,9 +208,51 @@ async def test_plain_functions_are_tools_too(anyio_backend):
     async with Scheduler(settings()) as scheduler:
         loop = await (await scheduler.submit(agent, tenant="acme"))
     check_released(scheduler)
-    assert [m["content"] for m in loop.messages if m["role"] == "tool"] == [
-        "5 in a worker thread", "OK", "3", "7", "error: tool 'slow' did not finish within 0.05 s"]
-    assert loop.tool_errors == 1
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"] == ["5 in a worker thread", "OK", "3", "7"]
+    assert loop.tool_errors == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # a real clock: on a virtual one a thread's time does not count
+async def test_a_plain_function_past_its_limit_is_left_behind(anyio_backend):
+    tools = [Tool("slow", lambda: time.sleep(0.5), timeout_s=0.05)]
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], tools, script=[[{"name": "slow"}]])
+
+    async with Scheduler(settings()) as scheduler:
+        loop = await (await scheduler.submit(agent, tenant="acme"))
+    check_released(scheduler)
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"] == ["error: tool 'slow' did not finish within 0.05 s"]
+
+
+async def _plain_tool_beside_timers() -> tuple[list[str], float]:
+    """A session whose tools work in threads (10 ms each, limits of 30 s and 10 ms) and in a 2-s
+    sleep, while a timer waits an hour: its tool results and its virtual duration."""
+    tools = [
+        Tool("add", blocking_add),
+        Tool("tight", lambda: time.sleep(0.01) or "done", timeout_s=0.01),  # real time: not counted
+        Tool("search", search),
+    ]
+    script = [[{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "tight"}], [{"name": "search", "arguments": {"query": "q"}}]]
+
+    async def agent(ctx):
+        start = anyio.current_time()
+        loop = await run_tool_loop(ctx, [{"role": "user", "content": "go"}], tools, script=script)
+        return [m["content"] for m in loop.messages if m["role"] == "tool"], anyio.current_time() - start
+
+    async with Scheduler(settings()) as scheduler, anyio.create_task_group() as tg:
+        tg.start_soon(anyio.sleep, 3600)  # the next timer, for a clock that jumps
+        outcome = await (await scheduler.submit(agent, tenant="acme"))
+        tg.cancel_scope.cancel()
+    return outcome
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_plain_function_tool_takes_no_virtual_time(loop):
+    """Before: while the thread worked the clock jumped to the next timer, an hour on, so the
+    tools' limits passed at once. Two runs: the same results at the same virtual times."""
+    expected = (["5 in a worker thread", "done", '{"hits": ["result for q"]}'], 2.0)
+    assert [run_virtual(_plain_tool_beside_timers, loop=loop) for _ in range(2)] == [expected, expected]
 
 
 class ToolCallsBackend(InstantBackend):

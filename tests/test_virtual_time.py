@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
 
 import anyio
 import pytest
 import sniffio
 
-from fleetsched.virtual_time import run_virtual
+from fleetsched.virtual_time import run_sync_in_thread, run_virtual
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
@@ -54,6 +56,79 @@ def test_a_worker_thread_still_wakes_the_loop():
         return await anyio.to_thread.run_sync(lambda: time.sleep(0.05) or "done")
 
     assert run_virtual(main) == "done"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_the_clock_holds_still_while_a_worker_thread_works(loop):
+    """Before: 10 ms of work in a thread jumped the clock to the next timer (100 s on), and the
+    30-s timeout around the thread fired."""
+
+    async def main() -> tuple[bool, float, float]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.sleep, 100)  # the next timer
+            with anyio.move_on_after(30) as scope:
+                await run_sync_in_thread(time.sleep, 0.01, abandon_on_cancel=True)  # as a tool's
+            after_thread = anyio.current_time()
+        return scope.cancelled_caught, after_thread, anyio.current_time()
+
+    assert run_virtual(main, loop=loop) == (False, 0.0, 100.0)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_threads_at_once_hold_the_clock_until_the_last_ends(loop):
+    """The clock holds while any thread works; a sleep beside them takes its own time, no more."""
+
+    async def main() -> list[tuple[str, float]]:
+        seen: list[tuple[str, float]] = []
+
+        async def work(name: str, seconds: float) -> None:
+            await run_sync_in_thread(time.sleep, seconds)
+            seen.append((name, anyio.current_time()))
+
+        async def nap() -> None:
+            await anyio.sleep(5)
+            seen.append(("nap", anyio.current_time()))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(work, "short", 0.01)
+            tg.start_soon(work, "long", 0.05)
+            tg.start_soon(nap)
+        return seen
+
+    seen = run_virtual(main, loop=loop)
+    assert sorted(seen[:2]) == [("long", 0.0), ("short", 0.0)] and seen[2] == ("nap", 5.0)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_thread_left_behind_by_a_cancellation_lets_the_clock_go(loop):
+    """A thread abandoned on cancellation no longer holds the clock: the loop does not wait for it."""
+
+    async def main() -> float:
+        started, release = anyio.Event(), threading.Event()
+
+        def work() -> None:
+            anyio.from_thread.run_sync(started.set)
+            release.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(run_sync_in_thread, work, abandon_on_cancel=True))
+            await started.wait()
+            tg.cancel_scope.cancel()
+        await anyio.sleep(60)
+        release.set()
+        return anyio.current_time()
+
+    assert run_virtual(main, loop=loop) == 60.0
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_on_a_real_clock_a_thread_takes_its_real_time(backend):
+    async def main() -> float:
+        start = anyio.current_time()
+        await run_sync_in_thread(time.sleep, 0.05)
+        return anyio.current_time() - start
+
+    assert anyio.run(main, backend=backend) >= 0.04
 
 
 def test_the_loop_declares_itself_to_sniffio_while_it_runs_only():

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import anyio
 
+from ..virtual_time import run_sync_in_thread
 from .context import SessionContext
 
 ToolFn = Callable[..., Any]  # an async function, a callable returning an awaitable, or a plain function
@@ -34,8 +35,9 @@ class Tool:
     `fn` is an async function, or any callable returning an awaitable, which is awaited; a plain
     (synchronous) function runs in a worker thread, so that a blocking tool does not stall every
     other session of the event loop (past `timeout_s` the loop goes on without it; the thread
-    ends in its own time). On a virtual clock the clock jumps while a thread works, so there a
-    plain function's time does not count and its `timeout_s` may pass at once.
+    ends in its own time). On a virtual clock the clock holds still while the thread works
+    (`run_sync_in_thread`): the call takes no virtual time, and its `timeout_s` cannot pass
+    meanwhile, so a plain function that never returns stalls the simulation.
     """
 
     name: str
@@ -181,7 +183,7 @@ async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
             if _is_plain_function(tool.fn):
                 # Boxed: a `def` may return an awaitable (``lambda q: search(q)``), awaited below
                 # in the loop; trio's worker threads refuse to return one bare.
-                (result,) = await anyio.to_thread.run_sync(lambda: (tool.fn(**arguments),), abandon_on_cancel=True)
+                (result,) = await run_sync_in_thread(lambda: (tool.fn(**arguments),), abandon_on_cancel=True)
             else:
                 result = tool.fn(**arguments)
             if inspect.isawaitable(result):  # an async function's, or a callable's that returns one
