@@ -538,3 +538,17 @@ async def test_a_max_tokens_the_prompt_leaves_no_room_for_is_cut_as_vllm_cuts_it
     async with SimBackend(flat(max_model_len=256, kv_cache_tokens=1024)) as backend:
         response, _ = await backend.complete_chat(body(250, 10))
     assert response["usage"]["completion_tokens"] == 6 and response["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_bare_string_content_part_counts_as_its_text():
+    """vLLM 0.32's chat parser takes a plain string among a message's content parts as text
+    (`_parse_chat_message_content_part`); the sim and the dispatcher's estimate dropped it."""
+    from fleetsched.backends.base import estimate_prompt_tokens
+
+    text = "x" * 400
+    as_string = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    as_parts = {"model": "m", "messages": [{"role": "user", "content": [text[:100], {"type": "text", "text": text[100:]}]}], "max_tokens": 1}
+    assert estimate_prompt_tokens(as_parts) == estimate_prompt_tokens(as_string) == 104
+    async with SimBackend(flat()) as backend:
+        usages = [(await backend.complete_chat(b))[0]["usage"]["prompt_tokens"] for b in (as_string, as_parts)]
+    assert usages == [104, 104]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,11 +276,21 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
             if isinstance(content, str):
                 chars += len(content)
             elif isinstance(content, list):
-                chars += sum(len(part.get("text", "")) for part in content if isinstance(part, Mapping))
+                chars += sum(map(len, content_part_texts(content)))
             chars += 16  # role and chat-template framing
     except (AttributeError, TypeError):  # checked here, where they are read anyway: no cost when right
         raise invalid_messages(messages) from None
     return max(1, chars // 4)
+
+
+def content_part_texts(parts: list[Any]) -> Iterator[str]:
+    """The text of each of a message's content parts: a text part's ``text``, or a bare string,
+    which vLLM's chat parser takes as text too; other parts (images, ...) have none here."""
+    for part in parts:
+        if isinstance(part, str):
+            yield part
+        elif isinstance(part, Mapping):
+            yield part.get("text", "")
 
 
 def invalid_messages(messages: object) -> InvalidRequest:

@@ -18,8 +18,10 @@ block that carries it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from ..base import content_part_texts
 
 #: Characters per simulated token: matches `estimate_prompt_tokens` (about 4 a token).
 CHARS_PER_TOKEN = 4
@@ -46,7 +48,7 @@ def prompt_text(messages: Sequence[Any]) -> str:
         if isinstance(content, str):
             parts.append(content)
         elif isinstance(content, list):
-            parts.extend(part.get("text", "") for part in content if isinstance(part, Mapping))
+            parts.extend(content_part_texts(content))
     return "".join(parts)
 
 
