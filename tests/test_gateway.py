@@ -212,6 +212,20 @@ def test_malformed_bodies_are_400(url, body, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_a_bare_string_content_part_is_served_as_text(url):
+    """vLLM takes a plain string among a message's content parts as text; the gateway refused it
+    (400 on messages.0.content). A number among them is still refused."""
+    text = "y" * 400
+    for content in (text, [text[:100], {"type": "text", "text": text[100:]}]):
+        body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        response = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {ACME}"})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == 104
+    bad = {"model": "m", "messages": [{"role": "user", "content": ["x", 5]}]}
+    response = httpx.post(url + "/v1/chat/completions", json=bad, headers={"authorization": f"Bearer {ACME}"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages.0.content"
+
+
 def test_a_tool_choice_naming_one_of_the_tools_is_served(url):
     tools = [{"type": "function", "function": {"name": "search"}}, {"type": "function", "function": {"name": "fetch"}}]
     choice = {"type": "function", "function": {"name": "fetch"}}

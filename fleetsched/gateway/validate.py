@@ -115,10 +115,11 @@ def check_chat(body: Any) -> dict[str, Any]:
             raise Invalid(f"messages.{i}.role", f"must be one of {', '.join(sorted(ROLES))}")
         content = message.get("content")
         if content is not None and not isinstance(content, str):
-            if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+            # A part is an object, or a bare string, which vLLM takes as a text part.
+            if not isinstance(content, list) or not all(isinstance(p, (dict, str)) for p in content):
                 raise Invalid(f"messages.{i}.content", "must be a string, a list of content parts or null")
             for j, part in enumerate(content):
-                if "text" in part and not isinstance(part["text"], str):
+                if isinstance(part, dict) and "text" in part and not isinstance(part["text"], str):
                     raise Invalid(f"messages.{i}.content.{j}.text", "must be a string")
     for name in ("tools", "functions"):
         value = body.get(name)
