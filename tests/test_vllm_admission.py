@@ -71,7 +71,9 @@ async def _preemptions(client: httpx.AsyncClient, server: VLLMServer) -> float:
 
 async def _run_load(server: VLLMServer, pool: ExtentPool, nbytes: int) -> list[tuple[int, int]]:
     """Run SESSIONS sessions at once, each holding a reservation of `nbytes` while it generates."""
-    openai = AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0)
+    # The SDK's default gives a connection 5 s, its only timeout shorter than the load's own
+    # bound (the fail_after below): a clean-clone CI once failed here on an APITimeoutError.
+    openai = AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=httpx.Timeout(120.0, connect=60.0))
     usage: list[tuple[int, int]] = []
 
     async def session(i: int) -> None:
