@@ -148,6 +148,12 @@ class Scheduler:
         self._closing = False
         self._admitting = False
         self._running: dict[int, SessionHandle] = {}
+        # Kept as slots are taken and given (`_take_slot`, `_give_slot`), for `statistics`, which
+        # would otherwise look at every running session at every sample: the running sessions
+        # holding their slot per (tenant, tier), and those whose slot was released (parked in a
+        # tool, or waiting to be re-admitted).
+        self._holding: dict[tuple[str, int], int] = {}
+        self._released: dict[SessionHandle, None] = {}
         self._live = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -381,8 +387,7 @@ class Scheduler:
         return True
 
     def _start(self, handle: SessionHandle, reservation: Any, now: float, spawn: bool = True) -> None:
-        self.slots.take(handle.tenant)
-        handle._holds_slot = True
+        self._take_slot(handle)
         handle.reservation = reservation
         handle._entry = None
         if handle._queue_timer is not None:
@@ -437,6 +442,7 @@ class Scheduler:
     def _finish(self, handle: SessionHandle, state: SessionState) -> None:
         """Give back everything the session holds; then admit whoever can run now."""
         self._running.pop(handle.id, None)
+        self._released.pop(handle, None)
         self._in_tool.pop(handle, None)
         if handle._park_timer is not None:
             handle._park_timer.cancel()
@@ -445,8 +451,7 @@ class Scheduler:
             handle._readmit.set()
             handle._readmit = None
         if handle._holds_slot:
-            self.slots.give(handle.tenant)
-            handle._holds_slot = False
+            self._give_slot(handle)
         handle._set_state(state, anyio.current_time())
         self._record(handle)
         self._session_ended()
@@ -583,8 +588,8 @@ class Scheduler:
         call of the session, from another of its tasks, is under way)."""
         if not handle._holds_slot or handle.done or handle.calls_in_flight:
             return
-        self.slots.give(handle.tenant)
-        handle._holds_slot = False
+        self._give_slot(handle)
+        self._released[handle] = None
         handle.parked_count += 1
         reservation, handle.reservation = handle.reservation, None
         if reservation is not None:
@@ -605,12 +610,26 @@ class Scheduler:
             raise
 
     def _resume(self, handle: SessionHandle, reservation: Any) -> None:
-        self.slots.take(handle.tenant)
-        handle._holds_slot = True
+        self._take_slot(handle)
+        self._released.pop(handle, None)
         handle.reservation = reservation
         event, handle._readmit = handle._readmit, None
         assert event is not None
         event.set()
+
+    def _take_slot(self, handle: SessionHandle) -> None:
+        """`handle` (admitted, or re-admitted) takes a slot of its tenant."""
+        self.slots.take(handle.tenant)
+        handle._holds_slot = True
+        key = (handle.tenant, handle.tier)
+        self._holding[key] = self._holding.get(key, 0) + 1
+
+    def _give_slot(self, handle: SessionHandle) -> None:
+        """`handle` (ended, or parked in a tool) gives its slot back."""
+        self.slots.give(handle.tenant)
+        handle._holds_slot = False
+        key = (handle.tenant, handle.tier)
+        self._holding[key] -= 1
 
     async def _adapt_window(self) -> None:
         """Resize the dispatcher's in-flight window from the engine's signals, periodically."""
@@ -650,17 +669,11 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStatistics:
         queued = {(t, str(Tier(tier))): n for (t, tier), n in self._queue.queued_by().items()}
-        by_tier: dict[tuple[str, int], int] = {}
-        parked = 0
-        for handle in self._running.values():
-            if not handle._holds_slot:
-                parked += handle.parked  # else waiting to be re-admitted: counted as queued
-                continue
-            key = (handle.tenant, handle.tier)
-            by_tier[key] = by_tier.get(key, 0) + 1
+        # Released and waiting to be re-admitted is counted as queued, not parked.
+        parked = sum(handle.parked for handle in self._released)
         return SchedulerStatistics(
             queued=queued,
-            running={(tenant, str(Tier(tier))): n for (tenant, tier), n in by_tier.items()},
+            running={(tenant, str(Tier(tier))): n for (tenant, tier), n in self._holding.items() if n},
             parked=parked,
             finished=dict(self._finished),
             slots_in_use=self.slots.in_use,
