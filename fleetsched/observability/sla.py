@@ -29,6 +29,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ..scheduler.records import CallRecord, CallTimes, Recorder, SessionRecord, sorted_percentile
 from ..settings import SlaSettings, TenantSettings
@@ -45,6 +46,7 @@ REASON_TEXT = {
     "failed": "call failed",
 }
 _REFUSED = {"Overloaded": "shed", "RateLimited": "rate-limited"}
+_FINISHED = attrgetter("finished")
 #: A call's `error` when it was cancelled with its session: no event of any objective.
 CANCELLED = frozenset({"Cancelled", "CancelledError"})
 
@@ -271,10 +273,12 @@ class SlaTracker:
             fresh.append(records[start:])
         # Calls and refusals feed the same windows, which drop events from their oldest end:
         # take them in by time, or a refusal taken in after a later call outstays the window.
-        calls = sorted([*fresh[0], *fresh[1]], key=lambda r: r.finished)
+        calls = sorted([*fresh[0], *fresh[1]], key=_FINISHED)
         for i, records in enumerate((calls, fresh[2])):
             for record in records:
-                goals = self.goals.get(record.tenant, {})
+                goals = self.goals.get(record.tenant)
+                if not goals:  # a tenant without objectives (often most calls): nothing to take in
+                    continue
                 if i == 0:
                     for objective, met, breach in call_events(record, goals):
                         self._note(record.tenant, objective, record.finished, met, breach, new)
