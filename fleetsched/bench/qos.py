@@ -88,7 +88,7 @@ class Tally:
         self.calls = 0
         #: The batch tenants' service gap (largest less smallest), sampled during the load.
         self.gaps: list[int] = []
-        #: When each gap was sampled, in seconds from the start of the load (nan: not given).
+        #: When each gap was sampled, in seconds from the start of the load.
         self.gap_times: list[float] = []
 
     def _add_ttft(self, tier: str, started: float, ttft: float) -> None:
@@ -112,7 +112,7 @@ class Tally:
         service = [self.service[t] for t in BATCH_TENANTS]
         return max(service) - min(service)
 
-    def sample_gap(self, at: float = math.nan) -> None:
+    def sample_gap(self, at: float) -> None:
         self.gaps.append(self.gap())
         self.gap_times.append(at)
 
@@ -262,17 +262,16 @@ def _percentiles(ttfts: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {tier: {"p50": round(percentile(v, 50), 4), "p99": round(percentile(v, 99), 4), "calls": len(v)} for tier, v in sorted(ttfts.items())}
 
 
-def _gap_figures(gaps: list[int], times: list[float]) -> dict[str, float | None]:
+def _gap_figures(gaps: list[int], times: list[float]) -> dict[str, int | float | None]:
     """The sampled service gaps' p50, p90 and largest (None without samples), and when the
     largest was sampled (``max_at_s``, seconds into the load: a spike in the warm-up reads
     differently from one in the steady state)."""
     if not gaps:
         return {"p50": None, "p90": None, "max": None, "max_at_s": None, "samples": 0}
     largest = max(range(len(gaps)), key=gaps.__getitem__)
-    at = times[largest]
     return {
         "p50": round(percentile(gaps, 50)), "p90": round(percentile(gaps, 90)), "max": gaps[largest],
-        "max_at_s": None if math.isnan(at) else round(at, 2), "samples": len(gaps),
+        "max_at_s": round(times[largest], 2), "samples": len(gaps),
     }
 
 
