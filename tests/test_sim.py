@@ -552,3 +552,19 @@ async def test_a_bare_string_content_part_counts_as_its_text():
     async with SimBackend(flat()) as backend:
         usages = [(await backend.complete_chat(b))[0]["usage"]["prompt_tokens"] for b in (as_string, as_parts)]
     assert usages == [104, 104]
+
+
+async def test_the_next_turn_hits_the_blocks_of_the_answer_as_in_vllm():
+    """vLLM hashes every full block, generated tokens included: the next turn of a conversation
+    hits the previous answer's blocks too. Measured on the tiny CPU model (128-token blocks): a
+    298-token prompt answered in 128 tokens, then the next turn hit 384 tokens, (298 + 127) // 128
+    blocks, where the prompt alone holds 2."""
+    async with SimBackend(flat(block_size=128)) as backend:
+        messages = [{"role": "user", "content": "x" * (4 * 298 - 16)}]  # 298 tokens, as `body` counts
+        answer = await run_one(backend, {"model": "m", "messages": messages, "max_tokens": 128})
+        messages += [answer["choices"][0]["message"], {"role": "user", "content": "tool result: " + "y" * 100}]
+        before = (await backend.signals()).prefix_cache_hits_total
+        await run_one(backend, {"model": "m", "messages": messages, "max_tokens": 1})
+        after = (await backend.signals()).prefix_cache_hits_total
+        backend.engine.pool.check()
+    assert after - before == 3 * 128

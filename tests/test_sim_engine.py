@@ -105,6 +105,22 @@ def test_preempted_request_recomputes_prompt_and_output():
     engine.pool.check()
 
 
+def test_a_preempted_request_hits_the_blocks_of_its_own_answer_when_it_resumes():
+    """Blocks its answer filled are hashed when a preemption frees them, as vLLM hashes every
+    full block: resumed, the request recomputes only what was evicted meanwhile."""
+    engine = SimEngine(SimSettings(block_size=16, kv_cache_tokens=128, policy="fcfs"), coast=False)
+    a = engine.new_request(16, 60, block_hashes("a" * 64, 16, 16), text="a" * 64)
+    b = engine.new_request(16, 60, block_hashes("b" * 64, 16, 16), text="b" * 64)
+    while (step := engine.schedule()) is not None:
+        engine.complete(step)
+    assert (a.num_preemptions, b.num_preemptions, engine.finished) == (0, 1, 2)
+    # b was preempted with 64 tokens computed (4 full blocks: its prompt's and 3 of its answer's);
+    # a's next block evicted the last. Resumed at 65 tokens, b hit 3 blocks and recomputed 17
+    # (65 - 16 without its answer's blocks). Prompts: 16 + 16.
+    assert engine.prompt_computed == 16 + 16 + 17
+    engine.pool.check()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     policy=st.sampled_from(["fcfs", "priority"]),
@@ -130,7 +146,8 @@ def test_random_workloads_keep_invariants_and_finish(policy, kv_blocks, budget, 
         if pending and step % 2 == 0:
             prompt, out, priority, prefix, abort = pending.pop()
             hashes = [prefix * 1000 + i for i in range(prompt // bs)]  # same prefix id: same blocks
-            live.append((engine.new_request(prompt, out, hashes, priority), abort))
+            text = str(prefix) * 4 * prompt  # with it the blocks of the answer are cached too
+            live.append((engine.new_request(prompt, out, hashes, priority, text=text), abort))
         if step % 5 == 3:
             for request, abort in live:
                 if abort and not request.done:
@@ -176,7 +193,8 @@ def _trace(coast: bool, policy, kv_blocks, budget, max_seqs, requests, wake_ever
     while pending or engine.has_work:
         if pending and n % 3 == 0:
             prompt, out, priority, prefix, abort = pending.pop()
-            request = engine.new_request(prompt, out, [prefix * 1000 + i for i in range(prompt // bs)], priority)
+            hashes = [prefix * 1000 + i for i in range(prompt // bs)]
+            request = engine.new_request(prompt, out, hashes, priority, text=str(prefix) * 4 * prompt)
             request.wake_every = wake_every
             request.waiter = "parked"
             live.append((request, abort))

@@ -351,3 +351,51 @@ async def test_call_is_retried_across_a_server_restart(vllm_server, caplog):
         assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
     assert outcome["chunks"][-1]["usage"]["completion_tokens"] == 8  # type: ignore[index]
     assert caplog.text.count("retrying") >= 2
+
+
+@pytest.mark.vllm
+async def test_the_next_turn_hits_the_blocks_of_the_answer_on_vllm_and_the_sim(vllm_server):
+    """vLLM caches every full block, generated tokens included, so a conversation's next turn
+    hits the prompt's and the answer's full blocks: (prompt + answer - 1) // block size of them.
+    The sim answers the same conversation by the same rule (counting tokens its own way)."""
+    from fleetsched.backends.sim import SimBackend
+    from fleetsched.settings import SimSettings
+
+    turn1 = [{"role": "system", "content": "You are a careful agent."}, {"role": "user", "content": "Plan the week's jobs. " * 40}]
+    answer_tokens = 128
+
+    async def hits_of_next_turn(chat, hits_total) -> tuple[int, int]:
+        first = await chat({"model": MODEL, "messages": turn1, "max_tokens": answer_tokens, "temperature": 0.0, "ignore_eos": True})
+        assert first["usage"]["completion_tokens"] == answer_tokens
+        turn2 = [*turn1, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "tool result: 3 jobs moved"}]  # fmt: skip
+        before = await hits_total()
+        await chat({"model": MODEL, "messages": turn2, "max_tokens": 1})
+        return first["usage"]["prompt_tokens"], int(await hits_total() - before)
+
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as client:
+
+        async def real_chat(body: dict) -> dict:
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        async def real_hits() -> float:
+            return (await metrics(vllm_server)).signals.prefix_cache_hits_total
+
+        block = int((await metrics(vllm_server)).cache_config["block_size"])
+        prompt, hits = await hits_of_next_turn(real_chat, real_hits)
+    assert hits == (prompt + answer_tokens - 1) // block * block > prompt // block * block
+
+    settings = SimSettings(profile="tiny-cpu-vllm")
+    async with SimBackend(settings) as sim:
+
+        async def sim_hits() -> float:
+            return (await sim.signals()).prefix_cache_hits_total
+
+        async def sim_chat(body: dict) -> dict:
+            return (await sim.complete_chat(body))[0]
+
+        prompt, hits = await hits_of_next_turn(sim_chat, sim_hits)
+    block = settings.block_size
+    assert hits == (prompt + answer_tokens - 1) // block * block > prompt // block * block

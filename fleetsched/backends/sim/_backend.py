@@ -56,11 +56,9 @@ from ..base import (
 )
 from ..sampling import check_sampling
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
-from ._kv_cache import CHARS_PER_TOKEN, block_hashes, prompt_text
+from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, block_hashes, prompt_text
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
 
-#: Text of one simulated output token (4 characters: one token by `estimate_prompt_tokens`).
-TOKEN_TEXT = " tok"
 #: Completion length when the body names none (as `requested_max_tokens`).
 DEFAULT_MAX_TOKENS = 256
 
@@ -360,6 +358,7 @@ class SimBackend(Backend):
         check_sampling(body, max_tokens)
         hashes = block_hashes(text, engine.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
+        request.text = text
         interval = body.get("stream_interval", self._stream_interval)  # per request, as vLLM takes it
         if not _is_count(interval):
             raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r}")

@@ -43,7 +43,7 @@ from fleetsched.errors import ContextTooLong
 from fleetsched.settings import SimSettings
 
 from ..base import completion_room
-from ._kv_cache import BlockPool
+from ._kv_cache import BlockPool, extend_hashes
 from ._queues import make_queue
 
 WAITING, RUNNING, FINISHED, ABORTED = range(4)
@@ -57,7 +57,7 @@ class SimRequest:
     __slots__ = (
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
         "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
-        "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage",
+        "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage", "text",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -81,6 +81,7 @@ class SimRequest:
         self.collect = False  # collected whole (`SimBackend.complete_chat`): no wake-up for the first token
         self.first_token_at: float | None = None  # when the first token came (set by the async loop)
         self.continuous_usage = False  # usage on every chunk (`stream_options.continuous_usage_stats`)
+        self.text: str | None = None  # the prompt as `prompt_text`: its answer's blocks are hashed from it
 
     @property
     def num_computed(self) -> int:
@@ -243,14 +244,18 @@ class SimEngine:
         self.aborted = 0
 
     def new_request(
-        self, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0, *, arriving: bool = False
+        self, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0, *, arriving: bool = False,
+        text: str | None = None,
     ) -> SimRequest:
         """Queue a request (already validated to fit the cache); the next `schedule()` sees it.
 
         With `arriving`, the request is only made (status `ARRIVING`): `arrive()` queues it
-        later. Requests must arrive in the order they were made.
+        later. Requests must arrive in the order they were made. With its prompt's `text` (that
+        `hashes` were made from), the blocks its answer fills are cached too.
         """
-        return self.take(SimRequest(0, prompt_tokens, max_tokens, hashes, priority), arriving=arriving)
+        request = SimRequest(0, prompt_tokens, max_tokens, hashes, priority)
+        request.text = text
+        return self.take(request, arriving=arriving)
 
     def take(self, request: SimRequest, *, arriving: bool = False) -> SimRequest:
         """`new_request` for a request made outside (fresh, never taken): numbered and queued
@@ -284,8 +289,7 @@ class SimEngine:
             self._attend(request)
             del self.running[request]
             del self._attended[request]
-            self.pool.free(request.blocks)
-            request.blocks = []
+            self._free(request)
         else:
             return
         request.status = ABORTED
@@ -374,11 +378,26 @@ class SimEngine:
             request.num_hashed = full
         return True
 
+    def _free(self, request: SimRequest) -> None:
+        """Give `request`'s blocks back, hashing first those its answer filled (as vLLM does every
+        full block): the next turn of its conversation hits them, and so does the request itself
+        when recomputed after a preemption (its hash chain grows with them)."""
+        if request.text is not None:
+            full = min(request.num_computed // self.block_size, len(request.blocks))
+            hashes = request.hashes
+            if full > len(hashes):
+                done = len(hashes)
+                extend_hashes(hashes, request.text, request.num_output, self.block_size, full)
+                blocks, cache = request.blocks, self.pool.cache
+                for i in range(done, len(hashes)):
+                    cache(blocks[i], hashes[i])
+        self.pool.free(request.blocks)
+        request.blocks = []
+
     def _preempt(self, request: SimRequest) -> None:
         del self.running[request]
         del self._attended[request]
-        self.pool.free(request.blocks)
-        request.blocks = []
+        self._free(request)
         request._computed = 0  # its output so far is recomputed as part of the prompt
         request.num_hashed = 0
         request.status = WAITING
@@ -553,8 +572,7 @@ class SimEngine:
                 emitted.append(request)
                 if request._output >= request.max_tokens:
                     request.status = FINISHED
-                    self.pool.free(request.blocks)
-                    request.blocks = []
+                    self._free(request)
                     del self.running[request]
                     del self._attended[request]
                     self.finished += 1

@@ -25,6 +25,8 @@ from ..base import content_part_texts
 
 #: Characters per simulated token: matches `estimate_prompt_tokens` (about 4 a token).
 CHARS_PER_TOKEN = 4
+#: Text of one simulated output token (4 characters: one token by `estimate_prompt_tokens`).
+TOKEN_TEXT = " tok"
 
 
 #: Each role's 16-character frame (see `prompt_text`), made once.
@@ -42,7 +44,7 @@ def prompt_text(messages: Sequence[Any]) -> str:
         role = str(message.get("role", ""))
         frame = _FRAMES.get(role)
         if frame is None:
-            frame = _FRAMES[role] = f"<|{role}|>".ljust(16)[:16]
+            frame = _FRAMES[role] = _frame(role)
         parts.append(frame)
         content = message.get("content")
         if isinstance(content, str):
@@ -50,6 +52,10 @@ def prompt_text(messages: Sequence[Any]) -> str:
         elif isinstance(content, list):
             parts.extend(content_part_texts(content))
     return "".join(parts)
+
+
+def _frame(role: str) -> str:
+    return f"<|{role}|>".ljust(16)[:16]
 
 
 def block_hashes(text: str, block_size: int, num_tokens: int) -> list[int]:
@@ -61,6 +67,26 @@ def block_hashes(text: str, block_size: int, num_tokens: int) -> list[int]:
         parent = hash((parent, text[i * span : (i + 1) * span]))
         hashes.append(parent)
     return hashes
+
+
+def extend_hashes(hashes: list[int], text: str, num_output: int, block_size: int, num_blocks: int) -> None:
+    """Extend a prompt's hash chain (`hashes`, from `block_hashes` of its `text`) over its
+    answer of `num_output` tokens, to `num_blocks` blocks at most.
+
+    The answer's blocks are hashed as the next turn's prompt will hold them: `prompt_text` of the
+    conversation with the answer as the assistant's message (the sim answers `TOKEN_TEXT` a token).
+    So that turn hits them, as it hits vLLM's, which hashes every block once full, generated
+    tokens included (measured on the tiny CPU model, 128-token blocks: a 298-token prompt and a
+    128-token answer, then the next turn's prompt hit 384 tokens, one block more than the prompt's).
+    """
+    if num_blocks <= len(hashes):
+        return
+    span = block_size * CHARS_PER_TOKEN
+    text = text + _frame("assistant") + TOKEN_TEXT * num_output
+    parent = hashes[-1] if hashes else 0
+    for i in range(len(hashes), min(num_blocks, len(text) // span)):
+        parent = hash((parent, text[i * span : (i + 1) * span]))
+        hashes.append(parent)
 
 
 class BlockPool:
