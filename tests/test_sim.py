@@ -7,6 +7,7 @@ whole numbers of steps.
 from __future__ import annotations
 
 import itertools
+import math
 
 import anyio
 import pytest
@@ -568,3 +569,42 @@ async def test_the_next_turn_hits_the_blocks_of_the_answer_as_in_vllm():
         after = (await backend.signals()).prefix_cache_hits_total
         backend.engine.pool.check()
     assert after - before == 3 * 128
+
+
+async def test_logprobs_come_with_every_token_as_vllm_gives_them():
+    """Asked for, each chunk carries its tokens' log probabilities (vLLM's shape: token, logprob,
+    bytes, and ``top_logprobs`` alternatives, the token itself first); not asked, none."""
+    asked = body(10, 5) | {"logprobs": True, "top_logprobs": 3, "stream_interval": 2}
+    async with SimBackend(flat()) as backend:
+        chunks = [chunk async for chunk in backend.stream_chat(asked)]
+        collected, _ = await backend.complete_chat(asked)
+        plain, _ = await backend.complete_chat(body(10, 5))
+        plain_chunks = [chunk async for chunk in backend.stream_chat(body(10, 2))]
+    token_chunks = [c["choices"][0] for c in chunks if c["choices"]]
+    assert [len(c["logprobs"]["content"]) for c in token_chunks] == [1, 2, 2]  # the first token, then 2 a chunk
+    for choice in (collect_chat(chunks)["choices"][0], collected["choices"][0]):
+        entries = choice["logprobs"]["content"]
+        assert len(entries) == 5
+        for entry in entries:
+            assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+            assert entry["bytes"] == list(entry["token"].encode())
+            top = entry["top_logprobs"]
+            assert len(top) == 3 and top[0] == {k: entry[k] for k in ("token", "logprob", "bytes")}
+            assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+            assert sum(math.exp(t["logprob"]) for t in top) <= 1.0
+    assert "logprobs" not in plain["choices"][0]
+    assert all("logprobs" not in c["choices"][0] for c in plain_chunks if c["choices"])
+
+
+async def test_logprobs_asked_beyond_what_vllm_allows_are_refused_naming_the_field():
+    async with SimBackend(flat()) as backend:
+        for top, match in [(21, "top_logprobs: at most 20"), (-1, "all of the vocabulary")]:
+            with pytest.raises(InvalidRequest, match=match):
+                backend.stream_chat(body(10, 5) | {"logprobs": True, "top_logprobs": top})
+        with pytest.raises(InvalidRequest, match="logprobs: expected true or false"):
+            backend.stream_chat(body(10, 5) | {"logprobs": "yes"})
+        with pytest.raises(InvalidRequest, match="top_logprobs: needs logprobs"):
+            backend.stream_chat(body(10, 5) | {"top_logprobs": 2})
+        assert backend.engine.queue.peek() is None
+        response, _ = await backend.complete_chat(body(10, 2) | {"logprobs": True, "top_logprobs": 20})
+    assert len(response["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20

@@ -399,3 +399,30 @@ async def test_the_next_turn_hits_the_blocks_of_the_answer_on_vllm_and_the_sim(v
         prompt, hits = await hits_of_next_turn(sim_chat, sim_hits)
     block = settings.block_size
     assert hits == (prompt + answer_tokens - 1) // block * block > prompt // block * block
+
+
+@pytest.mark.vllm
+async def test_logprobs_have_the_same_shape_on_vllm_and_the_sim(vllm_server):
+    """The sim's log probabilities are made up, but laid out as vLLM's: per token, its text,
+    logprob, bytes and ``top_logprobs`` (the token first); both refuse more than 20 alternatives."""
+    from fleetsched.backends.sim import SimBackend
+
+    asked = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "ignore_eos": True,
+             "logprobs": True, "top_logprobs": 3}  # fmt: skip
+
+    def shape(choice: dict) -> list[tuple]:
+        entries = choice["logprobs"]["content"]
+        for entry in entries:
+            assert entry["bytes"] == list(entry["token"].encode()) or not entry["token"]  # a partial character
+            assert entry["top_logprobs"][0] == {k: entry[k] for k in ("token", "logprob", "bytes")}
+        return [(sorted(e), len(e["top_logprobs"]), sorted(e["top_logprobs"][0])) for e in entries]
+
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as client:
+        real = (await client.post("/v1/chat/completions", json=asked)).json()["choices"][0]
+        refused = await client.post("/v1/chat/completions", json=asked | {"top_logprobs": 21})
+    assert refused.status_code == 400 and "21" in refused.text
+    async with SimBackend() as sim:
+        simulated = (await sim.complete_chat(asked))[0]["choices"][0]
+        with pytest.raises(InvalidRequest, match="top_logprobs: at most 20"):
+            sim.stream_chat(asked | {"top_logprobs": 21})
+    assert shape(simulated) == shape(real)

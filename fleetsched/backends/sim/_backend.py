@@ -61,6 +61,29 @@ from ..._parking import Park, Unpark, park_event, parking_for_current_library, u
 
 #: Completion length when the body names none (as `requested_max_tokens`).
 DEFAULT_MAX_TOKENS = 256
+#: The most ``top_logprobs`` a request may ask for (vLLM's default ``--max-logprobs``; -1, "all",
+#: asks for the vocabulary, more than that).
+MAX_LOGPROBS = 20
+#: The log probability of each token the sim answers, and of the alternatives ``top_logprobs``
+#: lists after it, in order: a fixed, valid distribution (0.905 on the answer, about 0.03 on the 19 others).
+TOKEN_LOGPROB = -0.1
+ALTERNATIVE_LOGPROBS = [-4.0 - i for i in range(MAX_LOGPROBS - 1)]
+_TOKEN_BYTES = list(TOKEN_TEXT.encode())
+
+
+def token_logprobs(count: int, top: int) -> dict[str, list[dict[str, Any]]]:
+    """A choice's ``logprobs`` for `count` answer tokens, as vLLM gives them: each token with its
+    log probability and bytes, and `top` entries in ``top_logprobs``, the token itself first."""
+    alternatives = [(TOKEN_TEXT, TOKEN_LOGPROB)] + [(f" t{i:02d}", lp) for i, lp in enumerate(ALTERNATIVE_LOGPROBS)]
+    return {
+        "content": [
+            {
+                "token": TOKEN_TEXT, "logprob": TOKEN_LOGPROB, "bytes": list(_TOKEN_BYTES),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in alternatives[:top]],
+            }  # fmt: skip
+            for _ in range(count)
+        ]
+    }
 
 
 def _is_count(value: object) -> bool:
@@ -365,6 +388,18 @@ class SimBackend(Backend):
         interval = max(interval, self._stream_interval)  # vLLM clamps it to the server's: never smaller
         request.wake_every = max_tokens if body.get("stream") is False else interval
         request.continuous_usage = wants_continuous_usage(body)
+        logprobs = body.get("logprobs")
+        if logprobs is not None:
+            if not isinstance(logprobs, bool):
+                raise InvalidRequest(f"logprobs: expected true or false, got {logprobs!r:.80}")
+            if logprobs:
+                top = body.get("top_logprobs") or 0  # checked by `check_sampling`: an int >= -1
+                if top == -1 or top > MAX_LOGPROBS:
+                    raise InvalidRequest(
+                        f"top_logprobs: at most {MAX_LOGPROBS} (vLLM's default --max-logprobs), got {top}"
+                        + (" (all of the vocabulary)" if top == -1 else "")
+                    )
+                request.top_logprobs = top
         return request
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
@@ -403,7 +438,10 @@ class SimBackend(Backend):
         message = {"role": "assistant", "content": TOKEN_TEXT * output}
         usage = usage_dict(request.prompt_tokens, output)
         created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
-        return chat_completion(new_completion_id(), model, created, message, "length", usage), request.first_token_at
+        response = chat_completion(new_completion_id(), model, created, message, "length", usage)
+        if request.top_logprobs is not None:
+            response["choices"][0]["logprobs"] = token_logprobs(output, request.top_logprobs)
+        return response, request.first_token_at
 
     def _check_running(self) -> None:
         if self._task_group is None or self._closed:
@@ -460,7 +498,10 @@ class SimBackend(Backend):
                 usage = usage_dict(request.prompt_tokens, request.num_output) if request.continuous_usage else None
                 # As vLLM: the finish reason with the last tokens, then the usage with no choices.
                 finish = "length" if request.status == FINISHED else None
-                yield make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, finish_reason=finish, usage=usage)
+                chunk = make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, finish_reason=finish, usage=usage)
+                if request.top_logprobs is not None:
+                    chunk["choices"][0]["logprobs"] = token_logprobs(count, request.top_logprobs)
+                yield chunk
                 if finish is not None:
                     yield make_chunk(cid, model, created, usage=usage_dict(request.prompt_tokens, request.num_output))
                     return

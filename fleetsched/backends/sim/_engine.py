@@ -57,7 +57,8 @@ class SimRequest:
     __slots__ = (
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
         "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
-        "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage", "text",
+        "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage",
+        "text", "top_logprobs",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -82,6 +83,7 @@ class SimRequest:
         self.first_token_at: float | None = None  # when the first token came (set by the async loop)
         self.continuous_usage = False  # usage on every chunk (`stream_options.continuous_usage_stats`)
         self.text: str | None = None  # the prompt as `prompt_text`: its answer's blocks are hashed from it
+        self.top_logprobs: int | None = None  # with ``logprobs``: the alternatives listed a token
 
     @property
     def num_computed(self) -> int:
