@@ -761,3 +761,29 @@ def test_a_key_with_characters_beyond_ascii_is_recognised_as_sent():
     assert ring.identify_header(b"Bearer " + key.encode()).tenant == "acme"
     assert ring.identify_header(b"Bearer " + key.encode("latin-1", "replace")) is None
     assert ring.identify_header(b"Bearer \xff\xfe") is None  # not UTF-8: no key, no error
+
+
+def test_log_probabilities_of_a_text_completion_over_a_chat_backend():
+    """On a backend without text completions (the sim) the gateway asks the chat call for the
+    alternatives a text completion's `logprobs` counts, and lays them out as vLLM's completions
+    do: tokens, their log probabilities, alternatives and offsets. The sim refuses more than 20,
+    as vLLM does by default. Before, they were dropped (always null)."""
+    headers = {"authorization": f"Bearer {ACME}"}
+    with serve_in_thread(gateway_settings(backend={"kind": "sim"})) as (_, url):
+        body = {"prompt": "Once upon", "max_tokens": 3, "logprobs": 2}
+        whole = httpx.post(url + "/v1/completions", json=body, headers=headers)
+        streamed = []
+        with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, headers=headers) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += [c["logprobs"] for c in json.loads(line[6:])["choices"] if c["logprobs"]]
+        too_many = httpx.post(url + "/v1/completions", json=body | {"logprobs": 21}, headers=headers)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"] and len(logprobs["tokens"]) == 3
+    assert logprobs["text_offset"] == [0, 4, 8]
+    assert all(len(top) == 2 and top[token] == lp for top, token, lp in zip(logprobs["top_logprobs"], logprobs["tokens"], logprobs["token_logprobs"]))
+    assert sum(len(part["tokens"]) for part in streamed) == 3
+    assert [o for part in streamed for o in part["text_offset"]] == [0, 4, 8]
+    assert too_many.status_code == 400 and "top_logprobs" in too_many.text

@@ -132,24 +132,26 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
         prompt = "".join(str(p) for p in prompt)
     body.pop(REPLICA_KEY, None)
     body.pop(FALLBACK_KEY, None)
+    count = body.pop("logprobs", None)
+    if count is not None:  # a text completion's alternatives a token: chat's top_logprobs
+        body["logprobs"], body["top_logprobs"] = True, count
     upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}]})
     created = int(time.time())  # wall-clock ok: a response field, not a measurement
+    offset = 0  # characters of text so far, where the next chunk's tokens start
     try:
         async for chunk in upstream:
+            choices = []
+            for c in chunk.get("choices") or ():
+                text = (c.get("delta") or {}).get("content") or ""
+                logprobs = _text_logprobs(c.get("logprobs"), offset)
+                offset += len(text)
+                choices.append({"index": c.get("index", 0), "text": text, "logprobs": logprobs, "finish_reason": c.get("finish_reason")})
             out: Chunk = {
                 "id": str(chunk.get("id", "")).replace("chatcmpl-", "cmpl-", 1),
                 "object": "text_completion",
                 "created": chunk.get("created") or created,
                 "model": chunk.get("model", ""),
-                "choices": [
-                    {
-                        "index": c.get("index", 0),
-                        "text": (c.get("delta") or {}).get("content") or "",
-                        "logprobs": None,
-                        "finish_reason": c.get("finish_reason"),
-                    }
-                    for c in chunk.get("choices") or ()
-                ],
+                "choices": choices,
             }
             if chunk.get("usage"):
                 out["usage"] = chunk["usage"]
@@ -159,6 +161,25 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
         if aclose is not None:
             with anyio.CancelScope(shield=True):
                 await aclose()
+
+
+def _text_logprobs(chat: Any, offset: int) -> dict[str, list[Any]] | None:
+    """A chat chunk's ``logprobs`` as a text completion's: tokens, their log probabilities, a
+    dict of alternatives each (the token itself at least) and their offsets in the text (its
+    tokens start at `offset`). None without them."""
+    entries = chat.get("content") if isinstance(chat, Mapping) else None
+    if not entries:
+        return None
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs") or ()} or {e["token"]: e["logprob"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
