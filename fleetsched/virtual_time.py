@@ -14,8 +14,10 @@ loops give the same semantics (trio's ``MockClock(autojump_threshold=0)``):
 Library code never sees the difference: it reads time with ``anyio.current_time()`` and waits with
 ``anyio.sleep()``. Worker threads started through `run_sync_in_thread` hold the clock still
 while they work, on either loop: their work takes no virtual time, and no timer fires meanwhile (a
-thread that never returns holds virtual time still for good). A thread started any other way does
-not: while it works the clock jumps as if every task waited on timers.
+thread that never returns holds virtual time still for good). On the asyncio loop so do threads
+that the loop's executor runs (``asyncio.to_thread``, ``loop.run_in_executor``), as libraries
+start them. A thread started any other way (``anyio.to_thread.run_sync`` by another library, any
+thread on trio) does not: while it works the clock jumps as if every task waited on timers.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             self._holds -= 1
 
         return release
+
+    def run_in_executor(self, executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """asyncio's, with the clock held still until the thread's work is done (or the future
+        cancelled): threads that other libraries start this way take no virtual time either (the
+        openai SDK reads the platform in one, through `asyncio.to_thread`, on a client's first call)."""
+        future = super().run_in_executor(executor, func, *args)
+        release = self.hold_clock()
+        future.add_done_callback(lambda _: release())
+        return future
 
     def run_forever(self) -> None:
         # Declare the loop to sniffio while it runs, as trio does: `anyio.current_time()` (read

@@ -206,3 +206,42 @@ def test_cancelled_timers_are_counted_out_when_they_come_due():
         return len(loop._scheduled), loop._timer_cancelled_count  # type: ignore[attr-defined]
 
     assert run_virtual(main) == (0, 0)
+
+
+def test_a_thread_of_the_loops_executor_holds_the_clock():
+    """Libraries start threads their own way: `asyncio.to_thread` runs on the loop's executor.
+    Before: the clock jumped to the next timer while the thread worked (the 30-s timeout fired)."""
+
+    async def main() -> tuple[bool, float, float]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.sleep, 100)
+            with anyio.move_on_after(30) as scope:
+                await asyncio.to_thread(time.sleep, 0.01)
+            after_thread = anyio.current_time()
+        return scope.cancelled_caught, after_thread, anyio.current_time()
+
+    assert run_virtual(main) == (False, 0.0, 100.0)
+
+
+def test_an_agents_first_openai_sdk_call_takes_no_virtual_time_of_its_own():
+    """The openai SDK reads the platform in a thread on a client's first call. Before, that thread
+    let the clock jump from timer to timer: beside a 100-s sleeper, the first call through
+    `ctx.openai` on the instant backend took 302.5 virtual seconds (the second none)."""
+    from fleetsched import Scheduler
+    from fleetsched.settings import Settings
+
+    async def agent(ctx) -> list[float]:
+        took = []
+        for _ in range(2):
+            start = anyio.current_time()
+            await ctx.openai.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            took.append(anyio.current_time() - start)
+        return took
+
+    async def main() -> list[float]:
+        async with Scheduler(Settings(backend={"kind": "instant"})) as scheduler, anyio.create_task_group() as tg:
+            tg.start_soon(anyio.sleep, 100)
+            handle = await scheduler.submit(agent, tenant="default")
+            return await handle
+
+    assert run_virtual(main) == [0.0, 0.0]
