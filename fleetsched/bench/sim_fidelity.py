@@ -14,6 +14,8 @@
   By default it first fits a profile to the same server, as the shipped one was made (its sweep's
   passes alternate with the runs), and compares that (``fresh_profile``), the shipped profile
   beside it (``shipped_profile``); ``--no-calibrate`` compares the shipped profile alone.
+  ``multi_turn_prefix``: the prefix cache's hit rate (hit over queried prompt tokens, each side
+  counting its own tokens) on a fleet of multi-turn agents, on the server and on the sim.
 - ``speed``: wall time of ``fleetsched simulate`` for one virtual hour of 1,000 concurrent sessions
   (the whole stack: scheduler, dispatcher, sim engine), run in full, not extrapolated, with the
   process's CPU time beside it (on a shared machine the wall time also counts other work).
@@ -299,6 +301,59 @@ def speed(sessions: int = 1000, duration_s: float = 3600.0, loop: Loop = "asynci
     }
 
 
+#: The multi-turn fleet of `multi_turn_prefix`: each next turn repeats the conversation so far.
+MULTI_TURN_AGENTS = [{"tenant": "agents", "count": 16, "turns": 4, "prompt_tokens": 200, "max_tokens": 64, "tool_s": 0.5}]
+MULTI_TURN_S = 40.0
+
+
+def _multi_turn_settings(backend: dict[str, Any]) -> Any:
+    from fleetsched.settings import Settings
+
+    return Settings(
+        backend={"max_in_flight": 32, **backend},
+        scheduler={"max_sessions": 16, "session_memory": "64MB"},
+        tenants={"agents": {"tier": "standard"}},
+        workload={"agents": MULTI_TURN_AGENTS, "seed": 1},
+    )
+
+
+def _hit_rate(hits: float, queries: float) -> dict[str, Any]:
+    return {"hits": int(hits), "queries": int(queries), "hit_rate": round(hits / queries, 4) if queries else None}
+
+
+def multi_turn_prefix(url: str) -> dict[str, Any]:
+    """The prefix cache's hit rate over `MULTI_TURN_S` of a fleet of multi-turn agents
+    (`MULTI_TURN_AGENTS`) on the server at `url` (its ``vllm:prefix_cache_*`` counters) and on
+    the sim (the shipped profile, virtual time), and the difference. vLLM caches every full
+    block, answers' too, so each next turn hits the blocks of the conversation so far."""
+    import httpx
+
+    from fleetsched.backends.metrics import parse_vllm_metrics
+    from fleetsched.scheduler import Scheduler
+    from fleetsched.simulate import _fleet, simulate
+
+    async def measure() -> dict[str, Any]:
+        settings = _multi_turn_settings({"kind": "vllm-server", "urls": [url]})
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def counters() -> tuple[float, float]:
+                signals = parse_vllm_metrics((await client.get(url + "/metrics")).text).signals
+                return signals.prefix_cache_hits_total or 0.0, signals.prefix_cache_queries_total or 0.0
+
+            hits, queries = await counters()
+            async with Scheduler(settings) as scheduler:
+                await _fleet(scheduler, settings.workload.agents, MULTI_TURN_S, settings.workload.seed)
+            after = await counters()
+        return {"calls": len(scheduler.recorder.calls), **_hit_rate(after[0] - hits, after[1] - queries)}
+
+    measured = anyio.run(measure)
+    report, scheduler = simulate(_multi_turn_settings({"kind": "sim", "sim": {"profile": "tiny-cpu-vllm"}}), MULTI_TURN_S)
+    stats = scheduler.backend.statistics()
+    sim = {"calls": report["calls"], **_hit_rate(stats.prefix_cache_hits, stats.prefix_cache_queries)}
+    gap = None if None in (measured["hit_rate"], sim["hit_rate"]) else round(sim["hit_rate"] - measured["hit_rate"], 4)
+    return {"agents": MULTI_TURN_AGENTS, "seconds": MULTI_TURN_S, "measured": measured, "sim": sim, "sim_minus_measured": gap}
+
+
 def _start_server_and_measure(calibrate: bool) -> dict[str, Any]:
     from fleetsched.testing.vllm_server import VLLMServer, default_engine_cpus, missing_setup, off_cpus
 
@@ -311,6 +366,7 @@ def _start_server_and_measure(calibrate: bool) -> dict[str, Any]:
     cpus = default_engine_cpus()
     with VLLMServer(max_model_len=1024, engine_nice=19, engine_cpus=cpus) as server, off_cpus(cpus):
         result = real_fidelity(server.url, SimSettings(profile="tiny-cpu-vllm"), calibrate=calibrate)
+        result["multi_turn_prefix"] = multi_turn_prefix(server.url)
     return {**result, "engine_cpus": sorted(cpus)}
 
 
@@ -338,7 +394,10 @@ def main(argv: list[str]) -> int:
     result: dict[str, Any] = {"reference_tables": [hermes_table(), qwen_table()]}
     if not args.no_real:
         shipped = SimSettings(profile="tiny-cpu-vllm")
-        result["real"] = real_fidelity(args.url, shipped, calibrate=args.calibrate) if args.url else _start_server_and_measure(args.calibrate)
+        if args.url:
+            result["real"] = {**real_fidelity(args.url, shipped, calibrate=args.calibrate), "multi_turn_prefix": multi_turn_prefix(args.url)}
+        else:
+            result["real"] = _start_server_and_measure(args.calibrate)
     if not args.no_speed:
         result["speed"] = speed()
     if args.json:
@@ -377,6 +436,11 @@ def main(argv: list[str]) -> int:
                 f"(err {shipped['throughput_rel_err']:.1%}), TTFT p50 {shipped['sim']['ttft_p50_s'] * 1e3:.1f} ms "
                 f"(err {shipped['ttft_p50_rel_err']:.1%})\n"
             )
+        multi = real["multi_turn_prefix"]
+        out(
+            f"  prefix cache hit rate, {multi['seconds']:.0f} s of multi-turn agents: measured {multi['measured']['hit_rate']} "
+            f"({multi['measured']['calls']} calls), sim {multi['sim']['hit_rate']} ({multi['sim']['calls']} calls)\n"
+        )
     elif real:
         out(f"real: skipped: {real['skipped']}\n")
     if "speed" in result:
