@@ -3,7 +3,7 @@ import json
 import pytest
 
 from fleetsched.resources import kv_bytes_per_token, parse_vllm_cache_config, session_bytes
-from fleetsched.resources.kv_sizing import dtype_bytes
+from fleetsched.resources.kv_sizing import dtype_bytes, layer_windows
 
 LLAMA3_8B = {
     "hidden_size": 4096,
@@ -204,3 +204,85 @@ def test_a_text_config_without_the_field_says_where_it_looked():
     llava = {"model_type": "llava", "torch_dtype": "float16", "text_config": {"model_type": "llama", "vocab_size": 32064}}
     with pytest.raises(ValueError, match="model config text_config: num_hidden_layers must be a positive integer, got None"):
         kv_bytes_per_token(llava)
+
+
+# The project's tiny model (2 layers, 2 KV heads of 64, float32: 1,024 bytes a token and layer),
+# as served with its layers' types changed; vLLM 0.32's CPU build (1 GiB of KV cache, 128-token
+# blocks, 2,048 tokens in flight) reported these maximum concurrencies at max_model_len 1,024 and
+# 4,096: full attention 512 and 128, one sliding layer of 128 tokens and one full 481.88 and
+# 163.84, both sliding 455.11 and 227.56.
+TINY = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 128, "dtype": "float32"}
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize(
+    ("changes", "concurrency"),
+    [
+        ({}, (512.0, 128.0)),
+        ({"sliding_window": 128, "layer_types": [SLIDING, FULL]}, (481.88, 163.84)),
+        ({"sliding_window": 128}, (455.11, 227.56)),
+    ],
+)
+def test_sliding_window_layers_are_sized_as_vllm_bounds_them(changes, concurrency):
+    config = TINY | changes
+    sizes = [session_bytes(n, config, block_size=128, in_flight_tokens=2048) for n in (1024, 4096)]
+    assert tuple(round((1 << 30) / size, 2) for size in sizes) == concurrency
+
+
+def test_without_the_tokens_in_flight_a_sliding_layer_is_sized_as_the_whole_context_and_a_block():
+    sliding = session_bytes(4096, TINY | {"sliding_window": 128}, block_size=128)
+    assert sliding == 2 * (32 + 1) * 128 * 1024 > session_bytes(4096, TINY, block_size=128)
+
+
+@pytest.mark.parametrize(
+    ("changes", "windows"),
+    [
+        ({"sliding_window": 4096}, [4096] * 4),  # Mistral 7B v0.1: every layer
+        ({"sliding_window": None}, [None] * 4),
+        ({"sliding_window": 0}, [None] * 4),  # vLLM reads 0 as none
+        ({"sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 2}, [None] * 4),  # Qwen2
+        ({"sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2}, [None, None, 64, 64]),
+        ({"sliding_window": 4096, "model_type": "gemma2"}, [4096, None, 4096, None]),
+        ({"sliding_window": 512, "sliding_window_pattern": 2}, [512, None, 512, None]),
+        ({"sliding_window": 128, "layer_types": [FULL, SLIDING, SLIDING, FULL]}, [None, 128, 128, None]),  # gpt-oss's way
+        ({"sliding_window": 128, "layer_types": [FULL] * 4}, [None] * 4),
+    ],
+)
+def test_layer_windows_read_the_config_as_vllm_and_transformers_do(changes, windows):
+    assert layer_windows(TINY | {"num_hidden_layers": 4} | changes) == windows
+
+
+def test_a_gemma3_text_config_slides_five_layers_in_six():
+    config = {"text_config": TINY | {"num_hidden_layers": 12, "sliding_window": 1024, "sliding_window_pattern": 6}}
+    assert layer_windows(config) == ([1024] * 5 + [None]) * 2
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"sliding_window": -4}, "sliding_window must be a positive integer"),
+        ({"sliding_window": "4k"}, "sliding_window must be a positive integer"),
+        ({"sliding_window": 128, "layer_types": [SLIDING]}, "layer_types must list one type for each of the 2 layers"),
+        ({"sliding_window": 128, "sliding_window_pattern": 0}, "sliding_window_pattern must be a positive integer"),
+    ],
+)
+def test_malformed_window_fields_are_named(changes, message):
+    with pytest.raises(ValueError, match=message):
+        layer_windows(TINY | changes)
+    with pytest.raises(ValueError, match=message):
+        session_bytes(1024, TINY | changes)
+
+
+def test_a_model_mixing_sliding_and_full_layers_takes_the_cache_s_bytes_as_its_device():
+    """vLLM caches such a model in pages of layer groups: the tiny model with one layer of each
+    reported 8,192 blocks of 128 tokens in 1 GiB, where blocks x tokens x the model's bytes a
+    token (2 GiB) would double the cache. Before, kv_device took that product."""
+    from fleetsched.resources import KVCacheCapacity, kv_device
+
+    hybrid = TINY | {"sliding_window": 128, "layer_types": [SLIDING, FULL]}
+    reported = KVCacheCapacity(8192, 128, {"kv_cache_memory_bytes": "1073741824"})
+    assert kv_device("r0", reported, hybrid) == {"name": "r0", "memory": 1 << 30}
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes"):
+        kv_device("r0", KVCacheCapacity(8192, 128, {}), hybrid)
+    every_layer_slides = TINY | {"sliding_window": 128}  # one page a block, as with full attention
+    assert kv_device("r0", KVCacheCapacity(4096, 128, {}), every_layer_slides)["memory"] == 1 << 30

@@ -15,7 +15,9 @@ tokens, so that every sequence really grows towards its budget of 1,024 tokens.
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from collections.abc import Iterator
 
 import anyio
@@ -128,3 +130,24 @@ async def test_admission_by_kv_capacity_keeps_preemptions_flat(small_cache_serve
     assert without > 0, "the load should overflow the KV cache without admission"
     assert with_admission == 0
     assert bounded.statistics().allocated == 0
+
+
+async def test_sliding_window_layers_are_sized_as_the_server_bounds_them(tmp_path) -> None:
+    """The tiny model served with one sliding-window layer (128 tokens) beside a full one, at a
+    4,096-token context: the sessions `kv_device`'s memory holds at `session_bytes` each are the
+    maximum concurrency vLLM computes itself (163.84 on the CPU build: 32 blocks of the full
+    layer and 18 of the sliding one, its window and the 2,048 tokens of a step in flight). With
+    every layer counted whole, 128."""
+    require_vllm_setup()
+    model = tmp_path / "tiny-sliding"
+    shutil.copytree(model_path(), model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(sliding_window=128, layer_types=["sliding_attention", "full_attention"])
+    (model / "config.json").write_text(json.dumps(config))
+    with VLLMServer(model_dir=model, max_model_len=4096) as server:
+        capacity = await read_vllm_kv_capacity(server.url)
+    reported = float(capacity.labels["kv_cache_max_concurrency"])
+    memory = kv_device("sliding", capacity, model)["memory"]
+    sessions = memory / session_bytes(4096, model, block_size=capacity.block_size, in_flight_tokens=2048)
+    assert sessions == pytest.approx(reported, rel=1e-6)
+    assert memory / session_bytes(4096, bytes_per_token=kv_bytes_per_token(model), block_size=capacity.block_size) < reported

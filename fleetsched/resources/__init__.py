@@ -11,6 +11,7 @@ from .extents import AddressSpace
 from .kv_sizing import (
     KVCacheCapacity,
     kv_bytes_per_token,
+    layer_windows,
     kv_device,
     kv_page_size,
     parse_vllm_cache_config,
@@ -43,6 +44,7 @@ __all__ = [
     "Reservation",
     "create_pool",
     "kv_bytes_per_token",
+    "layer_windows",
     "kv_device",
     "kv_page_size",
     "make_strategy",

@@ -10,7 +10,9 @@
   qk_rope_head_dim a token and layer, as vLLM caches it; other models with a ``kv_lora_rank``
   (DeepSeek-V3.2's sparse attention among them) are refused.
 - `session_bytes(context_tokens, ...)`: a session's KV memory, tokens rounded up to whole blocks
-  of vLLM's ``block_size`` (16 tokens by default).
+  of vLLM's ``block_size`` (16 tokens by default). A sliding-window layer (`layer_windows`: Mistral
+  7B v0.1, Gemma 2 and 3, gpt-oss) holds at most its window and the tokens of a step in flight,
+  as vLLM frees the blocks that fall out of the window.
 - `parse_vllm_cache_config(metrics_text)` / `read_vllm_kv_capacity(url)`: the KV capacity a vLLM
   server reports on ``/metrics`` (the labels of ``vllm:cache_config_info``); `kv_device` turns it
   into a ``resources.devices`` entry.
@@ -123,6 +125,44 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     return 2 * layers * kv_heads * head_dim * dtype_bytes(name)
 
 
+def layer_windows(config: Mapping[str, Any] | str | PathLike[str]) -> list[int | None]:
+    """Each decoder layer's attention as vLLM 0.32 caches it: None for full attention (the whole
+    context), else its sliding window in tokens.
+
+    From the config's ``sliding_window`` (none, or 0: no sliding window) and, in this order:
+    ``layer_types`` (``"sliding_attention"`` layers slide); ``use_sliding_window`` false (Qwen2:
+    none slides) or true with ``max_window_layers`` (the layers from that index slide);
+    ``sliding_window_pattern`` N (Gemma 3: every Nth layer is full); Gemma 2 (every other layer
+    slides, the first among them); otherwise every layer slides (Mistral 7B v0.1), as vLLM then
+    applies the model's window to all. Raises ValueError naming a malformed field.
+    """
+    data, where = _load(config)
+    layers = data.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
+        raise ValueError(f"{where}: num_hidden_layers must be a positive integer, got {layers!r}")
+    window = data.get("sliding_window")
+    if window is None or window == 0 or data.get("use_sliding_window") is False:
+        return [None] * layers
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"{where}: sliding_window must be a positive integer (or null), got {window!r}")
+    types = data.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ValueError(f"{where}: layer_types must list one type for each of the {layers} layers, got {types!r:.200}")
+        return [window if kind == "sliding_attention" else None for kind in types]
+    first_sliding = data.get("max_window_layers") if data.get("use_sliding_window") else None
+    if isinstance(first_sliding, int) and not isinstance(first_sliding, bool):
+        return [window if i >= first_sliding else None for i in range(layers)]
+    pattern = data.get("sliding_window_pattern")
+    if pattern is None and data.get("model_type") == "gemma2":
+        pattern = 2
+    if pattern is not None:
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+            raise ValueError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
+        return [window if (i + 1) % pattern else None for i in range(layers)]
+    return [window] * layers
+
+
 def session_bytes(
     context_tokens: int,
     config: Mapping[str, Any] | str | PathLike[str] | None = None,
@@ -130,20 +170,35 @@ def session_bytes(
     bytes_per_token: int | None = None,
     dtype: str | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    in_flight_tokens: int | None = None,
 ) -> int:
     """KV bytes a session of `context_tokens` holds, in whole blocks of `block_size` tokens.
 
-    Give either `config` (read with `kv_bytes_per_token`) or `bytes_per_token`.
+    Give either `config` (read with `kv_bytes_per_token`) or `bytes_per_token`. With `config`, a
+    sliding-window layer (`layer_windows`) is counted as vLLM 0.32 bounds what a request holds in
+    it: the window less one token, plus the tokens of the steps in flight, at most the context,
+    in blocks, plus one (the window need not start at a block's start). `in_flight_tokens` is the
+    server's ``max_num_batched_tokens`` times the batches it runs at once (vLLM's
+    ``max_in_flight_tokens``: 2,048 on the CPU build's defaults). Without it the context is taken,
+    never less than vLLM holds (a block a sliding layer more than a full one).
     """
     _count("context_tokens", context_tokens)
     _count("block_size", block_size)
+    if in_flight_tokens is not None:
+        _count("in_flight_tokens", in_flight_tokens)
+    windows: list[int | None] = []
     if bytes_per_token is None:
         if config is None:
             raise ValueError("session_bytes needs a model config or bytes_per_token")
         bytes_per_token = kv_bytes_per_token(config, dtype=dtype)
+        windows = layer_windows(config)
     _count("bytes_per_token", bytes_per_token)
     blocks = -(-context_tokens // block_size)
-    return blocks * block_size * bytes_per_token
+    if not any(windows):
+        return blocks * block_size * bytes_per_token
+    held = context_tokens if in_flight_tokens is None else in_flight_tokens
+    layer_blocks = sum(blocks if w is None else -(-min(w - 1 + held, context_tokens) // block_size) + 1 for w in windows)
+    return layer_blocks * block_size * (bytes_per_token // len(windows))
 
 
 def _count(name: str, value: object) -> None:
@@ -241,7 +296,24 @@ def kv_device(
     Declare one per replica (``ResourceSettings(devices=[kv_device(...)], page_size=...)``); with
     ``page_size = block_size x bytes per token`` (`kv_page_size`) a pool page is one vLLM block,
     so reservations round up exactly as the engine allocates.
+
+    A model whose layers mix sliding-window and full attention (`layer_windows`) is cached by vLLM
+    in pages of a group of layers, so its block count is no count of whole-model blocks (the tiny
+    model with one layer of each reported 8,192 blocks of 128 tokens in a cache of 4,096 such):
+    its capacity is then the cache's bytes (the ``kv_cache_memory_bytes`` label, reported when the
+    server was given them: ``--kv-cache-memory-bytes``, or the CPU build's KV space), and without
+    them ValueError says so.
     """
+    windows = layer_windows(config)
+    if any(windows) and not all(windows):
+        cache_bytes = _number(capacity.labels, "kv_cache_memory_bytes", required=False)
+        if not cache_bytes:
+            raise ValueError(
+                "the model mixes sliding-window and full-attention layers, whose vLLM blocks are pages of layer "
+                "groups: kv_device needs the cache's bytes, which this server does not report (start it with "
+                "--kv-cache-memory-bytes)"
+            )
+        return {"name": name, "memory": cache_bytes}
     return {"name": name, "memory": capacity.bytes(kv_bytes_per_token(config, dtype=dtype))}
 
 
