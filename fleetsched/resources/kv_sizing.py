@@ -44,21 +44,27 @@ KV_HEADS_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_quer
 MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_mtp", "kimi_k2", "glm4_moe_lite"})
 
 
+def _read(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
+    """The config as a mapping: read from its file (or the model directory's ``config.json``)
+    when given a path, so that a caller reading it twice reads the file once."""
+    if isinstance(config, Mapping):
+        return config
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object of model settings")
+    return data
+
+
 def _load(config: Mapping[str, Any] | str | PathLike[str]) -> tuple[Mapping[str, Any], str]:
     """The model's settings and where they were read, for error messages."""
     where = "model config"
-    if isinstance(config, Mapping):
-        data: Any = config
-    else:
-        path = Path(config)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except ValueError as exc:  # not JSON, or not UTF-8
-            raise ValueError(f"{path} is not JSON: {exc}") from None
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object of model settings")
+    data = _read(config)
     if "num_hidden_layers" not in data and isinstance(data.get("text_config"), Mapping):
         merged = dict(data["text_config"])
         root_dtype = data.get("torch_dtype") or data.get("dtype")
@@ -91,10 +97,7 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     data, where = _load(config)
 
     def need(key: str) -> int:
-        value = data.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
-        return value
+        return _need(data, where, key)
 
     layers = need("num_hidden_layers")
     # "auto" (vLLM's default cache dtype, and its /metrics label) is the model's dtype.
@@ -125,6 +128,14 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     return 2 * layers * kv_heads * head_dim * dtype_bytes(name)
 
 
+def _need(data: Mapping[str, Any], where: str, key: str) -> int:
+    """`data`'s `key`, which must be a positive integer (ValueError naming it and `where`)."""
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
 def layer_windows(config: Mapping[str, Any] | str | PathLike[str]) -> list[int | None]:
     """Each decoder layer's attention as vLLM 0.32 caches it: None for full attention (the whole
     context), else its sliding window in tokens.
@@ -137,9 +148,7 @@ def layer_windows(config: Mapping[str, Any] | str | PathLike[str]) -> list[int |
     applies the model's window to all. Raises ValueError naming a malformed field.
     """
     data, where = _load(config)
-    layers = data.get("num_hidden_layers")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers <= 0:
-        raise ValueError(f"{where}: num_hidden_layers must be a positive integer, got {layers!r}")
+    layers = _need(data, where, "num_hidden_layers")
     window = data.get("sliding_window")
     if window is None or window == 0 or data.get("use_sliding_window") is False:
         return [None] * layers
@@ -190,6 +199,7 @@ def session_bytes(
     if bytes_per_token is None:
         if config is None:
             raise ValueError("session_bytes needs a model config or bytes_per_token")
+        config = _read(config)
         bytes_per_token = kv_bytes_per_token(config, dtype=dtype)
         windows = layer_windows(config)
     _count("bytes_per_token", bytes_per_token)
@@ -304,6 +314,7 @@ def kv_device(
     server was given them: ``--kv-cache-memory-bytes``, or the CPU build's KV space), and without
     them ValueError says so.
     """
+    config = _read(config)
     windows = layer_windows(config)
     if any(windows) and not all(windows):
         cache_bytes = _number(capacity.labels, "kv_cache_memory_bytes", required=False)

@@ -64,22 +64,21 @@ DEFAULT_MAX_TOKENS = 256
 #: The most ``top_logprobs`` a request may ask for (vLLM's default ``--max-logprobs``; -1, "all",
 #: asks for the vocabulary, more than that).
 MAX_LOGPROBS = 20
-#: The log probability of each token the sim answers, and of the alternatives ``top_logprobs``
-#: lists after it, in order: a fixed, valid distribution (0.905 on the answer, about 0.03 on the 19 others).
+#: The log probability of each token the sim answers.
 TOKEN_LOGPROB = -0.1
-ALTERNATIVE_LOGPROBS = [-4.0 - i for i in range(MAX_LOGPROBS - 1)]
-_TOKEN_BYTES = list(TOKEN_TEXT.encode())
+#: What ``top_logprobs`` lists, most likely first: the answer's token, then 19 others (-4, -5, ...),
+#: a fixed, valid distribution (0.905 on the answer, about 0.03 on the others).
+_ALTERNATIVES = [(TOKEN_TEXT, TOKEN_LOGPROB)] + [(f" t{i:02d}", -4.0 - i) for i in range(MAX_LOGPROBS - 1)]
 
 
 def token_logprobs(count: int, top: int) -> dict[str, list[dict[str, Any]]]:
     """A choice's ``logprobs`` for `count` answer tokens, as vLLM gives them: each token with its
     log probability and bytes, and `top` entries in ``top_logprobs``, the token itself first."""
-    alternatives = [(TOKEN_TEXT, TOKEN_LOGPROB)] + [(f" t{i:02d}", lp) for i, lp in enumerate(ALTERNATIVE_LOGPROBS)]
     return {
         "content": [
             {
-                "token": TOKEN_TEXT, "logprob": TOKEN_LOGPROB, "bytes": list(_TOKEN_BYTES),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in alternatives[:top]],
+                "token": TOKEN_TEXT, "logprob": TOKEN_LOGPROB, "bytes": list(TOKEN_TEXT.encode()),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in _ALTERNATIVES[:top]],
             }  # fmt: skip
             for _ in range(count)
         ]

@@ -385,14 +385,13 @@ class SimEngine:
         full block): the next turn of its conversation hits them, and so does the request itself
         when recomputed after a preemption (its hash chain grows with them)."""
         if request.text is not None:
-            full = min(request.num_computed // self.block_size, len(request.blocks))
             hashes = request.hashes
-            if full > len(hashes):
-                done = len(hashes)
-                extend_hashes(hashes, request.text, request.num_output, self.block_size, full)
-                blocks, cache = request.blocks, self.pool.cache
-                for i in range(done, len(hashes)):
-                    cache(blocks[i], hashes[i])
+            done = len(hashes)
+            full = min(request.num_computed // self.block_size, len(request.blocks))
+            extend_hashes(hashes, request.text, request.num_output, self.block_size, full)
+            blocks, cache = request.blocks, self.pool.cache
+            for i in range(done, len(hashes)):
+                cache(blocks[i], hashes[i])
         self.pool.free(request.blocks)
         request.blocks = []
 
