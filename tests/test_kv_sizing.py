@@ -210,7 +210,9 @@ def test_a_text_config_without_the_field_says_where_it_looked():
 # as served with its layers' types changed; vLLM 0.32's CPU build (1 GiB of KV cache, 128-token
 # blocks, 2,048 tokens in flight) reported these maximum concurrencies at max_model_len 1,024 and
 # 4,096: full attention 512 and 128, one sliding layer of 128 tokens and one full 481.88 and
-# 163.84, both sliding 455.11 and 227.56.
+# 163.84, both sliding 455.11 and 227.56. With random weights for more layers: 3 sliding and 2
+# full 157.54 and 60.24 (cached in groups of 2 layers, a padding layer beside the third sliding
+# one), 3 sliding and 4 full 120.47 and 40.96 (groups of 4), 4 sliding and 1 full 186.18 and 78.77.
 TINY = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 128, "dtype": "float32"}
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -221,6 +223,9 @@ SLIDING, FULL = "sliding_attention", "full_attention"
         ({}, (512.0, 128.0)),
         ({"sliding_window": 128, "layer_types": [SLIDING, FULL]}, (481.88, 163.84)),
         ({"sliding_window": 128}, (455.11, 227.56)),
+        ({"num_hidden_layers": 5, "sliding_window": 128, "layer_types": [SLIDING, FULL] * 2 + [SLIDING]}, (157.54, 60.24)),
+        ({"num_hidden_layers": 7, "sliding_window": 128, "layer_types": [SLIDING, FULL] * 3 + [FULL]}, (120.47, 40.96)),
+        ({"num_hidden_layers": 5, "sliding_window": 128, "layer_types": [SLIDING] * 4 + [FULL]}, (186.18, 78.77)),
     ],
 )
 def test_sliding_window_layers_are_sized_as_vllm_bounds_them(changes, concurrency):
@@ -273,16 +278,21 @@ def test_malformed_window_fields_are_named(changes, message):
         session_bytes(1024, TINY | changes)
 
 
-def test_a_model_mixing_sliding_and_full_layers_takes_the_cache_s_bytes_as_its_device():
-    """vLLM caches such a model in pages of layer groups: the tiny model with one layer of each
-    reported 8,192 blocks of 128 tokens in 1 GiB, where blocks x tokens x the model's bytes a
-    token (2 GiB) would double the cache. Before, kv_device took that product."""
-    from fleetsched.resources import KVCacheCapacity, kv_device
+def test_a_model_mixing_attentions_has_blocks_of_a_cache_group_s_layers():
+    """vLLM caches such a model in pages of a group of layers (`_group_size`): in 1 GiB the tiny
+    model with one layer of each reported 8,192 blocks of 128 tokens (one layer a page), and with
+    3 sliding and 2 full 4,096 (two a page), where blocks x tokens x the model's bytes a token
+    would make 2 and 5 GiB. Before, kv_device took that product, or the kv_cache_memory_bytes
+    label when there was one."""
+    from fleetsched.resources import KVCacheCapacity, kv_device, kv_page_size
 
-    hybrid = TINY | {"sliding_window": 128, "layer_types": [SLIDING, FULL]}
-    reported = KVCacheCapacity(8192, 128, {"kv_cache_memory_bytes": "1073741824"})
-    assert kv_device("r0", reported, hybrid) == {"name": "r0", "memory": 1 << 30}
-    with pytest.raises(ValueError, match="--kv-cache-memory-bytes"):
-        kv_device("r0", KVCacheCapacity(8192, 128, {}), hybrid)
+    one_of_each = TINY | {"sliding_window": 128, "layer_types": [SLIDING, FULL]}
+    capacity = KVCacheCapacity(8192, 128, {})
+    assert kv_device("r0", capacity, one_of_each) == {"name": "r0", "memory": 1 << 30}
+    assert kv_page_size(capacity, one_of_each) == 128 * 1024
+    three_and_two = TINY | {"num_hidden_layers": 5, "sliding_window": 128, "layer_types": [SLIDING, FULL] * 2 + [SLIDING]}
+    capacity = KVCacheCapacity(4096, 128, {})
+    assert kv_device("r0", capacity, three_and_two)["memory"] == 1 << 30
+    assert kv_page_size(capacity, three_and_two) == 2 * 128 * 1024
     every_layer_slides = TINY | {"sliding_window": 128}  # one page a block, as with full attention
     assert kv_device("r0", KVCacheCapacity(4096, 128, {}), every_layer_slides)["memory"] == 1 << 30

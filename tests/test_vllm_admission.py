@@ -133,21 +133,25 @@ async def test_admission_by_kv_capacity_keeps_preemptions_flat(small_cache_serve
 
 
 async def test_sliding_window_layers_are_sized_as_the_server_bounds_them(tmp_path) -> None:
-    """The tiny model served with one sliding-window layer (128 tokens) beside a full one, at a
-    4,096-token context: the sessions `kv_device`'s memory holds at `session_bytes` each are the
-    maximum concurrency vLLM computes itself (163.84 on the CPU build: 32 blocks of the full
-    layer and 18 of the sliding one, its window and the 2,048 tokens of a step in flight). With
-    every layer counted whole, 128."""
+    """The tiny model served with five layers, three sliding-window (128 tokens) and two full
+    (random weights), at a 4,096-token context: the sessions `kv_device`'s memory holds at
+    `session_bytes` each are the maximum concurrency vLLM computes itself (60.24 on the CPU
+    build). vLLM caches such a model in groups of two layers, the third sliding layer padded to a
+    group of its own: 4,096 blocks of two layers in 1 GiB, and a request holds 2 x 18 blocks in
+    the sliding groups (the window and the 2,048 tokens of a step in flight) and 32 in the full
+    one. Counted without the padding, 69.42 would be admitted; with every layer whole, 51.2."""
     require_vllm_setup()
     model = tmp_path / "tiny-sliding"
     shutil.copytree(model_path(), model)
     config = json.loads((model / "config.json").read_text())
-    config.update(sliding_window=128, layer_types=["sliding_attention", "full_attention"])
+    sliding, full = "sliding_attention", "full_attention"
+    config.update(num_hidden_layers=5, sliding_window=128, layer_types=[sliding, full, sliding, full, sliding])
     (model / "config.json").write_text(json.dumps(config))
-    with VLLMServer(model_dir=model, max_model_len=4096) as server:
+    with VLLMServer(model_dir=model, max_model_len=4096, extra_args=("--load-format", "dummy")) as server:
         capacity = await read_vllm_kv_capacity(server.url)
     reported = float(capacity.labels["kv_cache_max_concurrency"])
     memory = kv_device("sliding", capacity, model)["memory"]
+    assert memory == int(capacity.labels["kv_cache_memory_bytes"])
     sessions = memory / session_bytes(4096, model, block_size=capacity.block_size, in_flight_tokens=2048)
     assert sessions == pytest.approx(reported, rel=1e-6)
     assert memory / session_bytes(4096, bytes_per_token=kv_bytes_per_token(model), block_size=capacity.block_size) < reported

@@ -12,7 +12,8 @@
 - `session_bytes(context_tokens, ...)`: a session's KV memory, tokens rounded up to whole blocks
   of vLLM's ``block_size`` (16 tokens by default). A sliding-window layer (`layer_windows`: Mistral
   7B v0.1, Gemma 2 and 3, gpt-oss) holds at most its window and the tokens of a step in flight,
-  as vLLM frees the blocks that fall out of the window.
+  as vLLM frees the blocks that fall out of the window. A model that mixes attentions is cached
+  by vLLM in groups of layers, some padded (`_cached_layers`), and counted so.
 - `parse_vllm_cache_config(metrics_text)` / `read_vllm_kv_capacity(url)`: the KV capacity a vLLM
   server reports on ``/metrics`` (the labels of ``vllm:cache_config_info``); `kv_device` turns it
   into a ``resources.devices`` entry.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from os import PathLike
@@ -189,7 +191,8 @@ def session_bytes(
     in blocks, plus one (the window need not start at a block's start). `in_flight_tokens` is the
     server's ``max_num_batched_tokens`` times the batches it runs at once (vLLM's
     ``max_in_flight_tokens``: 2,048 on the CPU build's defaults). Without it the context is taken,
-    never less than vLLM holds (a block a sliding layer more than a full one).
+    never less than vLLM holds (a block a sliding layer more than a full one). A model that mixes
+    attentions is counted as vLLM groups its layers, padding layers included (`_cached_layers`).
     """
     _count("context_tokens", context_tokens)
     _count("block_size", block_size)
@@ -207,8 +210,29 @@ def session_bytes(
     if not any(windows):
         return blocks * block_size * bytes_per_token
     held = context_tokens if in_flight_tokens is None else in_flight_tokens
-    layer_blocks = sum(blocks if w is None else -(-min(w - 1 + held, context_tokens) // block_size) + 1 for w in windows)
+    layer_blocks = sum(
+        layers * (blocks if w is None else -(-min(w - 1 + held, context_tokens) // block_size) + 1)
+        for w, layers in _cached_layers(windows).items()
+    )
     return layer_blocks * block_size * (bytes_per_token // len(windows))
+
+
+def _cached_layers(windows: list[int | None]) -> dict[int | None, int]:
+    """The layers vLLM 0.32 caches for each attention of `windows` (a window, or None for full),
+    padding included: its hybrid cache splits each attention's layers into groups of
+    `_group_size` and pads the last group, the padding holding blocks as the group's layers do.
+    3 sliding and 2 full layers are cached as 4 and 2; Gemma 3 27B's 52 sliding and 10 full as 60
+    and 10."""
+    size = _group_size(windows)
+    return {w: -(-n // size) * size for w, n in Counter(windows).items()}
+
+
+def _group_size(windows: list[int | None]) -> int:
+    """Layers in one of vLLM 0.32's KV cache groups for a model whose layers attend as `windows`
+    say: the fewest layers of any attention, or the most when that is under 1.5 times the fewest
+    (``_get_kv_cache_groups_uniform_page_size``). One vLLM block is a page of that many layers."""
+    counts = Counter(windows).values()
+    return max(counts) if max(counts) < min(counts) * 1.5 else min(counts)
 
 
 def _count(name: str, value: object) -> None:
@@ -301,33 +325,25 @@ async def read_vllm_kv_capacity(url: str, *, client: Any = None) -> KVCacheCapac
 def kv_device(
     name: str, capacity: KVCacheCapacity, config: Mapping[str, Any] | str | PathLike[str], *, dtype: str | None = None
 ) -> dict[str, Any]:
-    """A ``resources.devices`` entry for a vLLM server's KV cache: its tokens x the model's bytes per token.
+    """A ``resources.devices`` entry for a vLLM server's KV cache: its blocks x `kv_page_size`.
 
     Declare one per replica (``ResourceSettings(devices=[kv_device(...)], page_size=...)``); with
-    ``page_size = block_size x bytes per token`` (`kv_page_size`) a pool page is one vLLM block,
-    so reservations round up exactly as the engine allocates.
-
-    A model whose layers mix sliding-window and full attention (`layer_windows`) is cached by vLLM
-    in pages of a group of layers, so its block count is no count of whole-model blocks (the tiny
-    model with one layer of each reported 8,192 blocks of 128 tokens in a cache of 4,096 such):
-    its capacity is then the cache's bytes (the ``kv_cache_memory_bytes`` label, reported when the
-    server was given them: ``--kv-cache-memory-bytes``, or the CPU build's KV space), and without
-    them ValueError says so.
+    ``page_size`` = `kv_page_size` a pool page is one vLLM block, so reservations round up
+    exactly as the engine allocates. A model that mixes attentions (sliding-window and full
+    layers, or windows of two sizes) has blocks of a cache group's layers, not of the whole
+    model: the tiny model with one layer of each reported 8,192 blocks of 128 tokens in 1 GiB,
+    4,096 blocks of both layers.
     """
-    config = _read(config)
-    windows = layer_windows(config)
-    if any(windows) and not all(windows):
-        cache_bytes = _number(capacity.labels, "kv_cache_memory_bytes", required=False)
-        if not cache_bytes:
-            raise ValueError(
-                "the model mixes sliding-window and full-attention layers, whose vLLM blocks are pages of layer "
-                "groups: kv_device needs the cache's bytes, which this server does not report (start it with "
-                "--kv-cache-memory-bytes)"
-            )
-        return {"name": name, "memory": cache_bytes}
-    return {"name": name, "memory": capacity.bytes(kv_bytes_per_token(config, dtype=dtype))}
+    return {"name": name, "memory": capacity.num_gpu_blocks * kv_page_size(capacity, config, dtype=dtype)}
 
 
 def kv_page_size(capacity: KVCacheCapacity, config: Mapping[str, Any] | str | PathLike[str], *, dtype: str | None = None) -> int:
-    """Bytes of one KV block of the server: block_size tokens x the model's bytes per token."""
-    return capacity.block_size * kv_bytes_per_token(config, dtype=dtype)
+    """Bytes of one KV block of the server: block_size tokens x the model's bytes per token, or,
+    for a model that mixes attentions (as `kv_device` says), x the bytes of a cache group's layers
+    (`_group_size`), vLLM's page."""
+    config = _read(config)
+    windows = layer_windows(config)
+    per_token = kv_bytes_per_token(config, dtype=dtype)
+    if len(set(windows)) > 1:
+        per_token = per_token // len(windows) * _group_size(windows)
+    return capacity.block_size * per_token
