@@ -12,12 +12,14 @@ loops give the same semantics (trio's ``MockClock(autojump_threshold=0)``):
   iteration (see `VirtualTimeLoop`).
 
 Library code never sees the difference: it reads time with ``anyio.current_time()`` and waits with
-``anyio.sleep()``. Worker threads started through `run_sync_in_thread` hold the clock still
-while they work, on either loop: their work takes no virtual time, and no timer fires meanwhile (a
-thread that never returns holds virtual time still for good). On the asyncio loop so do threads
-that the loop's executor runs (``asyncio.to_thread``, ``loop.run_in_executor``), as libraries
-start them. A thread started any other way (``anyio.to_thread.run_sync`` by another library, any
-thread on trio) does not: while it works the clock jumps as if every task waited on timers.
+``anyio.sleep()``. Worker threads hold the clock still while they work: their work takes no
+virtual time, and no timer fires meanwhile (a thread that never returns, or waits on the loop's
+timers, holds virtual time still for good). That holds on either loop for threads started through
+`run_sync_in_thread` (on any trio ``MockClock``) or ``anyio.to_thread.run_sync`` under anyio's
+default limiter (as libraries start them; on trio, every ``trio.to_thread.run_sync``), and on the
+asyncio loop for those its executor runs (``asyncio.to_thread``, ``loop.run_in_executor``). A
+thread that a cancellation left behind (``abandon_on_cancel``) holds nothing; one started any
+other way (``threading.Thread``, anyio with a limiter of its own) lets the clock jump meanwhile.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import asyncio
 import heapq
 import itertools
 import math
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
+import anyio.to_thread
 import sniffio
 
 T = TypeVar("T")
@@ -40,6 +44,8 @@ Loop = Literal["asyncio", "trio"]
 LOOPS: tuple[Loop, ...] = ("asyncio", "trio")
 
 
+#: Real seconds between looks at the worker threads that hold trio's virtual clock still.
+_THREAD_POLL_S = 0.001
 #: Rounds with callbacks ready in which the selector is not polled (see `VirtualTimeLoop._run_once`).
 _POLL_EVERY = 64
 #: Timers at least, and the cancelled share past which the timer heap is rebuilt (asyncio's values).
@@ -52,8 +58,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     It runs asyncio's loop iteration with two changes. When nothing is ready, the clock jumps to
     the next timer instead of the selector sleeping (the selector is still polled first, so a
-    thread's wake-up stops the jump); while a hold is on (`hold_clock`, taken by
-    `run_sync_in_thread`), the selector sleeps for real instead, until a thread wakes the loop.
+    thread's wake-up stops the jump); while a worker thread works (anyio's default limiter has
+    lent a token, or a hold is on: `hold_clock`), the selector sleeps for real instead, until a
+    thread wakes the loop.
     And its timer heap holds ``(when, seq, handle)`` tuples, which the heap compares in C:
     asyncio's own heap compares `TimerHandle` objects through a Python ``__lt__``, about ten
     calls a timer with a thousand agents asleep.
@@ -65,6 +72,14 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._timer_seq = itertools.count()
         self._polls_skipped = 0
         self._holds = 0
+        self._thread_limiter: anyio.CapacityLimiter | None = None  # anyio's default, once read
+
+    def _threads_work(self) -> bool:
+        """Whether a call of ``anyio.to_thread.run_sync`` under anyio's default limiter is in a
+        worker thread now (a call that a cancellation abandoned has given its token back)."""
+        if self._thread_limiter is None:
+            self._thread_limiter = anyio.to_thread.current_default_thread_limiter()  # one per loop
+        return self._thread_limiter.borrowed_tokens > 0
 
     def time(self) -> float:
         return self._virtual_now
@@ -130,9 +145,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             self._polls_skipped += 1
             if self._polls_skipped >= _POLL_EVERY:
                 self._poll(0)
-        elif self._holds:
-            # A worker thread works (`run_sync_in_thread`): time stands still until it reports,
-            # through `call_soon_threadsafe`, which wakes the selector.
+        elif self._holds or self._threads_work():
+            # A worker thread works: time stands still until it reports, through
+            # `call_soon_threadsafe`, which wakes the selector.
             self._poll(None)
         elif timers and timers[0][0] < math.inf:
             self._poll(0)
@@ -242,12 +257,30 @@ def run_virtual(fn: Callable[..., Awaitable[T]], *args: Any, loop: Loop = "async
     if loop == "asyncio":
         return anyio.run(fn, *args, backend="asyncio", backend_options={"loop_factory": VirtualTimeLoop})
     if loop == "trio":
-        import trio.testing
-
-        clock = trio.testing.MockClock(autojump_threshold=0)
+        clock = _thread_aware_mock_clock()
         # Ctrl-C at the main task's next checkpoint, not wherever the signal lands: raised inside
         # a session's task or in `start_soon`, it left a coroutine never awaited, or the
         # simulation running on.
         options = {"clock": clock, "restrict_keyboard_interrupt_to_checkpoints": True}
         return anyio.run(fn, *args, backend="trio", backend_options=options)
     raise ValueError(f"loop: expected one of {', '.join(LOOPS)}, got {loop!r}")
+
+
+def _thread_aware_mock_clock() -> Any:
+    """trio's ``MockClock(autojump_threshold=0)``, which does not jump while a call of
+    ``trio.to_thread.run_sync`` (anyio's, on trio) is in a worker thread."""
+    import trio.testing
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    jump = clock._autojump  # trio calls it when every task has been idle for the threshold
+
+    def jump_unless_a_thread_works() -> None:
+        # The class is final, so this clock's own method is replaced. While a thread works, wait
+        # for it for real, a millisecond at a time (not a busy loop), instead of jumping.
+        if trio.testing.active_thread_count():
+            time.sleep(_THREAD_POLL_S)
+        else:
+            jump()
+
+    clock._autojump = jump_unless_a_thread_works  # type: ignore[method-assign]
+    return clock

@@ -121,6 +121,42 @@ def test_a_thread_left_behind_by_a_cancellation_lets_the_clock_go(loop):
     assert run_virtual(main, loop=loop) == 60.0
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_thread_another_library_starts_through_anyio_holds_the_clock(loop):
+    """``anyio.to_thread.run_sync`` as a library calls it, not through `run_sync_in_thread`.
+    Before: the clock jumped to the next timer while the thread worked (the 30-s timeout fired)."""
+
+    async def main() -> tuple[bool, float, float]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.sleep, 100)
+            with anyio.move_on_after(30) as scope:
+                await anyio.to_thread.run_sync(time.sleep, 0.01)
+            after_thread = anyio.current_time()
+        return scope.cancelled_caught, after_thread, anyio.current_time()
+
+    assert run_virtual(main, loop=loop) == (False, 0.0, 100.0)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_an_anyio_thread_left_behind_by_a_cancellation_lets_the_clock_go(loop):
+    async def main() -> float:
+        started, release = anyio.Event(), threading.Event()
+
+        def work() -> None:
+            anyio.from_thread.run_sync(started.set)
+            release.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(anyio.to_thread.run_sync, work, abandon_on_cancel=True))
+            await started.wait()
+            tg.cancel_scope.cancel()
+        await anyio.sleep(60)
+        release.set()
+        return anyio.current_time()
+
+    assert run_virtual(main, loop=loop) == 60.0
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_on_a_real_clock_a_thread_takes_its_real_time(backend):
     async def main() -> float:
