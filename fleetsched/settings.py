@@ -218,6 +218,39 @@ class DeviceSettings(_Section):
         return value
 
 
+class KVCacheSettings(_Section):
+    """Size the memory pool from the backend's KV caches: when the scheduler starts, each vLLM
+    replica's cache, read from its ``/metrics`` (backend kind "vllm-server"), or the sim engine's
+    (kind "sim", one device ``sim``), becomes the pool's device of the replica's name (``r0``,
+    ``r1``, ...: a session's calls go where its memory is); a page is one of its blocks; and a
+    session reserves the KV bytes of `context_tokens` (``resources.kv_sizing.session_bytes``)
+    unless its tenant or agent mix says otherwise. Admitted sessions then never hold more than
+    the caches do, so vLLM does not preempt."""
+
+    config: Path
+    """The served model's ``config.json``, or the directory that holds it (for its KV bytes a
+    token; a relative path is read from the working directory)."""
+    context_tokens: int = Field(ge=1)
+    """A session's context budget in tokens: its prompts and answers, every turn."""
+    dtype: str | None = None
+    """The KV cache's dtype when it is not the model's (vLLM's ``--kv-cache-dtype``, e.g. "fp8")."""
+    in_flight_tokens: int | None = Field(None, ge=1)
+    """For sliding-window models: the server's ``max_num_batched_tokens`` times its batches in
+    flight (None: a sliding layer is counted for the whole context, never less than it holds)."""
+
+    @model_validator(mode="after")
+    def _readable_model(self) -> KVCacheSettings:
+        # Read now, so that a missing file or field is a config error at load, not at start.
+        from .resources.kv_sizing import kv_bytes_per_token, layer_windows
+
+        try:
+            kv_bytes_per_token(self.config, dtype=self.dtype)
+            layer_windows(self.config)
+        except OSError as exc:
+            raise ValueError(f"config: cannot read {self.config}: {exc.strerror or exc}") from None
+        return self
+
+
 class ResourceSettings(_Section):
     strategy: str = "frag-aware"
     """Placement strategy of the memory pool: frag-aware (default), first-fit, best-fit, buddy,
@@ -236,6 +269,9 @@ class ResourceSettings(_Section):
     most 2 moves a call). Address-space strategies only. In the allocator bench settling took
     the mean fragmentation rate from 0.38 to 0.13, at 0.8-3.6 bytes copied per byte granted
     depending on the trace (0.2 with on-demand compaction alone)."""
+    kv_cache: KVCacheSettings | None = None
+    """Devices, page size and session memory from the vLLM servers' KV caches (see
+    `KVCacheSettings`); `devices` and `page_size` are then not used."""
     compact_threshold: float | None = Field(None, ge=0.0, le=1.0)
     """Compact a device whenever its fragmentation rate, (free - largest free) / free, passes this
     after memory comes free (None: never). Moves only movable reservations. In the allocator bench
@@ -487,6 +523,11 @@ class Settings(BaseSettings):
                 f"workload.agents: {total:,} sessions in all; at most {MAX_WORKLOAD_SESSIONS:,} are run "
                 "(each is a task and a session held in memory from the start)"
             )
+        if self.resources.kv_cache is not None and self.backend.kind not in ("vllm-server", "sim"):
+            raise ValueError(
+                f"resources.kv_cache: the memory pool is sized from the KV caches that backend kinds vllm-server "
+                f"and sim report, not {self.backend.kind!r}"
+            )
         for i, mix in enumerate(self.workload.agents):
             if mix.tenant not in self.tenants:
                 raise ValueError(
@@ -509,10 +550,15 @@ class Settings(BaseSettings):
             )
             if value is not None
         )
-        largest = max(int(device.memory) for device in self.resources.devices)
+        if self.resources.kv_cache is None:
+            largest = max(int(device.memory) for device in self.resources.devices)
+        elif source == "scheduler.session_memory":
+            return  # sized from the servers' caches when the scheduler starts
+        else:
+            largest = None  # the devices are read when the scheduler starts
         if tenant.memory_quota is not None and memory > tenant.memory_quota:
             limit = f"tenant {mix.tenant!r}'s memory_quota of {int(tenant.memory_quota):,} bytes"
-        elif memory > largest:
+        elif largest is not None and memory > largest:
             limit = f"the largest device holds (resources.devices: {largest:,} bytes)"
         else:
             return

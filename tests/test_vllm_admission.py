@@ -10,7 +10,8 @@ tokens, so that every sequence really grows towards its budget of 1,024 tokens.
   the cache overflows and ``vllm:num_preemptions_total`` climbs.
 - With admission (the device is the server's KV capacity read from ``/metrics`` x the model's
   bytes per token, one pool page per vLLM block, each session reserving its budget) six run at a
-  time, the counter stays flat, and every session finishes.
+  time, the counter stays flat, and every session finishes: built by hand, and by a `Scheduler`
+  from ``[resources.kv_cache]`` alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
+from fleetsched import Scheduler
 from fleetsched.resources import (
     DeviceSpec,
     ExtentPool,
@@ -34,6 +36,7 @@ from fleetsched.resources import (
     read_vllm_kv_capacity,
     session_bytes,
 )
+from fleetsched.settings import Settings
 from fleetsched.testing.fixtures import require_vllm_setup
 from fleetsched.testing.vllm_server import VLLMServer, model_path
 
@@ -155,3 +158,36 @@ async def test_sliding_window_layers_are_sized_as_the_server_bounds_them(tmp_pat
     sessions = memory / session_bytes(4096, model, block_size=capacity.block_size, in_flight_tokens=2048)
     assert sessions == pytest.approx(reported, rel=1e-6)
     assert memory / session_bytes(4096, bytes_per_token=kv_bytes_per_token(model), block_size=capacity.block_size) < reported
+
+
+async def test_admission_from_settings_alone_keeps_preemptions_flat(small_cache_server: VLLMServer) -> None:
+    """The same load through a `Scheduler` whose pool `[resources.kv_cache]` builds from the
+    server's /metrics and the model's config.json, each session reserving its 1,024-token budget
+    (no devices, page size or session memory given)."""
+    server = small_cache_server
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": [server.url], "model": server.model, "max_in_flight": 32},
+        resources={"kv_cache": {"config": str(model_path()), "context_tokens": BUDGET_TOKENS}},
+        scheduler={"max_sessions": SESSIONS},
+    )
+    usage: list[tuple[int, int]] = []
+
+    async def session(ctx) -> None:
+        prompt = " ".join(random.Random(ctx.session_id).choice(WORDS) for _ in range(60))
+        response = await ctx.chat([{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, ignore_eos=True)
+        usage.append((response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"]))
+
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        before = await _preemptions(client, server)
+        with anyio.fail_after(180):
+            async with Scheduler(settings) as scheduler:
+                devices = [(d.name, d.total) for d in scheduler.pool.statistics().devices]
+                handles = [await scheduler.submit(session, tenant="default") for _ in range(SESSIONS)]
+                for handle in handles:
+                    await handle
+        preemptions = await _preemptions(client, server) - before
+
+    capacity = await read_vllm_kv_capacity(server.url)
+    assert devices == [("r0", capacity.num_gpu_blocks * kv_page_size(capacity, model_path()))]
+    assert len(usage) == SESSIONS and all(c == MAX_TOKENS for _, c in usage)
+    assert preemptions == 0

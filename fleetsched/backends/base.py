@@ -16,11 +16,14 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..errors import ContextTooLong, InvalidRequest
+from ..errors import BackendError, ContextTooLong, InvalidRequest
+
+if TYPE_CHECKING:
+    from ..resources.kv_sizing import KVCacheCapacity
 
 ChatBody = Mapping[str, Any]
 Chunk = dict[str, Any]
@@ -74,6 +77,11 @@ class Backend(ABC):
     async def signals(self) -> EngineSignals:
         """The engine's current load signals (used to size the in-flight window)."""
         return EngineSignals()
+
+    async def kv_capacities(self) -> dict[str, KVCacheCapacity]:
+        """Each replica's KV cache, by replica name (``resources.kv_cache`` sizes the memory pool
+        from them). Raises `BackendError` for a backend that has none to report."""
+        raise BackendError(f"the {self.name} backend reports no KV cache to size the memory pool from (resources.kv_cache)")
 
     async def aclose(self) -> None:
         """Release connections and engines. Idempotent."""

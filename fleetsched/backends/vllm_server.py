@@ -40,6 +40,7 @@ from openai import AsyncOpenAI
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
+from ..resources.kv_sizing import KVCacheCapacity, read_vllm_kv_capacity
 from .base import FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
 
@@ -633,6 +634,18 @@ class VLLMServerBackend(Backend):
         answered = merge_signals(per_replica.values())
         known = merge_signals(rep.last_signals for rep in self._replicas.values())
         return dataclasses.replace(answered, **{name: getattr(known, name) for name in _COUNTERS})
+
+    async def kv_capacities(self) -> dict[str, KVCacheCapacity]:
+        """Each replica's KV cache, as it reports it on ``/metrics`` (``vllm:cache_config_info``).
+        Raises `BackendUnavailable` naming the replica that did not answer, or whose metrics
+        lack the cache."""
+        capacities = {}
+        for name, rep in self._replicas.items():
+            try:
+                capacities[name] = await read_vllm_kv_capacity(rep.url, client=self._http)
+            except (httpx.HTTPError, ValueError) as exc:
+                raise BackendUnavailable(f"vLLM replica {name} ({rep.url}): cannot read its KV cache: {exc}") from exc
+        return capacities
 
     async def aclose(self) -> None:
         for rep in self._replicas.values():

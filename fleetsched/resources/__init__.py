@@ -10,9 +10,11 @@ from .defrag import CompactionPlan, DeviceGain, DeviceLayout, ExtentView, HolePl
 from .extents import AddressSpace
 from .kv_sizing import (
     KVCacheCapacity,
+    KVPool,
     kv_bytes_per_token,
     kv_device,
     kv_page_size,
+    kv_pool,
     layer_windows,
     parse_vllm_cache_config,
     read_vllm_kv_capacity,
@@ -37,6 +39,7 @@ __all__ = [
     "ExtentView",
     "HolePlan",
     "KVCacheCapacity",
+    "KVPool",
     "MemoryPool",
     "MemoryStatistics",
     "Move",
@@ -46,6 +49,7 @@ __all__ = [
     "kv_bytes_per_token",
     "kv_device",
     "kv_page_size",
+    "kv_pool",
     "layer_windows",
     "make_strategy",
     "parse_vllm_cache_config",

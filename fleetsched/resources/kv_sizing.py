@@ -337,6 +337,43 @@ def kv_device(
     return {"name": name, "memory": capacity.num_gpu_blocks * kv_page_size(capacity, config, dtype=dtype)}
 
 
+@dataclass(frozen=True, slots=True)
+class KVPool:
+    """A memory pool sized from KV caches (`kv_pool`)."""
+
+    #: Bytes of each cache, by replica name: the pool's devices.
+    devices: dict[str, int]
+    #: One KV block (`kv_page_size`): the pool's page.
+    page_size: int
+    #: What a session of the context budget reserves (`session_bytes`).
+    session_bytes: int
+
+
+def kv_pool(
+    capacities: Mapping[str, KVCacheCapacity],
+    config: Mapping[str, Any] | str | PathLike[str],
+    *,
+    context_tokens: int,
+    dtype: str | None = None,
+    in_flight_tokens: int | None = None,
+) -> KVPool:
+    """The pool over the KV caches of `capacities` (by replica name) for the model of `config`,
+    a session of `context_tokens` reserving what vLLM would hold for it. Raises ValueError when
+    the replicas' blocks differ (one pool has one page size), or as `session_bytes` does."""
+    if not capacities:
+        raise ValueError("kv_pool needs the KV cache of at least one replica")
+    config = _read(config)
+    pages = {name: kv_page_size(capacity, config, dtype=dtype) for name, capacity in capacities.items()}
+    if len(set(pages.values())) > 1:
+        raise ValueError(f"the replicas' KV blocks differ ({', '.join(f'{n}: {b:,} B' for n, b in pages.items())}): serve one block size")
+    block_size = next(iter(capacities.values())).block_size
+    return KVPool(
+        devices={name: capacity.num_gpu_blocks * pages[name] for name, capacity in capacities.items()},
+        page_size=next(iter(pages.values())),
+        session_bytes=session_bytes(context_tokens, config, dtype=dtype, block_size=block_size, in_flight_tokens=in_flight_tokens),
+    )
+
+
 def kv_page_size(capacity: KVCacheCapacity, config: Mapping[str, Any] | str | PathLike[str], *, dtype: str | None = None) -> int:
     """Bytes of one KV block of the server: block_size tokens x the model's bytes per token, or,
     for a model that mixes attentions (as `kv_device` says), x the bytes of a cache group's layers

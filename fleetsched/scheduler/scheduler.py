@@ -36,10 +36,10 @@ from ..policies.fair_queue import Entry, FairQueue
 from ..policies.pace import KeepOrRelease, ToolStats
 from ..policies.tiers import Tier
 from ..policies.window import AimdWindow, WindowSignals
-from ..resources import MemoryPool, MemoryStatistics, create_pool
+from ..resources import MemoryPool, MemoryStatistics, create_pool, kv_pool
 from ..resources.limiter import SessionSlots
 from ..resources.ratelimit import RateLimit, TenantRateLimits
-from ..settings import Settings
+from ..settings import DeviceSettings, Settings
 from .dispatcher import Dispatcher, DispatcherStatistics
 from .records import Recorder, SessionRecord
 from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHandle, SessionState
@@ -110,12 +110,16 @@ class Scheduler:
         self._own_backend = backend is None
         self.backend = backend if backend is not None else create_backend(self.settings.backend)
         quotas = {name: int(t.memory_quota) for name, t in tenants.items() if t.memory_quota is not None}
+        #: `resources.kv_cache`: the pool is built over the backend's KV caches on entering.
+        self._size_from_caches = pool is None and self.settings.resources.kv_cache is not None
         if pool is None:
             pool = create_pool(self.settings.resources, quotas)
         else:
             for name, quota in quotas.items():
                 pool.set_quota(name, quota)
         self.pool = pool
+        self._quotas = quotas
+        self._session_memory = int(self.settings.scheduler.session_memory)
         self.recorder = recorder if recorder is not None else Recorder()
         self.slots = SessionSlots(self.settings.scheduler.max_sessions, {n: t.max_sessions for n, t in tenants.items()})
         weights = {name: t.weight for name, t in tenants.items()}
@@ -170,6 +174,8 @@ class Scheduler:
         async with AsyncExitStack() as stack:
             if self._own_backend:
                 await stack.enter_async_context(self.backend)
+            if self._size_from_caches:
+                await self._use_kv_caches()
             self._task_group = await stack.enter_async_context(anyio.create_task_group())
             self.pool.add_release_listener(self._admit_ready)
             stack.callback(self.pool.remove_release_listener, self._admit_ready)
@@ -178,6 +184,23 @@ class Scheduler:
             self._exit_stack = stack.pop_all()
         self._accepting = True
         return self
+
+    async def _use_kv_caches(self) -> None:
+        """Build the pool over the backend's KV caches, a device per replica, and size sessions
+        from the model (`resources.kv_cache`)."""
+        kv = self.settings.resources.kv_cache
+        assert kv is not None
+        sized = kv_pool(
+            await self.backend.kv_capacities(),
+            kv.config,
+            context_tokens=kv.context_tokens,
+            dtype=kv.dtype,
+            in_flight_tokens=kv.in_flight_tokens,
+        )
+        devices = [DeviceSettings(name=name, memory=memory) for name, memory in sized.devices.items()]
+        resources = self.settings.resources.model_copy(update={"devices": devices, "page_size": sized.page_size})
+        self.pool = create_pool(resources, self._quotas)
+        self._session_memory = sized.session_bytes
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self._accepting = False
@@ -286,7 +309,7 @@ class Scheduler:
             raise UnknownTenant(tenant, list(self.settings.tenants))
         tier = Tier.parse(tier) if tier is not None else tenant_settings.tier
         if memory is None:
-            memory = int(tenant_settings.session_memory or self.settings.scheduler.session_memory)
+            memory = int(tenant_settings.session_memory or self._session_memory)
         elif isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or not memory > 0:
             # Named here: the pool's own refusal speaks of "a reservation", not of this argument.
             raise ValueError(f"memory: expected a whole number of bytes > 0, got {memory!r:.80}")

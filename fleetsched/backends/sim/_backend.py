@@ -40,6 +40,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from fleetsched.errors import BackendUnavailable, ContextTooLong, InvalidRequest
+from fleetsched.resources.kv_sizing import KVCacheCapacity
 from fleetsched.settings import SimSettings
 
 from ..base import (
@@ -521,6 +522,11 @@ class SimBackend(Backend):
             prefix_cache_queries_total=float(engine.prefix_queries),
             prefix_cache_hits_total=float(engine.prefix_hits),
         )
+
+    async def kv_capacities(self) -> dict[str, KVCacheCapacity]:
+        """The simulated engine's KV cache, as one replica, ``sim``."""
+        engine = self.engine
+        return {"sim": KVCacheCapacity(engine.capacity // engine.block_size, engine.block_size, {})}
 
     def statistics(self) -> SimStatistics:
         """Counters so far; `busy_fraction` compares step time with time since entering."""

@@ -1,0 +1,136 @@
+"""`resources.kv_cache`: the memory pool sized from the backend's KV caches, from settings alone.
+
+On the sim backend (its engine's cache) and on the real CPU vLLM (the cache it reports on
+``/metrics``): a device per replica of the cache's bytes, a page per KV block, and sessions that
+reserve `session_bytes` of their context budget, so that the pool admits what the cache holds.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import pytest
+
+from fleetsched import Scheduler
+from fleetsched.errors import BackendError, ConfigError
+from fleetsched.resources import KVCacheCapacity, kv_pool, session_bytes
+from fleetsched.settings import Settings, load_settings
+from fleetsched.testing.vllm_server import model_path
+
+pytestmark = pytest.mark.anyio
+
+# The project's tiny model: 2 layers, 2 KV heads of 64, float32 (1,024 bytes a token and layer).
+TINY = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 128, "dtype": "float32"}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def sim_settings(config, context_tokens: int = 1024, **resources) -> Settings:
+    return Settings(
+        backend={"kind": "sim", "sim": {"kv_cache_tokens": 8192, "block_size": 128, "max_model_len": 1024}},
+        resources={"kv_cache": {"config": str(config), "context_tokens": context_tokens}, **resources},
+        scheduler={"max_sessions": 100},
+    )
+
+
+async def test_on_the_sim_the_pool_is_its_cache_and_admits_what_it_holds(tiny_config):
+    """8,192 tokens of cache at 2,048 bytes a token: 16 MiB in 64 blocks of 256 KiB; a session of
+    1,024 tokens reserves 8 blocks, so 8 run at once and the ninth waits."""
+    release = anyio.Event()
+    running = 0
+
+    async def agent(ctx) -> None:
+        nonlocal running
+        running += 1
+        await release.wait()
+
+    async with Scheduler(sim_settings(tiny_config)) as scheduler:
+        stats = scheduler.pool.statistics()
+        assert [(d.name, d.total) for d in stats.devices] == [("sim", 8192 * 2048)]
+        handles = [await scheduler.submit(agent, tenant="default") for _ in range(9)]
+        await anyio.sleep(1)
+        assert running == 8
+        assert scheduler.pool.statistics().allocated == 8 * session_bytes(1024, TINY, block_size=128)
+        release.set()
+        for handle in handles:
+            await handle
+    assert running == 9
+
+
+async def test_a_tenant_s_own_session_memory_still_wins(tiny_config):
+    settings = sim_settings(tiny_config)
+    settings = settings.model_copy(update={"tenants": {"small": settings.tenants["default"].model_copy(update={"session_memory": 1 << 20})}})
+    _, held = await reservations(settings, tenant="small")
+    assert held == [1 << 20]
+
+
+def load(tmp_path, text: str) -> Settings:
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    return load_settings(path)
+
+
+def test_the_model_config_is_read_when_the_settings_load(tmp_path):
+    with pytest.raises(ConfigError, match=r"resources\.kv_cache: .*cannot read .*missing\.json"):
+        load(tmp_path, f'[resources.kv_cache]\nconfig = "{tmp_path}/missing.json"\ncontext_tokens = 512\n')
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 0}))
+    with pytest.raises(ConfigError, match="num_hidden_layers must be a positive integer, got 0"):
+        load(tmp_path, f'[resources.kv_cache]\nconfig = "{tmp_path}"\ncontext_tokens = 512\n')
+
+
+def test_a_backend_without_caches_to_read_is_refused_at_load(tmp_path, tiny_config):
+    with pytest.raises(ConfigError, match="backend kinds vllm-server and sim report, not 'instant'"):
+        load(tmp_path, f'[backend]\nkind = "instant"\n[resources.kv_cache]\nconfig = "{tiny_config}"\ncontext_tokens = 512\n')
+
+
+def test_replicas_whose_blocks_differ_are_refused_by_name():
+    caches = {"r0": KVCacheCapacity(4096, 128, {}), "r1": KVCacheCapacity(8192, 64, {})}
+    with pytest.raises(ValueError, match=r"blocks differ \(r0: 262,144 B, r1: 131,072 B\)"):
+        kv_pool(caches, TINY, context_tokens=1024)
+    with pytest.raises(ValueError, match="at least one replica"):
+        kv_pool({}, TINY, context_tokens=1024)
+
+
+async def reservations(settings: Settings, tenant: str = "default") -> tuple[Any, list[int]]:
+    """The pool's statistics on entering, and the bytes one session of `tenant` reserves."""
+    held = []
+
+    async def agent(ctx) -> None:
+        held.append(ctx.reservation.nbytes)
+
+    async with Scheduler(settings) as scheduler:
+        stats = scheduler.pool.statistics()
+        await scheduler.run(agent, tenant=tenant)
+    return stats, held
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real server: a real clock
+async def test_on_a_real_server_the_pool_is_the_cache_it_reports(vllm_server, anyio_backend):
+    """The shared server: 1 GiB of KV cache in 128-token blocks of the tiny model (4,096 blocks
+    of 256 KiB), read from its /metrics. A session of 4,096 tokens reserves 32 blocks: 128 fit."""
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": [vllm_server.url]},
+        resources={"kv_cache": {"config": str(model_path()), "context_tokens": 4096}},
+    )
+    stats, held = await reservations(settings)
+    assert [(d.name, d.total) for d in stats.devices] == [("r0", 1 << 30)]
+    assert held == [32 * 128 * 2048]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: a real clock
+async def test_a_server_that_does_not_answer_is_named(tiny_config, anyio_backend):
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": ["http://127.0.0.1:9"]},
+        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
+    )
+    with pytest.raises(BackendError, match=r"vLLM replica r0 \(http://127.0.0.1:9\): cannot read its KV cache"):
+        async with Scheduler(settings):
+            pass
