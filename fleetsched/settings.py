@@ -220,9 +220,10 @@ class DeviceSettings(_Section):
 
 class KVCacheSettings(_Section):
     """Size the memory pool from the backend's KV caches: when the scheduler starts, each vLLM
-    replica's cache, read from its ``/metrics`` (backend kind "vllm-server"), or the sim engine's
-    (kind "sim", one device ``sim``), becomes the pool's device of the replica's name (``r0``,
-    ``r1``, ...: a session's calls go where its memory is); a page is one of its blocks; and a
+    replica's cache, read from its ``/metrics`` (backend kind "vllm-server"), the in-process
+    engine's (kind "vllm-engine", one device ``engine``), or the sim engine's (kind "sim", one
+    device ``sim``), becomes the pool's device of the replica's name (``r0``, ``r1``, ...: a
+    session's calls go where its memory is); a page is one of its blocks; and a
     session reserves the KV bytes of `context_tokens` (``resources.kv_sizing.session_bytes``)
     unless its tenant or agent mix says otherwise. Admitted sessions then never hold more than
     the caches do, so vLLM does not preempt."""
@@ -523,11 +524,8 @@ class Settings(BaseSettings):
                 f"workload.agents: {total:,} sessions in all; at most {MAX_WORKLOAD_SESSIONS:,} are run "
                 "(each is a task and a session held in memory from the start)"
             )
-        if self.resources.kv_cache is not None and self.backend.kind not in ("vllm-server", "sim"):
-            raise ValueError(
-                f"resources.kv_cache: the memory pool is sized from the KV caches that backend kinds vllm-server "
-                f"and sim report, not {self.backend.kind!r}"
-            )
+        if self.resources.kv_cache is not None and self.backend.kind == "instant":
+            raise ValueError("resources.kv_cache: the instant backend has no KV cache to size the memory pool from")
         for i, mix in enumerate(self.workload.agents):
             if mix.tenant not in self.tenants:
                 raise ValueError(

@@ -86,7 +86,7 @@ def test_the_model_config_is_read_when_the_settings_load(tmp_path):
 
 
 def test_a_backend_without_caches_to_read_is_refused_at_load(tmp_path, tiny_config):
-    with pytest.raises(ConfigError, match="backend kinds vllm-server and sim report, not 'instant'"):
+    with pytest.raises(ConfigError, match="the instant backend has no KV cache to size the memory pool from"):
         load(tmp_path, f'[backend]\nkind = "instant"\n[resources.kv_cache]\nconfig = "{tiny_config}"\ncontext_tokens = 512\n')
 
 

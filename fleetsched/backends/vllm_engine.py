@@ -22,6 +22,7 @@ from typing import Any, Literal
 import anyio
 
 from ..errors import BackendUnavailable, InvalidRequest
+from ..resources.kv_sizing import KVCacheCapacity
 from .base import (
     Backend,
     ChatBody,
@@ -217,6 +218,13 @@ class VLLMEngineBackend(Backend):
         stat logger is configured; fleetsched does not rely on that.
         """
         return EngineSignals(running=self._in_flight)
+
+    async def kv_capacities(self) -> dict[str, KVCacheCapacity]:
+        """The engine's KV cache, as one replica, ``engine``: the blocks it allocated on starting."""
+        if self._engine is None:
+            raise BackendUnavailable("the vLLM engine is not running; use the backend inside `async with`")
+        cache = self._engine.vllm_config.cache_config
+        return {"engine": KVCacheCapacity(cache.num_gpu_blocks, cache.block_size, {})}
 
     async def aclose(self) -> None:
         engine, self._engine = self._engine, None

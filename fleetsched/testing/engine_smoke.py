@@ -33,6 +33,9 @@ async def check(model_dir: str) -> dict:
     )  # fmt: skip
     async with backend:
         started_s = anyio.current_time() - began
+        # 1 GiB of cache (VLLM_CPU_KVCACHE_SPACE) at 2,048 bytes a token of the tiny float32 model.
+        cache = (await backend.kv_capacities())["engine"]
+        assert cache.tokens * 2048 == 1 << 30 and cache.block_size == 128, cache
         request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "ignore_eos": True}
         chunks = [c async for c in backend.stream_chat({**request, "priority": -1})]
         folded = collect_chat(chunks)
