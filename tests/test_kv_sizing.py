@@ -296,3 +296,52 @@ def test_a_model_mixing_attentions_has_blocks_of_a_cache_group_s_layers():
     assert kv_page_size(capacity, three_and_two) == 2 * 128 * 1024
     every_layer_slides = TINY | {"sliding_window": 128}  # one page a block, as with full attention
     assert kv_device("r0", KVCacheCapacity(4096, 128, {}), every_layer_slides)["memory"] == 1 << 30
+
+
+# Runs in the vLLM virtualenv: vLLM 0.32's own grouping of random layer mixes (full attention,
+# windows of 128 and 512 tokens), as layers cached per attention, padding included.
+VLLM_GROUPS = """
+import json, random, sys
+import torch
+from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+rng, cases = random.Random(0), []
+while len(cases) < 200:
+    windows = [rng.choice([None, 128, 512]) for _ in range(rng.randint(2, 40))]
+    if len(set(windows)) < 2:
+        continue
+    kw = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    specs = {f"layers.{i}": FullAttentionSpec(**kw) if w is None else SlidingWindowSpec(sliding_window=w, **kw)
+             for i, w in enumerate(windows)}
+    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    size = max(len(group.layer_names) for group in groups)  # the last group of an attention is padded to it
+    cached = {}
+    for group in groups:
+        window = getattr(group.kv_cache_spec, "sliding_window", None)
+        cached[str(window)] = cached.get(str(window), 0) + size
+    cases.append({"windows": windows, "cached": cached})
+print(json.dumps(cases))
+"""
+
+
+@pytest.mark.vllm
+def test_layers_are_grouped_and_padded_as_vllm_groups_them():
+    """`_cached_layers` against vLLM's own `_get_kv_cache_groups_uniform_page_size`, on 200
+    random mixes of up to three attentions."""
+    import os
+    import subprocess
+
+    from fleetsched.resources.kv_sizing import _cached_layers
+    from fleetsched.testing.fixtures import require_vllm_setup
+    from fleetsched.testing.vllm_server import venv_path
+
+    require_vllm_setup()
+    env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    done = subprocess.run([str(venv_path() / "bin" / "python"), "-c", VLLM_GROUPS], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = json.loads(done.stdout.splitlines()[-1])
+    assert len(cases) == 200
+    for case in cases:
+        ours = {str(window): layers for window, layers in _cached_layers(case["windows"]).items()}
+        assert ours == case["cached"], case["windows"]
