@@ -271,7 +271,7 @@ class ResourceSettings(_Section):
     the mean fragmentation rate from 0.38 to 0.13, at 0.8-3.6 bytes copied per byte granted
     depending on the trace (0.2 with on-demand compaction alone)."""
     kv_cache: KVCacheSettings | None = None
-    """Devices, page size and session memory from the vLLM servers' KV caches (see
+    """Devices, page size and session memory from the backend's KV caches (see
     `KVCacheSettings`); `devices` and `page_size` are then not used."""
     compact_threshold: float | None = Field(None, ge=0.0, le=1.0)
     """Compact a device whenever its fragmentation rate, (free - largest free) / free, passes this

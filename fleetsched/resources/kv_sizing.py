@@ -242,7 +242,8 @@ def _count(name: str, value: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheCapacity:
-    """A vLLM server's KV cache: `num_gpu_blocks` blocks of `block_size` tokens."""
+    """A vLLM server's KV cache: `num_gpu_blocks` blocks of `block_size` tokens (of every layer,
+    or, on a model that mixes attentions, of one cache group's layers: `kv_page_size`)."""
 
     num_gpu_blocks: int
     block_size: int
@@ -252,10 +253,6 @@ class KVCacheCapacity:
     @property
     def tokens(self) -> int:
         return self.num_gpu_blocks * self.block_size
-
-    def bytes(self, bytes_per_token: int) -> int:
-        """Capacity in bytes for a model taking `bytes_per_token` per token."""
-        return self.tokens * bytes_per_token
 
 
 _SAMPLE = re.compile(r"^vllm:cache_config_info\{(?P<labels>.*)\}\s+\S+", re.MULTILINE)
