@@ -278,7 +278,7 @@ def _thread_aware_mock_clock() -> Any:
         # The class is final, so this clock's own method is replaced. While a thread works, wait
         # for it for real, a millisecond at a time (not a busy loop), instead of jumping.
         if trio.testing.active_thread_count():
-            time.sleep(_THREAD_POLL_S)
+            time.sleep(_THREAD_POLL_S)  # wall-clock ok: the virtual clock waits for a real thread
         else:
             jump()
 
