@@ -123,3 +123,32 @@ class EngineLoad:
             if time.monotonic() - began > within_s:
                 raise AssertionError(f"engine state not reached in {within_s} s; (s, running, waiting, finished): {seen}")
             time.sleep(0.05)
+
+
+async def waiting_under_a_full_batch(
+    chat: Callable[[dict[str, Any]], Any], signals: Callable[[], Any], *, clients: int, seconds: float, model: str
+) -> list[tuple[int | None, int | None]]:
+    """(running, waiting) as the engine reports them, sampled every 10 ms while `clients` closed
+    loops call `chat` back to back with answers of 8 to 40 tokens: each call arrives when another
+    ends, at any moment of a step, and never more are in flight than `clients`."""
+    import random
+
+    import anyio
+
+    seen: list[tuple[int | None, int | None]] = []
+    rng = random.Random(7)
+
+    async def client() -> None:
+        while True:
+            await chat({"model": model, "messages": [{"role": "user", "content": "status?"}],
+                        "max_tokens": rng.randint(8, 40), "ignore_eos": True})  # fmt: skip
+
+    with anyio.move_on_after(seconds):
+        async with anyio.create_task_group() as tg:
+            for _ in range(clients):
+                tg.start_soon(client)
+            while True:
+                await anyio.sleep(0.01)
+                s = await signals()
+                seen.append((s.running, s.waiting))
+    return seen

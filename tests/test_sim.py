@@ -18,6 +18,8 @@ from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, 
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
 
+from .helpers import waiting_under_a_full_batch
+
 pytestmark = pytest.mark.anyio
 
 STEP = 0.01
@@ -608,3 +610,18 @@ async def test_logprobs_asked_beyond_what_vllm_allows_are_refused_naming_the_fie
         assert backend.engine.queue.peek() is None
         response, _ = await backend.complete_chat(body(10, 2) | {"logprobs": True, "top_logprobs": 20})
     assert len(response["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+
+
+async def test_engine_waiting_counts_only_what_a_step_left_waiting():
+    """As vLLM publishes num_requests_waiting: a request that arrives during a step is not
+    counted, so with no more in flight than max_num_seqs it stays 0 (the real server's test of the
+    same name). Counting the arrivals would read as a queue to the dispatcher's window, which
+    shrinks on it."""
+    async with SimBackend(SimSettings(profile="tiny-cpu-vllm", max_num_seqs=4)) as backend:
+
+        async def chat(request: dict) -> None:
+            await backend.complete_chat(request)
+
+        seen = await waiting_under_a_full_batch(chat, backend.signals, clients=4, seconds=4, model="fleetsched-tiny")
+    assert sum(running == 4 for running, _ in seen) > len(seen) / 4  # the batch was full
+    assert {waiting for _, waiting in seen} == {0}

@@ -21,9 +21,10 @@ from fleetsched.backends.vllm_server import VLLMServerBackend
 from fleetsched.errors import BackendError, BackendUnavailable, ContextTooLong, InvalidRequest
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import Dispatcher
+from fleetsched.testing.fixtures import SESSION_SERVER_OPTIONS
 from fleetsched.testing.vllm_server import VLLMServer, free_port
 
-from .helpers import EngineLoad
+from .helpers import EngineLoad, waiting_under_a_full_batch
 
 pytestmark = pytest.mark.anyio
 
@@ -426,3 +427,22 @@ async def test_logprobs_have_the_same_shape_on_vllm_and_the_sim(vllm_server):
         with pytest.raises(InvalidRequest, match="top_logprobs: at most 20"):
             sim.stream_chat(asked | {"top_logprobs": 21})
     assert shape(simulated) == shape(real)
+
+
+@pytest.mark.vllm
+async def test_engine_waiting_counts_only_what_a_step_left_waiting(vllm_server):
+    """vLLM's num_requests_waiting is what its scheduler left waiting at its last step. A call that
+    arrives while a step runs waits in the engine core's input queue and is not counted, so with
+    no more calls in flight than the batch holds it stays 0 (the sim's test of the same name)."""
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as client:
+
+        async def chat(request: dict) -> None:
+            response = await client.post("/v1/chat/completions", json=request)
+            assert response.status_code == 200, response.text
+
+        async def signals():
+            return parse_vllm_metrics((await client.get("/metrics")).text).signals
+
+        seen = await waiting_under_a_full_batch(chat, signals, clients=SESSION_SERVER_OPTIONS["max_num_seqs"], seconds=4, model=MODEL)
+    assert sum(running == SESSION_SERVER_OPTIONS["max_num_seqs"] for running, _ in seen) > len(seen) / 4  # the batch was full
+    assert {waiting for _, waiting in seen} == {0}

@@ -292,8 +292,8 @@ class SimBackend(Backend):
             self.engine.advance(step, done)
 
     def _arrive_due(self, now: float | None = None) -> None:
-        """Queue in the engine the requests that reached it by `now` (default: the time; as
-        vLLM's waiting queue counts them, between steps or not); the next schedule sees them."""
+        """Queue in the engine the requests that reached it by `now` (default: the time); the
+        next schedule sees them."""
         arriving = self._arriving
         if now is None:
             now = anyio.current_time()
@@ -511,12 +511,13 @@ class SimBackend(Backend):
     # -- what the engine says about itself -----------------------------------------------------
 
     async def signals(self) -> EngineSignals:
+        """The engine's gauges as vLLM publishes them: ``waiting`` is what the last schedule left
+        waiting, not the requests that arrived since (see `SimEngine.left_waiting`)."""
         self._settle()
-        self._arrive_due()
         engine = self.engine
         return EngineSignals(
             running=len(engine.running),
-            waiting=len(engine.queue),
+            waiting=engine.left_waiting,
             kv_cache_usage=engine.pool.usage,
             preemptions_total=float(engine.preemptions),
             prefix_cache_queries_total=float(engine.prefix_queries),

@@ -233,6 +233,10 @@ class SimEngine:
         self._calendar: dict[int, list[SimRequest]] = {}
         self._calendar_steps: list[int] = []  # the calendar's steps, a heap
         self._watch_now: list[SimRequest] = []
+        #: The requests the last schedule left waiting: what vLLM publishes as
+        #: num_requests_waiting. A request that arrives during a step is not among them; vLLM holds
+        #: it in the engine core's input queue until the next step's schedule.
+        self.left_waiting = 0
         # Counters, monotonic.
         self.steps = 0
         self.busy_s = 0.0
@@ -423,6 +427,7 @@ class SimEngine:
             budget, preempted = self._schedule_running(scheduled, budget)
         if not preempted:
             self._admit(scheduled, budget)
+        self.left_waiting = len(self.queue)
         if not scheduled and not self._coasting:
             return None
         step = self._plan(scheduled)
