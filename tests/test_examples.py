@@ -11,7 +11,9 @@ import pytest
 
 from fleetsched import Scheduler
 from fleetsched.agents.workload import plan, run_workload
+from fleetsched.resources import session_bytes
 from fleetsched.settings import load_settings
+from fleetsched.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +64,20 @@ def test_every_error_of_the_tree_is_a_public_name():
 
     errors = {name for name, value in vars(fleetsched.errors).items() if isinstance(value, type) and issubclass(value, fleetsched.FleetschedError)}
     assert errors - set(fleetsched.__all__) == set()
+
+
+def test_the_kv_admission_example_admits_what_the_cache_holds_and_never_preempts():
+    """examples/kv_admission.toml, in virtual time: Qwen2-7B's 56 KiB a token (its config.json
+    shipped beside the example) over the A100 profile's 320,000 cached tokens holds 78 sessions of
+    4,096 tokens; 200 may run, but no more than 78 do, and the engine never preempts."""
+    settings = load_settings(ROOT / "examples" / "kv_admission.toml")
+    report, _ = simulate(settings)
+    per_session = session_bytes(4096, "examples/models/qwen2-7b-instruct")
+    assert per_session == 4096 * 2 * 28 * 4 * 128 * 2
+    total = report["memory"]["total_bytes"]
+    assert total == 320_000 * 57_344 and total // per_session == 78
+    timeline = report["timeline"]
+    assert max(timeline["running_sessions"]) == 78 < settings.scheduler.max_sessions
+    assert max(timeline["memory_allocated_bytes"]["sim"]) <= total
+    assert report["sim"]["preemptions"] == 0
+    assert report["sessions"] == {"done": 150}
