@@ -306,6 +306,27 @@ async def test_a_call_is_charged_its_tenants_recent_output_when_it_takes_its_pla
     assert queue.counter("a") == 2 * 10 + (7 + 3) * 2.0  # corrected: 3 tokens used, not 7
 
 
+async def test_a_new_tenant_is_charged_the_output_other_tenants_calls_used():
+    """Tenant a's call ended using all its 64 tokens. Then c fills the 4 places while a and a new
+    tenant b queue calls of 64 behind it. b's calls are charged the share every tenant's calls
+    used (all of max_tokens), as a's are, so when c's calls end the places go 2 and 2. Charged
+    only their prompts, b's calls looked cheaper than a's until one of them ended: b took 3 or 4."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=4)
+    await dispatcher.chat(body("a-first", max_tokens=64), tenant="a", tier=Tier.BATCH)
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(partial(dispatcher.chat, body(f"c{i}", max_tokens=64), tenant="c", tier=Tier.BATCH))
+        await anyio.sleep(0.1)
+        for i in range(6):
+            for tenant in ("a", "b"):
+                tg.start_soon(partial(dispatcher.chat, body(f"{tenant}{i}", max_tokens=64), tenant=tenant, tier=Tier.BATCH))
+        await anyio.sleep(1.5)  # c's calls ended at 2.0 and handed their places on
+        second_round = sorted(label[0] for label in backend.started[5:])
+        tg.cancel_scope.cancel()
+    assert second_round == ["a", "a", "b", "b"]
+
+
 async def test_a_tenant_is_charged_its_share_of_max_tokens_up_front():
     """The prediction scales with the call's own max_tokens: after a call that used all of its
     10 tokens, a call asking for 40 is charged 40 when it takes its place."""

@@ -142,6 +142,9 @@ class Dispatcher:
         #: charged that share of its own `max_tokens` when it takes its place (VTC with length
         #: prediction).
         self._output_share: dict[str, float] = {}
+        #: The same over every tenant's calls: the share a tenant none of whose calls has ended
+        #: yet is charged.
+        self._any_output_share: float | None = None
         #: Replica names of a multi-replica backend (calls may be routed to one by affinity).
         replicas = getattr(backend, "replicas", None)
         self.replicas = frozenset(replicas) if isinstance(replicas, (Mapping, frozenset, set)) else frozenset()
@@ -354,6 +357,8 @@ class Dispatcher:
             share = record.completion_tokens / max(1, record.max_tokens)
             mean = self._output_share.get(record.tenant)
             self._output_share[record.tenant] = share if mean is None else 0.8 * mean + 0.2 * share
+            mean = self._any_output_share
+            self._any_output_share = share if mean is None else 0.8 * mean + 0.2 * share
         else:
             used = output * OUTPUT_WEIGHT
         self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
@@ -364,12 +369,16 @@ class Dispatcher:
 
     def _predict_output(self, tenant: str, max_tokens: int) -> int:
         """The output a call of `tenant` is charged up front: the share of `max_tokens` its
-        recent calls used, times this call's `max_tokens` (0 before its first call ends).
-        Charging it when the call takes its place, not as its tokens arrive, counts the calls in
-        flight in the tenant's counter; the next picks then balance the tenants' calls in flight,
-        not only their finished ones. A share, not a mean length: a tenant whose answers run to
-        their `max_tokens` is charged a long call's length, not its mean call's."""
-        share = self._output_share.get(tenant)
+        recent calls used, times this call's `max_tokens`. Charging it when the call takes its
+        place, not as its tokens arrive, counts the calls in flight in the tenant's counter; the
+        next picks then balance the tenants' calls in flight, not only their finished ones. A
+        share, not a mean length: a tenant whose answers run to their `max_tokens` is charged a
+        long call's length, not its mean call's.
+
+        Before any call of `tenant` has ended, the share every tenant's recent calls used (0
+        before any call at all). Charged nothing then, a new tenant's calls would look cheaper
+        than the others' until its first ended, and take more places than its share."""
+        share = self._output_share.get(tenant, self._any_output_share)
         return 0 if share is None else min(max_tokens, round(share * max_tokens))
 
     @staticmethod
