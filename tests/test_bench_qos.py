@@ -150,6 +150,47 @@ def test_the_bench_load_on_the_sim_backend_stays_within_the_vtc_bound_throughout
     assert max(tally.gaps) <= 2 * (PROMPT_TOKENS + 2 * args.max_tokens)
 
 
+@pytest.mark.parametrize(("min_share", "met"), [(0.05, True), (0.0, False)])
+def test_the_min_share_phase_on_the_sim_backend_gives_the_batch_band_its_minimum(min_share: float, met: bool):
+    """The min-share phase's load (the batch load and as much again of standard-tier calls, both
+    bands backlogged) on the sim backend, 15 s of virtual time: with a minimum share of 5 % the
+    batch band receives it (measured 0.0501); with none, strict tiers leave it the calls it took
+    before the standard band's queue formed (measured 0.0077)."""
+    from fleetsched.bench.qos import build_parser, fleetsched_call, fleetsched_settings, min_share_figures, offered_load
+    from fleetsched.scheduler import Scheduler
+    from fleetsched.virtual_time import run_virtual
+
+    args = build_parser().parse_args(["--batch-min-share", str(min_share)])
+    settings = fleetsched_settings({"kind": "sim", "sim": {"profile": "tiny-cpu-vllm", "max_num_seqs": args.max_num_seqs}}, args)
+    tally = Tally()
+    rate = 2.5 * 8000 / args.max_tokens
+
+    async def main() -> None:
+        async with Scheduler(settings) as scheduler:
+
+            async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
+                await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
+
+            await offered_load(call, tally, rate=rate, duration=15.0, max_tokens=args.max_tokens, standard_rate=rate)
+
+    run_virtual(main)
+    figures = min_share_figures(tally, 15.0, 0.05)  # both runs judged against 5 %
+    share = figures["service_share"]
+    assert share["standard"] > 0.9 and tally.errors == 0
+    assert (share["batch"] >= 0.05) is met and share["batch"] > 0  # the batch band's first calls, taken before the queue formed
+
+    result = {
+        "saturation_tok_s": 8000.0, "offered_calls_per_s": rate, "unloaded_ttft_s": {"p50": 0.01, "p99": 0.02},
+        "modes": {
+            m: {"fairness_gap_sampled_tokens": {"max": 0}, "throughput_tok_s": 1.0, "ttft_s": {}, "ttft_s_warmup_included": {}}
+            for m in ("direct-fcfs", "direct-priority", "fleetsched")
+        },
+        "min_share": figures,
+    }  # fmt: skip
+    verdict(result, tally, argparse.Namespace(max_tokens=64, max_tokens_spread=0))
+    assert result["targets"]["batch_min_share_met"] is met
+
+
 def test_a_server_that_does_not_answer_is_a_clear_error_not_a_traceback(capsys):
     # It was a ZeroDivisionError deep in the load generator once every probe call had failed.
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there

@@ -32,6 +32,12 @@ to a GPU host, where the engine's work does not compete with the API server and 
 Each mode also reports this process's CPU time a call (``process_cpu_ms_per_call``): it shares a
 CPU with the API server there.
 
+After the three modes, a minimum-share phase (``--min-share-duration`` seconds, through
+fleetsched on the priority server) adds standard-tier calls of one tenant at the batch load's
+rate, so both lower bands are backlogged: strict tiers would give the batch band nothing, and
+``min_share`` reports each band's share of the service against the batch band's configured
+minimum (``--batch-min-share``; target ``batch_min_share_met``).
+
 The fairness gap is the batch tenants' largest less smallest service (VTC-weighted tokens
 received) at the end of the load (``fairness_gap_tokens``), and sampled every 0.25 s during it
 (``fairness_gap_sampled_tokens``: p50, p90, max); ``fairness_within_vtc_bound_throughout`` holds
@@ -62,6 +68,7 @@ from ..scheduler import CallRecord, Scheduler, percentile
 from ..settings import Settings
 
 BATCH_TENANTS = ("batch-a", "batch-b", "batch-c")
+STANDARD_TENANT = "standard"  # the min-share phase's standard-tier tenant
 CRITICAL_AGENTS = 4
 PROMPT = "Summarise the state of the fleet in one paragraph, with the numbers that matter most. " * 2
 
@@ -224,11 +231,15 @@ async def fleetsched_call(scheduler: Scheduler, tally: Tally, tier: Tier, tenant
         tally.errors += 1
 
 
-async def offered_load(call, tally: Tally, *, rate: float, duration: float, max_tokens: int, spread: int = 0) -> float:
+async def offered_load(
+    call, tally: Tally, *, rate: float, duration: float, max_tokens: int, spread: int = 0, standard_rate: float = 0.0
+) -> float:
     """Open-loop batch calls round-robin over the batch tenants (answers of `answer_draws`, the
-    same in every mode), plus closed-loop critical agents; the batch tenants' service gap sampled
-    every `GAP_SAMPLE_S` into `tally`. Returns this process's CPU seconds over the load."""
+    same in every mode), plus closed-loop critical agents, plus open-loop standard-tier calls of
+    `STANDARD_TENANT` at `standard_rate` (0: none); the batch tenants' service gap sampled every
+    `GAP_SAMPLE_S` into `tally`. Returns this process's CPU seconds over the load."""
     lengths = answer_draws(max_tokens, spread)
+    standard_lengths = answer_draws(max_tokens, spread)
 
     async def critical_agent(index: int) -> None:
         while True:
@@ -247,13 +258,18 @@ async def offered_load(call, tally: Tally, *, rate: float, duration: float, max_
                 tg.start_soon(critical_agent, i)
             start = anyio.current_time()
             tg.start_soon(sample_gaps)
-            n = 0
+            n = standard = 0
             while True:
                 # Launch every call due by now, so a busy event loop cannot lower the offered load.
-                due = int((anyio.current_time() - start) * rate) + 1
+                elapsed = anyio.current_time() - start
+                due = int(elapsed * rate) + 1
                 while n < due:
                     tg.start_soon(call, Tier.BATCH, BATCH_TENANTS[n % len(BATCH_TENANTS)], next(lengths))
                     n += 1
+                due = int(elapsed * standard_rate) + 1 if standard_rate else 0
+                while standard < due:
+                    tg.start_soon(call, Tier.STANDARD, STANDARD_TENANT, next(standard_lengths))
+                    standard += 1
                 await anyio.sleep(1 / rate)
     return time.process_time() - cpu
 
@@ -388,7 +404,7 @@ def fleetsched_settings(backend: dict[str, Any], args: argparse.Namespace) -> Se
             "critical_reserve": args.critical_reserve,
             "stream_interval": {"batch": args.batch_stream_interval},
         },
-        tenants={"critical": {"tier": "critical"}, **{t: {"tier": "batch"} for t in BATCH_TENANTS}},
+        tenants={"critical": {"tier": "critical"}, STANDARD_TENANT: {"tier": "standard"}, **{t: {"tier": "batch"} for t in BATCH_TENANTS}},
     )
 
 
@@ -414,6 +430,47 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
     result = {**summarise(tally, args.duration, cpu), "final_window": window, "critical_reserve": args.critical_reserve,
               "reserve": args.reserve, "batch_stream_interval": args.batch_stream_interval}
     return result | {"critical_breakdown": breakdown}, tally, scheduler.recorder.calls
+
+
+async def run_min_share(url: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    """The minimum-share phase, through fleetsched: the batch load of the modes and as much again
+    of standard-tier calls, so that both lower bands are backlogged (the critical agents call as
+    in the modes). Strict tiers alone would give the batch band nothing; its configured minimum
+    share (``--batch-min-share``) must hold. Shares are of the service (VTC-weighted tokens
+    received) over the whole phase."""
+    settings = fleetsched_settings({"kind": "vllm-server", "urls": [url]}, args)
+    tally = Tally()
+    async with Scheduler(settings) as scheduler:
+
+        async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
+            await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
+
+        await offered_load(
+            call, tally, rate=rate, duration=args.min_share_duration, max_tokens=args.max_tokens,
+            spread=args.max_tokens_spread, standard_rate=rate,
+        )  # fmt: skip
+    return min_share_figures(tally, args.min_share_duration, args.batch_min_share)
+
+
+def min_share_figures(tally: Tally, duration: float, batch_min_share: float) -> dict[str, Any]:
+    """Each band's share of the service `tally` counted over the whole phase, against the batch
+    band's minimum. The minimum is a share of all the service since both bands queued (a band
+    served alone at first has its surplus spent before it is owed more), so it is measured from
+    the start. Tokens count as they arrive: the calls cut off at the end had been granted service
+    they had not yet delivered, a fraction of a percent of the total."""
+    by_band = {
+        "critical": tally.service["critical"],
+        "standard": tally.service[STANDARD_TENANT],
+        "batch": sum(tally.service[t] for t in BATCH_TENANTS),
+    }
+    total = sum(by_band.values()) or 1
+    return {
+        "duration_s": duration,
+        "service_share": {band: round(v / total, 4) for band, v in by_band.items()},
+        "configured_min_share": {"batch": batch_min_share},
+        "throughput_tok_s": round(tally.tokens / duration, 1),
+        "errors": tally.errors,
+    }
 
 
 def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> None:
@@ -445,6 +502,9 @@ def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> N
         "fairness_within_vtc_bound": result["fairness_gap_tokens"] <= result["vtc_bound_tokens"],
         "fairness_within_vtc_bound_throughout": sampled["max"] is not None and sampled["max"] <= result["vtc_bound_tokens"],
     }
+    if "min_share" in result:
+        share = result["min_share"]
+        result["targets"]["batch_min_share_met"] = share["service_share"]["batch"] >= share["configured_min_share"]["batch"]
 
 
 def _cpus(text: str) -> frozenset[int]:
@@ -488,6 +548,10 @@ def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.
                         help="the reserved places: engine slots kept free (a critical call joins the next step), or places beyond the "
                         "engine's batch (a critical call waits in vLLM's queue for a running call to end)")
     parser.add_argument("--batch-min-share", type=unit_float, default=0.05)
+    parser.add_argument(
+        "--min-share-duration", type=non_negative_float, default=15.0,
+        help="seconds of the min-share phase (fleetsched, standard-tier calls beside the batch load; 0: none)",
+    )
     parser.add_argument("--engine-nice", type=int, default=19,
                         help="niceness of the engine processes of servers it starts (0: as they come; see VLLMServer.engine_nice)")
     # Pinned, on 2 cores, the critical TTFT p99 under fleetsched was 0.135-0.153 s against 0.336 s
@@ -549,6 +613,8 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any] | None:
         rate = result["offered_calls_per_s"]
         result["modes"]["direct-priority"] = anyio.run(run_direct, url, "direct-priority", rate, args)
         result["modes"]["fleetsched"], tally, _ = anyio.run(run_fleetsched, url, rate, args)
+        if args.min_share_duration:
+            result["min_share"] = anyio.run(run_min_share, url, rate, args)
         verdict(result, tally, args)
 
     if args.url:
@@ -609,6 +675,12 @@ def print_table(result: dict[str, Any]) -> None:
         f"{sampled['p50']} / {sampled['p90']} / {sampled['max']} (p50/p90/max) during the load, VTC bound "
         f"{result['vtc_bound_tokens']}; targets {result['targets']}"
     )
+    if "min_share" in result:
+        share = result["min_share"]
+        console.print(
+            f"min-share phase ({share['duration_s']} s, standard and batch backlogged): service shares {share['service_share']}, "
+            f"batch minimum {share['configured_min_share']['batch']}"
+        )
 
 
 if __name__ == "__main__":
