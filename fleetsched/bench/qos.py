@@ -22,7 +22,9 @@ tokens delivered, and a batch call's chunk comes every 64 tokens, so each call i
 to 63 tokens generated but not yet counted, a different amount per tenant (on the sim backend,
 on virtual time, the same load's gap is p50 180 and p90 343 at 64 tokens a chunk, 122 and 214 at
 8). The engine's saturated throughput and its unloaded TTFT are measured
-first, in the same run. Each mode starts its whole load in one instant (the critical agents'
+first, in the same run; the unloaded TTFT again before the fleetsched mode, on its server, and
+the TTFT target is taken against the reading with the lower p99 (``unloaded_ttft_s_readings``
+has both). Each mode starts its whole load in one instant (the critical agents'
 first calls beside a full window of batch calls, on fresh connections), which no later moment
 of the run repeats: the TTFT figures (``ttft_s``) leave out the calls made in its first
 ``--warmup`` seconds, and ``ttft_s_warmup_included`` keeps them. Without ``--url`` the benchmark starts its own servers (the CPU vLLM
@@ -307,26 +309,47 @@ def summarise(tally: Tally, duration: float, cpu_s: float) -> dict[str, Any]:
     }
 
 
-async def measure_engine(url: str, max_tokens: int, spread: int = 0) -> dict[str, Any]:
-    """Unloaded TTFT (sequential small calls) and saturated throughput (a full batch).
+UNLOADED_CALLS = 200  # sequential calls a reading of the unloaded TTFT takes
+
+
+async def measure_unloaded(url: str, clients: DirectClients) -> dict[str, float]:
+    """Unloaded TTFT: p50 and p99 of `UNLOADED_CALLS` sequential small calls.
 
     The first calls to a fresh server are slow (measured: 26 ms against 8-10 ms warm), so the
-    unloaded figures come after a discarded warm-up: a cold first call would be the p99 of a
-    short series and make the TTFT target look easier than it is.
+    figures come after a discarded warm-up: a cold first call would be the p99 of a short
+    series and make the TTFT target look easier than it is.
     """
-    clients = DirectClients(url)
     warm_up = Tally()
     for _ in range(5):
         await direct_call(clients.pick(), warm_up, Tier.CRITICAL, "probe", 8, priority=False)
     if warm_up.errors:
-        await clients.aclose()
         raise BackendUnavailable(
             f"{warm_up.errors} of 5 probe calls to the vLLM server at {url} failed "
             "(is it up and serving the tiny model? `fleetsched bench qos` without --url starts its own)"
         )
     unloaded = Tally()
-    for _ in range(50):
+    for _ in range(UNLOADED_CALLS):
         await direct_call(clients.pick(), unloaded, Tier.CRITICAL, "probe", 8, priority=False)
+    ttfts = unloaded.ttft[str(Tier.CRITICAL)]
+    return {"p50": round(percentile(ttfts, 50), 4), "p99": round(percentile(ttfts, 99), 4)}
+
+
+async def measure_unloaded_alone(url: str) -> dict[str, float]:
+    clients = DirectClients(url)
+    try:
+        return await measure_unloaded(url, clients)
+    finally:
+        await clients.aclose()
+
+
+async def measure_engine(url: str, max_tokens: int, spread: int = 0) -> dict[str, Any]:
+    """Unloaded TTFT (`measure_unloaded`) and saturated throughput (a full batch)."""
+    clients = DirectClients(url)
+    try:
+        unloaded = await measure_unloaded(url, clients)
+    except BaseException:
+        await clients.aclose()
+        raise
 
     lengths = answer_draws(max_tokens, spread)
 
@@ -353,11 +376,7 @@ async def measure_engine(url: str, max_tokens: int, spread: int = 0) -> dict[str
         elapsed = await saturate(20, saturated)
     finally:
         await clients.aclose()
-    ttfts = unloaded.ttft[str(Tier.CRITICAL)]
-    return {
-        "unloaded_ttft_s": {"p50": round(percentile(ttfts, 50), 4), "p99": round(percentile(ttfts, 99), 4)},
-        "saturation_tok_s": round(saturated.tokens / elapsed, 1),
-    }
+    return {"unloaded_ttft_s": unloaded, "saturation_tok_s": round(saturated.tokens / elapsed, 1)}
 
 
 async def run_direct(url: str, mode: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -611,6 +630,13 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any] | None:
 
     def second_half(url: str, result: dict[str, Any]) -> None:
         rate = result["offered_calls_per_s"]
+        # A second reading of the unloaded TTFT, on the server of the fleetsched mode: one hiccup
+        # of this shared machine in a reading's calls is its p99 (a reading of 274 ms against
+        # 11-18 ms in other runs), and would make the TTFT target look met. The target is taken
+        # against the reading with the lower p99.
+        readings = [result["unloaded_ttft_s"], anyio.run(measure_unloaded_alone, url)]
+        result["unloaded_ttft_s_readings"] = readings
+        result["unloaded_ttft_s"] = min(readings, key=lambda r: r["p99"])
         result["modes"]["direct-priority"] = anyio.run(run_direct, url, "direct-priority", rate, args)
         result["modes"]["fleetsched"], tally, _ = anyio.run(run_fleetsched, url, rate, args)
         if args.min_share_duration:
