@@ -335,6 +335,7 @@ async def measure_unloaded(url: str, clients: DirectClients) -> dict[str, float]
 
 
 async def measure_unloaded_alone(url: str) -> dict[str, float]:
+    """`measure_unloaded` on clients of its own."""
     clients = DirectClients(url)
     try:
         return await measure_unloaded(url, clients)
@@ -475,8 +476,8 @@ def min_share_figures(tally: Tally, duration: float, batch_min_share: float) -> 
     """Each band's share of the service `tally` counted over the whole phase, against the batch
     band's minimum. The minimum is a share of all the service since both bands queued (a band
     served alone at first has its surplus spent before it is owed more), so it is measured from
-    the start. Tokens count as they arrive: the calls cut off at the end had been granted service
-    they had not yet delivered, a fraction of a percent of the total."""
+    the start. Tokens count as they arrive, so the calls cut off at the end miss the tokens they
+    had not yet delivered, in every band alike (36 calls in flight; some 1,000 end in a phase)."""
     by_band = {
         "critical": tally.service["critical"],
         "standard": tally.service[STANDARD_TENANT],
