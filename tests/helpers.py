@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import httpx
 
 from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
@@ -131,10 +133,6 @@ async def waiting_under_a_full_batch(
     """(running, waiting) as the engine reports them, sampled every 10 ms while `clients` closed
     loops call `chat` back to back with answers of 8 to 40 tokens: each call arrives when another
     ends, at any moment of a step, and never more are in flight than `clients`."""
-    import random
-
-    import anyio
-
     seen: list[tuple[int | None, int | None]] = []
     rng = random.Random(7)
 

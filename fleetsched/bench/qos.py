@@ -346,12 +346,6 @@ async def measure_unloaded_alone(url: str) -> dict[str, float]:
 async def measure_engine(url: str, max_tokens: int, spread: int = 0) -> dict[str, Any]:
     """Unloaded TTFT (`measure_unloaded`) and saturated throughput (a full batch)."""
     clients = DirectClients(url)
-    try:
-        unloaded = await measure_unloaded(url, clients)
-    except BaseException:
-        await clients.aclose()
-        raise
-
     lengths = answer_draws(max_tokens, spread)
 
     async def saturate(seconds: float, tally: Tally) -> float:
@@ -372,6 +366,7 @@ async def measure_engine(url: str, max_tokens: int, spread: int = 0) -> dict[str
     # A fresh CPU engine runs its first full batches slower (measured: ~30% below the rate the
     # overloaded modes reach later), so a discarded warm-up comes first.
     try:
+        unloaded = await measure_unloaded(url, clients)
         await saturate(8, Tally())
         saturated = Tally()
         elapsed = await saturate(20, saturated)

@@ -355,10 +355,8 @@ class Dispatcher:
         if counted:
             used = (record.prompt_tokens - estimate) * INPUT_WEIGHT + record.completion_tokens * OUTPUT_WEIGHT
             share = record.completion_tokens / max(1, record.max_tokens)
-            mean = self._output_share.get(record.tenant)
-            self._output_share[record.tenant] = share if mean is None else 0.8 * mean + 0.2 * share
-            mean = self._any_output_share
-            self._any_output_share = share if mean is None else 0.8 * mean + 0.2 * share
+            self._output_share[record.tenant] = _running_mean(self._output_share.get(record.tenant), share)
+            self._any_output_share = _running_mean(self._any_output_share, share)
         else:
             used = output * OUTPUT_WEIGHT
         self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
@@ -592,6 +590,11 @@ def _check_call(body: object, tier: object, due: object, due_in: object = math.i
 def _is_number(value: object) -> TypeGuard[float]:
     """A real number other than a bool (numpy's among them; a Decimal is not one)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _running_mean(mean: float | None, value: float) -> float:
+    """An output share's running mean after `value` (the recent calls weigh most)."""
+    return value if mean is None else 0.8 * mean + 0.2 * value
 
 
 def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:
