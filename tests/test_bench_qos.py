@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+from functools import partial
 
 import pytest
 
@@ -139,10 +140,7 @@ def test_the_bench_load_on_the_sim_backend_stays_within_the_vtc_bound_throughout
 
     async def main() -> None:
         async with Scheduler(settings) as scheduler:
-
-            async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
-                await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
-
+            call = partial(fleetsched_call, scheduler, tally)
             await offered_load(call, tally, rate=2.5 * 8000 / args.max_tokens, duration=20.0, max_tokens=args.max_tokens)
 
     run_virtual(main)
@@ -167,10 +165,7 @@ def test_the_min_share_phase_on_the_sim_backend_gives_the_batch_band_its_minimum
 
     async def main() -> None:
         async with Scheduler(settings) as scheduler:
-
-            async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
-                await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
-
+            call = partial(fleetsched_call, scheduler, tally)
             await offered_load(call, tally, rate=rate, duration=15.0, max_tokens=args.max_tokens, standard_rate=rate)
 
     run_virtual(main)

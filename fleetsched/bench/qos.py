@@ -55,6 +55,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
 import anyio
@@ -428,10 +429,7 @@ async def run_fleetsched(url: str, rate: float, args: argparse.Namespace) -> tup
     settings = fleetsched_settings({"kind": "vllm-server", "urls": [url]}, args)
     tally = Tally()
     async with Scheduler(settings) as scheduler:
-
-        async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
-            await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
-
+        call = partial(fleetsched_call, scheduler, tally)
         tally.since = anyio.current_time() + args.warmup
         cpu = await offered_load(call, tally, rate=rate, duration=args.duration, max_tokens=args.max_tokens, spread=args.max_tokens_spread)
         window = scheduler.dispatcher.window
@@ -456,10 +454,7 @@ async def run_min_share(url: str, rate: float, args: argparse.Namespace) -> dict
     settings = fleetsched_settings({"kind": "vllm-server", "urls": [url]}, args)
     tally = Tally()
     async with Scheduler(settings) as scheduler:
-
-        async def call(tier: Tier, tenant: str, max_tokens: int) -> None:
-            await fleetsched_call(scheduler, tally, tier, tenant, max_tokens)
-
+        call = partial(fleetsched_call, scheduler, tally)
         await offered_load(
             call, tally, rate=rate, duration=args.min_share_duration, max_tokens=args.max_tokens,
             spread=args.max_tokens_spread, standard_rate=rate,
