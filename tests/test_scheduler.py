@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import anyio
 import pytest
 
@@ -426,5 +428,34 @@ async def test_an_agent_that_yields_is_refused_naming_it():
         with pytest.raises(TypeError, match="agent: .*streaming_agent.* is an async generator .it yields.: an agent returns its result"):
             await scheduler.submit(streaming_agent, tenant="acme")
         assert await scheduler.run(chatter, tenant="acme") == "ok"
+    assert scheduler.statistics().finished == {"done": 1}
+    check_released(scheduler)
+
+
+async def test_expected_s_becomes_the_reservations_end_hint():
+    s = settings(resources={"devices": [{"name": "gpu0", "memory": "10GB"}]})
+    seen: list = []
+
+    async def agent(ctx):
+        seen.append(handle.reservation.ends_at)
+        await anyio.sleep(1)
+
+    async with Scheduler(s) as scheduler:
+        await anyio.sleep(5)
+        handle = await scheduler.submit(agent, tenant="acme", memory=GB, expected_s=30.0)
+        await handle
+        plain = await scheduler.submit(sleeper(1), tenant="acme", memory=GB)
+        await plain
+    assert seen == [pytest.approx(35.0)]  # admitted at 5 s, expected to run 30 s
+    assert plain.expected_s is None
+    check_released(scheduler)
+
+
+@pytest.mark.parametrize("expected_s", [0, -1.0, math.inf, math.nan, "10s", True])
+async def test_a_bad_expected_s_is_refused_naming_it_and_holds_nothing(expected_s):
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(ValueError, match=r"^expected_s must be a finite number of seconds > 0, got "):
+            await scheduler.submit(chatter, tenant="acme", expected_s=expected_s)
+        assert await scheduler.run(chatter, tenant="acme", expected_s=2.5) == "ok"  # nobody else harmed
     assert scheduler.statistics().finished == {"done": 1}
     check_released(scheduler)

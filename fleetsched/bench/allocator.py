@@ -44,7 +44,10 @@ settling), placement only (``placement_only``: nothing moves); and the default s
 ``compaction_op_us_*``        reserve/release calls that searched for moves (rare);
 ``moved_gb_per_gb_granted``   the price of moving: bytes copied per byte reserved.
 
-``targets`` gives, per trace, the default's failures over first-fit's: like for like (both as
+``hinted`` replays each trace through the default strategy as shipped with end hints: every
+session tells the pool when it expects to release (``ends_at``), its lifetime off by a factor of
+e^N(0, ``--hint-noise``) (0.5: half the hints off by more than 40 %), as a scheduler that knows
+its agents' turns and tool times roughly would. ``targets`` gives, per trace, the default's failures over first-fit's: like for like (both as
 shipped, ``default_over_first_fit_shipped``; both with on-demand compaction only; both placement
 only, ``default_placement_only_over_first_fit``) and against the classic first-fit allocator that
 never moves anything (``default_shipped_over_first_fit``, the other ``_over_first_fit`` ratios'
@@ -89,6 +92,8 @@ from ..resources import (
 GB = 10**9
 BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3-8B, bf16: 128 KiB
 LOAD = 0.7
+#: The end hints' spread: a session's lifetime as its owner expects it, off by e^N(0, HINT_NOISE).
+HINT_NOISE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +131,12 @@ class Trace:
     name: str
     devices: tuple[DeviceSpec, ...]
     sessions: tuple[Session, ...]
+    seed: int = 0
+
+    def hints(self, noise: float) -> list[float]:
+        """Each session's lifetime as its owner expects it: off by a factor of e^N(0, `noise`)."""
+        rng = random.Random(f"{self.seed}:{self.name}:hints")
+        return [s.lifetime * rng.lognormvariate(0.0, noise) for s in self.sessions]
 
 
 def _tokens_bytes(tokens: int) -> int:
@@ -188,7 +199,7 @@ def _generate(
             clock += rng.expovariate(rate)
         device = rng.choice(devices).name if rng.random() < affinity else None
         sessions.append(Session(clock, nbytes, life, device, min(1.0, idle * idle_scale), cycle, rng.random()))
-    return Trace(name, devices, tuple(sessions))
+    return Trace(name, devices, tuple(sessions), seed)
 
 
 def traces(count: int, seed: int, load: float = LOAD, idle_scale: float = 1.0) -> list[Trace]:
@@ -222,7 +233,13 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def replay(
-    trace: Trace, strategy: str, *, compact: bool = True, settle: bool | None = None, threshold: float | None = None
+    trace: Trace,
+    strategy: str,
+    *,
+    compact: bool = True,
+    settle: bool | None = None,
+    threshold: float | None = None,
+    hint_noise: float | None = None,
 ) -> dict[str, float]:
     """Run `trace` through an `ExtentPool` with `strategy`; return its figures.
 
@@ -234,7 +251,9 @@ def replay(
     after a release. Reserve and release calls that searched for moves are timed
     apart (``compaction_op_us_*``) from the rest (``op_us_*``, settling set off by a release
     included); pin changes that settled something are timed as ``settle_op_us_*``. Strategy
-    "counting" replays through a `CountingPool`: the same queue without fragmentation.
+    "counting" replays through a `CountingPool`: the same queue without fragmentation. With
+    `hint_noise`, each session reserves with ``ends_at``, its admission time plus its lifetime
+    as `Trace.hints` expects it.
     """
     pool: MemoryPool
     if strategy == "counting":
@@ -257,6 +276,7 @@ def replay(
     settle_ops: list[float] = []
     waits: list[float] = []
     peak = granted = no_room = 0
+    expected = trace.hints(hint_noise) if hint_noise is not None else None
 
     def settles() -> int:
         return getattr(pool, "settles", 0)
@@ -285,7 +305,8 @@ def replay(
         s = trace.sessions[i]
         failures = pool.fragmentation_failures
         try:
-            r = timed(lambda: pool.reserve_nowait(s.nbytes, owner=i, device=s.device))
+            ends_at = None if expected is None else now + expected[i]
+            r = timed(lambda: pool.reserve_nowait(s.nbytes, owner=i, device=s.device, ends_at=ends_at))
         except WouldBlock:
             if pool.fragmentation_failures != failures and isinstance(pool, ExtentPool):
                 no_room += not _room_by_moving(pool, s.nbytes)
@@ -553,6 +574,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--idle-scale", type=non_negative_float, default=1.0, help="scale the sessions' idle (movable) shares")
     parser.add_argument("--threshold", type=unit_float, default=0.3, help="compact_threshold for the threshold row (default 0.3)")
     parser.add_argument("--strategies", type=_strategy_names, default=list(STRATEGIES), help="comma-separated names")
+    parser.add_argument(
+        "--hint-noise", type=non_negative_float, default=HINT_NOISE,
+        help=f"spread of the end hints of the hinted row: lifetimes off by e^N(0, X) (default {HINT_NOISE})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = args.strategies
     generated = traces(args.sessions, args.seed, args.load, args.idle_scale)
@@ -561,12 +586,14 @@ def main(argv: list[str]) -> int:
     placement = {t.name: {n: replay(t, n, compact=False) for n in names} for t in generated}
     threshold = {t.name: replay(t, DEFAULT_STRATEGY, threshold=args.threshold) for t in generated}
     reference = {t.name: replay(t, "counting") for t in generated}
+    hinted = {t.name: replay(t, DEFAULT_STRATEGY, hint_noise=args.hint_noise) for t in generated}
     result: dict[str, object] = {
         "default": DEFAULT_STRATEGY,
         "load": args.load,
         "sessions_per_trace": args.sessions,
         "seed": args.seed,
         "idle_scale": args.idle_scale,
+        "hint_noise": args.hint_noise,
         # Every strategy in the pool as shipped: settling and on-demand compaction.
         "strategies": {n: _aggregate([shipped[t][n] for t in shipped]) for n in names},
         # On-demand compaction alone (no settling): the pool as it was before settling.
@@ -574,9 +601,11 @@ def main(argv: list[str]) -> int:
         # The same without any compaction: placement alone.
         "placement_only": {n: _aggregate([placement[t][n] for t in placement]) for n in names},
         f"default_threshold_{args.threshold}": _aggregate(list(threshold.values())),
+        # The default as shipped, every session reserving with an end hint (`ends_at`).
+        "default_hinted": _aggregate(list(hinted.values())),
         "traces": {
             t: {"shipped": shipped[t], "on_demand_only": on_demand[t], "placement_only": placement[t],
-                "threshold": threshold[t],
+                "threshold": threshold[t], "hinted": hinted[t],
                 "no_fragmentation": {k: reference[t][k] for k in ("wait_mean", "peak_util")},
                 "lifetime_mean": statistics.fmean(s.lifetime for s in trace.sessions),
                 "offered_load": offered_load(trace)}  # fmt: skip
@@ -587,7 +616,7 @@ def main(argv: list[str]) -> int:
         "defrag": {"snapshot": defrag_gain(args.seed)},
     }
     if "first-fit" in names and DEFAULT_STRATEGY in names:
-        result["targets"] = _targets(shipped, on_demand, placement, threshold)
+        result["targets"] = _targets(shipped, on_demand, placement, threshold, hinted)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -605,6 +634,10 @@ def main(argv: list[str]) -> int:
             print(f"{n:<12}" + "".join(f"{row[c]:>15.3f}" if isinstance(row[c], float) else f"{row[c]:>15}" for c in columns))
     row = result[f"default_threshold_{args.threshold}"]
     print(f"\n{DEFAULT_STRATEGY} with compact_threshold {args.threshold}: " + ", ".join(f"{c} {row[c]:.3f}" for c in columns))  # type: ignore[index]
+    print(f"\n== {DEFAULT_STRATEGY} as shipped, with end hints (noise {args.hint_noise}) ==")
+    for t, row in hinted.items():
+        print(f"{t:<12} frag_failures {row['frag_failures']:>5} (without hints {shipped[t][DEFAULT_STRATEGY]['frag_failures']:>5}), "
+              f"frag_mean {row['frag_mean']:.3f} ({shipped[t][DEFAULT_STRATEGY]['frag_mean']:.3f})")  # fmt: skip
     print("\n== 10,000 live reservations, churn ==")
     for n, row in {**result["live_10k"], f"{DEFAULT_STRATEGY} (half movable)": result["live_10k_half_movable"]}.items():  # type: ignore[dict-item]
         print(f"{n:<28} live={row['live']:>6}  op p50={row['op_us_p50']:.1f} us  p99={row['op_us_p99']:.1f} us  "
@@ -635,7 +668,7 @@ def _strategy_names(text: str) -> list[str]:
     return names
 
 
-def _targets(shipped: dict, on_demand: dict, placement: dict, threshold: dict) -> dict[str, object]:
+def _targets(shipped: dict, on_demand: dict, placement: dict, threshold: dict, hinted: dict) -> dict[str, object]:
     """Default vs first-fit failures per trace, like for like and against first-fit that never moves."""
     out: dict[str, object] = {}
     for t in shipped:
@@ -654,7 +687,10 @@ def _targets(shipped: dict, on_demand: dict, placement: dict, threshold: dict) -
             "first_fit_with_compaction_over_first_fit": round(shipped[t]["first-fit"]["frag_failures"] / ff, 3),
             "default_threshold_over_first_fit": round(threshold[t]["frag_failures"] / ff, 3),
             "default_on_demand_only_over_first_fit": round(on_demand[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
+            "default_hinted": hinted[t]["frag_failures"],
+            "default_hinted_over_first_fit": round(hinted[t]["frag_failures"] / ff, 3),
             "default_frag_mean_shipped": round(default["frag_mean"], 3),
+            "default_frag_mean_hinted": round(hinted[t]["frag_mean"], 3),
             "default_frag_pinned_floor_shipped": round(default["frag_pinned_floor"], 3),
             "best_shipped": min(shipped[t], key=lambda n: shipped[t][n]["frag_failures"]),
             "best_frag_mean_shipped": min(shipped[t], key=lambda n: shipped[t][n]["frag_mean"]),

@@ -35,6 +35,7 @@ so its owner can copy the data; `statistics()` counts compactions, moves and byt
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -140,9 +141,9 @@ class ExtentPool(MemoryPool):
     def _pages(self, nbytes: int, space: AddressSpace) -> int:
         return self.strategy.round(-(-nbytes // self.page_size), space)
 
-    def _place(self, nbytes: int, device: str | None) -> tuple[str, int, int] | None:
+    def _place(self, nbytes: int, device: str | None, ends_at: float | None = None) -> tuple[str, int, int] | None:
         if device is not None and device in self._spaces:
-            placed = self._place_on(device, nbytes)
+            placed = self._place_on(device, nbytes, ends_at)
             if placed is not None:
                 return placed
         best: tuple[tuple[float, int, int], str, int, int] | None = None
@@ -150,7 +151,7 @@ class ExtentPool(MemoryPool):
             n = self._pages(nbytes, space)
             if n > space.largest_free:
                 continue
-            offset = self.strategy.choose(space, n)
+            offset = self._choose(name, space, n, ends_at)
             if offset is None:
                 continue
             if len(self._spaces) == 1:  # nothing to compare it with
@@ -163,11 +164,29 @@ class ExtentPool(MemoryPool):
         _, name, offset, n = best
         return self._commit(name, offset, n, nbytes)
 
-    def _place_on(self, name: str, nbytes: int) -> tuple[str, int, int] | None:
+    def _place_on(self, name: str, nbytes: int, ends_at: float | None = None) -> tuple[str, int, int] | None:
         space = self._spaces[name]
         n = self._pages(nbytes, space)
-        offset = self.strategy.choose(space, n) if n <= space.largest_free else None
+        offset = self._choose(name, space, n, ends_at) if n <= space.largest_free else None
         return None if offset is None else self._commit(name, offset, n, nbytes)
+
+    def _choose(self, name: str, space: AddressSpace, n: int, ends_at: float | None) -> int | None:
+        if ends_at is None:
+            return self.strategy.choose(space, n)
+        starting, ending = self._starting[name], self._ending[name]
+
+        def apart(offset: int) -> float:
+            """How far apart in time `n` pages at `offset` and the extents beside them end: the
+            sum of the differences of their hints (none beside: 0; one without a hint: inf)."""
+            total = 0.0
+            for r in (ending.get(offset), starting.get(offset + n)):
+                if r is not None:
+                    if r.ends_at is None:
+                        return math.inf
+                    total += abs(r.ends_at - ends_at)
+            return total
+
+        return self.strategy.choose_near(space, n, apart)
 
     def _commit(self, name: str, offset: int, n: int, nbytes: int) -> tuple[str, int, int]:
         self._spaces[name].allocate(offset, n)
@@ -245,9 +264,17 @@ class ExtentPool(MemoryPool):
     # -- the index of live extents and settling ------------------------------------------------
 
     def _try_place(
-        self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object = None
+        self,
+        nbytes: int,
+        owner: object,
+        tenant: str | None,
+        priority: int,
+        device: str | None,
+        *,
+        key: object = None,
+        ends_at: float | None = None,
     ) -> Reservation | None:
-        reservation = super()._try_place(nbytes, owner, tenant, priority, device, key=key)
+        reservation = super()._try_place(nbytes, owner, tenant, priority, device, key=key, ends_at=ends_at)
         if reservation is not None:
             self._index(reservation)
         return reservation

@@ -11,6 +11,11 @@
 - A request no device could ever hold fails at once with `RequestTooLarge`; one larger than the
   tenant's whole quota with `QuotaExceeded`.
 - ``Reservation.release()`` is idempotent.
+- ``ends_at`` (reserve, acquire, reserve_nowait) is a hint: when the owner expects to release
+  the reservation, on any clock the owner keeps to (the scheduler's is ``anyio.current_time()``).
+  The default placement puts a hinted request beside reservations expected to end about when it
+  does, so that their memory comes free together (see `FragAware`). Wrong hints cost
+  fragmentation, never correctness.
 - ``resize_nowait()`` grows or shrinks a reservation (in place when it can, else by moving it on
   its device); it does not queue behind waiters, since the session growing is already running.
 - ``fragmentation_failures`` counts distinct requests refused while some device had enough free
@@ -26,6 +31,7 @@ address space, no fragmentation); the fragmentation-aware allocators live beside
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections import Counter, OrderedDict
 from abc import ABC, abstractmethod
@@ -54,10 +60,19 @@ class DeviceSpec:
 class Reservation:
     """Memory held by one owner on one device. Release it once; further releases do nothing."""
 
-    __slots__ = ("pool", "owner", "tenant", "nbytes", "size", "device", "offset", "priority", "_movable", "_released")
+    __slots__ = ("pool", "owner", "tenant", "nbytes", "size", "device", "offset", "priority", "ends_at", "_movable", "_released")
 
     def __init__(
-        self, pool: MemoryPool, owner: object, tenant: str | None, nbytes: int, size: int, device: str, offset: int, priority: int
+        self,
+        pool: MemoryPool,
+        owner: object,
+        tenant: str | None,
+        nbytes: int,
+        size: int,
+        device: str,
+        offset: int,
+        priority: int,
+        ends_at: float | None = None,
     ) -> None:
         self.pool = pool
         self.owner = owner
@@ -67,6 +82,7 @@ class Reservation:
         self.device = device
         self.offset = offset
         self.priority = priority
+        self.ends_at = ends_at  #: when its owner expects to release it (a placement hint), or None
         self._movable = False
         self._released = False
 
@@ -161,6 +177,7 @@ class _Waiter:
     seq: int
     device: str | None
     event: anyio.Event
+    ends_at: float | None = None
     result: Reservation | None = None
     error: Exception | None = None  # refused while it waited (its quota lowered below it)
 
@@ -187,6 +204,18 @@ def _positive_bytes(nbytes: object, what: str) -> int:
         return _whole_bytes(nbytes, "hold")
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a whole number of bytes > 0, got {nbytes!r}") from None
+
+
+def _valid_ends_at(ends_at: object) -> float | None:
+    """`ends_at` as a float, or None; raises TypeError / ValueError naming a hint that is not a
+    finite number (NaN would compare false with every neighbour's and place at random)."""
+    if ends_at is None:
+        return None
+    if isinstance(ends_at, bool) or not isinstance(ends_at, (int, float)):
+        raise TypeError(f"ends_at: expected a number (when the owner expects to release), got {ends_at!r}")
+    if not math.isfinite(ends_at):
+        raise ValueError(f"ends_at: expected a finite number, got {ends_at!r}")
+    return float(ends_at)
 
 
 def _valid_quota(tenant: str, nbytes: object) -> int:
@@ -220,10 +249,11 @@ class MemoryPool(ABC):
     # -- placement, for subclasses ------------------------------------------------------------
 
     @abstractmethod
-    def _place(self, nbytes: int, device: str | None) -> tuple[str, int, int] | None:
+    def _place(self, nbytes: int, device: str | None, ends_at: float | None = None) -> tuple[str, int, int] | None:
         """Find room for `nbytes`: return (device, offset, size held) or None if none fits now.
 
         `device` is a preferred device (affinity); a strategy may still place elsewhere.
+        `ends_at` is the owner's hint of when it releases (see the module docstring).
         """
 
     @abstractmethod
@@ -295,14 +325,22 @@ class MemoryPool(ABC):
         return nbytes
 
     def reserve_nowait(
-        self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
+        self,
+        nbytes: int,
+        *,
+        owner: object = None,
+        tenant: str | None = None,
+        priority: int = 0,
+        device: str | None = None,
+        ends_at: float | None = None,
     ) -> Reservation:
         """Place a reservation now, or raise `WouldBlock` / `QuotaWouldBlock`.
 
         Retrying after a refusal with the same (hashable) `owner` counts one fragmentation failure.
         """
         self._check_placement(priority, device)
-        return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=owner)
+        ends_at = _valid_ends_at(ends_at)
+        return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=owner, ends_at=ends_at)
 
     def _check_not_moving(self, change: str) -> None:
         """Refuse a change of the pool made from inside a move callback (its move is half made)."""
@@ -317,7 +355,15 @@ class MemoryPool(ABC):
             raise TypeError(f"priority: expected an integer (lower is sooner), got {priority!r}")
 
     def _reserve_nowait(
-        self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object
+        self,
+        nbytes: int,
+        owner: object,
+        tenant: str | None,
+        priority: int,
+        device: str | None,
+        *,
+        key: object,
+        ends_at: float | None = None,
     ) -> Reservation:
         nbytes = self.check(nbytes, tenant)
         if any(w.priority <= priority and not self._quota_blocks(w.tenant, w.nbytes) for w in self._waiters):
@@ -328,7 +374,7 @@ class MemoryPool(ABC):
                 f"{self._quotas[tenant or '']:,} byte quota; {nbytes:,} more do not fit"
             )
         held_before = self._by_tenant.get(tenant or "", 0)
-        reservation = self._try_place(nbytes, owner, tenant, priority, device, key=key)
+        reservation = self._try_place(nbytes, owner, tenant, priority, device, key=key, ends_at=ends_at)
         if reservation is None:
             raise WouldBlock(f"no device has {nbytes:,} contiguous bytes free")
         try:
@@ -386,14 +432,22 @@ class MemoryPool(ABC):
         return moved
 
     async def acquire(
-        self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
+        self,
+        nbytes: int,
+        *,
+        owner: object = None,
+        tenant: str | None = None,
+        priority: int = 0,
+        device: str | None = None,
+        ends_at: float | None = None,
     ) -> Reservation:
         """Wait for a reservation, FIFO within `priority`. Cancel-safe."""
         nbytes = self.check(nbytes, tenant)
         self._check_placement(priority, device)
-        waiter = _Waiter(nbytes, owner, tenant, priority, next(self._seq), device, anyio.Event())
+        ends_at = _valid_ends_at(ends_at)
+        waiter = _Waiter(nbytes, owner, tenant, priority, next(self._seq), device, anyio.Event(), ends_at)
         try:
-            return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=waiter)
+            return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=waiter, ends_at=ends_at)
         except WouldBlock:
             pass
         self._waiters.append(waiter)
@@ -417,10 +471,17 @@ class MemoryPool(ABC):
 
     @asynccontextmanager
     async def reserve(
-        self, nbytes: int, *, owner: object = None, tenant: str | None = None, priority: int = 0, device: str | None = None
+        self,
+        nbytes: int,
+        *,
+        owner: object = None,
+        tenant: str | None = None,
+        priority: int = 0,
+        device: str | None = None,
+        ends_at: float | None = None,
     ) -> AsyncIterator[Reservation]:
         """``async with pool.reserve(n, owner=...) as r:`` holds `r` for the block."""
-        reservation = await self.acquire(nbytes, owner=owner, tenant=tenant, priority=priority, device=device)
+        reservation = await self.acquire(nbytes, owner=owner, tenant=tenant, priority=priority, device=device, ends_at=ends_at)
         try:
             yield reservation
         finally:
@@ -539,9 +600,17 @@ class MemoryPool(ABC):
             self._refused.popitem(last=False)
 
     def _try_place(
-        self, nbytes: int, owner: object, tenant: str | None, priority: int, device: str | None, *, key: object = None
+        self,
+        nbytes: int,
+        owner: object,
+        tenant: str | None,
+        priority: int,
+        device: str | None,
+        *,
+        key: object = None,
+        ends_at: float | None = None,
     ) -> Reservation | None:
-        placed = self._place(nbytes, device)
+        placed = self._place(nbytes, device, ends_at)
         if placed is None and any(self._free_bytes(d.name) >= nbytes for d in self.devices):
             placed = self._place_by_moving(nbytes, device)
             if placed is None:
@@ -554,7 +623,7 @@ class MemoryPool(ABC):
             except TypeError:
                 pass
         name, offset, size = placed
-        reservation = Reservation(self, owner, tenant, nbytes, size, name, offset, priority)
+        reservation = Reservation(self, owner, tenant, nbytes, size, name, offset, priority, ends_at)
         self._allocated[name] += size
         if tenant is not None:
             self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + nbytes
@@ -567,7 +636,7 @@ class MemoryPool(ABC):
             if waiter.event.is_set() or self._quota_blocks(waiter.tenant, waiter.nbytes):
                 continue
             reservation = self._try_place(
-                waiter.nbytes, waiter.owner, waiter.tenant, waiter.priority, waiter.device, key=waiter
+                waiter.nbytes, waiter.owner, waiter.tenant, waiter.priority, waiter.device, key=waiter, ends_at=waiter.ends_at
             )
             if reservation is None:
                 return
@@ -582,7 +651,7 @@ class CountingPool(MemoryPool):
     Places on the preferred device when it fits, else on the device with the most free bytes.
     """
 
-    def _place(self, nbytes: int, device: str | None) -> tuple[str, int, int] | None:
+    def _place(self, nbytes: int, device: str | None, ends_at: float | None = None) -> tuple[str, int, int] | None:
         free = {d.name: d.capacity - self._allocated[d.name] for d in self.devices}
         if device is not None and free.get(device, 0) >= nbytes:
             return device, 0, nbytes

@@ -238,17 +238,20 @@ class Scheduler:
         deadline_s: float | None = None,
         name: str | None = None,
         kind: str = "agent",
+        expected_s: float | None = None,
     ) -> SessionHandle:
         """Queue a session of `agent` for `tenant` and return its handle at once.
 
         `tier` defaults to the tenant's, `memory` (bytes to reserve) to the tenant's
         `session_memory` or the scheduler's. `deadline_s` counts from now; past it the session
-        is cancelled and fails with `DeadlineExceeded`.
+        is cancelled and fails with `DeadlineExceeded`. `expected_s`, how long the session is
+        expected to run once admitted, is a hint for placing its memory (the pool's
+        ``ends_at``): sessions expected to end together are placed side by side.
 
         Raises `UnknownTenant`, `RequestTooLarge` or `QuotaExceeded` (the session could never
         run: rejected at once), `SchedulerClosed` outside the ``async with`` block.
         """
-        handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind)
+        handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind, expected_s)
         if not self._start_at_once(handle, now):
             self._enqueue(handle, now)
         return handle
@@ -263,6 +266,7 @@ class Scheduler:
         deadline_s: float | None = None,
         name: str | None = None,
         kind: str = "agent",
+        expected_s: float | None = None,
     ) -> Any:
         """Run a session of `agent` to its end and return its result: ``await submit(...)`` in
         one step, with the same arguments, admission and errors.
@@ -271,7 +275,7 @@ class Scheduler:
         fleet of thousands of short sessions saves a task each); one that must wait is queued
         and awaited as `submit` would. Cancelling the caller cancels the session.
         """
-        handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind)
+        handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind, expected_s)
         if self._start_at_once(handle, now, spawn=False):
             await self._run(handle, now)
             return await handle
@@ -291,6 +295,7 @@ class Scheduler:
         deadline_s: float | None,
         name: str | None,
         kind: str,
+        expected_s: float | None = None,
     ) -> tuple[SessionHandle, float]:
         """A checked, counted session in the QUEUED state, and the time of its submission."""
         if not self._accepting:
@@ -315,6 +320,10 @@ class Scheduler:
             raise ValueError(f"memory: expected a whole number of bytes > 0, got {memory!r:.80}")
         if deadline_s is not None and (not isinstance(deadline_s, (int, float)) or isinstance(deadline_s, bool) or not deadline_s > 0):
             raise ValueError(f"deadline_s must be a number of seconds > 0, got {deadline_s!r}")
+        if expected_s is not None and (
+            not isinstance(expected_s, (int, float)) or isinstance(expected_s, bool) or not 0 < expected_s < math.inf
+        ):
+            raise ValueError(f"expected_s must be a finite number of seconds > 0, got {expected_s!r:.80}")
         deadline_s = deadline_s or tenant_settings.sla.deadline_s
         now = anyio.current_time()
         handle = SessionHandle(
@@ -326,6 +335,7 @@ class Scheduler:
             name=name,
             kind=kind,
         )
+        handle.expected_s = expected_s
         handle._set_state(QUEUED, now)
         try:
             self.pool.check(memory, tenant)
@@ -379,7 +389,7 @@ class Scheduler:
                 handle: SessionHandle = entry.item
                 try:
                     reservation = self.pool.reserve_nowait(
-                        handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier)
+                        handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier), ends_at=handle.ends_at(now)
                     )
                 except QuotaWouldBlock:
                     over_quota.add(handle.tenant)
@@ -402,7 +412,9 @@ class Scheduler:
         if self._queue or self._admitting or self._task_group is None or self._closing or not self.slots.can_take(handle.tenant):
             return False
         try:
-            reservation = self.pool.reserve_nowait(handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier))
+            reservation = self.pool.reserve_nowait(
+                handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier), ends_at=handle.ends_at(now)
+            )
         except WouldBlock:  # QuotaWouldBlock too: it queues, and `_admit_ready` takes it from there
             return False
         self._queue.serve_direct(handle.tenant, int(handle.tier), 1.0)  # a session costs 1, as a queued one does

@@ -85,6 +85,8 @@ class SessionHandle:
         self.memory = memory
         #: Absolute deadline on the scheduler's clock (inf: none).
         self.deadline = deadline
+        #: How long the session is expected to run once admitted (a placement hint), or None.
+        self.expected_s: float | None = None
         self.state = QUEUED
         self.activity: Activity | None = None
         self.timestamps: dict[SessionState, float] = {}
@@ -135,6 +137,12 @@ class SessionHandle:
         return f"<SessionHandle {self.name} tenant={self.tenant} tier={self.tier} {self.state}>"
 
     # -- control -----------------------------------------------------------------------------
+
+    def ends_at(self, now: float) -> float | None:
+        """When the session, admitted at `now`, is expected to end (the memory pool's placement
+        hint), or None without `expected_s`. A session readmitted after an eviction is expected
+        to run its whole `expected_s` again: a hint, not a promise."""
+        return None if self.expected_s is None else now + self.expected_s
 
     def cancel(self) -> None:
         """Cancel the session: a queued one leaves the queue, a running one is cancelled."""
