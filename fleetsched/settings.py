@@ -131,6 +131,10 @@ class SchedulerSettings(_Section):
     or decide per call from the tool's learned durations and the admission pressure."""
     tool_keep_s: float = Field(2.0, ge=0)
     """Adaptive: under pressure, tools expected to last at most this long keep slot and memory."""
+    learn_session_ends: bool = True
+    """Tell the memory pool when each session is expected to end (its placement hint), from the
+    mean run time of the sessions of its `kind` that finished, when submit() gives no
+    `expected_s`: sessions expected to end together are placed side by side."""
 
     @field_validator("session_memory")
     @classmethod

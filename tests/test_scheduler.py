@@ -459,3 +459,33 @@ async def test_a_bad_expected_s_is_refused_naming_it_and_holds_nothing(expected_
         assert await scheduler.run(chatter, tenant="acme", expected_s=2.5) == "ok"  # nobody else harmed
     assert scheduler.statistics().finished == {"done": 1}
     check_released(scheduler)
+
+
+@pytest.mark.parametrize("learn", [True, False])
+async def test_the_end_hint_is_learned_from_the_kinds_finished_sessions(learn):
+    s = settings(scheduler={"max_sessions": 1, "learn_session_ends": learn})
+    hints: list = []
+
+    def timed(seconds: float):
+        async def agent(ctx):
+            (held,) = scheduler.pool.reservations()  # one session at a time
+            hints.append((anyio.current_time(), held.ends_at))
+            await anyio.sleep(seconds)
+
+        return agent
+
+    async with Scheduler(s) as scheduler:
+        for seconds in (10, 20, 5):
+            await scheduler.submit(timed(seconds), tenant="acme", memory=GB, kind="crawler")
+        other = await scheduler.submit(timed(3), tenant="acme", memory=GB, kind="chat")
+        await other
+        failing = await scheduler.submit(broken, tenant="acme", memory=GB, kind="chat")  # runs 1 s, fails
+        with pytest.raises(SessionFailed):
+            await failing
+        await scheduler.submit(timed(1), tenant="acme", memory=GB, kind="chat")
+    if learn:
+        # 10 s, then a mean of 10 + (20 - 10) / 5 = 12 s; "chat" learns its 3 s, not the failure's 1 s.
+        assert hints == [(0.0, None), (10.0, 20.0), (30.0, 42.0), (35.0, None), (39.0, 42.0)]
+    else:
+        assert [hint for _, hint in hints] == [None] * 5
+    check_released(scheduler)

@@ -177,7 +177,8 @@ class ExtentPool(MemoryPool):
 
         def apart(offset: int) -> float:
             """How far apart in time `n` pages at `offset` and the extents beside them end: the
-            sum of the differences of their hints (none beside: 0; one without a hint: inf)."""
+            sum of the differences of their hints; free pages or the device's edge beside it
+            count nothing, a reservation without a hint makes it inf (unknown)."""
             total = 0.0
             for r in (ending.get(offset), starting.get(offset + n)):
                 if r is not None:

@@ -152,6 +152,8 @@ class Scheduler:
         self._closing = False
         self._admitting = False
         self._running: dict[int, SessionHandle] = {}
+        #: Mean run time (admission to end) of the finished sessions of each kind: end hints.
+        self._run_s: dict[str, float] = {}
         # Kept as slots are taken and given (`_take_slot`, `_give_slot`), for `statistics`, which
         # would otherwise look at every running session at every sample: the running sessions
         # holding their slot per (tenant, tier), and those whose slot was released (parked in a
@@ -389,7 +391,7 @@ class Scheduler:
                 handle: SessionHandle = entry.item
                 try:
                     reservation = self.pool.reserve_nowait(
-                        handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier), ends_at=handle.ends_at(now)
+                        handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier), ends_at=self._ends_at(handle, now)
                     )
                 except QuotaWouldBlock:
                     over_quota.add(handle.tenant)
@@ -413,13 +415,36 @@ class Scheduler:
             return False
         try:
             reservation = self.pool.reserve_nowait(
-                handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier), ends_at=handle.ends_at(now)
+                handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier), ends_at=self._ends_at(handle, now)
             )
         except WouldBlock:  # QuotaWouldBlock too: it queues, and `_admit_ready` takes it from there
             return False
         self._queue.serve_direct(handle.tenant, int(handle.tier), 1.0)  # a session costs 1, as a queued one does
         self._start(handle, reservation, now, spawn)
         return True
+
+    def _ends_at(self, handle: SessionHandle, now: float) -> float | None:
+        """When `handle`, given memory at `now`, is expected to end: the pool's placement hint.
+
+        From its `expected_s`, else (with `learn_session_ends`) from the mean run time of its
+        kind's finished sessions; None when neither is known. Counted from its first admission
+        (a session readmitted after a tool call has run part of it already), never before `now`.
+        """
+        expected = handle.expected_s
+        if expected is None and self.settings.scheduler.learn_session_ends:
+            expected = self._run_s.get(handle.kind)
+        if expected is None:
+            return None
+        return max(now, handle.timestamps.get(ADMITTED, now) + expected)
+
+    def _learn_run_time(self, handle: SessionHandle, now: float) -> None:
+        """Fold a finished session's run time into its kind's mean (weight 1/5 for the newest)."""
+        admitted = handle.timestamps.get(ADMITTED)
+        if admitted is None:
+            return
+        previous = self._run_s.get(handle.kind)
+        run_s = now - admitted
+        self._run_s[handle.kind] = run_s if previous is None else previous + 0.2 * (run_s - previous)
 
     def _start(self, handle: SessionHandle, reservation: Any, now: float, spawn: bool = True) -> None:
         self._take_slot(handle)
@@ -487,7 +512,10 @@ class Scheduler:
             handle._readmit = None
         if handle._holds_slot:
             self._give_slot(handle)
-        handle._set_state(state, anyio.current_time())
+        now = anyio.current_time()
+        handle._set_state(state, now)
+        if state is DONE:
+            self._learn_run_time(handle, now)
         self._record(handle)
         self._session_ended()
         reservation, handle.reservation = handle.reservation, None

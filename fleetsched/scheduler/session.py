@@ -138,12 +138,6 @@ class SessionHandle:
 
     # -- control -----------------------------------------------------------------------------
 
-    def ends_at(self, now: float) -> float | None:
-        """When the session, admitted at `now`, is expected to end (the memory pool's placement
-        hint), or None without `expected_s`. A session readmitted after an eviction is expected
-        to run its whole `expected_s` again: a hint, not a promise."""
-        return None if self.expected_s is None else now + self.expected_s
-
     def cancel(self) -> None:
         """Cancel the session: a queued one leaves the queue, a running one is cancelled."""
         self._cancel_requested = True
