@@ -122,8 +122,8 @@ def test_one_session_per_trace_gives_json_without_infinity(capsys):
 
 def test_hinted_replay_hands_every_session_its_expected_end(small):
     trace = small["batch"]
-    exact = replay(trace, "frag-aware", hint_noise=0.0)
-    noisy = replay(trace, "frag-aware", hint_noise=0.5)
+    exact = replay(trace, "frag-aware", expected=trace.hints(0.0))
+    noisy = replay(trace, "frag-aware", expected=trace.hints(0.5))
     plain = replay(trace, "frag-aware")
     assert trace.hints(0.0) == [s.lifetime for s in trace.sessions]
     spread = [h / s.lifetime for h, s in zip(trace.hints(0.5), trace.sessions)]
@@ -131,6 +131,15 @@ def test_hinted_replay_hands_every_session_its_expected_end(small):
     # Hints move placements (batch jobs never move, so only placement differs), not the load.
     assert exact["frag_mean"] != plain["frag_mean"] and noisy["frag_mean"] != plain["frag_mean"]
     assert exact["peak_util"] <= 1 and exact["moves"] == 0
+
+
+def test_kind_means_are_each_kinds_mean_lifetime(small):
+    trace = small["mixed"]
+    means = dict(zip((s.kind for s in trace.sessions), trace.kind_means()))
+    assert set(means) == {"chat", "tool", "batch"}
+    for kind, mean in means.items():
+        assert mean == pytest.approx(sum(s.lifetime for s in trace.sessions if s.kind == kind) / sum(s.kind == kind for s in trace.sessions))
+    assert {s.kind for s in small["seeds-80g"].sessions} == {"seeds"}
 
 
 def test_the_json_reports_the_hinted_row_beside_the_shipped_one(capsys):
@@ -142,5 +151,7 @@ def test_the_json_reports_the_hinted_row_beside_the_shipped_one(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["hint_noise"] == 0.3 and data["default_hinted"]["frag_failures"] >= 0
     for name, target in data["targets"].items():
-        assert target["default_hinted"] == data["traces"][name]["hinted"]["frag_failures"]
-        assert target["default_hinted_over_first_fit"] >= 0
+        for row in ("hinted", "kind_hinted"):
+            failures = data["traces"][name][row]["frag_failures"]
+            assert target[f"default_{row}"] == failures
+            assert target[f"default_{row}_over_first_fit"] == round(failures / (target["first_fit_placement_only"] or 1), 3)

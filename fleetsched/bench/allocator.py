@@ -46,8 +46,10 @@ settling), placement only (``placement_only``: nothing moves); and the default s
 
 ``hinted`` replays each trace through the default strategy as shipped with end hints: every
 session tells the pool when it expects to release (``ends_at``), its lifetime off by a factor of
-e^N(0, ``--hint-noise``) (0.5: half the hints off by more than 40 %), as a scheduler that knows
-its agents' turns and tool times roughly would. ``targets`` gives, per trace, the default's failures over first-fit's: like for like (both as
+e^N(0, ``--hint-noise``) (0.5: half the hints off by more than 40 %), as an owner that knows its
+agents' turns and tool times roughly would (``submit(expected_s=...)``); ``kind_hinted`` with
+the mean lifetime of the session's kind instead (chat, tool agent, batch job), which is what the
+scheduler learns by default (``learn_session_ends``). ``targets`` gives, per trace, the default's failures over first-fit's: like for like (both as
 shipped, ``default_over_first_fit_shipped``; both with on-demand compaction only; both placement
 only, ``default_placement_only_over_first_fit``) and against the classic first-fit allocator that
 never moves anything (``default_shipped_over_first_fit``, the other ``_over_first_fit`` ratios'
@@ -71,7 +73,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._args import non_negative_float, positive_float, positive_int, unit_float
@@ -108,6 +110,8 @@ class Session:
     cycle: float = 1.0
     #: Where in its first cycle the session starts, 0..1.
     phase: float = 0.0
+    #: What kind of session (chat, tool, batch, seeds): what a scheduler learns run times by.
+    kind: str = ""
 
     def movable_at(self, t: float) -> bool:
         """Idle at time `t`: each cycle is busy (generating) first, then idle for `idle_share`."""
@@ -138,6 +142,14 @@ class Trace:
         rng = random.Random(f"{self.seed}:{self.name}:hints")
         return [s.lifetime * rng.lognormvariate(0.0, noise) for s in self.sessions]
 
+    def kind_means(self) -> list[float]:
+        """Each session's lifetime as a scheduler learns it by default: its kind's mean."""
+        by_kind: dict[str, list[float]] = {}
+        for s in self.sessions:
+            by_kind.setdefault(s.kind, []).append(s.lifetime)
+        means = {kind: statistics.fmean(lives) for kind, lives in by_kind.items()}
+        return [means[s.kind] for s in self.sessions]
+
 
 def _tokens_bytes(tokens: int) -> int:
     return session_bytes(tokens, bytes_per_token=BYTES_PER_TOKEN)
@@ -153,31 +165,31 @@ def _pareto(rng: random.Random, mean: float, alpha: float = 1.5, cap: float = 50
 # without pause. `--idle-scale` scales them to show how much the figures lean on them.
 CHAT_IDLE, TOOL_IDLE, BATCH_IDLE, SEEDS_IDLE = 0.5, 0.6, 0.0, 0.5
 
-Draw = tuple[int, float, float, float]  # bytes, lifetime, idle share, cycle
+Draw = tuple[int, float, float, float, str]  # bytes, lifetime, idle share, cycle, kind
 
 
 def _chat(rng: random.Random) -> Draw:
-    return _tokens_bytes(rng.randint(2_000, 16_000)), rng.expovariate(1.0), CHAT_IDLE, 0.25
+    return _tokens_bytes(rng.randint(2_000, 16_000)), rng.expovariate(1.0), CHAT_IDLE, 0.25, "chat"
 
 
 def _tool(rng: random.Random) -> Draw:
     tokens = int(math.exp(rng.uniform(math.log(16_000), math.log(128_000))))
-    return _tokens_bytes(tokens), _pareto(rng, 8.0), TOOL_IDLE, 0.5
+    return _tokens_bytes(tokens), _pareto(rng, 8.0), TOOL_IDLE, 0.5, "tool"
 
 
 def _batch(rng: random.Random) -> Draw:
-    return _tokens_bytes(rng.randint(32_000, 160_000)), rng.uniform(10.0, 30.0), BATCH_IDLE, 1.0
+    return _tokens_bytes(rng.randint(32_000, 160_000)), rng.uniform(10.0, 30.0), BATCH_IDLE, 1.0, "batch"
 
 
 def _mixed(rng: random.Random) -> Draw:
     u = rng.random()
-    nbytes, _, idle, cycle = (_chat if u < 0.70 else _tool if u < 0.95 else _batch)(rng)
-    return nbytes, _pareto(rng, 3.0 if u < 0.70 else 8.0), idle, cycle
+    nbytes, _, idle, cycle, kind = (_chat if u < 0.70 else _tool if u < 0.95 else _batch)(rng)
+    return nbytes, _pareto(rng, 3.0 if u < 0.70 else 8.0), idle, cycle, kind
 
 
 def _seeds(rng: random.Random) -> Draw:
     gb = rng.choices([4, 8, 12, 16, 20, 25, 32], weights=[2, 2, 2, 2, 4, 4, 1])[0]
-    return gb * GB + rng.randint(0, 512) * 2**20, rng.expovariate(1 / 4.0), SEEDS_IDLE, 0.5
+    return gb * GB + rng.randint(0, 512) * 2**20, rng.expovariate(1 / 4.0), SEEDS_IDLE, 0.5, "seeds"
 
 
 def _generate(
@@ -191,14 +203,14 @@ def _generate(
     rate = load * capacity / mean_area  # Little's law: the offered load is LOAD of capacity
     clock = 0.0
     sessions = []
-    for i, (nbytes, life, idle, cycle) in enumerate(drawn):
+    for i, (nbytes, life, idle, cycle, kind) in enumerate(drawn):
         if bursty:
             if i % 8 == 0:
                 clock += rng.expovariate(rate / 8)
         else:
             clock += rng.expovariate(rate)
         device = rng.choice(devices).name if rng.random() < affinity else None
-        sessions.append(Session(clock, nbytes, life, device, min(1.0, idle * idle_scale), cycle, rng.random()))
+        sessions.append(Session(clock, nbytes, life, device, min(1.0, idle * idle_scale), cycle, rng.random(), kind))
     return Trace(name, devices, tuple(sessions), seed)
 
 
@@ -239,7 +251,7 @@ def replay(
     compact: bool = True,
     settle: bool | None = None,
     threshold: float | None = None,
-    hint_noise: float | None = None,
+    expected: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """Run `trace` through an `ExtentPool` with `strategy`; return its figures.
 
@@ -252,8 +264,8 @@ def replay(
     apart (``compaction_op_us_*``) from the rest (``op_us_*``, settling set off by a release
     included); pin changes that settled something are timed as ``settle_op_us_*``. Strategy
     "counting" replays through a `CountingPool`: the same queue without fragmentation. With
-    `hint_noise`, each session reserves with ``ends_at``, its admission time plus its lifetime
-    as `Trace.hints` expects it.
+    `expected` (a lifetime per session: `Trace.hints`, `Trace.kind_means`), each session
+    reserves with ``ends_at``, its admission time plus its expected lifetime.
     """
     pool: MemoryPool
     if strategy == "counting":
@@ -276,7 +288,6 @@ def replay(
     settle_ops: list[float] = []
     waits: list[float] = []
     peak = granted = no_room = 0
-    expected = trace.hints(hint_noise) if hint_noise is not None else None
 
     def settles() -> int:
         return getattr(pool, "settles", 0)
@@ -586,7 +597,8 @@ def main(argv: list[str]) -> int:
     placement = {t.name: {n: replay(t, n, compact=False) for n in names} for t in generated}
     threshold = {t.name: replay(t, DEFAULT_STRATEGY, threshold=args.threshold) for t in generated}
     reference = {t.name: replay(t, "counting") for t in generated}
-    hinted = {t.name: replay(t, DEFAULT_STRATEGY, hint_noise=args.hint_noise) for t in generated}
+    hinted = {t.name: replay(t, DEFAULT_STRATEGY, expected=t.hints(args.hint_noise)) for t in generated}
+    kind_hinted = {t.name: replay(t, DEFAULT_STRATEGY, expected=t.kind_means()) for t in generated}
     result: dict[str, object] = {
         "default": DEFAULT_STRATEGY,
         "load": args.load,
@@ -601,11 +613,13 @@ def main(argv: list[str]) -> int:
         # The same without any compaction: placement alone.
         "placement_only": {n: _aggregate([placement[t][n] for t in placement]) for n in names},
         f"default_threshold_{args.threshold}": _aggregate(list(threshold.values())),
-        # The default as shipped, every session reserving with an end hint (`ends_at`).
+        # The default as shipped, every session reserving with an end hint (`ends_at`): its own
+        # lifetime, off by e^N(0, hint_noise); its kind's mean lifetime (what the scheduler learns).
         "default_hinted": _aggregate(list(hinted.values())),
+        "default_kind_hinted": _aggregate(list(kind_hinted.values())),
         "traces": {
             t: {"shipped": shipped[t], "on_demand_only": on_demand[t], "placement_only": placement[t],
-                "threshold": threshold[t], "hinted": hinted[t],
+                "threshold": threshold[t], "hinted": hinted[t], "kind_hinted": kind_hinted[t],
                 "no_fragmentation": {k: reference[t][k] for k in ("wait_mean", "peak_util")},
                 "lifetime_mean": statistics.fmean(s.lifetime for s in trace.sessions),
                 "offered_load": offered_load(trace)}  # fmt: skip
@@ -616,7 +630,7 @@ def main(argv: list[str]) -> int:
         "defrag": {"snapshot": defrag_gain(args.seed)},
     }
     if "first-fit" in names and DEFAULT_STRATEGY in names:
-        result["targets"] = _targets(shipped, on_demand, placement, threshold, hinted)
+        result["targets"] = _targets(shipped, on_demand, placement, threshold, hinted, kind_hinted)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -634,10 +648,11 @@ def main(argv: list[str]) -> int:
             print(f"{n:<12}" + "".join(f"{row[c]:>15.3f}" if isinstance(row[c], float) else f"{row[c]:>15}" for c in columns))
     row = result[f"default_threshold_{args.threshold}"]
     print(f"\n{DEFAULT_STRATEGY} with compact_threshold {args.threshold}: " + ", ".join(f"{c} {row[c]:.3f}" for c in columns))  # type: ignore[index]
-    print(f"\n== {DEFAULT_STRATEGY} as shipped, with end hints (noise {args.hint_noise}) ==")
+    print(f"\n== {DEFAULT_STRATEGY} as shipped, with end hints: none / own lifetime (noise {args.hint_noise}) / kind's mean ==")
     for t, row in hinted.items():
-        print(f"{t:<12} frag_failures {row['frag_failures']:>5} (without hints {shipped[t][DEFAULT_STRATEGY]['frag_failures']:>5}), "
-              f"frag_mean {row['frag_mean']:.3f} ({shipped[t][DEFAULT_STRATEGY]['frag_mean']:.3f})")  # fmt: skip
+        rows = (shipped[t][DEFAULT_STRATEGY], row, kind_hinted[t])
+        print(f"{t:<12} frag_failures " + " / ".join(f"{r['frag_failures']:>5}" for r in rows)
+              + "   frag_mean " + " / ".join(f"{r['frag_mean']:.3f}" for r in rows))  # fmt: skip
     print("\n== 10,000 live reservations, churn ==")
     for n, row in {**result["live_10k"], f"{DEFAULT_STRATEGY} (half movable)": result["live_10k_half_movable"]}.items():  # type: ignore[dict-item]
         print(f"{n:<28} live={row['live']:>6}  op p50={row['op_us_p50']:.1f} us  p99={row['op_us_p99']:.1f} us  "
@@ -668,7 +683,9 @@ def _strategy_names(text: str) -> list[str]:
     return names
 
 
-def _targets(shipped: dict, on_demand: dict, placement: dict, threshold: dict, hinted: dict) -> dict[str, object]:
+def _targets(
+    shipped: dict, on_demand: dict, placement: dict, threshold: dict, hinted: dict, kind_hinted: dict
+) -> dict[str, object]:
     """Default vs first-fit failures per trace, like for like and against first-fit that never moves."""
     out: dict[str, object] = {}
     for t in shipped:
@@ -689,8 +706,11 @@ def _targets(shipped: dict, on_demand: dict, placement: dict, threshold: dict, h
             "default_on_demand_only_over_first_fit": round(on_demand[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
             "default_hinted": hinted[t]["frag_failures"],
             "default_hinted_over_first_fit": round(hinted[t]["frag_failures"] / ff, 3),
+            "default_kind_hinted": kind_hinted[t]["frag_failures"],
+            "default_kind_hinted_over_first_fit": round(kind_hinted[t]["frag_failures"] / ff, 3),
             "default_frag_mean_shipped": round(default["frag_mean"], 3),
             "default_frag_mean_hinted": round(hinted[t]["frag_mean"], 3),
+            "default_frag_mean_kind_hinted": round(kind_hinted[t]["frag_mean"], 3),
             "default_frag_pinned_floor_shipped": round(default["frag_pinned_floor"], 3),
             "best_shipped": min(shipped[t], key=lambda n: shipped[t][n]["frag_failures"]),
             "best_frag_mean_shipped": min(shipped[t], key=lambda n: shipped[t][n]["frag_mean"]),
