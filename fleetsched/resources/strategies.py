@@ -137,11 +137,15 @@ class FragAware(PlacementStrategy):
       when it does (the sum of the differences), so that they come free together and their
       memory coalesces into one run (free pages and the device's edges beside it count
       nothing). When every candidate lies beside a reservation without a hint, it places as
-      without one. ``fleetsched bench allocator`` (hints off by a factor of e^N(0, 0.5)),
-      seeds 0-3, against the same pool without hints: fragmentation failures 12-15 % fewer on
-      the batch trace and 12-23 % on the seeds' 80 GB one, -8 to +4 % on chat, and -2 to +17 %
-      on mixed, where placing by ends alone loses the split by size (small sessions at the
-      bottom, large at the top) that serves that trace.
+      without one. ``fleetsched bench allocator``, seeds 0-3, against the same pool without
+      hints, fragmentation failures:
+      - with each session's lifetime off by a factor of e^N(0, 0.5): 12-15 % fewer on the batch
+        trace and 12-23 % on the seeds' 80 GB one, -8 to +4 % on chat, -2 to +17 % on mixed;
+      - with its kind's mean lifetime (what the scheduler learns): 18-27 % fewer on batch, 9-22 %
+        on seeds-80g, -8 to +3 % on chat, -12 to +7 % on tool agents, +3 to +9 % on mixed.
+      On mixed, placing by ends loses some of the split by size (small sessions at the bottom,
+      large at the top) that serves that trace. Placing only the holes by ends, and the largest
+      free run by size as without hints, kept mixed level but lost the gains elsewhere.
     """
 
     name = "frag-aware"
