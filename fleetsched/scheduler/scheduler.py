@@ -391,7 +391,11 @@ class Scheduler:
                 handle: SessionHandle = entry.item
                 try:
                     reservation = self.pool.reserve_nowait(
-                        handle.memory, owner=handle, tenant=handle.tenant, priority=int(handle.tier), ends_at=self._ends_at(handle, now)
+                        handle.memory,
+                        owner=handle,
+                        tenant=handle.tenant,
+                        priority=int(handle.tier),
+                        ends_at=self._ends_at(handle, now),
                     )
                 except QuotaWouldBlock:
                     over_quota.add(handle.tenant)
