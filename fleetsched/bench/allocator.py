@@ -46,10 +46,13 @@ settling), placement only (``placement_only``: nothing moves); and the default s
 
 ``hinted`` replays each trace through the default strategy as shipped with end hints: every
 session tells the pool when it expects to release (``ends_at``), its lifetime off by a factor of
-e^N(0, ``--hint-noise``) (0.5: half the hints off by more than 40 %), as an owner that knows its
+e^N(0, ``--hint-noise``) (0.5: half the hints off by a factor of more than 1.4), as an owner that knows its
 agents' turns and tool times roughly would (``submit(expected_s=...)``); ``kind_hinted`` with
-the mean lifetime of the session's kind instead (chat, tool agent, batch job), which is what the
-scheduler learns by default (``learn_session_ends``). ``targets`` gives, per trace, the default's failures over first-fit's: like for like (both as
+the mean lifetime of the session's kind instead (chat, tool agent, batch job) over the trace,
+which the scheduler's running mean of its finished sessions approximates (``learn_session_ends``,
+on by default).
+
+``targets`` gives, per trace, the default's failures over first-fit's: like for like (both as
 shipped, ``default_over_first_fit_shipped``; both with on-demand compaction only; both placement
 only, ``default_placement_only_over_first_fit``) and against the classic first-fit allocator that
 never moves anything (``default_shipped_over_first_fit``, the other ``_over_first_fit`` ratios'
@@ -143,7 +146,8 @@ class Trace:
         return [s.lifetime * rng.lognormvariate(0.0, noise) for s in self.sessions]
 
     def kind_means(self) -> list[float]:
-        """Each session's lifetime as a scheduler learns it by default: its kind's mean."""
+        """Each session's lifetime as a scheduler learns it by default: its kind's mean (over the
+        whole trace, which the scheduler's running mean of finished sessions approximates)."""
         by_kind: dict[str, list[float]] = {}
         for s in self.sessions:
             by_kind.setdefault(s.kind, []).append(s.lifetime)
