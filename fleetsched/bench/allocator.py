@@ -46,11 +46,11 @@ settling), placement only (``placement_only``: nothing moves); and the default s
 
 ``hinted`` replays each trace through the default strategy as shipped with end hints: every
 session tells the pool when it expects to release (``ends_at``), its lifetime off by a factor of
-e^N(0, ``--hint-noise``) (0.5: half the hints off by a factor of more than 1.4), as an owner that knows its
-agents' turns and tool times roughly would (``submit(expected_s=...)``); ``kind_hinted`` with
-the mean lifetime of the session's kind instead (chat, tool agent, batch job) over the trace,
-which the scheduler's running mean of its finished sessions approximates (``learn_session_ends``,
-on by default).
+e^N(0, ``--hint-noise``) (0.5: half the hints off by a factor of more than 1.4), as an owner
+that knows its agents' turns and tool times roughly would (``submit(expected_s=...)``);
+``kind_hinted`` with the mean lifetime of the session's kind instead (chat, tool agent, batch
+job) over the trace, which the scheduler's running mean of its finished sessions approximates
+(``learn_session_ends``, on by default).
 
 ``targets`` gives, per trace, the default's failures over first-fit's: like for like (both as
 shipped, ``default_over_first_fit_shipped``; both with on-demand compaction only; both placement
