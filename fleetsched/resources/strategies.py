@@ -142,7 +142,8 @@ class FragAware(PlacementStrategy):
       - with each session's lifetime off by a factor of e^N(0, 0.5): 12-15 % fewer on the batch
         trace and 12-23 % on the seeds' 80 GB one, -8 to +4 % on chat, -2 to +17 % on mixed;
       - with its kind's mean lifetime (what the scheduler learns): 18-27 % fewer on batch, 9-22 %
-        on seeds-80g, -8 to +3 % on chat, -12 to +7 % on tool agents, +3 to +9 % on mixed.
+        on seeds-80g, -8 to +3 % on chat, -12 to +7 % on tool agents, -10 to +18 % on the four
+        devices of multi-gpu, +3 to +9 % on mixed.
       On mixed, placing by ends loses some of the split by size (small sessions at the bottom,
       large at the top) that serves that trace. Placing only the holes by ends, and the largest
       free run by size as without hints, kept mixed level but lost the gains elsewhere.
