@@ -336,8 +336,8 @@ class Scheduler:
             deadline=now + deadline_s if deadline_s else math.inf,
             name=name,
             kind=kind,
+            expected_s=expected_s,
         )
-        handle.expected_s = expected_s
         handle._set_state(QUEUED, now)
         try:
             self.pool.check(memory, tenant)
@@ -442,12 +442,10 @@ class Scheduler:
         return max(now, handle.timestamps.get(ADMITTED, now) + expected)
 
     def _learn_run_time(self, handle: SessionHandle, now: float) -> None:
-        """Fold a finished session's run time into its kind's mean (weight 1/5 for the newest)."""
-        admitted = handle.timestamps.get(ADMITTED)
-        if admitted is None:
-            return
+        """Fold a finished session's run time into its kind's mean (weight 1/5 for the newest).
+        Only sessions that ran end DONE, so `handle` was admitted."""
         previous = self._run_s.get(handle.kind)
-        run_s = now - admitted
+        run_s = now - handle.timestamps[ADMITTED]
         self._run_s[handle.kind] = run_s if previous is None else previous + 0.2 * (run_s - previous)
 
     def _start(self, handle: SessionHandle, reservation: Any, now: float, spawn: bool = True) -> None:

@@ -74,7 +74,16 @@ class SessionHandle:
     """
 
     def __init__(
-        self, agent: Agent, *, tenant: str, tier: Tier, memory: int, deadline: float, name: str | None = None, kind: str = "agent"
+        self,
+        agent: Agent,
+        *,
+        tenant: str,
+        tier: Tier,
+        memory: int,
+        deadline: float,
+        name: str | None = None,
+        kind: str = "agent",
+        expected_s: float | None = None,
     ) -> None:
         self.id = next(_ids)
         self.name = name or f"session-{self.id}"
@@ -86,7 +95,7 @@ class SessionHandle:
         #: Absolute deadline on the scheduler's clock (inf: none).
         self.deadline = deadline
         #: How long the session is expected to run once admitted (a placement hint), or None.
-        self.expected_s: float | None = None
+        self.expected_s = expected_s
         self.state = QUEUED
         self.activity: Activity | None = None
         self.timestamps: dict[SessionState, float] = {}
