@@ -34,6 +34,10 @@ def _load(path: str, backend: str | None) -> Settings:
         except ValueError as exc:
             raise ConfigError("--backend", str(exc).splitlines()[-1].strip()) from None
         settings = settings.model_copy(update={"backend": section})
+        try:  # model_copy skips the checks across sections, which the new backend may fail
+            settings._workload_tenants_declared()
+        except ValueError as exc:
+            raise ConfigError("--backend", str(exc)) from None
     if not settings.workload.agents and settings.workload.trace is None:
         raise ConfigError("workload.agents", "the config describes no agents to run (nor a workload.trace)")
     from .agents.workload import plan

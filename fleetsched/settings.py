@@ -381,6 +381,19 @@ class SimSettings(_Section):
             return {**load_profile(str(data["profile"])).sim, **data}
         return data
 
+    @model_validator(mode="after")
+    def _engine_can_work(self) -> SimSettings:
+        # The cache holds whole blocks only: none would hold no request (and the cache's usage
+        # gauge divided by zero). A step that costs no time would never let virtual time pass:
+        # a simulation with a duration ran forever.
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block of block_size ({self.block_size}) tokens"
+            )
+        if not (self.step_base_s or self.step_per_token_s or self.step_per_seq_s):
+            raise ValueError("step_base_s, step_per_token_s and step_per_seq_s are all 0: an engine step would take no time")
+        return self
+
 
 class BackendSettings(_Section):
     kind: Literal["sim", "instant", "vllm-server", "vllm-engine"] = "sim"
@@ -554,6 +567,10 @@ class Settings(BaseSettings):
         )
         if self.resources.kv_cache is None:
             largest = max(int(device.memory) for device in self.resources.devices)
+            held = "resources.devices"
+            if self.resources.strategy != "counting":  # an address space holds whole pages only
+                largest -= largest % int(self.resources.page_size)
+                held += ", in whole pages of resources.page_size"
         elif source == "scheduler.session_memory":
             return  # sized from the servers' caches when the scheduler starts
         else:
@@ -561,7 +578,7 @@ class Settings(BaseSettings):
         if tenant.memory_quota is not None and memory > tenant.memory_quota:
             limit = f"tenant {mix.tenant!r}'s memory_quota of {int(tenant.memory_quota):,} bytes"
         elif largest is not None and memory > largest:
-            limit = f"the largest device holds (resources.devices: {largest:,} bytes)"
+            limit = f"the largest device holds ({held}: {largest:,} bytes)"
         else:
             return
         raise ValueError(

@@ -125,7 +125,17 @@ def test_unknown_workload_tenant_and_missing_file(tmp_path):
     [
         # memory_quota "1GB" is below the default session_memory of 1 GiB.
         ('[tenants.acme]\nmemory_quota = "1GB"\n', "more than tenant 'acme''s memory_quota of 1,000,000,000 bytes"),
-        ('[tenants.acme]\nsession_memory = "100GB"\n', "more than the largest device holds (resources.devices: 80,000,000,000 bytes)"),
+        (
+            '[tenants.acme]\nsession_memory = "100GB"\n',
+            "more than the largest device holds (resources.devices, in whole pages of resources.page_size: 79,997,960,192 bytes)",
+        ),
+        # The whole device is 38,146.9 pages of 2 MiB: a pool of pages holds the whole ones only
+        # (this passed the check, and the pool refused every session at submission).
+        ('[tenants.acme]\nsession_memory = "80GB"\n', "in whole pages of resources.page_size: 79,997,960,192 bytes"),
+        (
+            '[tenants.acme]\nsession_memory = "100GB"\n[resources]\nstrategy = "counting"\n',
+            "more than the largest device holds (resources.devices: 80,000,000,000 bytes)",
+        ),
     ],
 )
 def test_a_workload_whose_sessions_could_never_be_admitted_is_a_config_error(tmp_path, sections, why):

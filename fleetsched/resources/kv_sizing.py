@@ -130,6 +130,10 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     return 2 * layers * kv_heads * head_dim * dtype_bytes(name)
 
 
+#: More decoder layers than any model has (the largest published have a few hundred).
+MAX_LAYERS = 10_000
+
+
 def _need(data: Mapping[str, Any], where: str, key: str) -> int:
     """`data`'s `key`, which must be a positive integer (ValueError naming it and `where`)."""
     value = data.get(key)
@@ -151,6 +155,8 @@ def layer_windows(config: Mapping[str, Any] | str | PathLike[str]) -> list[int |
     """
     data, where = _load(config)
     layers = _need(data, where, "num_hidden_layers")
+    if layers > MAX_LAYERS:  # a list of that many entries would not fit in memory
+        raise ValueError(f"{where}: num_hidden_layers must be at most {MAX_LAYERS:,}, got {layers:,}")
     window = data.get("sliding_window")
     if window is None or window == 0 or data.get("use_sliding_window") is False:
         return [None] * layers
@@ -162,7 +168,9 @@ def layer_windows(config: Mapping[str, Any] | str | PathLike[str]) -> list[int |
             raise ValueError(f"{where}: layer_types must list one type for each of the {layers} layers, got {types!r:.200}")
         return [window if kind == "sliding_attention" else None for kind in types]
     first_sliding = data.get("max_window_layers") if data.get("use_sliding_window") else None
-    if isinstance(first_sliding, int) and not isinstance(first_sliding, bool):
+    if first_sliding is not None:
+        if not isinstance(first_sliding, int) or isinstance(first_sliding, bool) or first_sliding < 0:
+            raise ValueError(f"{where}: max_window_layers must be an integer >= 0, got {first_sliding!r:.80}")
         return [window if i >= first_sliding else None for i in range(layers)]
     pattern = data.get("sliding_window_pattern")
     if pattern is None and data.get("model_type") == "gemma2":
@@ -286,8 +294,10 @@ def _blocks(labels: Mapping[str, str]) -> int:
     block_size = _number(labels, "block_size")
     if _number(labels, "num_gpu_blocks", required=False):
         return _number(labels, "num_gpu_blocks")
-    if _number(labels, "kv_cache_size_tokens", required=False):
-        return _number(labels, "kv_cache_size_tokens") // block_size
+    if tokens := _number(labels, "kv_cache_size_tokens", required=False):
+        if tokens < block_size:
+            raise ValueError(f"vllm:cache_config_info: kv_cache_size_tokens ({tokens}) holds no whole block of block_size ({block_size})")
+        return tokens // block_size
     return _number(labels, "num_gpu_blocks")  # raises, naming the label
 
 

@@ -213,12 +213,18 @@ def _valid_ends_at(ends_at: object) -> float | None:
         return None
     if isinstance(ends_at, bool) or not isinstance(ends_at, (int, float)):
         raise TypeError(f"ends_at: expected a number (when the owner expects to release), got {ends_at!r}")
-    if not math.isfinite(ends_at):
-        raise ValueError(f"ends_at: expected a finite number, got {ends_at!r}")
-    return float(ends_at)
+    try:
+        hint = float(ends_at)
+    except OverflowError:  # an int beyond any float
+        hint = math.inf
+    if not math.isfinite(hint):
+        raise ValueError(f"ends_at: expected a finite number, got {ends_at!r:.80}")
+    return hint
 
 
 def _valid_quota(tenant: str, nbytes: object) -> int:
+    if not isinstance(tenant, str):  # a reservation's tenant None is no tenant: its quota would never hold
+        raise TypeError(f"memory quota: expected a tenant's name, got {tenant!r:.80}")
     return _positive_bytes(nbytes, f"memory quota of tenant {tenant!r}")
 
 
@@ -349,6 +355,8 @@ class MemoryPool(ABC):
 
     def _check_placement(self, priority: int, device: str | None) -> None:
         self._check_not_moving("reserving")
+        if device is not None and not isinstance(device, str):
+            raise TypeError(f"device: expected a device name, got {device!r:.80}")
         if device is not None and device not in self._allocated:
             raise ValueError(f"unknown device {device!r}; this pool's devices: {', '.join(self._allocated)}")
         if isinstance(priority, bool) or not isinstance(priority, int):

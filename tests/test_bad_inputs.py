@@ -1,0 +1,82 @@
+"""Inputs that got through unchecked (or crashed without naming what was wrong), found by probing
+the pool, the KV sizing, the settings and the command line."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from fleetsched.resources import DeviceSpec, ExtentPool, parse_vllm_cache_config
+from fleetsched.resources.kv_sizing import layer_windows
+from fleetsched.settings import SimSettings
+
+from .test_cli import fleetsched
+
+MB = 2**20
+
+
+def _pool() -> ExtentPool:
+    return ExtentPool([DeviceSpec("g0", 8 * MB)], page_size=MB)
+
+
+def test_an_end_hint_beyond_any_float_is_a_value_error_and_holds_nothing():
+    # It raised a bare OverflowError out of math.isfinite.
+    pool = _pool()
+    with pytest.raises(ValueError, match="ends_at: expected a finite number"):
+        pool.reserve_nowait(MB, ends_at=10**400)
+    assert pool.statistics().allocated == 0
+
+
+def test_a_device_that_is_not_a_name_is_named():
+    # A list raised "unhashable type: 'list'", naming neither the argument nor what it should be.
+    pool = _pool()
+    with pytest.raises(TypeError, match=r"device: expected a device name, got \['g0'\]"):
+        pool.reserve_nowait(MB, device=["g0"])  # type: ignore[arg-type]
+    assert pool.statistics().allocated == 0
+
+
+def test_a_quota_needs_a_tenant_name():
+    # set_quota(None, n) was accepted and never enforced: a reservation without a tenant has no quota.
+    pool = _pool()
+    with pytest.raises(TypeError, match="memory quota: expected a tenant's name, got None"):
+        pool.set_quota(None, MB)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expected a tenant's name"):
+        ExtentPool([DeviceSpec("g0", 8 * MB)], page_size=MB, quotas={None: MB})  # type: ignore[dict-item]
+
+
+def test_a_model_config_with_absurdly_many_layers_is_a_value_error():
+    # It raised OverflowError building one entry per layer, which pydantic does not turn into a config error.
+    with pytest.raises(ValueError, match="num_hidden_layers must be at most 10,000"):
+        layer_windows({"num_hidden_layers": 10**30})
+
+
+def test_a_malformed_max_window_layers_is_named():
+    # A string was ignored, and every layer then sized as sliding.
+    config = {"num_hidden_layers": 2, "sliding_window": 64, "use_sliding_window": True}
+    assert layer_windows({**config, "max_window_layers": 1}) == [None, 64]
+    with pytest.raises(ValueError, match="max_window_layers must be an integer >= 0, got '1'"):
+        layer_windows({**config, "max_window_layers": "1"})
+
+
+def test_a_kv_cache_smaller_than_a_block_is_refused():
+    # It read as 0 blocks, and a pool of 0 bytes was built over it.
+    metrics = 'vllm:cache_config_info{block_size="16",kv_cache_size_tokens="8"} 1.0\n'
+    with pytest.raises(ValueError, match=r"kv_cache_size_tokens \(8\) holds no whole block of block_size \(16\)"):
+        parse_vllm_cache_config(metrics)
+
+
+def test_the_sim_needs_a_cache_of_one_block_and_steps_that_take_time():
+    # The first divided by zero in the cache's usage gauge; the second made `simulate --duration` spin forever.
+    with pytest.raises(ValidationError, match=r"kv_cache_tokens \(16\) must hold at least one block of block_size \(128\)"):
+        SimSettings(kv_cache_tokens=16, block_size=128)
+    with pytest.raises(ValidationError, match="an engine step would take no time"):
+        SimSettings(step_base_s=0, step_per_token_s=0, step_per_context_token_s=1e-6, step_per_seq_s=0)
+    SimSettings(step_base_s=0, step_per_token_s=1e-6, step_per_context_token_s=0, step_per_seq_s=0)
+
+
+def test_backend_on_the_command_line_gets_the_checks_the_config_file_would(tmp_path):
+    # --backend instant over a config sized from the KV cache ran, and failed with a traceback.
+    done = fleetsched("run", "examples/kv_admission.toml", "--backend", "instant", "--no-live")
+    assert done.returncode == 2, done.stderr
+    assert "config error: --backend: resources.kv_cache: the instant backend has no KV cache" in done.stderr
+    assert "Traceback" not in done.stderr
