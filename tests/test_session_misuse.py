@@ -227,6 +227,34 @@ async def test_a_base_exception_from_an_agent_fails_its_session_alone(error):
     check_released(scheduler)
 
 
+@pytest.mark.parametrize("how", ["submit", "run"])
+async def test_an_asyncio_cancelled_error_of_the_agents_own_fails_its_session_alone(anyio_backend_name, how):
+    """A CancelledError raised while the session's task is not being cancelled (an awaited future
+    that something else cancelled) is the agent's failure. It passed on as a cancellation: under
+    `submit` it cancelled the scheduler's task group, the other tenant's session and the caller's
+    task with it; under `run` the caller got a bare CancelledError."""
+    if anyio_backend_name != "asyncio":
+        pytest.skip("trio's cancellation is its own exception class: an asyncio.CancelledError is an error there anyway")
+    import asyncio
+
+    async def bad(ctx):
+        future = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.5, future.cancel)
+        await future
+
+    async with Scheduler(settings(tenants={"a": {}, "b": {}})) as scheduler:
+        good = await scheduler.submit(await hold(5), tenant="b")
+        with pytest.raises(SessionFailed) as info:
+            if how == "submit":
+                await (await scheduler.submit(bad, tenant="a"))
+            else:
+                await scheduler.run(bad, tenant="a")
+        assert isinstance(info.value.__cause__, asyncio.CancelledError)
+        assert await good == "held"
+    assert scheduler.statistics().finished == {"failed": 1, "done": 1}
+    check_released(scheduler)
+
+
 @pytest.mark.parametrize("how", ["deadline", "cancel"])
 async def test_a_task_of_the_agent_failing_while_cancelled_fails_its_session_alone(how):
     """An agent's own task group, cancelled (its deadline, `cancel()`), with a task that raises

@@ -18,6 +18,7 @@ reservation in `_finish`.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
@@ -79,13 +80,24 @@ def _failure_of(exc: BaseException) -> BaseException | None:
 
     A group with a KeyboardInterrupt or SystemExit passes; otherwise its part that is not
     cancellation is the failure (a task group of the agent's whose tasks raised as they were
-    cancelled holds their errors beside `Cancelled`, on trio)."""
+    cancelled holds their errors beside `Cancelled`, on trio). On asyncio, a CancelledError
+    while the task is not being cancelled is a failure too (`_task_cancelling`)."""
     cancelled = anyio.get_cancelled_exc_class()
     if isinstance(exc, BaseExceptionGroup):
         if exc.subgroup((KeyboardInterrupt, SystemExit)) is not None:
             return None
         return exc.split(cancelled)[1]
-    return None if isinstance(exc, (cancelled, KeyboardInterrupt, SystemExit)) else exc
+    if isinstance(exc, cancelled):
+        return exc if cancelled is asyncio.CancelledError and not _task_cancelling() else None
+    return None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else exc
+
+
+def _task_cancelling() -> bool:
+    """Whether the current asyncio task is being cancelled. A CancelledError while it is not was
+    raised by the agent's own code (a future something else cancelled, say): the session's own
+    failure. Passed on, it cancelled the scheduler's task group and every other session with it."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 class Scheduler:
