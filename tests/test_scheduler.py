@@ -354,6 +354,8 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
     [
         ({"messages": "hello"}, "messages: expected a list of {role, content} objects, got 'hello'"),
         ({"messages": ["hello"]}, "messages: expected a list of {role, content} objects"),
+        # A TypeError out of list(): 'int' object is not iterable.
+        ({"messages": 5}, "messages: expected a list of {role, content} objects, got 5"),
         ({"messages": MESSAGES, "max_tokens": "8"}, "max_tokens: expected an integer >= 1, got '8'"),
         ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens: expected an integer >= 1, got 2.5"),
         ({"messages": MESSAGES, "max_tokens": -4}, "max_tokens: expected an integer >= 1, got -4"),

@@ -99,7 +99,10 @@ class SessionContext:
         if type(messages) is not list and isinstance(messages, (str, bytes, Mapping)):  # list() would take it apart
             raise InvalidRequest(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}")
         if messages is not None:
-            out["messages"] = list(messages)
+            try:
+                out["messages"] = list(messages)
+            except TypeError:  # not iterable: a number, say
+                raise InvalidRequest(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}") from None
         out.update(kwargs)
         out.setdefault("model", self.model)
         if "messages" not in out:
