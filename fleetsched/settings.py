@@ -565,9 +565,9 @@ class Settings(BaseSettings):
             )
             if value is not None
         )
+        held = "resources.devices"
         if self.resources.kv_cache is None:
             largest = max(int(device.memory) for device in self.resources.devices)
-            held = "resources.devices"
             if self.resources.strategy != "counting":  # an address space holds whole pages only
                 largest -= largest % int(self.resources.page_size)
                 held += ", in whole pages of resources.page_size"
