@@ -8,7 +8,7 @@ its tool time, so the scheduler knows the session's pace.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -95,14 +95,13 @@ class SessionContext:
 
     def _body(self, messages: Sequence[Mapping[str, Any]] | None, body: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         out = dict(body or {})
-        # A list, the usual, is spared the check against the Mapping ABC (about 3,000 instructions).
-        if type(messages) is not list and isinstance(messages, (str, bytes, Mapping)):  # list() would take it apart
-            raise InvalidRequest(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}")
+        # A list, the usual, is spared the checks against the ABCs (about 3,000 instructions each).
+        # list() would take a string or a mapping apart, and fail on a number without naming it.
+        if type(messages) is not list and messages is not None:
+            if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+                raise InvalidRequest(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}")
         if messages is not None:
-            try:
-                out["messages"] = list(messages)
-            except TypeError:  # not iterable: a number, say
-                raise InvalidRequest(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}") from None
+            out["messages"] = list(messages)
         out.update(kwargs)
         out.setdefault("model", self.model)
         if "messages" not in out:

@@ -355,10 +355,11 @@ class MemoryPool(ABC):
 
     def _check_placement(self, priority: int, device: str | None) -> None:
         self._check_not_moving("reserving")
-        if device is not None and not isinstance(device, str):
-            raise TypeError(f"device: expected a device name, got {device!r:.80}")
-        if device is not None and device not in self._allocated:
-            raise ValueError(f"unknown device {device!r}; this pool's devices: {', '.join(self._allocated)}")
+        if device is not None:
+            if not isinstance(device, str):
+                raise TypeError(f"device: expected a device name, got {device!r:.80}")
+            if device not in self._allocated:
+                raise ValueError(f"unknown device {device!r}; this pool's devices: {', '.join(self._allocated)}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority: expected an integer (lower is sooner), got {priority!r}")
 
