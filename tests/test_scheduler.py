@@ -353,7 +353,15 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
     ("call", "message"),
     [
         ({"messages": "hello"}, "messages: expected a list of {role, content} objects, got 'hello'"),
-        ({"messages": ["hello"]}, "messages: expected a list of {role, content} objects"),
+        ({"messages": ["hello"]}, "messages.0: expected a {role, content} object, got str"),
+        # vLLM 0.32's server answers each of these with a 400 (measured); the library path
+        # served them, so an agent developed on the sim failed on its first call to vLLM.
+        ({"messages": [{"content": "hi"}]}, "messages.0.role: missing"),
+        ({"messages": [*MESSAGES, {"role": 3, "content": "hi"}]}, "messages.1.role: expected a string, got int"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: expected a string, a list of content parts or null, got int"),
+        ({"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages.0.content: expected a string, a list of content parts or null, got dict"),
+        ({"messages": [{"role": "user", "content": [1, 2]}]}, "messages.0.content.0: expected a content part object, got int"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text: expected a string, got int"),
         # A TypeError out of list(): 'int' object is not iterable.
         ({"messages": 5}, "messages: expected a list of {role, content} objects, got 5"),
         ({"messages": MESSAGES, "max_tokens": "8"}, "max_tokens: expected an integer >= 1, got '8'"),

@@ -268,8 +268,8 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
     body (``messages``) or a completions body (``prompt``).
 
     Used for ordering and fair-share accounting before the engine has counted; the engine's
-    own ``usage`` replaces it once the call completes. Raises `InvalidRequest` for messages that
-    are not a list of ``{"role", "content"}`` objects.
+    own ``usage`` replaces it once the call completes. Raises `InvalidRequest`, naming the
+    message, for messages that vLLM's server refuses (see `invalid_messages`).
     """
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -285,6 +285,10 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
                 chars += len(content)
             elif isinstance(content, list):
                 chars += sum(map(len, content_part_texts(content)))
+            elif content is not None:
+                raise TypeError
+            if not isinstance(message.get("role"), str):
+                raise TypeError
             chars += 16  # role and chat-template framing
     except (AttributeError, TypeError):  # checked here, where they are read anyway: no cost when right
         raise invalid_messages(messages) from None
@@ -293,17 +297,51 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
 
 def content_part_texts(parts: list[Any]) -> Iterator[str]:
     """The text of each of a message's content parts: a text part's ``text``, or a bare string,
-    which vLLM's chat parser takes as text too; other parts (images, ...) have none here."""
+    which vLLM's chat parser takes as text too; other parts (images, ...) have none here.
+    Raises `TypeError` for a part that is neither, or a ``text`` that is not a string."""
     for part in parts:
         if isinstance(part, str):
             yield part
         elif isinstance(part, Mapping):
-            yield part.get("text", "")
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise TypeError
+            yield text
+        else:
+            raise TypeError
 
 
 def invalid_messages(messages: object) -> InvalidRequest:
-    """The error for chat messages that are not a list of ``{role, content}`` objects with text."""
+    """The error for chat messages that vLLM's server refuses (a 400), naming the first wrong one:
+    a message that is not an object, a ``role`` that is not a string (missing included), a
+    ``content`` that is not a string, a list of content parts or null, a part that is neither an
+    object nor a string, or a part's ``text`` that is not a string."""
+    if isinstance(messages, (list, tuple)):
+        for i, message in enumerate(messages):
+            problem = _message_problem(message)
+            if problem is not None:
+                return InvalidRequest(f"messages.{i}{problem}")
     return InvalidRequest(f"messages: expected a list of {{role, content}} objects with text content, got {messages!r:.80}")
+
+
+def _message_problem(message: object) -> str | None:
+    """What is wrong with one chat message (the field's path after ``messages.N``), or None."""
+    if not isinstance(message, Mapping):
+        return f": expected a {{role, content}} object, got {type(message).__name__}"
+    role = message.get("role")
+    if not isinstance(role, str):
+        return ".role: missing" if role is None else f".role: expected a string, got {type(role).__name__}"
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return f".content: expected a string, a list of content parts or null, got {type(content).__name__}"
+    for j, part in enumerate(content):
+        if not isinstance(part, (str, Mapping)):
+            return f".content.{j}: expected a content part object, got {type(part).__name__}"
+        if isinstance(part, Mapping) and not isinstance(part.get("text", ""), str):
+            return f".content.{j}.text: expected a string, got {type(part['text']).__name__}"
+    return None
 
 
 def requested_max_tokens(body: ChatBody, default: int = 256) -> int:

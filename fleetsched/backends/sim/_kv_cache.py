@@ -38,12 +38,17 @@ def prompt_text(messages: Sequence[Any]) -> str:
 
     Each message is framed by 16 characters standing for role and chat-template tokens, so that
     the same conversation always yields the same text and therefore the same block hashes.
+    Raises `TypeError` (or `AttributeError`) for a message vLLM's server refuses: one that is
+    not a mapping, a role that is not a string, content of another type (`invalid_messages`
+    names which).
     """
     parts: list[str] = []
     for message in messages:
-        role = str(message.get("role", ""))
+        role = message.get("role")
         frame = _FRAMES.get(role)
         if frame is None:
+            if not isinstance(role, str):
+                raise TypeError
             frame = _FRAMES[role] = _frame(role)
         parts.append(frame)
         content = message.get("content")
@@ -51,6 +56,8 @@ def prompt_text(messages: Sequence[Any]) -> str:
             parts.append(content)
         elif isinstance(content, list):
             parts.extend(content_part_texts(content))
+        elif content is not None:
+            raise TypeError
     return "".join(parts)
 
 
