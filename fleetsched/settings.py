@@ -12,10 +12,10 @@ import os
 import re
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
 from ._args import url_problem
@@ -23,6 +23,23 @@ from .errors import ConfigError
 from .policies.tiers import Tier
 
 _config_path: ContextVar[Path | None] = ContextVar("fleetsched_config_path", default=None)
+
+
+def _no_bool(value: object) -> object:
+    # pydantic reads true as 1 byte and false as 0: a flag where a size belongs is a mistake.
+    if isinstance(value, bool):
+        raise ValueError(f"must be a size in bytes (a number, or a string such as '4GB'), got {str(value).lower()}")
+    return value
+
+
+def _positive(value: ByteSize) -> ByteSize:
+    if value <= 0:
+        raise ValueError("must be > 0 bytes")
+    return value
+
+
+#: A size in bytes > 0: a number, or a string with a unit ("4GB", "512MiB").
+Bytes = Annotated[ByteSize, BeforeValidator(_no_bool), AfterValidator(_positive)]
 
 
 class _Section(BaseModel):
@@ -52,9 +69,9 @@ class TenantSettings(_Section):
     """Share against other tenants of the same tier."""
     max_sessions: int | None = Field(None, ge=1)
     """Sessions of this tenant running at once (None: only the global limit)."""
-    memory_quota: ByteSize | None = None
+    memory_quota: Bytes | None = None
     """Bytes this tenant's sessions may hold at once (None: no quota)."""
-    session_memory: ByteSize | None = None
+    session_memory: Bytes | None = None
     """Memory a session of this tenant reserves, unless submit() says (None: the scheduler's)."""
     requests_per_minute: float | None = Field(None, gt=0)
     """Model calls per minute (token bucket, burst of one minute); None: unlimited."""
@@ -75,13 +92,6 @@ class TenantSettings(_Section):
     @classmethod
     def _parse_tier(cls, value: object) -> Tier:
         return Tier.parse(value)  # type: ignore[arg-type]
-
-    @field_validator("memory_quota", "session_memory")
-    @classmethod
-    def _positive_bytes(cls, value: ByteSize | None) -> ByteSize | None:
-        if value is not None and value <= 0:
-            raise ValueError("must be > 0 bytes")
-        return value
 
 
 def _check_key_hashes(value: list[str]) -> list[str]:
@@ -124,7 +134,7 @@ class SchedulerSettings(_Section):
     """A queued session is promoted one tier band for every this many seconds it waits."""
     drain_grace_s: float = Field(30.0, ge=0)
     """On leaving the scheduler, running sessions get this long to finish before cancellation."""
-    session_memory: ByteSize = ByteSize(1 << 30)
+    session_memory: Bytes = ByteSize(1 << 30)
     """Memory a session reserves when neither submit() nor its tenant says."""
     tool_policy: Literal["keep", "release", "adaptive"] = "adaptive"
     """While a session is in a tool: keep its slot and memory, release them to waiting sessions,
@@ -135,13 +145,6 @@ class SchedulerSettings(_Section):
     """Tell the memory pool when each session is expected to end (its placement hint), from the
     mean run time of the sessions of its `kind` that finished, when submit() gives no
     `expected_s`: sessions expected to end together are placed side by side."""
-
-    @field_validator("session_memory")
-    @classmethod
-    def _positive_bytes(cls, value: ByteSize) -> ByteSize:
-        if value <= 0:
-            raise ValueError("must be > 0 bytes")
-        return value
 
 
 class DispatchSettings(_Section):
@@ -211,15 +214,8 @@ def _tiers_once(value: dict[str, object]) -> None:
 
 class DeviceSettings(_Section):
     name: str
-    memory: ByteSize
+    memory: Bytes
     """Memory this device offers to sessions (a GPU's, or a vLLM replica's KV cache)."""
-
-    @field_validator("memory")
-    @classmethod
-    def _positive_bytes(cls, value: ByteSize) -> ByteSize:
-        if value <= 0:
-            raise ValueError("must be > 0 bytes")
-        return value
 
 
 class KVCacheSettings(_Section):
@@ -260,7 +256,7 @@ class ResourceSettings(_Section):
     strategy: str = "frag-aware"
     """Placement strategy of the memory pool: frag-aware (default), first-fit, best-fit, buddy,
     size-class, or counting (byte counters only, no address space)."""
-    page_size: ByteSize = ByteSize(2 << 20)
+    page_size: Bytes = ByteSize(2 << 20)
     """Granule of the allocators' address space; reservations round up to whole pages."""
     devices: list[DeviceSettings] = Field(
         default_factory=lambda: [DeviceSettings(name="gpu0", memory=ByteSize(80 * 10**9))],
@@ -294,12 +290,6 @@ class ResourceSettings(_Section):
             raise ValueError(f"unknown strategy {value!r}; known: {', '.join(['counting', *STRATEGIES])}")
         return value
 
-    @field_validator("page_size")
-    @classmethod
-    def _positive_page(cls, value: ByteSize) -> ByteSize:
-        if value <= 0:
-            raise ValueError("must be > 0 bytes")
-        return value
 
     @field_validator("devices")
     @classmethod
@@ -482,17 +472,9 @@ class AgentMix(_Section):
     """The tool's name, under which its durations are learned."""
     think_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Seconds of agent-side work between turns."""
-    session_memory: ByteSize | None = None
+    session_memory: Bytes | None = None
     """Memory each session of this mix reserves (None: its tenant's, else the scheduler's)."""
 
-    @field_validator("session_memory")
-    @classmethod
-    def _positive_bytes(cls, value: ByteSize | None) -> ByteSize | None:
-        # As the tenant's and the scheduler's: the workload reads 0 as "not given" and would
-        # reserve the tenant's default instead, without a word.
-        if value is not None and value <= 0:
-            raise ValueError("must be > 0 bytes")
-        return value
 
     @model_validator(mode="after")
     def _uniform_needs_max(self) -> AgentMix:

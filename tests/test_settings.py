@@ -58,6 +58,22 @@ def test_an_agent_mix_of_zero_session_memory_is_refused(tmp_path):
     assert info.value.key == "workload.trace line 1: session_memory"
 
 
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"scheduler": {"session_memory": True}}, "scheduler.session_memory"),
+        ({"tenants": {"default": {"memory_quota": True}}}, "tenants.default.memory_quota"),
+        ({"resources": {"page_size": True}}, "resources.page_size"),
+        ({"resources": {"devices": [{"name": "g", "memory": False}]}}, "resources.devices.0.memory"),
+    ],
+)
+def test_a_flag_where_a_size_belongs_is_refused(section, key):
+    # pydantic's ByteSize read true as 1 byte: a session of 1 byte, a page of 1 byte.
+    error = refused(**section)
+    assert error.key == key
+    assert "must be a size in bytes (a number, or a string such as '4GB'), got " in error.reason
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:port", "http://127.0.0.1:-1"])
 def test_a_replica_url_without_a_valid_port_is_refused(url):
     # It loaded; every call then failed, the run printing "failed" for each session and, once,
