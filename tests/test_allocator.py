@@ -228,6 +228,11 @@ def test_a_size_that_is_not_a_whole_number_of_bytes_is_refused(make):
     r.release()
     r = p.reserve_nowait(_Index())  # numpy's integers are sizes too
     assert r.nbytes == 3 * PAGE and type(r.nbytes) is int
+    r = p.reserve_nowait(PAGE, priority=_Index())  # and priorities (they were refused)
+    assert r.priority == 3 * PAGE and type(r.priority) is int
+    for bad in (1.5, "1", True):
+        with pytest.raises(TypeError, match="priority: expected an integer"):
+            p.reserve_nowait(PAGE, priority=bad)
 
 
 def test_seeds_example_counts_one_fragmentation_failure_per_request():

@@ -344,7 +344,7 @@ class MemoryPool(ABC):
 
         Retrying after a refusal with the same (hashable) `owner` counts one fragmentation failure.
         """
-        self._check_placement(priority, device)
+        priority = self._check_placement(priority, device)
         ends_at = _valid_ends_at(ends_at)
         return self._reserve_nowait(nbytes, owner, tenant, priority, device, key=owner, ends_at=ends_at)
 
@@ -353,15 +353,22 @@ class MemoryPool(ABC):
         if self._moving:
             raise RuntimeError(f"{change} from inside a move callback: make the change after the callback returns")
 
-    def _check_placement(self, priority: int, device: str | None) -> None:
+    def _check_placement(self, priority: int, device: str | None) -> int:
+        """Refuse a reservation's device and priority if wrong; the priority as an int (numpy's
+        integers are taken, as for sizes)."""
         self._check_not_moving("reserving")
         if device is not None:
             if not isinstance(device, str):
                 raise TypeError(f"device: expected a device name, got {device!r:.80}")
             if device not in self._allocated:
                 raise ValueError(f"unknown device {device!r}; this pool's devices: {', '.join(self._allocated)}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        try:
+            whole = operator.index(priority)
+        except TypeError:
+            whole = None
+        if whole is None or isinstance(priority, bool):
             raise TypeError(f"priority: expected an integer (lower is sooner), got {priority!r}")
+        return whole
 
     def _reserve_nowait(
         self,
@@ -452,7 +459,7 @@ class MemoryPool(ABC):
     ) -> Reservation:
         """Wait for a reservation, FIFO within `priority`. Cancel-safe."""
         nbytes = self.check(nbytes, tenant)
-        self._check_placement(priority, device)
+        priority = self._check_placement(priority, device)
         ends_at = _valid_ends_at(ends_at)
         waiter = _Waiter(nbytes, owner, tenant, priority, next(self._seq), device, anyio.Event(), ends_at)
         try:
