@@ -270,13 +270,19 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
     Used for ordering and fair-share accounting before the engine has counted; the engine's
     own ``usage`` replaces it once the call completes. Raises `InvalidRequest`, naming the
     message, for messages that vLLM's server refuses (see `invalid_messages`).
+
+    A body with ``messages`` is a chat body, counted by its messages whatever else it holds: a
+    stray ``prompt`` beside them (the engine ignores it) must not make a long chat call look
+    short to the rate limits and the fair share.
     """
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return max(1, len(prompt) // 4)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return max(1, len(prompt[0]) // 4)
-    messages = body.get("messages") or ()
+    messages = body.get("messages")
+    if messages is None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return max(1, len(prompt) // 4)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            return max(1, len(prompt[0]) // 4)
+        messages = ()
     chars = 0
     try:
         for message in messages:
