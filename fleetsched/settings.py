@@ -111,7 +111,7 @@ class GatewaySettings(_Section):
     instances through this Redis (``redis://host:port/db``); None keeps it in memory."""
     admin_api_keys: list[str] = Field(default_factory=list)
     """Hashed keys (``sha256:<hex>``) that see every tenant's metrics."""
-    session_idle_s: float = Field(300.0, gt=0)
+    session_idle_s: float = Field(300.0, gt=0, allow_inf_nan=False)
     """A session named by ``X-Session-ID`` ends after this long without a call."""
     max_context_tokens: int | None = Field(None, ge=1)
     """The backend's context (max model length) in tokens: a request whose prompt fills it, or
@@ -330,20 +330,20 @@ class SimSettings(_Section):
     """KV cache capacity in tokens (1 GiB at 2 KiB a token: the tiny model, float32)."""
     block_size: int = Field(128, ge=1)
     """Tokens per KV block, the prefix cache's granularity (vLLM CPU: 128; on GPU it is 16)."""
-    step_base_s: float = Field(0.002, ge=0)
+    step_base_s: float = Field(0.002, ge=0, allow_inf_nan=False)
     """Fixed cost of one engine step (a)."""
-    step_per_token_s: float = Field(0.000002, ge=0)
+    step_per_token_s: float = Field(0.000002, ge=0, allow_inf_nan=False)
     """Cost per token computed in the step (b); prefill chunks are cheap per token."""
-    step_per_context_token_s: float = Field(0.00000002, ge=0)
+    step_per_context_token_s: float = Field(0.00000002, ge=0, allow_inf_nan=False)
     """Cost per token of context attended in the step (c); a guess, not fitted."""
-    step_per_seq_s: float = Field(0.000085, ge=0)
+    step_per_seq_s: float = Field(0.000085, ge=0, allow_inf_nan=False)
     """Cost per sequence in the step, whatever its token count (d: sampling, bookkeeping)."""
-    request_overhead_s: float = Field(0.0, ge=0)
+    request_overhead_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Time a request spends outside the engine (e): the API server's parsing, tokenising and
     hand-off to the engine before it is scheduled, and its last answer's way back to the
     client. The sim delays each request's arrival at the engine by it, so it adds to the time to
     first token and to every request's turn-around, but costs the engine nothing."""
-    request_serial_s: float = Field(0.0, ge=0)
+    request_serial_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Work the serving front end does for each request one at a time (f): vLLM's API server
     parses and tokenises on one event loop, so requests that come back together reach the engine
     this far apart, in arrival order. Before the overhead (e), which requests spend side by side.

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetsched.backends.base import Backend, ChatBody, Chunk, make_chunk, usage_dict
-from fleetsched.errors import Overloaded
+from fleetsched.errors import Overloaded, RateLimited
 from fleetsched.gateway.app import Gateway, _answer_for
 from fleetsched.gateway.auth import KeyRing, hash_key
 from fleetsched.gateway.server import serve_in_thread
@@ -152,6 +152,26 @@ def test_a_429_says_when_one_call_asks_more_than_a_minutes_tokens():
 def test_shed_is_503_with_retry_after():
     answer = _answer_for(Overloaded("batch call shed", retry_after_s=7.2))
     assert answer.status_code == 503 and answer.headers["retry-after"] == "8"  # rounded up: not before the wait
+
+
+def test_a_wait_without_end_says_retry_after_a_day():
+    # A tokens_per_minute of 1e-300 made the wait infinite: a 500 (OverflowError in ceil).
+    for wait in (float("inf"), float("nan"), 1e300):
+        answer = _answer_for(RateLimited("over its tokens_per_minute", retry_after_s=wait))
+        assert answer.status_code == 429 and answer.headers["retry-after"] == "86400"
+
+
+def test_a_stray_prompt_beside_the_messages_does_not_make_a_chat_call_cheap():
+    # A chat body is counted by its messages: with "prompt": "x" beside 900 tokens of them, it
+    # was counted 1 token, and a tenant passed its tokens_per_minute eight times over.
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "tokens_per_minute": 1000}})
+    long = [{"role": "user", "content": "x" * 3600}]
+    with serve_in_thread(s) as (_, url):
+        c = client(url, GLOBEX)
+        c.chat.completions.create(model="m", messages=long, max_tokens=1, extra_body={"prompt": "x"})
+        with pytest.raises(openai.RateLimitError) as caught:
+            c.chat.completions.create(model="m", messages=long, max_tokens=1, extra_body={"prompt": "x"})
+    assert "this call asks 905 tokens" in caught.value.message
 
 
 def test_too_large_400_names_the_limit(url):

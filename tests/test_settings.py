@@ -74,6 +74,21 @@ def test_a_flag_where_a_size_belongs_is_refused(section, key):
     assert "must be a size in bytes (a number, or a string such as '4GB'), got " in error.reason
 
 
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        # Sessions never ended when idle: one slot gone for good in memory, and with Redis
+        # every session call a 503 (OverflowError turning the time into milliseconds).
+        ({"gateway": {"session_idle_s": "inf"}}, "gateway.session_idle_s"),
+        # An engine step that never ends: the run reported 0 tokens and no error.
+        ({"backend": {"sim": {"step_base_s": "inf"}}}, "backend.sim.step_base_s"),
+        ({"backend": {"sim": {"request_serial_s": "inf"}}}, "backend.sim.request_serial_s"),
+    ],
+)
+def test_an_infinite_time_where_one_is_needed_is_refused(section, key):
+    assert refused(**section).key == key
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:port", "http://127.0.0.1:-1"])
 def test_a_replica_url_without_a_valid_port_is_refused(url):
     # It loaded; every call then failed, the run printing "failed" for each session and, once,

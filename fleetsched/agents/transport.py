@@ -28,13 +28,22 @@ if TYPE_CHECKING:
     from .context import SessionContext
 
 
+#: The longest Retry-After an error response says, in seconds.
+MAX_RETRY_AFTER_S = 86_400
+
+
 def error_response(
     status: int, message: str, kind: str, *, retry_after_s: float | None = None, code: str | None = None
 ) -> httpx.Response:
     """An OpenAI-style error body: ``{"error": {"message", "type", "code"}}`` (`code`: OpenAI's
     name for the error where it has one, else the status). Retry-After is `retry_after_s` rounded
-    up to whole seconds: a client that waits that long is not refused again for being early."""
-    headers = {"retry-after": f"{max(1, math.ceil(retry_after_s))}"} if retry_after_s is not None else {}
+    up to whole seconds: a client that waits that long is not refused again for being early;
+    at most a day (`MAX_RETRY_AFTER_S`: a wait of a tokens_per_minute of 1e-300 is infinite)."""
+    headers = {}
+    if retry_after_s is not None:
+        if not retry_after_s <= MAX_RETRY_AFTER_S:  # nan too
+            retry_after_s = MAX_RETRY_AFTER_S
+        headers["retry-after"] = f"{max(1, math.ceil(retry_after_s))}"
     body = {"error": {"message": message, "type": kind, "param": None, "code": code or status}}
     return httpx.Response(status, json=body, headers=headers)
 
