@@ -232,6 +232,21 @@ def test_malformed_bodies_are_400(url, body, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_a_refusal_of_the_engine_names_the_field_as_the_gateways_own_do():
+    # The sim's refusals came with "param": null and "code": 400, the gateway's with the field.
+    s = gateway_settings(backend={"kind": "sim"})
+    with serve_in_thread(s) as (_, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        for extra, param in [({"stream_interval": 0}, "stream_interval"), ({"min_tokens": 9, "max_tokens": 2}, "min_tokens")]:
+            response = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, **extra}, headers=headers)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"], error["type"]) == (param, "invalid_request_error", "invalid_request_error")
+        # A prompt of token ids was refused as "exactly one prompt per request".
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3]}, headers=headers)
+        assert response.status_code == 400 and "prompts of token ids are not served" in response.json()["error"]["message"]
+
+
 def test_a_bare_string_content_part_is_served_as_text(url):
     """vLLM takes a plain string among a message's content parts as text; the gateway refused it
     (400 on messages.0.content). A number among them is still refused."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -33,10 +34,17 @@ MAX_RETRY_AFTER_S = 86_400
 
 
 def error_response(
-    status: int, message: str, kind: str, *, retry_after_s: float | None = None, code: str | None = None
+    status: int,
+    message: str,
+    kind: str,
+    *,
+    retry_after_s: float | None = None,
+    code: str | None = None,
+    param: str | None = None,
 ) -> httpx.Response:
-    """An OpenAI-style error body: ``{"error": {"message", "type", "code"}}`` (`code`: OpenAI's
-    name for the error where it has one, else the status). Retry-After is `retry_after_s` rounded
+    """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}`` (`code`:
+    OpenAI's name for the error where it has one, else the status; `param`: the field of the
+    request at fault, where one is). Retry-After is `retry_after_s` rounded
     up to whole seconds: a client that waits that long is not refused again for being early;
     at most a day (`MAX_RETRY_AFTER_S`: a wait of a tokens_per_minute of 1e-300 is infinite)."""
     headers = {}
@@ -44,7 +52,7 @@ def error_response(
         if not retry_after_s <= MAX_RETRY_AFTER_S:  # nan too
             retry_after_s = MAX_RETRY_AFTER_S
         headers["retry-after"] = f"{max(1, math.ceil(retry_after_s))}"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code or status}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
     return httpx.Response(status, json=body, headers=headers)
 
 
@@ -57,8 +65,8 @@ def response_for(exc: BaseException) -> httpx.Response | None:
     if isinstance(exc, DeadlineExceeded):
         return error_response(408, str(exc), "deadline_exceeded")
     if isinstance(exc, InvalidRequest):  # the engine refused the body: the client's to change
-        code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else None
-        return error_response(400, str(exc), "invalid_request_error", code=code)
+        code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else "invalid_request_error"
+        return error_response(400, str(exc), "invalid_request_error", code=code, param=field_named(str(exc)))
     if isinstance(exc, BackendUnavailable):
         return error_response(502, str(exc), "backend_unavailable")
     if isinstance(exc, BackendError):
@@ -66,6 +74,16 @@ def response_for(exc: BaseException) -> httpx.Response | None:
     if isinstance(exc, ValueError):
         return error_response(400, str(exc), "invalid_request_error")
     return None
+
+
+#: The field an error message starts with ("max_tokens: expected ...", "messages.0.role: missing").
+_FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*): ")
+
+
+def field_named(message: str) -> str | None:
+    """The request field a refusal's message names first, or None."""
+    match = _FIELD.match(message)
+    return match.group(1) if match else None
 
 
 class _EventStream(httpx.AsyncByteStream):

@@ -510,11 +510,7 @@ def _check_budget(budget: anyio.CancelScope) -> None:
 
 
 def _invalid(message: str, param: str | None, *, code: str = "invalid_request_error") -> httpx.Response:
-    response = error_response(400, message, "invalid_request_error")
-    body = json.loads(response.content)
-    body["error"]["param"] = param
-    body["error"]["code"] = code
-    return httpx.Response(400, json=body)
+    return error_response(400, message, "invalid_request_error", code=code, param=param)
 
 
 def _answer_for(exc: BaseException) -> httpx.Response:

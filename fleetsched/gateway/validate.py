@@ -146,6 +146,8 @@ def check_completion(body: Any) -> dict[str, Any]:
         raise Invalid(None, "the request body must be a JSON object")
     prompt = body.get("prompt")
     if isinstance(prompt, list):
+        if any(isinstance(token, int) or isinstance(token, list) for token in prompt):
+            raise Invalid("prompt", "prompts of token ids are not served by this gateway; send the text")
         if len(prompt) != 1:
             raise Invalid("prompt", "exactly one prompt per request is served by this gateway")
         prompt = prompt[0]
