@@ -232,6 +232,17 @@ def test_malformed_bodies_are_400(url, body, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_a_key_or_session_header_sent_twice_is_refused(url):
+    # The last one won: "bad key, then good key" was served, "good, then bad" a 401.
+    chat = {"messages": MSG, "max_tokens": 1}
+    for name, values in [("Authorization", ["Bearer nope", f"Bearer {ACME}"]), ("X-Session-ID", ["a", "b"])]:
+        headers = [("authorization", f"Bearer {ACME}")] if name != "Authorization" else []
+        headers += [(name, value) for value in values]
+        response = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == name and "sent more than once" in response.json()["error"]["message"]
+
+
 def test_a_refusal_of_the_engine_names_the_field_as_the_gateways_own_do():
     # The sim's refusals came with "param": null and "code": 400, the gateway's with the field.
     s = gateway_settings(backend={"kind": "sim"})

@@ -250,6 +250,12 @@ class Gateway:
             await _send(send, 200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"starting"}')
             return
         headers = dict(scope["headers"])
+        if len(headers) < len(scope["headers"]):  # a header sent twice: the last would win unseen
+            names = [name for name, _ in scope["headers"]]
+            for name, param in ((b"authorization", "Authorization"), (SESSION_HEADER, "X-Session-ID")):
+                if names.count(name) > 1:
+                    await _error(send, _invalid(f"{param}: sent more than once; send it once", param))
+                    return
         identity = self.keys.identify_header(headers.get(b"authorization"))
         if identity is None:
             self.metrics.record("", endpoint, 401)
