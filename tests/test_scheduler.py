@@ -415,6 +415,11 @@ def test_invalid_settings_name_the_key(overrides, key):
         ({"tenant": "acme", "memory": "1GB"}, ValueError, "memory: expected a whole number of bytes > 0, got '1GB'"),
         ({"tenant": "acme", "memory": 0}, ValueError, "memory: expected a whole number of bytes > 0, got 0"),
         ({"tenant": "acme", "memory": 1.5e9}, ValueError, "memory: expected a whole number of bytes > 0, got 1500000000.0"),
+        # A list as kind: a bare TypeError out of the placement hint after the session was
+        # counted (leaving the scheduler then waited for it for ever), or, with no hint to make,
+        # a TypeError in the scheduler's own task at the session's end (others cancelled).
+        ({"tenant": "acme", "kind": ["crawler"]}, TypeError, "kind: expected a kind of session (a str), got ['crawler']"),
+        ({"tenant": "acme", "name": 7}, TypeError, "name: expected a str or None, got 7"),
     ],
 )
 async def test_bad_tenant_or_memory_is_named_and_holds_nothing(arguments, error, message):

@@ -323,6 +323,12 @@ class Scheduler:
             raise TypeError(f"agent: {name!r:.80} is an async generator (it yields): an agent returns its result")
         if not isinstance(tenant, str):  # a list was "unhashable type: 'list'"
             raise TypeError(f"tenant: expected a tenant's name (a str), got {tenant!r:.80}")
+        # A list as kind failed in the scheduler's own task when its session ended (its mean run
+        # time is kept by kind): other sessions cancelled, its memory kept, the exit hung.
+        if not isinstance(kind, str):
+            raise TypeError(f"kind: expected a kind of session (a str), got {kind!r:.80}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name: expected a str or None, got {name!r:.80}")
         tenant_settings = self.settings.tenants.get(tenant)
         if tenant_settings is None:
             raise UnknownTenant(tenant, list(self.settings.tenants))
