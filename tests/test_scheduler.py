@@ -364,6 +364,9 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text: expected a string, got int"),
         # A TypeError out of list(): 'int' object is not iterable.
         ({"messages": 5}, "messages: expected a list of {role, content} objects, got 5"),
+        # dict()'s own errors: "dictionary update sequence element #0 has length 1; 2 is required".
+        ({"body": "x"}, "body: expected a chat-completions request (a dict), got 'x'"),
+        ({"body": [("messages", MESSAGES)]}, "body: expected a chat-completions request (a dict), got [('messages'"),
         ({"messages": MESSAGES, "max_tokens": "8"}, "max_tokens: expected an integer >= 1, got '8'"),
         ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens: expected an integer >= 1, got 2.5"),
         ({"messages": MESSAGES, "max_tokens": -4}, "max_tokens: expected an integer >= 1, got -4"),

@@ -94,7 +94,12 @@ class SessionContext:
         return self._openai
 
     def _body(self, messages: Sequence[Mapping[str, Any]] | None, body: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        out = dict(body or {})
+        if body is None:
+            out = {}
+        elif type(body) is dict or isinstance(body, Mapping):  # dict() would take pairs, and fail on the rest unnamed
+            out = dict(body)
+        else:
+            raise InvalidRequest(f"body: expected a chat-completions request (a dict), got {body!r:.80}")
         # A list, the usual, is spared the checks against the ABCs (about 3,000 instructions each).
         # list() would take a string or a mapping apart, and fail on a number without naming it.
         if type(messages) is not list and messages is not None:
