@@ -159,6 +159,22 @@ def test_a_tool_timeout_must_be_positive(timeout_s):
         Tool("add", add, timeout_s=timeout_s)
 
 
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        # Taken, then the loop's first model call failed with dict()'s own unnamed error.
+        ({"parameters": "abc"}, ValueError, "tool 'add': parameters must be a JSON schema of an object"),
+        ({"parameters": None}, ValueError, "tool 'add': parameters must be a JSON schema of an object"),
+        # Served by the sim; OpenAI refuses a function whose arguments are not an object.
+        ({"parameters": {"type": "string"}}, ValueError, "tool 'add': parameters must be a JSON schema of an object"),
+        ({"description": 5}, TypeError, "tool 'add': description must be a str, got 5"),
+    ],
+)
+def test_a_tool_with_a_schema_that_is_no_object_schema_is_refused(options, error, message):
+    with pytest.raises(error, match=message):
+        Tool("add", add, **options)
+
+
 async def test_a_script_turn_without_a_tool_name_names_the_turn():
     """It failed the session with a bare KeyError('name')."""
     async def agent(ctx):

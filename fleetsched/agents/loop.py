@@ -55,6 +55,14 @@ class Tool:
             raise TypeError(f"tool {self.name!r}: fn must be a function, got {self.fn!r:.80}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:  # also NaN
             raise ValueError(f"tool {self.name!r}: timeout_s must be > 0 seconds (inf: no limit), got {self.timeout_s!r}")
+        if not isinstance(self.description, str):
+            raise TypeError(f"tool {self.name!r}: description must be a str, got {self.description!r:.80}")
+        # The function's arguments are one JSON object: its schema is an object's (OpenAI's format).
+        if not isinstance(self.parameters, Mapping) or self.parameters.get("type") != "object":
+            raise ValueError(
+                f"tool {self.name!r}: parameters must be a JSON schema of an object "
+                f"({{\"type\": \"object\", \"properties\": {{...}}}}), got {self.parameters!r:.80}"
+            )
 
     def schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)}}
