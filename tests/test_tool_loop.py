@@ -370,3 +370,23 @@ async def test_a_loop_without_tools_is_served_by_the_sim():
         result = await (await scheduler.submit(agent, tenant="acme"))
     assert result.stopped == "answer" and result.turns == 1
     check_released(scheduler)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # trio's cancellation is its own exception class
+async def test_a_tool_raising_a_cancelled_error_of_its_own_is_a_tool_error(anyio_backend):
+    # Its task ended as if cancelled: the model got an empty result, counted as no error.
+    import asyncio
+
+    async def flaky() -> str:
+        future = asyncio.get_running_loop().create_future()
+        future.cancel()
+        return await future
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], [Tool("flaky", flaky)], script=[[{"name": "flaky"}]])
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        loop = await scheduler.run(agent, tenant="acme")
+    assert loop.tool_errors == 1
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"] == ["error: tool 'flaky' raised CancelledError: "]
+    check_released(scheduler)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import anyio
 
+from .._cancellation import stray_cancelled_error
 from ..virtual_time import run_sync_in_thread
 from .context import SessionContext
 
@@ -198,6 +199,12 @@ async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
                 result = await result
     except Exception as exc:  # a tool's failure is the model's to handle, not the session's
         return f"error: tool {name!r} raised {type(exc).__name__}: {exc}"
+    except BaseException as exc:
+        # A CancelledError of the tool's own (a future something else cancelled) ended its task
+        # as if cancelled: the model was given an empty result, counted as no error.
+        if stray_cancelled_error(exc):
+            return f"error: tool {name!r} raised CancelledError: {exc}"
+        raise
     if scope.cancelled_caught:
         return f"error: tool {name!r} did not finish within {tool.timeout_s:g} s"
     if isinstance(result, str):

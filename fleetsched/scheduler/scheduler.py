@@ -18,7 +18,6 @@ reservation in `_finish`.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 import numbers
@@ -30,6 +29,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from .._cancellation import stray_cancelled_error
 from ..agents.context import SessionContext
 from ..backends import Backend, create_backend
 from ..errors import DeadlineExceeded, FleetschedError, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
@@ -81,23 +81,16 @@ def _failure_of(exc: BaseException) -> BaseException | None:
     A group with a KeyboardInterrupt or SystemExit passes; otherwise its part that is not
     cancellation is the failure (a task group of the agent's whose tasks raised as they were
     cancelled holds their errors beside `Cancelled`, on trio). On asyncio, a CancelledError
-    while the task is not being cancelled is a failure too (`_task_cancelling`)."""
+    while the task is not being cancelled is a failure too (`stray_cancelled_error`): passed on,
+    it cancelled the scheduler's task group and every other session with it."""
     cancelled = anyio.get_cancelled_exc_class()
     if isinstance(exc, BaseExceptionGroup):
         if exc.subgroup((KeyboardInterrupt, SystemExit)) is not None:
             return None
         return exc.split(cancelled)[1]
     if isinstance(exc, cancelled):
-        return exc if cancelled is asyncio.CancelledError and not _task_cancelling() else None
+        return exc if stray_cancelled_error(exc) else None
     return None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else exc
-
-
-def _task_cancelling() -> bool:
-    """Whether the current asyncio task is being cancelled. A CancelledError while it is not was
-    raised by the agent's own code (a future something else cancelled, say): the session's own
-    failure. Passed on, it cancelled the scheduler's task group and every other session with it."""
-    task = asyncio.current_task()
-    return task is None or task.cancelling() > 0
 
 
 class Scheduler:
