@@ -832,4 +832,6 @@ def test_log_probabilities_of_a_text_completion_over_a_chat_backend():
     assert all(len(top) == 2 and top[token] == lp for top, token, lp in zip(logprobs["top_logprobs"], logprobs["tokens"], logprobs["token_logprobs"]))
     assert sum(len(part["tokens"]) for part in streamed) == 3
     assert [o for part in streamed for o in part["text_offset"]] == [0, 4, 8]
-    assert too_many.status_code == 400 and "top_logprobs" in too_many.text
+    # Named as the client sent it: it travels as chat's top_logprobs, which the refusal named.
+    assert too_many.status_code == 400 and too_many.json()["error"]["message"].startswith("logprobs: at most 20")
+    assert too_many.json()["error"]["param"] == "logprobs"

@@ -375,8 +375,8 @@ def completion_room(max_model_len: int, prompt_tokens: int, max_tokens: int) -> 
     the call: a prompt that fills the context, or a `max_tokens` larger than the whole context."""
     if prompt_tokens >= max_model_len:
         raise ContextTooLong(
-            f"this model's maximum context length is {max_model_len} tokens, but the messages take "
-            f"{prompt_tokens}, which leaves no room for the completion; shorten the messages"
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt takes "
+            f"{prompt_tokens}, which leaves no room for the completion; shorten the prompt"
         )
     if max_tokens > max_model_len:
         raise ContextTooLong(f"max_tokens={max_tokens} cannot be greater than the model's maximum context length ({max_model_len})")

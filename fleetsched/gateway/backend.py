@@ -17,7 +17,7 @@ import anyio
 
 from ..backends.base import FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
 from ..backends.vllm_server import VLLMServerBackend, translate_error
-from ..errors import BackendError, BackendUnavailable
+from ..errors import BackendError, BackendUnavailable, InvalidRequest
 
 ENDPOINT_KEY = "fleetsched_endpoint"
 """Body key marking a text-completion call (removed before the backend sees the body)."""
@@ -135,7 +135,14 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
     count = body.pop("logprobs", None)
     if count is not None:  # a text completion's alternatives a token: chat's top_logprobs
         body["logprobs"], body["top_logprobs"] = True, count
-    upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}]})
+    try:
+        upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}]})
+    except InvalidRequest as exc:  # named as the client sent it: logprobs, prompt
+        message = str(exc)
+        for chat_field, field in (("top_logprobs:", "logprobs:"), ("messages:", "prompt:"), ("messages.0.content:", "prompt:")):
+            if message.startswith(chat_field):
+                raise type(exc)(field + message.removeprefix(chat_field)) from None
+        raise
     created = int(time.time())  # wall-clock ok: a response field, not a measurement
     offset = 0  # characters of text so far, where the next chunk's tokens start
     try:
