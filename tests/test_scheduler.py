@@ -367,6 +367,11 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
         # dict()'s own errors: "dictionary update sequence element #0 has length 1; 2 is required".
         ({"body": "x"}, "body: expected a chat-completions request (a dict), got 'x'"),
         ({"body": [("messages", MESSAGES)]}, "body: expected a chat-completions request (a dict), got [('messages'"),
+        # The instant backend served these; the sim and vLLM refuse them.
+        ({"messages": []}, "messages: a chat request needs a non-empty list of messages"),
+        ({"messages": MESSAGES, "n": 0}, "produces one choice per request (n=1), got n=0"),
+        ({"messages": MESSAGES, "temperature": "hot"}, "temperature: expected a number from 0 to 2, got 'hot'"),
+        ({"messages": MESSAGES, "tools": "x"}, "tools: expected a list of tools, got 'x'"),
         ({"messages": MESSAGES, "max_tokens": "8"}, "max_tokens: expected an integer >= 1, got '8'"),
         ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens: expected an integer >= 1, got 2.5"),
         ({"messages": MESSAGES, "max_tokens": -4}, "max_tokens: expected an integer >= 1, got -4"),

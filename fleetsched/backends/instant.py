@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from ..errors import InvalidRequest
 from .base import Backend, ChatBody, Chunk, estimate_prompt_tokens, make_chunk, new_completion_id, requested_max_tokens, usage_dict
+from .sampling import check_sampling
 
 
 class InstantBackend(Backend):
@@ -20,8 +22,17 @@ class InstantBackend(Backend):
         self.text = text
 
     async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        """Refuses what the sim refuses of a body (`InvalidRequest`, naming the field): a call
+        that runs here must not be refused by a real engine for its form."""
         cid = new_completion_id()
         model = body.get("model") or "instant"
-        n = min(self.completion_tokens, requested_max_tokens(body))
+        max_tokens = requested_max_tokens(body)
+        prompt = estimate_prompt_tokens(body)
+        if "prompt" not in body and not body.get("messages"):
+            raise InvalidRequest("messages: a chat request needs a non-empty list of messages")
+        if body.get("n") not in (None, 1):
+            raise InvalidRequest(f"n: the instant backend produces one choice per request (n=1), got n={body['n']!r}")
+        check_sampling(body, max_tokens)
+        n = min(self.completion_tokens, max_tokens)
         yield make_chunk(cid, model, 0, role="assistant", content=self.text, finish_reason="stop")
-        yield make_chunk(cid, model, 0, usage=usage_dict(estimate_prompt_tokens(body), n))  # as vLLM: no choices
+        yield make_chunk(cid, model, 0, usage=usage_dict(prompt, n))  # as vLLM: no choices
