@@ -44,9 +44,9 @@ def error_response(
 ) -> httpx.Response:
     """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}`` (`code`:
     OpenAI's name for the error where it has one, else the status; `param`: the field of the
-    request at fault, where one is). Retry-After is `retry_after_s` rounded
-    up to whole seconds: a client that waits that long is not refused again for being early;
-    at most a day (`MAX_RETRY_AFTER_S`: a wait of a tokens_per_minute of 1e-300 is infinite)."""
+    request at fault, where one is). Retry-After is `retry_after_s` rounded up to whole seconds:
+    a client that waits that long is not refused again for being early. It is at most a day
+    (`MAX_RETRY_AFTER_S`): under a tokens_per_minute of 1e-300 the wait is infinite."""
     headers = {}
     if retry_after_s is not None:
         if not retry_after_s <= MAX_RETRY_AFTER_S:  # nan too

@@ -146,7 +146,7 @@ def check_completion(body: Any) -> dict[str, Any]:
         raise Invalid(None, "the request body must be a JSON object")
     prompt = body.get("prompt")
     if isinstance(prompt, list):
-        if any(isinstance(token, int) or isinstance(token, list) for token in prompt):
+        if any(isinstance(token, (int, list)) for token in prompt):  # token ids, one prompt or several
             raise Invalid("prompt", "prompts of token ids are not served by this gateway; send the text")
         if len(prompt) != 1:
             raise Invalid("prompt", "exactly one prompt per request is served by this gateway")
