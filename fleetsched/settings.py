@@ -406,6 +406,10 @@ class BackendSettings(_Section):
     """Consecutive failed calls that open a replica's circuit breaker."""
     breaker_reset_s: float = Field(30.0, gt=0)
     """How long an open breaker rejects calls before letting one probe call through."""
+    read_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+    """Longest wait for a vLLM server's next bytes: its first chunk, then each one after. A replica
+    that accepts the call and then says nothing (paused, hung) fails it as unreachable: it is
+    retried and fails over before its first chunk, and ends the call after it."""
     engine_model_path: str | None = None
     """Model directory or name for kind "vllm-engine" (None: `model`)."""
     engine_max_num_seqs: int = Field(64, ge=1)

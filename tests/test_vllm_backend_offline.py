@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ import httpx2
 import pytest
 from openai import AsyncOpenAI
 
-from fleetsched.backends.base import collect_chat
+from fleetsched.backends.base import collect_chat, collect_stream
 from fleetsched.backends.metrics import merge_signals, parse_vllm_metrics
 from fleetsched.backends.vllm_server import CircuitBreaker, VLLMServerBackend
 from fleetsched.errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
@@ -446,3 +447,59 @@ async def test_a_stream_that_ends_without_done_is_an_answer_broken_off(anyio_bac
                 async for chunk in backend.stream_chat(BODY):
                     chunks.append(chunk)
             assert len(chunks) == 2  # what came is delivered; no usage made up after it
+
+
+@contextlib.contextmanager
+def _silent_server(first: bytes = b"") -> Iterator[tuple[str, list[int]]]:
+    """A server in a thread that takes each request, sends `first` (nothing by default) and then
+    holds the connection without a word: a replica paused (SIGSTOP) or hung. Yields its URL and
+    the count of requests it took."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    taken = [0]
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connection.recv(65536)
+            taken[0] += 1
+            connection.sendall(first)
+            held.append(connection)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", taken
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_a_replica_that_takes_the_call_and_then_says_nothing_fails_it_within_the_read_timeout(anyio_backend):
+    """The SDK's default waits 600 s for each read, each attempt: a paused replica held a call
+    for about 40 minutes, and one that a session was placed on was never failed over from."""
+    with _silent_server() as (url, taken):
+        async with VLLMServerBackend(url, retry_attempts=2, retry_initial_s=0.01, read_timeout_s=0.5) as backend:
+            with anyio.fail_after(10):
+                with pytest.raises(BackendUnavailable, match=r"vLLM replica r0 \(.*\) took the call, then sent nothing: no answer within the read timeout"):
+                    await collect_stream(backend.stream_chat(BODY))
+        assert taken[0] == 2  # retried, as an unreachable replica is
+        stalled = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + ROLE_CHUNK
+    with _silent_server(stalled) as (url, taken):
+        async with VLLMServerBackend(url, retry_attempts=1, read_timeout_s=0.5) as backend:
+            with anyio.fail_after(10):
+                with pytest.raises(BackendUnavailable, match=r"broke off the answer after 1 chunks: no answer within the read timeout"):
+                    await collect_stream(backend.stream_chat(BODY))
+    # Before its first chunk, a silent replica is failed over from, as one that refuses is.
+    done = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + ROLE_CHUNK + done
+    with _silent_server() as (silent, _), _http_server(answer) as live:
+        async with VLLMServerBackend({"r0": silent, "r1": live}, read_timeout_s=0.5) as backend:
+            with anyio.fail_after(10):
+                response, _ = await collect_stream(backend.stream_chat(BODY))
+    assert response["choices"][0]["message"]["content"] == "Hi"

@@ -48,8 +48,12 @@ try:  # openai >= 2 speaks httpx2; older releases speak httpx.
     import httpx2
 
     _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError, httpx2.TransportError)
+    _TIMEOUTS: tuple[type[BaseException], ...] = (openai.APITimeoutError, httpx.TimeoutException, httpx2.TimeoutException)
+    _CONNECT_TIMEOUTS: tuple[type[BaseException], ...] = (httpx.ConnectTimeout, httpx2.ConnectTimeout)
 except ImportError:  # pragma: no cover - depends on the installed openai
     _TRANSPORT_ERRORS = (httpx.TransportError,)
+    _TIMEOUTS = (openai.APITimeoutError, httpx.TimeoutException)
+    _CONNECT_TIMEOUTS = (httpx.ConnectTimeout,)
 
 logger = logging.getLogger(__name__)
 
@@ -233,14 +237,27 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
             )
         return BackendError(f"{where} rejected the call ({exc.status_code}): {exc.message}")
     if _unreachable(exc):
+        if _reason(exc) == TIMED_OUT:  # it took the call: reached, then silent
+            return BackendUnavailable(f"{where} took the call, then sent nothing: {TIMED_OUT}")
         return BackendUnavailable(f"cannot reach {where}: {_reason(exc)}")
     return BackendError(f"{where}: {exc}")
 
 
+#: A transport error's reason when the server was silent past `backend.read_timeout_s`.
+TIMED_OUT = "no answer within the read timeout (backend.read_timeout_s)"
+
+
 def _reason(exc: BaseException) -> str:
-    """What the innermost cause of a transport error says ("Connection error." says nothing)."""
+    """What the innermost cause of a transport error says ("Connection error." says nothing);
+    for a timeout, which one (the innermost cause is then a cancel scope's message)."""
+    chain = [exc]
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        chain.append(exc)
+    if any(isinstance(e, _CONNECT_TIMEOUTS) for e in chain):
+        return "no connection within the connect timeout (5 s)"
+    if any(isinstance(e, _TIMEOUTS) for e in chain):
+        return TIMED_OUT
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (no server listens there)"
     return str(exc) or type(exc).__name__
@@ -329,6 +346,7 @@ class VLLMServerBackend(Backend):
         retry_max_s: float = 8.0,
         breaker_failures: int = 5,
         breaker_reset_s: float = 30.0,
+        read_timeout_s: float = 60.0,
         client_factory: ClientFactory | None = None,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
@@ -342,6 +360,9 @@ class VLLMServerBackend(Backend):
         self.retry_attempts = retry_attempts
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
+        # Sent with every call: the SDK's own default waits 600 s for each read.
+        self._timeout = openai.Timeout(read_timeout_s, connect=5.0)
+        self._read_timeout_s = read_timeout_s
         self._replicas = {
             name: Replica(
                 name=name,
@@ -365,6 +386,7 @@ class VLLMServerBackend(Backend):
             retry_max_s=settings.retry_max_s,
             breaker_failures=settings.breaker_failures,
             breaker_reset_s=settings.breaker_reset_s,
+            read_timeout_s=settings.read_timeout_s,
         )
         options.update(overrides)
         return cls(settings.urls, **options)
@@ -500,7 +522,12 @@ class VLLMServerBackend(Backend):
         # 135 us a message on this project's machine, which cost this process 2.4 ms of CPU a
         # call for a 20-message conversation. The bodies here are JSON as sent already.
         return dict(
-            model=model, messages=[], stream=True, stream_options=stream_options, extra_body={**request, "messages": messages}
+            model=model,
+            messages=[],
+            stream=True,
+            stream_options=stream_options,
+            extra_body={**request, "messages": messages},
+            timeout=self._timeout,
         )
 
     async def _open_with_retries(self, target: Replica, kwargs: dict[str, Any], *, fail_over: bool) -> tuple[Any, Chunk | None]:
