@@ -409,16 +409,19 @@ async def test_a_server_info_of_another_shape_leaves_the_policy_unknown(info):
 
 
 @contextlib.contextmanager
-def _http_server(answer: bytes) -> Iterator[str]:
+def _http_server(answer: bytes, posts: list[bytes] | None = None) -> Iterator[str]:
     """A real HTTP server in a thread that answers every POST with the raw bytes `answer` (status
-    line, headers and body) and closes the connection: what a proxy in front of vLLM may send."""
+    line, headers and body) and closes the connection: what a proxy in front of vLLM may send.
+    The bodies it was sent go to `posts`."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
             pass
 
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
+            sent = self.rfile.read(int(self.headers["Content-Length"]))
+            if posts is not None:
+                posts.append(sent)
             self.wfile.write(answer)
             self.close_connection = True
 
@@ -503,3 +506,21 @@ async def test_a_replica_that_takes_the_call_and_then_says_nothing_fails_it_with
             with anyio.fail_after(10):
                 response, _ = await collect_stream(backend.stream_chat(BODY))
     assert response["choices"][0]["message"]["content"] == "Hi"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_a_call_falling_back_from_its_sessions_replica_does_not_go_back_to_it():
+    """The fallback was routed by load, and the replica that had just failed (its breaker still
+    closed, no call in flight) won the tie: it got the call's attempts twice over."""
+    from fleetsched.scheduler import Dispatcher
+
+    failing = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
+    done = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + ROLE_CHUNK + done
+    to_r0: list[bytes] = []
+    with _http_server(failing, to_r0) as r0, _http_server(answer) as r1:
+        async with VLLMServerBackend({"r0": r0, "r1": r1}, retry_attempts=3, retry_initial_s=0.01, retry_max_s=0.01) as backend:
+            response = await Dispatcher(backend, window=4).chat(BODY, tenant="t", tier=1, replica="r0")
+    assert response["choices"][0]["message"]["content"] == "Hi"
+    assert len(to_r0) == 3  # its attempts once (6 before)

@@ -35,6 +35,9 @@ FALLBACK_KEY = "fleetsched_fallback"
 """Body key set beside `REPLICA_KEY` by a caller that sends the call elsewhere itself when that
 replica fails it before its first chunk (the dispatcher, for a session's affinity): an
 unreachable replica is then given up at once instead of after backing off (removed too)."""
+AVOID_KEY = "fleetsched_avoid"
+"""Body key naming a replica that a call routed by load goes to only when no other can take it:
+the one a session's call just failed on, which the dispatcher falls back from (removed too)."""
 
 
 @dataclass(frozen=True, slots=True)

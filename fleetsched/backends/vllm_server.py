@@ -41,7 +41,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
 from ..resources.kv_sizing import KVCacheCapacity, read_vllm_kv_capacity
-from .base import FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
+from .base import AVOID_KEY, FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
 
 try:  # openai >= 2 speaks httpx2; older releases speak httpx.
@@ -396,8 +396,9 @@ class VLLMServerBackend(Backend):
         """The replicas by name (read-only view; the dispatcher routes by these names)."""
         return dict(self._replicas)
 
-    def pick_replica(self, name: str | None = None) -> Replica:
-        """The replica `name`, or the least-loaded one whose breaker is not open.
+    def pick_replica(self, name: str | None = None, *, avoid: str | None = None) -> Replica:
+        """The replica `name`, or the least-loaded one whose breaker is not open, other than
+        `avoid` while another can take the call.
 
         Raises `BackendError` for an unknown name. A named replica is returned even when its
         breaker is open (the call will then raise `BackendUnavailable`): affinity is the caller's
@@ -406,11 +407,12 @@ class VLLMServerBackend(Backend):
         if name is not None:
             try:
                 return self._replicas[name]
-            except KeyError:
-                raise BackendError(f"unknown vLLM replica {name!r}; replicas: {', '.join(self._replicas)}") from None
+            except (KeyError, TypeError):  # TypeError: not a name (a list, say)
+                raise BackendError(f"unknown vLLM replica {name!r:.80}; replicas: {', '.join(self._replicas)}") from None
         now = anyio.current_time()
         candidates = [r for r in self._replicas.values() if r.breaker.state(now) != "open"]
-        return min(candidates or self._replicas.values(), key=lambda r: r.in_flight)
+        others = [r for r in candidates if r.name != avoid]
+        return min(others or candidates or self._replicas.values(), key=lambda r: r.in_flight)
 
     async def stream_chat(self, body: ChatBody, *, replica: str | None = None) -> AsyncIterator[Chunk]:
         """Stream one chat completion; see the module docstring for routing and retries.
@@ -427,9 +429,10 @@ class VLLMServerBackend(Backend):
         request = dict(body)
         named = request.pop(REPLICA_KEY, None) or replica
         caller_falls_back = bool(request.pop(FALLBACK_KEY, False))
-        target = self.pick_replica(named)
+        avoid = request.pop(AVOID_KEY, None)
+        target = self.pick_replica(named, avoid=avoid)
         kwargs = self._create_kwargs(request)
-        tried = [target]
+        tried = self._tried_first(target, avoid)
         while True:
             others = [] if named is not None else self._untried(tried)
             try:
@@ -474,6 +477,12 @@ class VLLMServerBackend(Backend):
             # Closing the response drops the connection; vLLM aborts the request on disconnect.
             with anyio.CancelScope(shield=True):
                 await stream.close()
+
+    def _tried_first(self, target: Replica, avoid: str | None) -> list[Replica]:
+        """What a call has tried as it begins: its `target`, and the replica it `avoid`s (a call
+        falling back from it does not fall over to it again)."""
+        avoided = self._replicas.get(avoid) if isinstance(avoid, str) else None
+        return [target] if avoided is None or avoided is target else [target, avoided]
 
     def _untried(self, tried: list[Replica]) -> list[Replica]:
         """The replicas a call routed by load may fall over to: not `tried`, breaker not open."""

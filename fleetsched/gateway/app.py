@@ -39,7 +39,7 @@ import httpx
 
 from ..agents.transport import error_response, response_for
 from ..backends import create_backend
-from ..backends.base import FALLBACK_KEY, REPLICA_KEY, Backend, completion_room, estimate_prompt_tokens, requested_max_tokens
+from ..backends.base import AVOID_KEY, FALLBACK_KEY, REPLICA_KEY, Backend, completion_room, estimate_prompt_tokens, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, tokens_asked
 from ..scheduler import Scheduler
@@ -332,7 +332,7 @@ class Gateway:
         if session_id is not None and not SESSION_ID.fullmatch(session_id):
             return await _error(send, _invalid("X-Session-ID: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Session-ID"))
         streaming = bool(body.pop("stream", False))
-        for private in (REPLICA_KEY, FALLBACK_KEY, ENDPOINT_KEY, "priority"):
+        for private in (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY, ENDPOINT_KEY, "priority"):
             body.pop(private, None)
         prompt = estimate_prompt_tokens(body)
         max_tokens = requested_max_tokens(body, default=0)

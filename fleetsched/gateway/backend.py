@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
+from ..backends.base import AVOID_KEY, FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
 from ..backends.vllm_server import VLLMServerBackend, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
 
@@ -87,12 +87,13 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
 
     named = body.pop(REPLICA_KEY, None)
     body.pop(FALLBACK_KEY, None)  # no retries here to skip: a failure is the caller's at once
-    target = backend.pick_replica(named)
+    avoid = body.pop(AVOID_KEY, None)
+    target = backend.pick_replica(named, avoid=avoid)
     body.pop("stream", None)
     stream_options = {**(body.pop("stream_options", None) or {}), "include_usage": True}
     model = body.pop("model", None) or backend.model
     prompt = body.pop("prompt")
-    tried = [target]
+    tried = backend._tried_first(target, avoid)
     while True:
         target.in_flight += 1
         stream = None
@@ -130,8 +131,8 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
     prompt = body.pop("prompt")
     if isinstance(prompt, list):
         prompt = "".join(str(p) for p in prompt)
-    body.pop(REPLICA_KEY, None)
-    body.pop(FALLBACK_KEY, None)
+    for private in (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY):
+        body.pop(private, None)
     count = body.pop("logprobs", None)
     if count is not None:  # a text completion's alternatives a token: chat's top_logprobs
         body["logprobs"], body["top_logprobs"] = True, count

@@ -24,6 +24,7 @@ import anyio
 import anyio.lowlevel
 
 from ..backends.base import (
+    AVOID_KEY,
     FALLBACK_KEY,
     REPLICA_KEY,
     Backend,
@@ -279,7 +280,8 @@ class Dispatcher:
                 first = await upstream.__anext__()
             except BackendUnavailable:
                 await upstream.aclose()  # type: ignore[attr-defined]
-                upstream = self.backend.stream_chat(request)
+                # Not to `replica` again (its breaker may still be closed, and it ties on load).
+                upstream = self.backend.stream_chat({**request, AVOID_KEY: replica})
                 first = await upstream.__anext__()
             yield first
             async for chunk in upstream:
