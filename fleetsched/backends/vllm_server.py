@@ -360,9 +360,8 @@ class VLLMServerBackend(Backend):
         self.retry_attempts = retry_attempts
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
-        # Sent with every call: the SDK's own default waits 600 s for each read.
-        self._timeout = openai.Timeout(read_timeout_s, connect=5.0)
-        self._read_timeout_s = read_timeout_s
+        #: Sent with every call: the SDK's own default waits 600 s for each read.
+        self.timeout = openai.Timeout(read_timeout_s, connect=5.0)
         self._replicas = {
             name: Replica(
                 name=name,
@@ -536,7 +535,7 @@ class VLLMServerBackend(Backend):
             stream=True,
             stream_options=stream_options,
             extra_body={**request, "messages": messages},
-            timeout=self._timeout,
+            timeout=self.timeout,
         )
 
     async def _open_with_retries(self, target: Replica, kwargs: dict[str, Any], *, fail_over: bool) -> tuple[Any, Chunk | None]:

@@ -101,7 +101,7 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
         try:
             try:
                 stream = await target.client.completions.create(
-                    model=model, prompt=prompt, stream=True, stream_options=stream_options, extra_body=body
+                    model=model, prompt=prompt, stream=True, stream_options=stream_options, extra_body=body, timeout=backend.timeout
                 )
                 async for chunk in stream:
                     streamed = True
