@@ -159,7 +159,8 @@ class DispatchSettings(_Section):
     """Adaptive: the window never shrinks below this."""
     max_window: int = Field(512, ge=1)
     """Adaptive: the window never grows above this (the engine's max_num_seqs, say)."""
-    window_interval_s: float = Field(0.5, gt=0)
+    window_interval_s: float = Field(0.5, ge=0.001, allow_inf_nan=False)
+    """Adaptive: seconds between the window's adjustments (at least a millisecond)."""
     waiting_target: int = Field(2, ge=0)
     """Calls waiting inside the engine tolerated before the window shrinks."""
     critical_reserve: int = Field(0, ge=0)
@@ -313,6 +314,10 @@ class ResourceSettings(_Section):
         return devices
 
 
+#: The least time a simulated engine step of one token may take, in seconds (a microsecond).
+MIN_STEP_S = 1e-6
+
+
 class SimSettings(_Section):
     """The embedded continuous-batching engine model (backend kind "sim").
 
@@ -382,6 +387,13 @@ class SimSettings(_Section):
             )
         if not (self.step_base_s or self.step_per_token_s or self.step_per_seq_s):
             raise ValueError("step_base_s, step_per_token_s and step_per_seq_s are all 0: an engine step would take no time")
+        # A step of 1e-300 s does not move a clock that reads seconds (now + 1e-300 == now).
+        one_token = self.step_base_s + self.step_per_token_s + self.step_per_seq_s
+        if one_token < MIN_STEP_S:
+            raise ValueError(
+                f"step_base_s + step_per_token_s + step_per_seq_s is {one_token:g} s: an engine step must take at least "
+                f"{MIN_STEP_S:g} s, or virtual time cannot pass"
+            )
         return self
 
 
@@ -465,7 +477,9 @@ class AgentMix(_Section):
     """Sessions of this kind submitted over the run."""
     turns: int = Field(3, ge=1)
     """Model calls per session."""
-    prompt_tokens: int = Field(256, ge=1)
+    prompt_tokens: int = Field(256, ge=1, le=10_000_000)
+    """Tokens of each session's first prompt (at most ten million: its text is made in memory, four
+    characters a token)."""
     max_tokens: int = Field(64, ge=1)
     tool_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Seconds spent in a tool between turns: the value ("fixed"), the mean ("exponential"), or

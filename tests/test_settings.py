@@ -83,9 +83,12 @@ def test_a_flag_where_a_size_belongs_is_refused(section, key):
         # An engine step that never ends: the run reported 0 tokens and no error.
         ({"backend": {"sim": {"step_base_s": "inf"}}}, "backend.sim.step_base_s"),
         ({"backend": {"sim": {"request_serial_s": "inf"}}}, "backend.sim.request_serial_s"),
+        # Too short to move a clock that reads seconds (now + 1e-300 == now): a run never ended.
+        ({"backend": {"sim": {"step_base_s": 1e-300, "step_per_token_s": 0, "step_per_seq_s": 0}}}, "backend.sim"),
+        ({"dispatch": {"window_interval_s": 1e-300}}, "dispatch.window_interval_s"),
     ],
 )
-def test_an_infinite_time_where_one_is_needed_is_refused(section, key):
+def test_a_time_that_cannot_pass_is_refused(section, key):
     assert refused(**section).key == key
 
 
