@@ -56,6 +56,12 @@ async def test_trace_sessions_arrive_at_their_times(tmp_path):
         ('{"at": "inf", "tenant": "acme"}', "workload.trace line 2"),
         ('{"tenant": "acme", "think_s": Infinity}', "workload.trace line 2: think_s"),
         ('{"tenant": "acme", "count": 5}', "workload.trace line 2"),  # was taken, and ignored
+        # A 400-digit integer: an OverflowError traceback mid-run (int too large for a float).
+        ('{"at": 1' + "0" * 400 + ', "tenant": "acme"}', "workload.trace line 2"),
+        # Its text made in memory: a MemoryError traceback at 1e11 tokens, 7.8 GB at 1e9.
+        ('{"tenant": "acme", "prompt_tokens": 100000000000}', "workload.trace line 2: prompt_tokens"),
+        # A check across fields is the line's: the key was "workload.trace line 2: " (no field).
+        ('{"tenant": "acme", "tool_s": 1, "tool_dist": "uniform"}', "workload.trace line 2"),
     ],
 )
 def test_bad_trace_lines_are_named(tmp_path, line, key):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +24,10 @@ from ..errors import ConfigError, FleetschedError
 from ..scheduler import Scheduler, SessionHandle
 from ..scheduler.session import Agent
 from ..settings import AgentMix, WorkloadSettings, first_error
+
+#: The latest arrival a trace line may give, in seconds from the start (a year, as `simulate`'s
+#: longest --duration).
+MAX_TRACE_AT_S = 365 * 86400.0
 
 _WORDS = "the fleet of agents shares one engine and every tenant gets its fair part of tokens".split()
 SYSTEM_PROMPT = "You are a careful assistant. Use the tools when they help, and answer briefly."
@@ -108,14 +111,16 @@ def read_trace(path: Path, tenants: Iterable[str] | None = None) -> list[tuple[f
             if not isinstance(record, dict):
                 raise ValueError("a line must be a JSON object")
             at = record.pop("at", 0.0)
-            if isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at < math.inf:
-                raise ValueError(f"at must be a finite number of seconds >= 0, got {at!r}")
+            # A 400-digit integer passed `< inf`, then failed to become a float mid-run.
+            if isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at <= MAX_TRACE_AT_S:
+                raise ValueError(f"at must be a number of seconds from 0 to {MAX_TRACE_AT_S:,.0f} (a year), got {at!r:.40}")
+            at = float(at)
             if "count" in record:
                 raise ValueError("count: a trace line is one session (write one line per session)")
             mix = AgentMix.model_validate({"count": 1, **record})
         except ValidationError as exc:
             field, message = first_error(exc)
-            raise ConfigError(f"{key}: {field}", message) from None
+            raise ConfigError(f"{key}: {field}" if field else key, message) from None
         except ValueError as exc:  # JSON syntax, or `at`
             raise ConfigError(key, str(exc)) from None
         if known is not None and mix.tenant not in known:
