@@ -91,7 +91,7 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     console.print(sla_table(report))
     if args.report:
         write_report(report, args.report)
-        console.print(f"report written to {args.report}")
+        console.print(f"report written to {args.report}", markup=False)
     return report
 
 

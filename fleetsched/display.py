@@ -59,7 +59,7 @@ def _view(scheduler: Scheduler, total: int, tracker: SlaTracker | None = None) -
     for column in ("tenant", "tier", "queued", "running", "done", "failed", f"SLA{window}", "breaches", "refused"):
         table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
     for row in _tenant_rows(scheduler, tracker):
-        table.add_row(*row)
+        table.add_row(Text(row[0]), *row[1:])  # a tenant's name is plain text, not markup
     d = stats.dispatcher
     queues = "   ".join(
         f"{t}: {sum(n for (_, tier), n in stats.queued.items() if tier == str(t))} sessions, {d.queued_by_tier.get(int(t), 0)} calls"
@@ -105,4 +105,4 @@ async def live_view(
                 live.update(_view(scheduler, total, tracker))
     while True:
         await anyio.sleep(2.0)
-        console.print(_line(scheduler, total, tracker), highlight=False)
+        console.print(_line(scheduler, total, tracker), highlight=False, markup=False)

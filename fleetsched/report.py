@@ -222,15 +222,17 @@ def _ms(value: float | None) -> str:
 
 
 def tenant_table(report: dict[str, Any]) -> Any:
-    """A rich Table of the report's per-tenant rows."""
+    """A rich Table of the report's per-tenant rows (a tenant's name as plain text, not markup:
+    ``team[/]`` failed the run's end with a MarkupError, before its report was written)."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"fleetsched: {report['duration_s']:.1f} s on {report['backend']}, {throughput_text(report)}")
     for column in ("tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"):
         table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
     for t in report["tenants"]:
         table.add_row(
-            t["tenant"],
+            Text(t["tenant"]),
             t["tier"],
             str(t["sessions_done"]),
             str(t["sessions_failed"]),
@@ -282,6 +284,7 @@ SLA_COLUMNS = ("tenant", "tier", "weight", "objective", "target", "measured", "a
 def sla_table(report: dict[str, Any]) -> Any:
     """A rich Table of every tenant's SLA objectives: target, measured, attainment, breaches by reason."""
     from rich.table import Table
+    from rich.text import Text
 
     total = report["sla"]["breaches"]
     table = Table(title=f"SLA: {total['total']} breaches")
@@ -289,5 +292,5 @@ def sla_table(report: dict[str, Any]) -> Any:
         table.add_column(column, justify="right" if column in ("weight", "target", "measured", "attained") else "left")
     for row in sla_rows(report):
         style = "red" if row[7].startswith("MISSED") else None
-        table.add_row(*row, style=style)
+        table.add_row(Text(row[0]), *row[1:], style=style)  # the tenant's name as plain text, as in tenant_table
     return table

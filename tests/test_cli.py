@@ -312,3 +312,20 @@ def test_bench_help_lists_the_benchmarks(flag, capsys):
 
     assert cli_main(["bench", flag]) == 0
     assert "allocator" in capsys.readouterr().out
+
+
+def test_tenant_names_are_printed_and_plotted_as_written(tmp_path):
+    # "team[/]" is rich markup: the run ended in a MarkupError after its last session, before its
+    # report was written. "$a$" is matplotlib math: `fleetsched report` failed to plot.
+    config = tmp_path / "odd.toml"
+    config.write_text(
+        '[backend]\nkind = "instant"\n[tenants."team[/]"]\n[tenants."$a$"]\n'
+        '[[workload.agents]]\ntenant = "team[/]"\ncount = 1\nturns = 1\n'
+        '[[workload.agents]]\ntenant = "$a$"\ncount = 1\nturns = 1\n'
+    )
+    report = tmp_path / "run.json"
+    done = fleetsched("run", str(config), "--no-live", "--report", str(report))
+    assert done.returncode == 0, done.stderr
+    assert "team[/]" in done.stdout and report.exists()
+    plotted = fleetsched("report", str(report), "--out", str(tmp_path / "plots"))
+    assert plotted.returncode == 0, plotted.stderr

@@ -28,6 +28,8 @@ def _pyplot() -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # Labels are tenants' and devices' names, never math: "$a$b" failed the whole render.
+    plt.rcParams["text.parse_math"] = False
     return plt
 
 
