@@ -232,7 +232,12 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
         if sla.latency_p95_s is not None:
             checks.append(SlaCheck(name, "latency_p95_s", sla.latency_p95_s, rank_percentile([c.latency_s for c in ok], 95)))
         if sla.deadline_s is not None:
-            spans = [s.finished - s.submitted for s in sessions]
+            # A session ended at its deadline without finishing (DeadlineExceeded, queued or
+            # running) spans the deadline exactly, which read as met: it missed it.
+            spans = [
+                s.finished - s.submitted if s.state == "done" or s.finished - s.submitted < sla.deadline_s else math.inf
+                for s in sessions
+            ]
             checks.append(SlaCheck(name, "deadline_s", sla.deadline_s, max(spans, default=math.nan)))
         if sla.min_tokens_per_s is not None:
             # Per second the tenant was backlogged (had a call outstanding), as `SlaSettings` and
@@ -304,9 +309,10 @@ def find_max_sessions(
     return result(lo, bounded=False)
 
 
-def _check_targets(settings: Settings) -> None:
+def _check_targets(settings: Settings, duration_s: float) -> None:
     """A capacity search needs an objective to miss: raise ConfigError when no tenant of the
-    workload sets one (every fleet size would "meet" them, up to the search's limit)."""
+    workload sets one (every fleet size would "meet" them, up to the search's limit), or when a
+    probe of `duration_s` is too short to see a session miss its tenant's deadline."""
     tenants = sorted({m.tenant for m in settings.workload.agents})
     if not any(settings.tenants[t].sla.model_dump(exclude_none=True) for t in tenants if t in settings.tenants):
         raise ConfigError(
@@ -315,6 +321,16 @@ def _check_targets(settings: Settings) -> None:
             f"({', '.join(tenants)}) sets one: give one an sla with ttft_p99_s, latency_p95_s, deadline_s "
             "or min_tokens_per_s",
         )
+    # The sessions a probe cuts at its end were younger than the deadline, so they never missed
+    # it: with only a deadline to meet, every fleet size passed (up to 65,536 sessions).
+    for name in tenants:
+        deadline = settings.tenants[name].sla.deadline_s if name in settings.tenants else None
+        if deadline is not None and deadline > duration_s:
+            raise ConfigError(
+                "--duration",
+                f"{duration_s:g} s is shorter than tenant {name!r}'s deadline_s ({deadline:g} s): a probe that "
+                f"short cannot see a session miss its deadline; give --duration {math.ceil(deadline)}s or more",
+            )
 
 
 def _size(agents: list[AgentMix], total: int) -> int:
@@ -369,7 +385,7 @@ def main(argv: list[str]) -> int:
         if args.find_max_sessions and duration is None:
             raise ConfigError("--duration", "--find-max-sessions needs --duration (each probe holds the fleet that long)")
         if args.find_max_sessions:
-            _check_targets(settings)
+            _check_targets(settings, duration)
     except (ConfigError, ValueError) as exc:
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fleetsched.cli import main as cli_main
-from fleetsched.settings import ResourceSettings, Settings
+from fleetsched.settings import ResourceSettings, Settings, load_settings
 from fleetsched.simulate import find_max_sessions, parse_duration, scale_fleet, sim_settings, simulate, sla_checks
 
 pytest.importorskip("trio")
@@ -342,3 +342,28 @@ def test_a_p99_objective_fits_only_when_99_percent_of_calls_meet_it():
     assert rows[0].met is False  # the report's verdict
     checks = {c.metric: c for c in sla_checks(SimpleNamespace(recorder=recorder), settings, 200.0)}
     assert checks["ttft_p99_s"].value == pytest.approx(1.05) and not checks["ttft_p99_s"].ok
+
+
+DEADLINE_ONLY = (
+    '[scheduler]\nmax_sessions = 4\ntool_policy = "keep"\n[tenants.a]\nsla = { deadline_s = 100 }\n'
+    '[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 3\ntool_s = 5\n'
+)
+
+
+def test_a_deadline_search_needs_probes_as_long_as_the_deadline(tmp_path, capsys):
+    # Every fleet up to the search's limit (65,536) "met" a 100-s deadline in 20-s probes: the
+    # sessions cut at a probe's end were younger than the deadline.
+    config = tmp_path / "fleet.toml"
+    config.write_text(DEADLINE_ONLY)
+    assert cli_main(["simulate", str(config), "--duration", "20s", "--find-max-sessions"]) == 2
+    assert "--duration: 20 s is shorter than tenant 'a''s deadline_s (100 s)" in capsys.readouterr().err
+
+
+def test_sessions_ended_at_their_deadline_missed_it(tmp_path):
+    # Sessions queued past their deadline fail at it, spanning it exactly: that read as met, and
+    # the search passed every fleet to its limit even in probes longer than the deadline.
+    config = tmp_path / "fleet.toml"
+    config.write_text(DEADLINE_ONLY)
+    settings = sim_settings(load_settings(config))
+    result = find_max_sessions(settings, 100.0, echo=lambda _: None, limit=1024)
+    assert not result["bounded_by_limit"] and 4 <= result["max_sessions"] < 128  # measured: 36
