@@ -555,3 +555,20 @@ async def test_engine_ttfts_kept_for_the_window_are_bounded(monkeypatch):
         await dispatcher.chat(body("x"), tenant="a", tier=Tier.STANDARD)
     assert 32 <= len(dispatcher._engine_ttfts) <= 64
     assert dispatcher.take_engine_ttft() == 0.0 and not dispatcher._engine_ttfts
+
+
+async def test_until_a_call_waits_while_no_call_is_made():
+    # The window's adjustments woke every window_interval_s whatever happened: a simulation of
+    # three sessions a year apart spun through every half second of the year between them.
+    dispatcher = Dispatcher(SlowBackend(10.0), window=1)
+    with anyio.move_on_after(3600) as idle:
+        await dispatcher.until_a_call()
+    assert idle.cancelled_caught  # no call in an hour: still waiting
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dispatcher.until_a_call)
+        await anyio.sleep(5)
+        start = anyio.current_time()
+        tg.start_soon(partial(dispatcher.chat, body("a"), tenant="t", tier=Tier.STANDARD))
+        with anyio.fail_after(1):
+            await dispatcher.until_a_call()  # a call in flight: at once
+        assert anyio.current_time() == start

@@ -90,7 +90,10 @@ async def test_preemptions_after_a_server_restart_shrink_the_window():
     # The server restarted between the 2nd and 3rd readings (its counter went 100 -> 3): the 3
     # preemptions since are new ones. Counted as 3 - 100 = -97, none, the window held.
     s = settings(backend={"kind": "instant", "max_in_flight": 32}, dispatch={"window_interval_s": 1.0})
-    async with Scheduler(s, backend=RestartingBackend([100.0, 100.0, 3.0, 3.0])) as scheduler:
+    backend = RestartingBackend([100.0, 100.0, 3.0, 3.0])
+    backend.seconds = 10.0  # a call in flight throughout: the window is adjusted while calls are made
+    async with Scheduler(s, backend=backend) as scheduler, anyio.create_task_group() as tg:
+        tg.start_soon(partial(scheduler.dispatcher.chat, body("long"), tenant="acme", tier=Tier.STANDARD))
         await anyio.sleep(2.5)
         assert scheduler.statistics().dispatcher.window == 32  # no preemption yet: holds
         await anyio.sleep(1)

@@ -139,6 +139,7 @@ class Dispatcher:
         self._rate_since: float | None = None
         self._rate_served = 0.0
         self._engine_ttfts: list[float] = []
+        self._call_made: anyio.Event | None = None  # set by the next call (`until_a_call`)
         #: Per tenant, a running mean of the share of `max_tokens` its calls used: a call is
         #: charged that share of its own `max_tokens` when it takes its place (VTC with length
         #: prediction).
@@ -294,6 +295,9 @@ class Dispatcher:
     async def _begin(
         self, body: ChatBody, tenant: str, tier: int, session: int, due: float, due_in: float, deadline: float
     ) -> tuple[CallRecord, int]:
+        if self._call_made is not None:
+            self._call_made.set()
+            self._call_made = None
         now = anyio.current_time()
         if due_in < math.inf:
             due = min(due, now + due_in)
@@ -530,6 +534,16 @@ class Dispatcher:
         _check_count("in-flight window", window, 1)
         self.window = window
         self._grant()
+
+    async def until_a_call(self) -> None:
+        """Return once a call is in flight or waiting for its place: at once if one is, else when
+        the next one is made. The window's adjustments wait here while no call is made, so that
+        a simulation's idle stretches (sparse arrivals, long tool calls) cost no wake-ups."""
+        if self._in_flight or self._queue:
+            return
+        if self._call_made is None:
+            self._call_made = anyio.Event()
+        await self._call_made.wait()
 
     def statistics(self) -> DispatcherStatistics:
         by_tier: dict[int, int] = {}

@@ -714,6 +714,7 @@ class Scheduler:
         last_preemptions: float | None = None
         while True:
             await anyio.sleep(dispatch.window_interval_s)
+            await self.dispatcher.until_a_call()  # nothing to pace meanwhile
             try:
                 signals = await self.backend.signals()
             except FleetschedError:
