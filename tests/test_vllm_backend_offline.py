@@ -524,3 +524,18 @@ async def test_a_call_falling_back_from_its_sessions_replica_does_not_go_back_to
             response = await Dispatcher(backend, window=4).chat(BODY, tenant="t", tier=1, replica="r0")
     assert response["choices"][0]["message"]["content"] == "Hi"
     assert len(to_r0) == 3  # its attempts once (6 before)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_a_replica_that_answers_with_a_page_is_no_vllm_server():
+    """A proxy's or another service's page, answered 200, was retried as a stream cut short
+    (every attempt) and counted against the replica's breaker."""
+    page = b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 18\r\nconnection: close\r\n\r\n<html>hello</html>"
+    posts: list[bytes] = []
+    with _http_server(page, posts) as url:
+        async with VLLMServerBackend(url, retry_attempts=3, retry_initial_s=0.01, retry_max_s=0.01) as backend:
+            with pytest.raises(BackendError, match=r"answered with 'text/html', not an event stream: the URL must be the root URL"):
+                await collect_stream(backend.stream_chat(BODY))
+            assert backend.replicas["r0"].breaker.consecutive_failures == 0
+    assert len(posts) == 1  # not retried

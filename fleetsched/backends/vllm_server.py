@@ -577,6 +577,14 @@ class VLLMServerBackend(Backend):
         response = await opened.__aenter__()
         stream = _EventStream(opened, response.iter_lines())
         try:
+            # Another service there (a proxy's page, say) answers 200 too: it was retried as a
+            # stream cut short, and counted against the breaker. Not a server to retry.
+            kind = response.headers.get("content-type", "text/event-stream")
+            if not kind.lower().startswith("text/event-stream"):
+                raise BackendError(
+                    f"vLLM replica {target.name} ({target.url}) answered with {kind!r:.60}, not an event stream: "
+                    "the URL must be the root URL of a vLLM server"
+                )
             return stream, await stream.next()
         except BaseException:
             with anyio.CancelScope(shield=True):
