@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fleetsched import Scheduler, SessionState
+from fleetsched.agents import workload
 from fleetsched.agents.workload import plan, run_workload
 from fleetsched.errors import ConfigError
 from fleetsched.settings import WorkloadSettings
@@ -104,3 +105,13 @@ def test_an_unknown_tenant_is_named_by_its_line(tmp_path):
     with pytest.raises(ConfigError, match="'ghost' is not a declared tenant") as info:
         plan(WorkloadSettings(trace=trace), ["acme"])
     assert info.value.key == "workload.trace line 4: tenant"
+
+
+def test_a_trace_of_more_sessions_than_are_run_is_refused(tmp_path, monkeypatch):
+    # workload.agents refuses more than a million sessions; a trace of a million and one lines
+    # was taken and took 4 GB before its first session ran.
+    monkeypatch.setattr(workload, "MAX_WORKLOAD_SESSIONS", 3)
+    trace = write(tmp_path / "t.jsonl", *[{"tenant": "acme"}] * 4)
+    with pytest.raises(ConfigError, match="more than 3 sessions in the trace") as info:
+        plan(WorkloadSettings(trace=trace), ["acme"])
+    assert info.value.key == "workload.trace line 4"

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from ..errors import ConfigError, FleetschedError
 from ..scheduler import Scheduler, SessionHandle
 from ..scheduler.session import Agent
-from ..settings import AgentMix, WorkloadSettings, first_error
+from ..settings import MAX_WORKLOAD_SESSIONS, AgentMix, WorkloadSettings, first_error
 
 #: The latest arrival a trace line may give, in seconds from the start (a year, as `simulate`'s
 #: longest --duration).
@@ -125,6 +125,8 @@ def read_trace(path: Path, tenants: Iterable[str] | None = None) -> list[tuple[f
             raise ConfigError(key, str(exc)) from None
         if known is not None and mix.tenant not in known:
             raise ConfigError(f"{key}: tenant", f"{mix.tenant!r} is not a declared tenant")
+        if len(sessions) == MAX_WORKLOAD_SESSIONS:  # as workload.agents: a bigger trace filled memory for minutes
+            raise ConfigError(key, f"more than {MAX_WORKLOAD_SESSIONS:,} sessions in the trace; at most that many are run")
         sessions.append((at, mix))
     return sessions
 
