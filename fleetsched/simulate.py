@@ -419,6 +419,8 @@ def main(argv: list[str]) -> int:
             console = Console(width=160)
             for flagged in report["sla"]["feasibility"]["unreachable"]:
                 print(f"fleetsched simulate: warning: {flagged['message']}", file=sys.stderr)
+            if report["sla"]["feasibility"]["note"]:  # as `run` prints it (an agent whose calls cannot fit, say)
+                print(f"fleetsched simulate: note: {report['sla']['feasibility']['note']}", file=sys.stderr)
             console.print(tenant_table(report))
             console.print(sla_table(report))
             s = report["sim"]

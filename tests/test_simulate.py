@@ -367,3 +367,12 @@ def test_sessions_ended_at_their_deadline_missed_it(tmp_path):
     settings = sim_settings(load_settings(config))
     result = find_max_sessions(settings, 100.0, echo=lambda _: None, limit=1024)
     assert not result["bounded_by_limit"] and 4 <= result["max_sessions"] < 128  # measured: 36
+
+
+def test_simulate_prints_the_note_run_prints(tmp_path, capsys):
+    # `run` said every call would fail with ContextTooLong; `simulate` said nothing (only its
+    # JSON held the note).
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 1\nturns = 1\nprompt_tokens = 20000\n')
+    assert cli_main(["simulate", str(config)]) == 0
+    assert "fleetsched simulate: note: workload.agents[0] (a): its first call has about" in capsys.readouterr().err
