@@ -452,6 +452,15 @@ async def test_a_stream_that_ends_without_done_is_an_answer_broken_off(anyio_bac
             assert len(chunks) == 2  # what came is delivered; no usage made up after it
 
 
+#: A whole answer, "Hi", as vLLM streams it.
+ANSWERED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    + ROLE_CHUNK
+    + b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}\n\n'
+    + b"data: [DONE]\n\n"
+)
+
+
 @contextlib.contextmanager
 def _silent_server(first: bytes = b"") -> Iterator[tuple[str, list[int]]]:
     """A server in a thread that takes each request, sends `first` (nothing by default) and then
@@ -492,16 +501,14 @@ async def test_a_replica_that_takes_the_call_and_then_says_nothing_fails_it_with
                 with pytest.raises(BackendUnavailable, match=r"vLLM replica r0 \(.*\) took the call, then sent nothing: no answer within the read timeout"):
                     await collect_stream(backend.stream_chat(BODY))
         assert taken[0] == 2  # retried, as an unreachable replica is
-        stalled = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + ROLE_CHUNK
+    stalled = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + ROLE_CHUNK  # then nothing
     with _silent_server(stalled) as (url, taken):
         async with VLLMServerBackend(url, retry_attempts=1, read_timeout_s=0.5) as backend:
             with anyio.fail_after(10):
                 with pytest.raises(BackendUnavailable, match=r"broke off the answer after 1 chunks: no answer within the read timeout"):
                     await collect_stream(backend.stream_chat(BODY))
     # Before its first chunk, a silent replica is failed over from, as one that refuses is.
-    done = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
-    answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + ROLE_CHUNK + done
-    with _silent_server() as (silent, _), _http_server(answer) as live:
+    with _silent_server() as (silent, _), _http_server(ANSWERED) as live:
         async with VLLMServerBackend({"r0": silent, "r1": live}, read_timeout_s=0.5) as backend:
             with anyio.fail_after(10):
                 response, _ = await collect_stream(backend.stream_chat(BODY))
@@ -516,10 +523,8 @@ async def test_a_call_falling_back_from_its_sessions_replica_does_not_go_back_to
     from fleetsched.scheduler import Dispatcher
 
     failing = b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
-    done = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
-    answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + ROLE_CHUNK + done
     to_r0: list[bytes] = []
-    with _http_server(failing, to_r0) as r0, _http_server(answer) as r1:
+    with _http_server(failing, to_r0) as r0, _http_server(ANSWERED) as r1:
         async with VLLMServerBackend({"r0": r0, "r1": r1}, retry_attempts=3, retry_initial_s=0.01, retry_max_s=0.01) as backend:
             response = await Dispatcher(backend, window=4).chat(BODY, tenant="t", tier=1, replica="r0")
     assert response["choices"][0]["message"]["content"] == "Hi"
