@@ -42,7 +42,7 @@ def _load(path: str, backend: str | None) -> Settings:
         raise ConfigError("workload.agents", "the config describes no agents to run (nor a workload.trace)")
     from .agents.workload import plan
 
-    plan(settings.workload, settings.tenants)  # a bad trace is a config error, found before the run
+    plan(settings.workload, settings)  # a bad trace is a config error, found before the run
     return settings
 
 

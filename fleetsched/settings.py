@@ -549,17 +549,20 @@ class Settings(BaseSettings):
                     f"workload.agents.{i}.tenant: {mix.tenant!r} is not a declared tenant "
                     f"(declared: {', '.join(self.tenants)})"
                 )
-            self._check_admissible(i, mix)
+            reason = self.inadmissible(mix, f"workload.agents.{i}")
+            if reason is not None:
+                raise ValueError(f"workload.agents.{i}: {reason}")
         return self
 
-    def _check_admissible(self, i: int, mix: AgentMix) -> None:
-        """Refuse an agent mix whose sessions would each be rejected at submission (the run would
-        only count them failed): more memory than the tenant's quota or than any device holds."""
+    def inadmissible(self, mix: AgentMix, where: str) -> str | None:
+        """Why every session of `mix` (declared at `where`) would be rejected at submission, or
+        None: more memory than its tenant's quota or than any device holds. Such a mix is refused
+        as a config error (the run would only count its sessions failed)."""
         tenant = self.tenants[mix.tenant]
         memory, source = next(
             (value, key)
             for value, key in (
-                (mix.session_memory, f"workload.agents.{i}.session_memory"),
+                (mix.session_memory, f"{where}.session_memory"),
                 (tenant.session_memory, f"tenants.{mix.tenant}.session_memory"),
                 (self.scheduler.session_memory, "scheduler.session_memory"),
             )
@@ -572,19 +575,16 @@ class Settings(BaseSettings):
                 largest -= largest % int(self.resources.page_size)
                 held += ", in whole pages of resources.page_size"
         elif source == "scheduler.session_memory":
-            return  # sized from the servers' caches when the scheduler starts
+            return None  # sized from the servers' caches when the scheduler starts
         else:
             largest = None  # the devices are read when the scheduler starts
         if tenant.memory_quota is not None and memory > tenant.memory_quota:
-            limit = f"tenant {mix.tenant!r}'s memory_quota of {int(tenant.memory_quota):,} bytes"
+            limit = f"the memory_quota of tenant {mix.tenant!r} ({int(tenant.memory_quota):,} bytes)"
         elif largest is not None and memory > largest:
             limit = f"the largest device holds ({held}: {largest:,} bytes)"
         else:
-            return
-        raise ValueError(
-            f"workload.agents.{i}: a session reserves {int(memory):,} bytes ({source}), more than {limit}: "
-            "none of these sessions could be admitted"
-        )
+            return None
+        return f"a session reserves {int(memory):,} bytes ({source}), more than {limit}: no such session could be admitted"
 
     @classmethod
     def settings_customise_sources(

@@ -364,7 +364,7 @@ def main(argv: list[str]) -> int:
         if duration is None:  # the workload runs as `fleetsched run` runs it: check it as run does
             from .agents.workload import plan
 
-            if not plan(settings.workload, settings.tenants):
+            if not plan(settings.workload, settings):
                 raise ConfigError("workload", "the config describes no sessions to run (agents or a trace)")
         elif not settings.workload.agents:
             raise ConfigError("workload.agents", "--duration holds a fleet of the config's agents, and it describes none")

@@ -124,7 +124,7 @@ def test_unknown_workload_tenant_and_missing_file(tmp_path):
     ("sections", "why"),
     [
         # memory_quota "1GB" is below the default session_memory of 1 GiB.
-        ('[tenants.acme]\nmemory_quota = "1GB"\n', "more than tenant 'acme''s memory_quota of 1,000,000,000 bytes"),
+        ('[tenants.acme]\nmemory_quota = "1GB"\n', "more than the memory_quota of tenant 'acme' (1,000,000,000 bytes)"),
         (
             '[tenants.acme]\nsession_memory = "100GB"\n',
             "more than the largest device holds (resources.devices, in whole pages of resources.page_size: 79,997,960,192 bytes)",

@@ -12,9 +12,13 @@ from fleetsched import Scheduler, SessionState
 from fleetsched.agents import workload
 from fleetsched.agents.workload import plan, run_workload
 from fleetsched.errors import ConfigError
-from fleetsched.settings import WorkloadSettings
+from fleetsched.settings import Settings, WorkloadSettings
 
 from .helpers import check_released, settings
+
+
+#: Settings that declare the tenant "acme" alone.
+ACME = Settings(tenants={"acme": {}})
 
 
 def write(path, *records):
@@ -68,7 +72,7 @@ async def test_trace_sessions_arrive_at_their_times(tmp_path):
 def test_bad_trace_lines_are_named(tmp_path, line, key):
     trace = write(tmp_path / "t.jsonl", {"tenant": "acme"}, line)
     with pytest.raises(ConfigError) as info:
-        plan(WorkloadSettings(trace=trace), ["acme"])
+        plan(WorkloadSettings(trace=trace), ACME)
     assert info.value.key == key
 
 
@@ -76,13 +80,13 @@ def test_a_trace_that_is_not_utf8_is_named(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_bytes(b'{"tenant": "acme"}\n\xff\xfe\n')
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
-        plan(WorkloadSettings(trace=trace), ["acme"])
+        plan(WorkloadSettings(trace=trace), ACME)
 
 
 def test_unknown_tenant_and_missing_trace(tmp_path):
     trace = write(tmp_path / "t.jsonl", {"tenant": "ghost"})
     with pytest.raises(ConfigError, match="'ghost' is not a declared tenant"):
-        plan(WorkloadSettings(trace=trace), ["acme"])
+        plan(WorkloadSettings(trace=trace), ACME)
     with pytest.raises(ConfigError, match="cannot read"):
         plan(WorkloadSettings(trace=tmp_path / "missing.jsonl"))
 
@@ -103,7 +107,7 @@ def test_an_unknown_tenant_is_named_by_its_line(tmp_path):
     error of a trace names its line."""
     trace = write(tmp_path / "t.jsonl", "", {"tenant": "acme"}, "", {"tenant": "ghost"})
     with pytest.raises(ConfigError, match="'ghost' is not a declared tenant") as info:
-        plan(WorkloadSettings(trace=trace), ["acme"])
+        plan(WorkloadSettings(trace=trace), ACME)
     assert info.value.key == "workload.trace line 4: tenant"
 
 
@@ -113,5 +117,23 @@ def test_a_trace_of_more_sessions_than_are_run_is_refused(tmp_path, monkeypatch)
     monkeypatch.setattr(workload, "MAX_WORKLOAD_SESSIONS", 3)
     trace = write(tmp_path / "t.jsonl", *[{"tenant": "acme"}] * 4)
     with pytest.raises(ConfigError, match="more than 3 sessions in the trace") as info:
-        plan(WorkloadSettings(trace=trace), ["acme"])
+        plan(WorkloadSettings(trace=trace), ACME)
     assert info.value.key == "workload.trace line 4"
+
+
+def test_a_trace_session_that_could_never_be_admitted_is_refused(tmp_path):
+    """As an agent mix is: a line whose session reserves more than any device holds, or than its
+    tenant's quota. Before, the run started, and each such session was rejected at submission."""
+    config = Settings(tenants={"acme": {}, "quota": {"memory_quota": "4GB"}})
+    fits = {"tenant": "acme", "turns": 1}
+    for line, limit in (
+        ({"tenant": "acme", "session_memory": "500GB"}, "more than the largest device holds"),
+        ({"tenant": "quota", "session_memory": "8GB"}, "more than the memory_quota of tenant 'quota'"),
+    ):
+        trace = write(tmp_path / "t.jsonl", fits, line)
+        with pytest.raises(ConfigError, match=limit) as info:
+            plan(WorkloadSettings(trace=trace), config)
+        assert info.value.key == "workload.trace line 2"
+        assert "(workload.trace line 2.session_memory)" in info.value.reason
+    write(tmp_path / "t.jsonl", fits, {"tenant": "quota", "session_memory": "4GB"})
+    assert len(plan(WorkloadSettings(trace=tmp_path / "t.jsonl"), config)) == 2

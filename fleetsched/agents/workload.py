@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from ..errors import ConfigError, FleetschedError
 from ..scheduler import Scheduler, SessionHandle
 from ..scheduler.session import Agent
-from ..settings import MAX_WORKLOAD_SESSIONS, AgentMix, WorkloadSettings, first_error
+from ..settings import MAX_WORKLOAD_SESSIONS, AgentMix, Settings, WorkloadSettings, first_error
 
 #: The latest arrival a trace line may give, in seconds from the start (a year, as `simulate`'s
 #: longest --duration).
@@ -91,10 +91,10 @@ class PlannedSession:
     agent: Agent
 
 
-def read_trace(path: Path, tenants: Iterable[str] | None = None) -> list[tuple[float, AgentMix]]:
+def read_trace(path: Path, settings: Settings | None = None) -> list[tuple[float, AgentMix]]:
     """The sessions of a JSONL trace as (arrival offset, agent mix of one). Raises `ConfigError`
-    naming the line and the field that is wrong; with `tenants`, a tenant not among them too."""
-    known = set(tenants) if tenants is not None else None
+    naming the line and the field that is wrong; with `settings`, a tenant they do not declare
+    too, and a session that could never be admitted (as `Settings` refuses such an agent mix)."""
     sessions = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -123,17 +123,22 @@ def read_trace(path: Path, tenants: Iterable[str] | None = None) -> list[tuple[f
             raise ConfigError(f"{key}: {field}" if field else key, message) from None
         except ValueError as exc:  # JSON syntax, or `at`
             raise ConfigError(key, str(exc)) from None
-        if known is not None and mix.tenant not in known:
-            raise ConfigError(f"{key}: tenant", f"{mix.tenant!r} is not a declared tenant")
+        if settings is not None:
+            if mix.tenant not in settings.tenants:
+                raise ConfigError(f"{key}: tenant", f"{mix.tenant!r} is not a declared tenant")
+            reason = settings.inadmissible(mix, key)
+            if reason is not None:
+                raise ConfigError(key, reason)
         if len(sessions) == MAX_WORKLOAD_SESSIONS:  # as workload.agents: a bigger trace filled memory for minutes
             raise ConfigError(key, f"more than {MAX_WORKLOAD_SESSIONS:,} sessions in the trace; at most that many are run")
         sessions.append((at, mix))
     return sessions
 
 
-def plan(workload: WorkloadSettings, tenants: Iterable[str] | None = None) -> list[PlannedSession]:
+def plan(workload: WorkloadSettings, settings: Settings | None = None) -> list[PlannedSession]:
     """Every session of the workload, generated and replayed, with its arrival offset (seconds),
-    in arrival order. With `tenants`, a trace naming another tenant is a `ConfigError`."""
+    in arrival order. With `settings`, a trace line they would refuse as an agent mix (another
+    tenant, a session that could never be admitted) is a `ConfigError`."""
     rng = random.Random(workload.seed)
     kinds = []
     for index, mix in enumerate(workload.agents):
@@ -147,7 +152,7 @@ def plan(workload: WorkloadSettings, tenants: Iterable[str] | None = None) -> li
             at += rng.expovariate(workload.arrival_rate)
         sessions.append(PlannedSession(at, kind, mix, scripted_chat_agent(mix, rng)))
     if workload.trace is not None:
-        for offset, mix in read_trace(workload.trace, tenants):
+        for offset, mix in read_trace(workload.trace, settings):
             sessions.append(PlannedSession(offset, mix.kind or mix.tenant, mix, scripted_chat_agent(mix, rng)))
         sessions.sort(key=lambda planned: planned.at)
     return sessions
@@ -164,7 +169,7 @@ async def run_workload(
     """
     start = anyio.current_time()
     handles: list[SessionHandle] = []
-    for planned in plan(workload, scheduler.settings.tenants):
+    for planned in plan(workload, scheduler.settings):
         delay = start + planned.at - anyio.current_time()
         if delay > 0:
             await anyio.sleep(delay)
