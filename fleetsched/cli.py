@@ -170,6 +170,9 @@ def _main(argv: list[str] | None) -> int:
         try:
             if anyio.run(_run, settings, args, console) is None:
                 return 1
+        except ConfigError as exc:  # found as the scheduler starts: a KV cache smaller than a session's budget
+            print(f"fleetsched: config error: {exc}", file=sys.stderr)
+            return 2
         except BackendUnavailable as exc:
             print(
                 f"fleetsched run: the {settings.backend.kind} backend cannot be reached: {exc} "

@@ -328,7 +328,7 @@ def _check_targets(settings: Settings, duration_s: float) -> None:
         if deadline is not None and deadline > duration_s:
             raise ConfigError(
                 "--duration",
-                f"{duration_s:g} s is shorter than tenant {name!r}'s deadline_s ({deadline:g} s): a probe that "
+                f"{duration_s:g} s is shorter than the deadline_s of tenant {name!r} ({deadline:g} s): a probe that "
                 f"short cannot see a session miss its deadline; give --duration {math.ceil(deadline)}s or more",
             )
 
@@ -389,6 +389,20 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2
+    try:
+        text = _simulate_and_print(settings, duration, args)
+    except ConfigError as exc:  # found as the scheduler starts: a KV cache smaller than a session's budget
+        print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _simulate_and_print(settings: Settings, duration: float | None, args: argparse.Namespace) -> str:
+    """Run the simulation (or the capacity search) `args` ask for, print its tables (or its JSON),
+    and return its JSON text."""
     if args.find_max_sessions:
         echo = (lambda _: None) if args.json else print
         result = find_max_sessions(settings, duration, echo=echo, loop=args.loop)  # type: ignore[arg-type]
@@ -432,7 +446,4 @@ def main(argv: list[str]) -> int:
                 f"{simulated} in {report['wall_s']:.1f} s wall; {s['engine_steps']:,} engine steps, "
                 f"busy {s['engine_busy_frac']:.0%}, {s['preemptions']} preemptions, stream_interval {s['stream_interval']}"
             )
-    if args.report:
-        with open(args.report, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return text

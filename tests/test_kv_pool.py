@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetsched import Scheduler
+from fleetsched import Scheduler, cli, simulate
 from fleetsched.errors import BackendError, ConfigError
 from fleetsched.resources import KVCacheCapacity, kv_pool, session_bytes
 from fleetsched.settings import Settings, load_settings
@@ -62,6 +62,30 @@ async def test_on_the_sim_the_pool_is_its_cache_and_admits_what_it_holds(tiny_co
         for handle in handles:
             await handle
     assert running == 9
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_session_budget_larger_than_the_cache_is_a_config_error(tiny_config, tmp_path, capsys, loop):
+    """8,193 tokens against a cache of 8,192: no session could ever be admitted. Before, the
+    scheduler started, every session was rejected at submission, and `run` exited 0."""
+
+    async def enter() -> None:
+        async with Scheduler(sim_settings(tiny_config, context_tokens=8193)):
+            pytest.fail("the scheduler started")
+
+    with pytest.raises(ConfigError, match=r"budget of 8,193 tokens .* more than the largest KV cache holds \(replica 'sim': 8,192 tokens") as info:
+        anyio.run(enter, backend=loop)
+    assert info.value.key == "resources.kv_cache.context_tokens"
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[backend.sim]\nkv_cache_tokens = 8192\nblock_size = 128\nmax_model_len = 1024\n'
+        f'[resources.kv_cache]\nconfig = "{tiny_config}"\ncontext_tokens = 8193\n'
+        '[[workload.agents]]\ntenant = "default"\ncount = 2\nturns = 1\n'
+    )
+    assert cli.main(["run", str(config), "--no-live"]) == 2
+    assert "fleetsched: config error: resources.kv_cache.context_tokens: a session's budget" in capsys.readouterr().err
+    assert simulate.main([str(config)]) == 2
+    assert "fleetsched simulate: config error: resources.kv_cache.context_tokens" in capsys.readouterr().err
 
 
 async def test_a_tenant_s_own_session_memory_still_wins(tiny_config):

@@ -356,7 +356,7 @@ def test_a_deadline_search_needs_probes_as_long_as_the_deadline(tmp_path, capsys
     config = tmp_path / "fleet.toml"
     config.write_text(DEADLINE_ONLY)
     assert cli_main(["simulate", str(config), "--duration", "20s", "--find-max-sessions"]) == 2
-    assert "--duration: 20 s is shorter than tenant 'a''s deadline_s (100 s)" in capsys.readouterr().err
+    assert "--duration: 20 s is shorter than the deadline_s of tenant 'a' (100 s)" in capsys.readouterr().err
 
 
 def test_sessions_ended_at_their_deadline_missed_it(tmp_path):

@@ -32,7 +32,7 @@ from anyio.abc import TaskGroup
 from .._cancellation import stray_cancelled_error
 from ..agents.context import SessionContext
 from ..backends import Backend, create_backend
-from ..errors import DeadlineExceeded, FleetschedError, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
+from ..errors import ConfigError, DeadlineExceeded, FleetschedError, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
 from ..policies.fair_queue import Entry, FairQueue
 from ..policies.pace import KeepOrRelease, ToolStats
 from ..policies.tiers import Tier
@@ -197,13 +197,18 @@ class Scheduler:
         from the model (`resources.kv_cache`)."""
         kv = self.settings.resources.kv_cache
         assert kv is not None
-        sized = kv_pool(
-            await self.backend.kv_capacities(),
-            kv.config,
-            context_tokens=kv.context_tokens,
-            dtype=kv.dtype,
-            in_flight_tokens=kv.in_flight_tokens,
-        )
+        capacities = await self.backend.kv_capacities()
+        sized = kv_pool(capacities, kv.config, context_tokens=kv.context_tokens, dtype=kv.dtype, in_flight_tokens=kv.in_flight_tokens)
+        largest = max(sized.devices, key=sized.devices.__getitem__)
+        if sized.session_bytes > sized.devices[largest]:
+            # Every session would be rejected at submission, and a run would end "done" with
+            # each of its sessions failed.
+            raise ConfigError(
+                "resources.kv_cache.context_tokens",
+                f"a session's budget of {kv.context_tokens:,} tokens reserves {sized.session_bytes:,} bytes, more than "
+                f"the largest KV cache holds (replica {largest!r}: {capacities[largest].tokens:,} tokens, "
+                f"{sized.devices[largest]:,} bytes): no session could be admitted",
+            )
         devices = [DeviceSettings(name=name, memory=memory) for name, memory in sized.devices.items()]
         resources = self.settings.resources.model_copy(update={"devices": devices, "page_size": sized.page_size})
         self.pool = create_pool(resources, self._quotas)

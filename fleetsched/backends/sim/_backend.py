@@ -185,11 +185,14 @@ class SimBackend(Backend):
         await self._task_group.start(self._run, name="sim-engine-loop")
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> bool | None:
+    async def __aexit__(self, *exc_info: Any) -> None:
         self._shut()
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()
-        return await self._task_group.__aexit__(*exc_info)
+        # Not given the block's exception: an anyio task group wraps it in an ExceptionGroup
+        # (a ConfigError from `Scheduler.__aenter__` reached the command line as a traceback).
+        # It propagates as it is; the loop's own errors, if any, are raised here.
+        await self._task_group.__aexit__(None, None, None)
 
     async def aclose(self) -> None:
         """Stop the engine loop; open streams fail with `BackendUnavailable`. Idempotent."""
