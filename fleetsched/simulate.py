@@ -351,7 +351,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched simulate", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="TOML settings file (tenants, workload; the backend becomes sim)")
     parser.add_argument("--duration", help="hold the fleet this long in virtual time (90s, 15m, 2h)")
-    parser.add_argument("--profile", help="sim profile: a shipped name or a TOML file (default: the config's)")
+    parser.add_argument("--profile", help="sim profile: a shipped name or a TOML file, in place of the config's [backend.sim] section (default: the config's)")
     parser.add_argument("--stream-interval", type=positive_int, help=f"tokens per streamed chunk (default {SIMULATE_STREAM_INTERVAL})")
     parser.add_argument("--find-max-sessions", action="store_true", help="search the largest fleet that meets every SLA")
     parser.add_argument("--loop", choices=LOOPS, default="asyncio", help="event loop under the virtual clock (default asyncio)")
@@ -377,6 +377,13 @@ def main(argv: list[str]) -> int:
                     "--duration keeps each entry's count of sessions running from the start",
                     file=sys.stderr,
                 )
+        if args.profile is not None and settings.backend.sim.model_fields_set:
+            # Said, not silent: a kv_cache_tokens in the config, say, does not apply to this run.
+            print(
+                "fleetsched simulate: note: --profile replaces the config's [backend.sim] section; "
+                "its profile and fields are not used",
+                file=sys.stderr,
+            )
         try:
             settings = sim_settings(settings, args.profile, args.stream_interval)
         except ValidationError as exc:  # a bad --profile, or a field of [backend.sim]

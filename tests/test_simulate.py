@@ -205,6 +205,20 @@ def test_simulate_checks_a_trace_before_the_run_and_runs_one_without_agents(tmp_
 
 
 
+def test_a_profile_on_the_command_line_says_it_replaces_the_config_s_section(tmp_path, capsys):
+    """The config's [backend.sim] fields do not apply under --profile: said on stderr (before:
+    its kv_cache_tokens, say, was dropped without a word). Nothing to say without the section."""
+    config = tmp_path / "c.toml"
+    agents = '[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 1\nturns = 1\n'
+    config.write_text(agents)
+    assert cli_main(["simulate", str(config), "--profile", "tiny-cpu-vllm", "--json"]) == 0
+    assert "--profile" not in capsys.readouterr().err
+    config.write_text("[backend.sim]\nkv_cache_tokens = 4096\n" + agents)
+    assert cli_main(["simulate", str(config), "--profile", "tiny-cpu-vllm", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --profile replaces the config's [backend.sim] section; its profile and fields are not used" in err
+
+
 def test_calls_cancelled_at_the_end_of_a_probe_are_no_call_errors():
     """Calls still under way when the probe's drain grace ends are cancelled with their session:
     no event of the SLA (as in the report), so no failure of the fleet. Before: each counted as a
