@@ -20,7 +20,7 @@ from fleetsched import (
 from fleetsched.errors import ConfigError, InvalidRequest, QuotaExceeded
 from fleetsched.settings import load_settings
 
-from .helpers import check_released, settings
+from .helpers import check_released, settings, virtual_loop
 
 pytestmark = pytest.mark.anyio
 
@@ -235,6 +235,29 @@ async def test_session_deadline():
             await handle
     assert isinstance(info.value.__cause__, DeadlineExceeded)
     assert handle.timestamps[SessionState.FAILED] == 5.0
+    check_released(scheduler)
+
+
+@pytest.mark.parametrize("anyio_backend", [virtual_loop("asyncio"), virtual_loop("trio")], ids=["asyncio", "trio"])
+@pytest.mark.parametrize("wait", ["await", "ended"])
+async def test_an_agent_waiting_for_its_own_session_fails_at_once(anyio_backend, wait):
+    """Before, it waited for itself: until its deadline, or for ever (this test hung). Another
+    task may still wait for the session, and sees it fail; the session holds nothing after."""
+    handles = []
+
+    async def agent(ctx):
+        await anyio.sleep(1)  # its handle is known by now
+        await (handles[0] if wait == "await" else handles[0].ended())
+
+    async with Scheduler(settings()) as scheduler:
+        handles.append(await scheduler.submit(agent, tenant="acme"))
+        with anyio.fail_after(3600):
+            with pytest.raises(SessionFailed) as info:
+                await handles[0]
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert "an agent cannot wait for its own session to end" in str(info.value.__cause__)
+        ran = await scheduler.run(chatter, tenant="acme")  # and it ends as any other session
+    assert ran == "ok"
     check_released(scheduler)
 
 

@@ -30,6 +30,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .._cancellation import stray_cancelled_error
+from .._parking import current_task
 from ..agents.context import SessionContext
 from ..backends import Backend, create_backend
 from ..errors import ConfigError, DeadlineExceeded, FleetschedError, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
@@ -493,6 +494,7 @@ class Scheduler:
                 if scope.cancel_called:  # cancelled, or past its deadline, since its admission
                     await anyio.lowlevel.checkpoint()  # delivers it: the agent never starts
                 try:
+                    handle._task = current_task()
                     running = handle.agent(ctx)
                     if not inspect.isawaitable(running):
                         raise TypeError(
@@ -520,6 +522,7 @@ class Scheduler:
     def _finish(self, handle: SessionHandle, state: SessionState) -> None:
         """Give back everything the session holds; then admit whoever can run now."""
         self._running.pop(handle.id, None)
+        handle._task = None
         self._released.pop(handle, None)
         self._in_tool.pop(handle, None)
         if handle._park_timer is not None:

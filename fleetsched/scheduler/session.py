@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .._parking import current_task
 from ..errors import SessionCancelled, SessionFailed
 from ..policies.tiers import Tier
 
@@ -118,6 +119,8 @@ class SessionHandle:
         #: Times its slot and memory were released during a tool call.
         self.parked_count = 0
         self._done = anyio.Event()
+        #: The task that runs the agent, while it does (see `wait`).
+        self._task: object | None = None
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -156,6 +159,7 @@ class SessionHandle:
             self._scope.cancel()
 
     async def wait(self) -> Any:
+        self._refuse_own_task()
         await self._done.wait()
         if self.state is SessionState.DONE:
             return self.result
@@ -168,7 +172,13 @@ class SessionHandle:
 
     async def ended(self) -> None:
         """Wait until the session ends, whatever its outcome (nothing raised)."""
+        self._refuse_own_task()
         await self._done.wait()
+
+    def _refuse_own_task(self) -> None:
+        if self._task is not None and self._task is current_task():
+            # It would wait for itself: hung until its deadline, if it has one, for ever if not.
+            raise RuntimeError(f"{self.name}: an agent cannot wait for its own session to end (it would wait for itself)")
 
     # -- used by the scheduler -------------------------------------------------------------------
 
