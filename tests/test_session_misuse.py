@@ -63,6 +63,36 @@ async def test_a_context_kept_after_its_session_ended_is_refused_and_holds_nothi
     check_released(scheduler)
 
 
+async def test_a_call_that_outlives_its_session_keeps_the_session_s_memory_until_it_ends():
+    """An agent starts a call in a task outside its session and returns: the session ends, and
+    its slot is free for the next, but its memory stays reserved while the call is at the engine
+    (before, it was freed at once: admission counted memory that the engine still used)."""
+
+    async def escaping(ctx, outside):
+        async def call():
+            await ctx.chat(MESSAGES, max_tokens=200)
+
+        outside.start_soon(call)
+        await anyio.sleep(0.001)  # the call has reached the engine
+        return "ok"
+
+    async with anyio.create_task_group() as outside:
+        sim = settings(backend={"kind": "sim"}, scheduler={"max_sessions": 1, "session_memory": "30GB"})
+        async with Scheduler(sim) as scheduler:
+            handle = await scheduler.submit(lambda ctx: escaping(ctx, outside), tenant="acme")
+            assert await handle == "ok"
+            stats = scheduler.statistics()
+            assert (stats.slots_in_use, stats.memory.allocated) == (0, 30 * GB)
+            assert handle.calls_in_flight == 1
+            with anyio.fail_after(600):
+                while handle.calls_in_flight:
+                    await anyio.sleep(0.01)
+            assert scheduler.statistics().memory.allocated == 0
+            assert handle.counters.calls == 1  # counted as its session's
+            assert await scheduler.run(await hold(1), tenant="acme") == "held"
+        check_released(scheduler)
+
+
 @pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize(("b_starts", "periods", "tool_s"), [(0.5, 1, 1.5), (2.0, 2, 2.0)])
 async def test_tools_of_two_tasks_of_one_session_are_readmitted_once(slots, b_starts, periods, tool_s):

@@ -8,7 +8,7 @@ its tool time, so the scheduler knows the session's pace.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,9 @@ class SessionContext:
         self._tool_start = 0.0
         #: Streams of ``ctx.openai`` an agent may leave unclosed; closed when the session ends.
         self._open_streams: set[Any] = set()
+        #: Set when the session ended under calls made from tasks outside it: called when the
+        #: last of them ends (the scheduler gives the session's slot and memory back then).
+        self._after_calls: Callable[[], None] | None = None
 
     @property
     def session_id(self) -> int:
@@ -235,6 +238,11 @@ class SessionContext:
     def _call_ended(self) -> None:
         handle = self._handle
         handle.calls_in_flight -= 1
+        if self._after_calls is not None:  # the session has ended: this call was made from outside it
+            if not handle.calls_in_flight:
+                after, self._after_calls = self._after_calls, None
+                after()
+            return
         if not self._tools_open:  # the common case
             handle.activity = THINKING
             return

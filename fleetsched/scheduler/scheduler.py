@@ -517,10 +517,11 @@ class Scheduler:
                     with anyio.CancelScope(shield=True):
                         await ctx._close()
             finally:
-                self._finish(handle, outcome or SessionState.CANCELLED)
+                self._finish(handle, outcome or SessionState.CANCELLED, ctx)
 
-    def _finish(self, handle: SessionHandle, state: SessionState) -> None:
-        """Give back everything the session holds; then admit whoever can run now."""
+    def _finish(self, handle: SessionHandle, state: SessionState, ctx: SessionContext) -> None:
+        """End the session and give back its slot and memory (its memory once the calls made from
+        tasks outside it have ended)."""
         self._running.pop(handle.id, None)
         handle._task = None
         self._released.pop(handle, None)
@@ -539,6 +540,16 @@ class Scheduler:
             self._learn_run_time(handle, now)
         self._record(handle)
         self._session_ended()
+        if handle.calls_in_flight:
+            # Calls made through its context from tasks outside the session, which outlived the
+            # agent, are still at the engine: they use its memory until the last one ends. (Its
+            # slot is free: the session is over, and its context makes no new call.)
+            ctx._after_calls = lambda: self._release_memory(handle)
+        else:
+            self._release_memory(handle)
+
+    def _release_memory(self, handle: SessionHandle) -> None:
+        """The ended session gives back its memory; then whoever can run now is admitted."""
         reservation, handle.reservation = handle.reservation, None
         if reservation is not None:
             reservation.release()  # the pool's release listener admits the next sessions
