@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetsched.backends.base import Backend, ChatBody, Chunk, make_chunk, usage_dict
+from fleetsched.backends.instant import InstantBackend
 from fleetsched.errors import Overloaded, RateLimited
 from fleetsched.gateway.app import Gateway, _answer_for
 from fleetsched.gateway.auth import KeyRing, hash_key
@@ -173,6 +174,34 @@ def test_a_stray_prompt_beside_the_messages_does_not_make_a_chat_call_cheap():
             c.chat.completions.create(model="m", messages=long, max_tokens=1, extra_body={"prompt": "x"})
     assert "this call asks 905 tokens" in caught.value.message
 
+
+
+class CharTokenizer(InstantBackend):
+    """Counts a prompt a token a character, as a real tokenizer counts Chinese text: four times
+    what the gateway's estimate (four characters a token) says before the call."""
+
+    name = "char-tokenizer"
+
+    async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        async for chunk in super().stream_chat(body):
+            if chunk.get("usage"):
+                characters = sum(len(m["content"]) for m in body["messages"])
+                chunk = {**chunk, "usage": usage_dict(characters, chunk["usage"]["completion_tokens"])}
+            yield chunk
+
+
+def test_a_prompt_longer_than_its_estimate_is_charged_in_full():
+    """1,200 characters of Chinese, estimated 304 tokens, counted 1,200 by the engine: the
+    tenant's 1,000 tokens a minute are spent (before: charged 305, three such calls a minute
+    went through)."""
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "tokens_per_minute": 1000}})
+    chinese = [{"role": "user", "content": "你好" * 600}]
+    with serve_in_thread(s, backend=CharTokenizer(completion_tokens=1)) as (_, url):
+        c = client(url, GLOBEX)
+        reply = c.chat.completions.create(model="m", messages=chinese, max_tokens=1)
+        assert reply.usage.prompt_tokens == 1200
+        with pytest.raises(openai.RateLimitError, match="this call asks 305 tokens"):
+            c.chat.completions.create(model="m", messages=chinese, max_tokens=1)
 
 def test_too_large_400_names_the_limit(url):
     """Refused as vLLM 0.32 refuses: a prompt that fills the context, or a max_tokens over it;

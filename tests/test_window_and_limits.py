@@ -238,5 +238,23 @@ async def test_a_streamed_call_is_refunded_the_output_its_usage_says_it_did_not_
     request = {**body("x", max_tokens=100), "stream_options": {"continuous_usage_stats": False}}
     async with dispatcher.stream(request, tenant="a", tier=Tier.BATCH) as chunks:
         _ = [c async for c in chunks]
-    # Taken: the prompt estimate and max_tokens; given back: the 79 tokens not generated.
-    assert limits._tokens["a"].tokens == 1000 - estimate_prompt_tokens(request) - 21
+    # Taken: the prompt estimate and max_tokens; given back: the 79 tokens not generated, and
+    # the estimate corrected to the usage's 10 prompt tokens.
+    assert limits._tokens["a"].tokens == 1000 - 10 - 21
+
+
+@pytest.mark.anyio
+async def test_a_prompt_the_engine_counts_longer_than_its_estimate_is_charged_the_difference():
+    # The estimate counts characters (four a token); a real tokenizer may count more (Chinese
+    # text: about a token a character). The difference was never charged.
+    class CharTokens(SlowBackend):
+        async def stream_chat(self, body):
+            characters = sum(len(m["content"]) for m in body["messages"])
+            yield make_chunk("c", "m", 0, content="x", finish_reason="stop", usage=usage_dict(characters, 1))
+
+    limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=10_000)})
+    dispatcher = Dispatcher(CharTokens(), window=1, rate_limits=limits)
+    request = body("你好" * 600, max_tokens=100)
+    assert estimate_prompt_tokens(request) < 400
+    await dispatcher.chat(request, tenant="a", tier=Tier.STANDARD)
+    assert limits._tokens["a"].tokens == pytest.approx(10_000 - 1200 - 1, abs=1)

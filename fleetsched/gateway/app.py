@@ -466,9 +466,13 @@ class Gateway:
 
     async def _settle(self, tenant: str, prompt: int, max_tokens: int, done: _Outcome) -> None:
         """After a call: refund the tokens it did not use to the tenant's tokens per minute
-        (whatever its outcome: a call refused or failed gets its prompt back too), and count a
-        served call's tokens and fair-share service."""
-        unused = max_tokens - done.completion_tokens + (prompt if done.status >= 400 else 0)
+        (whatever its outcome: a call refused or failed gets its prompt back too; one whose
+        prompt the engine counted longer than the estimate `prompt` is charged the difference),
+        and count a served call's tokens and fair-share service."""
+        if done.status >= 400:
+            unused = max_tokens - done.completion_tokens + prompt
+        else:
+            unused = max_tokens - done.completion_tokens + (prompt - done.prompt_tokens if done.prompt_tokens else 0)
         served = done.status == 200
         if served:
             self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)

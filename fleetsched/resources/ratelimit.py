@@ -101,9 +101,11 @@ class TenantRateLimits:
         self.refund(tenant, tokens)
 
     def refund(self, tenant: str, tokens: float) -> None:
-        """Give back tokens charged up front but not used (max_tokens not all generated)."""
+        """Give back tokens charged up front but not used (max_tokens not all generated). A
+        negative refund charges what a call used beyond its charge (a prompt longer than its
+        estimate): the bucket may go below empty, and the tenant's next calls wait it out."""
         bucket = self._tokens.get(tenant)
-        if bucket is not None and tokens > 0 and not math.isnan(tokens):
+        if bucket is not None and not math.isnan(tokens):
             bucket.give_back(tokens)
 
 

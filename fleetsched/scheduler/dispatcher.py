@@ -350,8 +350,12 @@ class Dispatcher:
         # (counted by chunks, an estimate at `stream_interval` a chunk: never over the usage's).
         counted = record.prompt_tokens or record.completion_tokens
         output = record.completion_tokens if counted else record.streamed
-        if self._limits is not None:  # output not received is not charged, whether the call failed or not
-            self._limits.refund(record.tenant, record.max_tokens - output)
+        if self._limits is not None:
+            # Charged up front: the prompt's estimate and max_tokens. Output not received is not
+            # charged, whether the call failed or not; a prompt the engine counted longer than
+            # its estimate is (the estimate counts characters: a real tokenizer may count more).
+            prompt = record.prompt_tokens if counted else estimate
+            self._limits.refund(record.tenant, estimate + record.max_tokens - prompt - output)
         # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.
         self._measure_rate(now, self._cost(estimate, record))
         # Correct what was charged (the prompt estimate, and the larger of the predicted output
