@@ -507,6 +507,22 @@ async def test_a_bad_expected_s_is_refused_naming_it_and_holds_nothing(expected_
     check_released(scheduler)
 
 
+@pytest.mark.parametrize("argument", ["expected_s", "deadline_s"])
+@pytest.mark.parametrize("queued", [False, True])
+async def test_seconds_too_large_for_a_float_are_refused_naming_them(argument, queued):
+    """2**1100 passed the checks, then `now + seconds` raised OverflowError: unnamed at once
+    (the session counted, the exit hung), or in the scheduler's task when another session ended
+    (every session cancelled)."""
+    async with Scheduler(settings(scheduler={"max_sessions": 1})) as scheduler:
+        first = await scheduler.submit(sleeper(5), tenant="acme") if queued else None
+        with pytest.raises(ValueError, match=rf"^{argument}: an integer of 1101 bits, too large for a float of seconds"):
+            await scheduler.submit(chatter, tenant="acme", **{argument: 2**1100})
+        if first is not None:
+            await first
+        assert await scheduler.run(chatter, tenant="acme") == "ok"
+    check_released(scheduler)
+
+
 @pytest.mark.parametrize("learn", [True, False])
 async def test_the_end_hint_is_learned_from_the_kinds_finished_sessions(learn):
     s = settings(scheduler={"max_sessions": 1, "learn_session_ends": learn})

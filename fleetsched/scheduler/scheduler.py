@@ -74,6 +74,22 @@ class SchedulerStatistics:
         return sum(self.running.values())
 
 
+def _seconds(name: str, value: float | None, *, finite: bool) -> float | None:
+    """`value` (None, or seconds > 0) as a float; a `ValueError` naming `name` for anything else,
+    an integer too large for a float among them (it failed later, in the scheduler's own task)."""
+    if value is None:
+        return None
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:
+            raise ValueError(f"{name}: an integer of {value.bit_length()} bits, too large for a float of seconds") from None
+    if not (seconds > 0 and (seconds < math.inf or not finite)):
+        raise ValueError(f"{name} must be a {'finite ' if finite else ''}number of seconds > 0, got {value!r:.80}")
+    return seconds
+
+
 def _failure_of(exc: BaseException) -> BaseException | None:
     """The session's failure in an exception out of its agent, or None where it only passes
     through: any exception but cancellation, KeyboardInterrupt and SystemExit (a GeneratorExit or
@@ -337,13 +353,8 @@ class Scheduler:
         elif isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or not memory > 0:
             # Named here: the pool's own refusal speaks of "a reservation", not of this argument.
             raise ValueError(f"memory: expected a whole number of bytes > 0, got {memory!r:.80}")
-        if deadline_s is not None and (not isinstance(deadline_s, (int, float)) or isinstance(deadline_s, bool) or not deadline_s > 0):
-            raise ValueError(f"deadline_s must be a number of seconds > 0, got {deadline_s!r}")
-        if expected_s is not None and (
-            not isinstance(expected_s, (int, float)) or isinstance(expected_s, bool) or not 0 < expected_s < math.inf
-        ):
-            raise ValueError(f"expected_s must be a finite number of seconds > 0, got {expected_s!r:.80}")
-        deadline_s = deadline_s or tenant_settings.sla.deadline_s
+        deadline_s = _seconds("deadline_s", deadline_s, finite=False) or tenant_settings.sla.deadline_s
+        expected_s = _seconds("expected_s", expected_s, finite=True)
         now = anyio.current_time()
         handle = SessionHandle(
             agent,
