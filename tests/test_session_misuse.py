@@ -63,6 +63,40 @@ async def test_a_context_kept_after_its_session_ended_is_refused_and_holds_nothi
     check_released(scheduler)
 
 
+@pytest.mark.parametrize("cleanup", ["tool", "chat"])
+async def test_a_parked_session_s_shielded_cleanup_does_not_hang_the_exit(cleanup):
+    """Parked in a tool at shutdown, a session cancelled by the exit marks a tool or makes a model
+    call in a shielded scope. Nothing is re-admitted once the scheduler closes: it waited for
+    ever, and the exit with it. Now the tool's end leaves it parked (the session ends cancelled)
+    and the call raises `SchedulerClosed` (the session fails, naming it)."""
+    from fleetsched import SchedulerClosed
+
+    async def agent(ctx):
+        try:
+            async with ctx.tool("search"):
+                await anyio.sleep(100)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):  # cleanup that must run
+                if cleanup == "tool":
+                    async with ctx.tool("flush-log"):
+                        await anyio.sleep(1)
+                else:
+                    await ctx.chat(MESSAGES, max_tokens=4)
+            raise
+
+    with anyio.fail_after(3600):
+        async with Scheduler(settings(scheduler={"tool_policy": "release", "drain_grace_s": 0})) as scheduler:
+            handle = await scheduler.submit(agent, tenant="acme")
+            await anyio.sleep(1)
+            assert handle.parked
+    if cleanup == "tool":
+        assert handle.state is SessionState.CANCELLED
+    else:
+        assert handle.state is SessionState.FAILED and isinstance(handle.error, SchedulerClosed)
+        assert "is parked in a tool and the scheduler is closing" in str(handle.error)
+    check_released(scheduler)
+
+
 async def test_a_call_that_outlives_its_session_keeps_the_session_s_memory_until_it_ends():
     """An agent starts a call in a task outside its session and returns: the session ends, and
     its slot is free for the next, but its memory stays reserved while the call is at the engine

@@ -247,6 +247,7 @@ class Scheduler:
                 # group: cancel them, and wait for them to give back what they hold before the
                 # backend closes.
                 for handle in list(self._running.values()):
+                    self._drop_readmission(handle)  # a wait shielded from the cancellation ends too
                     handle.cancel()
                 self._task_group.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):
@@ -539,10 +540,7 @@ class Scheduler:
         self._in_tool.pop(handle, None)
         if handle._park_timer is not None:
             handle._park_timer.cancel()
-        if handle._readmit is not None:  # a task of the session still waits to be re-admitted: it never will be
-            self._queue.remove(handle._readmit_entry)
-            handle._readmit.set()
-            handle._readmit = None
+        self._drop_readmission(handle)
         if handle._holds_slot:
             self._give_slot(handle)
         now = anyio.current_time()
@@ -650,7 +648,7 @@ class Scheduler:
         if complete:
             self._tool_stats.observe(tool, seconds)
         if readmit:
-            await self.busy(handle)
+            await self.busy(handle, call=False)
         else:
             self._out_of_tool(handle)
 
@@ -661,9 +659,13 @@ class Scheduler:
             handle._park_timer.cancel()
             handle._park_timer = None
 
-    async def busy(self, handle: SessionHandle) -> None:
+    async def busy(self, handle: SessionHandle, *, call: bool = True) -> None:
         """`handle` is busy again (its tool period ended, or it makes a model call inside one): it
-        is no longer parked in this period, and if it was parked, it waits to be re-admitted."""
+        is no longer parked in this period, and if it was parked, it waits to be re-admitted.
+
+        Nothing is re-admitted once the scheduler closes (a cancelled session's shielded cleanup
+        waited for ever, and the exit with it): a model `call` then raises `SchedulerClosed`; the
+        end of a tool period leaves the session parked."""
         self._out_of_tool(handle)
         if handle._holds_slot or handle.done:
             return
@@ -671,6 +673,10 @@ class Scheduler:
             handle._readmitting = anyio.Lock()
         async with handle._readmitting:  # tasks of one session waiting at once: one re-admission
             while not handle._holds_slot and not handle.done:
+                if self._closing:
+                    if not call:
+                        return
+                    raise SchedulerClosed(f"{handle.name} is parked in a tool and the scheduler is closing: it makes no more model calls")
                 await self._readmit(handle)
 
     def call_ended(self, handle: SessionHandle) -> None:
@@ -714,6 +720,14 @@ class Scheduler:
             self._queue.remove(entry)  # no-op if it was already granted (then _finish releases)
             handle._readmit = None
             raise
+
+    def _drop_readmission(self, handle: SessionHandle) -> None:
+        """If a task of `handle` waits to be re-admitted, wake it: it never will be (the session
+        ended, or the scheduler closes)."""
+        if handle._readmit is not None:
+            self._queue.remove(handle._readmit_entry)
+            handle._readmit.set()
+            handle._readmit = None
 
     def _resume(self, handle: SessionHandle, reservation: Any) -> None:
         self._take_slot(handle)
