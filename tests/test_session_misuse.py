@@ -97,6 +97,38 @@ async def test_a_parked_session_s_shielded_cleanup_does_not_hang_the_exit(cleanu
     check_released(scheduler)
 
 
+async def test_a_quota_lowered_under_a_waiting_session_fails_that_session_alone():
+    """`pool.set_quota` lowered a tenant's quota below a queued session's memory: the refusal
+    escaped from `set_quota`, then from the next session's end inside the scheduler's task
+    group (every session of every tenant cancelled). A parked session of that tenant returning
+    from its tool would wait for ever. Now each fails alone with `QuotaExceeded`."""
+    from fleetsched.errors import QuotaExceeded
+
+    async def parks(ctx):
+        async with ctx.tool("search"):
+            await anyio.sleep(5)
+        return "back"
+
+    tenants = {"acme": {"memory_quota": "4GB"}, "other": {}}
+    s = settings(tenants, scheduler={"tool_policy": "release"})
+    async with Scheduler(s) as scheduler:
+        other = await scheduler.submit(await hold(10), tenant="other")
+        parked = await scheduler.submit(parks, tenant="acme", memory=3 * GB)
+        first = await scheduler.submit(await hold(10), tenant="acme", memory=2 * GB)
+        queued = await scheduler.submit(await hold(10), tenant="acme", memory=3 * GB)  # parked: 2 + 3 > 4
+        await anyio.sleep(1)
+        assert parked.parked and queued.state is SessionState.QUEUED
+        scheduler.pool.set_quota("acme", 2 * GB)
+        with pytest.raises(SessionFailed):
+            await queued
+        assert isinstance(queued.error, QuotaExceeded) and queued.state is SessionState.REJECTED
+        with pytest.raises(SessionFailed) as info:
+            await parked
+        assert isinstance(info.value.__cause__, QuotaExceeded)
+        assert await first == "held" and await other == "held"
+    check_released(scheduler)
+
+
 async def test_a_call_that_outlives_its_session_keeps_the_session_s_memory_until_it_ends():
     """An agent starts a call in a task outside its session and returns: the session ends, and
     its slot is free for the next, but its memory stays reserved while the call is at the engine

@@ -431,6 +431,9 @@ class Scheduler:
                     continue
                 except WouldBlock:
                     return  # the head waits for memory; a release calls us again
+                except SessionRejected as exc:  # it can never fit now: its tenant's quota was lowered under it
+                    self._refuse_queued(entry, exc)
+                    continue
                 picked = self._queue.pick(now, eligible)
                 assert picked is entry
                 if handle._readmit is not None:
@@ -576,6 +579,20 @@ class Scheduler:
     def _cancel_queued(self, handle: SessionHandle) -> None:
         self._drop_queued(handle, SessionState.CANCELLED)
 
+    def _refuse_queued(self, entry: Entry, error: SessionRejected) -> None:
+        """A queued session that can never be given its memory (`error` says why) fails alone:
+        a new one is rejected; one waiting to be re-admitted gets `error` where it waits."""
+        handle: SessionHandle = entry.item
+        if handle._readmit is None:
+            handle.error = error
+            self._drop_queued(handle, SessionState.REJECTED)
+            return
+        # Its entry, not `_readmit_entry`: that is set once the push that got here returns.
+        self._queue.remove(entry)
+        handle._readmit_error = error
+        event, handle._readmit = handle._readmit, None
+        event.set()
+
     def _drop_queued(self, handle: SessionHandle, state: SessionState) -> None:
         """Take a queued session out of the queue, ending it in `state`."""
         if handle.state is not SessionState.QUEUED or handle._entry is None:
@@ -720,6 +737,9 @@ class Scheduler:
             self._queue.remove(entry)  # no-op if it was already granted (then _finish releases)
             handle._readmit = None
             raise
+        error, handle._readmit_error = handle._readmit_error, None
+        if error is not None:
+            raise error
 
     def _drop_readmission(self, handle: SessionHandle) -> None:
         """If a task of `handle` waits to be re-admitted, wake it: it never will be (the session

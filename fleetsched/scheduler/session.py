@@ -114,6 +114,7 @@ class SessionHandle:
         self._readmit: anyio.Event | None = None
         self._readmit_entry: Entry | None = None
         self._readmitting: anyio.Lock | None = None  # one re-admission at a time (made when needed)
+        self._readmit_error: BaseException | None = None  # why it can never be re-admitted
         #: Model calls of the session under way (it is not parked meanwhile).
         self.calls_in_flight = 0
         #: Times its slot and memory were released during a tool call.
