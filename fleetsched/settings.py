@@ -637,7 +637,7 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
     _check_environment_sections()
     token = _config_path.set(path)
     try:
-        return Settings(**overrides)  # type: ignore[arg-type]
+        settings = Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         error = exc.errors()[0]
         key, message = first_error(exc)
@@ -657,3 +657,23 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
         raise ConfigError(str(path or "fleetsched.toml"), str(exc)) from None
     finally:
         _config_path.reset(token)
+    _check_environment_tenants(settings)
+    return settings
+
+
+def _check_environment_tenants(settings: Settings) -> None:
+    """Refuse a ``FLEETSCHED_TENANTS__<NAME>__...`` variable meant for a tenant whose name has
+    capitals. Environment names are read in lower case: ``FLEETSCHED_TENANTS__ACME__WEIGHT=3``
+    made a second tenant "acme", with no sessions, beside the config's "Acme", without a word."""
+    prefix = "fleetsched_tenants__"
+    for name in os.environ:
+        tenant, nested, _ = name.lower().removeprefix(prefix).partition("__")
+        if not name.lower().startswith(prefix) or not nested:
+            continue
+        twins = [declared for declared in settings.tenants if declared != tenant and declared.lower() == tenant]
+        if twins:
+            raise ConfigError(
+                name,
+                f"environment names are read in lower case: this sets a tenant {tenant!r} beside the config's "
+                f"{twins[0]!r} (a tenant whose name has capitals cannot be set from the environment)",
+            )

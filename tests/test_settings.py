@@ -139,6 +139,21 @@ def test_an_environment_variable_of_no_section_is_refused(monkeypatch):
     assert load_settings().scheduler.max_sessions == 8
 
 
+
+def test_an_environment_variable_cannot_set_a_tenant_whose_name_has_capitals(monkeypatch, tmp_path):
+    # Environment names are read in lower case: FLEETSCHED_TENANTS__ACME__WEIGHT made a second
+    # tenant "acme" (weight 3, no sessions) beside the config's "Acme" (weight 1), and exit 0.
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.Acme]\n[tenants.bob]\n')
+    monkeypatch.setenv("FLEETSCHED_TENANTS__ACME__WEIGHT", "3")
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    assert info.value.key == "FLEETSCHED_TENANTS__ACME__WEIGHT"
+    assert "this sets a tenant 'acme' beside the config's 'Acme'" in info.value.reason
+    monkeypatch.delenv("FLEETSCHED_TENANTS__ACME__WEIGHT")
+    monkeypatch.setenv("FLEETSCHED_TENANTS__BOB__WEIGHT", "3")  # a lower-case name is set as before
+    assert load_settings(config).tenants["bob"].weight == 3
+
 def test_a_config_path_that_is_a_directory_says_so(tmp_path):
     # It read "no such file: DIR", of a path that exists.
     with pytest.raises(ConfigError, match="a directory, not a TOML file"):
