@@ -241,10 +241,10 @@ def test_agents_whose_first_call_exceeds_the_context_are_named_at_start():
     from fleetsched.observability.feasibility import over_context
     from fleetsched.settings import Settings
 
-    def settings(prompt_tokens: int, kind: str = "sim") -> Settings:
+    def settings(prompt_tokens: int, kind: str = "sim", sim: dict | None = None) -> Settings:
         return Settings(
             tenants={"a": {}},
-            backend={"kind": kind, "sim": {"profile": "tiny-cpu-vllm"}},
+            backend={"kind": kind, "sim": {"profile": "tiny-cpu-vllm", **(sim or {})}},
             workload={"agents": [{"tenant": "a", "count": 1, "prompt_tokens": prompt_tokens, "max_tokens": 16}]},
         )
 
@@ -259,3 +259,7 @@ def test_agents_whose_first_call_exceeds_the_context_are_named_at_start():
     (message,) = over_context(near)
     assert 0 < room < 16 and f"leaves {room} of its max_tokens 16" in message and "cut short" in message
     assert over_context(settings(5000, kind="instant")) == []  # no context known
+    # Within the context, but more than the sim's whole KV cache holds: refused as well (every
+    # session failed, and nothing said why).
+    (message,) = over_context(settings(100, sim={"kv_cache_tokens": 32, "block_size": 16}))
+    assert "every call will fail with ContextTooLong" in message and "the whole cache holds 32" in message

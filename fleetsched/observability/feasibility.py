@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 
 from ..backends.base import Backend, completion_room, estimate_prompt_tokens
+from ..backends.sim._engine import check_request_fits
 from ..errors import BackendUnavailable, ContextTooLong
 from ..settings import AgentMix, Settings, SimSettings
 
@@ -162,6 +163,12 @@ def over_context(settings: Settings) -> list[str]:
         except ContextTooLong:
             out.append(f"{agent} and max_tokens {mix.max_tokens}, over the model's context of {limit}: every call will fail with ContextTooLong")
             continue
+        if kind == "sim":  # a call the whole KV cache cannot hold is refused too (vLLM would not start)
+            try:
+                check_request_fits(settings.backend.sim, prompt, mix.max_tokens)
+            except ContextTooLong as exc:
+                out.append(f"{agent} and max_tokens {mix.max_tokens}: every call will fail with ContextTooLong: {exc}")
+                continue
         if room < mix.max_tokens:
             out.append(f"{agent}: the model's context of {limit} leaves {room} of its max_tokens {mix.max_tokens}, and its answers will be cut short")
     return out
