@@ -158,6 +158,24 @@ async def test_an_exception_fails_only_its_session():
     check_released(scheduler)
 
 
+async def test_an_agent_error_whose_repr_raises_still_fails_its_session_as_such():
+    """Awaiting the handle raised the repr's KeyError, not `SessionFailed`, and lost the error."""
+
+    class ToolError(Exception):
+        def __repr__(self):
+            return self.args[0]["id"]  # a payload without "id": KeyError
+
+    async def agent(ctx):
+        raise ToolError({})
+
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        with pytest.raises(SessionFailed, match=r"failed: ToolError \(its repr raised KeyError\)") as info:
+            await handle
+    assert isinstance(info.value.__cause__, ToolError)
+    check_released(scheduler)
+
+
 async def test_cancel_queued_and_running_sessions_releases_everything():
     async with Scheduler(settings(scheduler={"max_sessions": 1})) as scheduler:
         running = await scheduler.submit(sleeper(100), tenant="acme")

@@ -166,7 +166,7 @@ class SessionHandle:
             return self.result
         if self.state is SessionState.CANCELLED:
             raise SessionCancelled(f"{self.name} was cancelled")
-        raise SessionFailed(f"{self.name} {self.state}: {self.error!r}") from self.error
+        raise SessionFailed(f"{self.name} {self.state}: {_described(self.error)}") from self.error
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self.wait().__await__()
@@ -189,3 +189,12 @@ class SessionHandle:
         if state.terminal:
             self.activity = None
             self._done.set()
+
+
+def _described(error: BaseException | None) -> str:
+    """`repr(error)`, or its type alone when its own `__repr__` fails: that failure replaced the
+    `SessionFailed`, and the agent's error was lost to whoever awaited the handle."""
+    try:
+        return repr(error)
+    except Exception as exc:
+        return f"{type(error).__name__} (its repr raised {type(exc).__name__})"
