@@ -323,12 +323,14 @@ async def test_a_base_exception_from_an_agent_fails_its_session_alone(error):
     check_released(scheduler)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("how", ["submit", "run"])
-async def test_an_asyncio_cancelled_error_of_the_agents_own_fails_its_session_alone(anyio_backend_name, how):
+async def test_an_asyncio_cancelled_error_of_the_agents_own_fails_its_session_alone(anyio_backend_name, how, grouped):
     """A CancelledError raised while the session's task is not being cancelled (an awaited future
     that something else cancelled) is the agent's failure. It passed on as a cancellation: under
     `submit` it cancelled the scheduler's task group, the other tenant's session and the caller's
-    task with it; under `run` the caller got a bare CancelledError."""
+    task with it; under `run` the caller got a bare CancelledError. The same in a group (it
+    passed on as a cancellation after the bare one was fixed)."""
     if anyio_backend_name != "asyncio":
         pytest.skip("trio's cancellation is its own exception class: an asyncio.CancelledError is an error there anyway")
     import asyncio
@@ -336,7 +338,12 @@ async def test_an_asyncio_cancelled_error_of_the_agents_own_fails_its_session_al
     async def bad(ctx):
         future = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.5, future.cancel)
-        await future
+        try:
+            await future
+        except asyncio.CancelledError as exc:
+            if grouped:
+                raise BaseExceptionGroup("the agent's tasks", [exc]) from None
+            raise
 
     async with Scheduler(settings(tenants={"a": {}, "b": {}})) as scheduler:
         good = await scheduler.submit(await hold(5), tenant="b")
@@ -345,7 +352,8 @@ async def test_an_asyncio_cancelled_error_of_the_agents_own_fails_its_session_al
                 await (await scheduler.submit(bad, tenant="a"))
             else:
                 await scheduler.run(bad, tenant="a")
-        assert isinstance(info.value.__cause__, asyncio.CancelledError)
+        cause = info.value.__cause__
+        assert isinstance(cause.exceptions[0] if grouped else cause, asyncio.CancelledError)
         assert await good == "held"
     assert scheduler.statistics().finished == {"failed": 1, "done": 1}
     check_released(scheduler)

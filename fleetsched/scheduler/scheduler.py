@@ -90,6 +90,13 @@ def _seconds(name: str, value: float | None, *, finite: bool) -> float | None:
     return seconds
 
 
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
+
+
 def _failure_of(exc: BaseException) -> BaseException | None:
     """The session's failure in an exception out of its agent, or None where it only passes
     through: any exception but cancellation, KeyboardInterrupt and SystemExit (a GeneratorExit or
@@ -104,7 +111,10 @@ def _failure_of(exc: BaseException) -> BaseException | None:
     if isinstance(exc, BaseExceptionGroup):
         if exc.subgroup((KeyboardInterrupt, SystemExit)) is not None:
             return None
-        return exc.split(cancelled)[1]
+        rest = exc.split(cancelled)[1]
+        if rest is None and stray_cancelled_error(_first_leaf(exc)):
+            return exc  # a group of CancelledErrors of the agent's own, as a bare one below
+        return rest
     if isinstance(exc, cancelled):
         return exc if stray_cancelled_error(exc) else None
     return None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else exc
