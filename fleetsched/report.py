@@ -228,7 +228,8 @@ def tenant_table(report: dict[str, Any]) -> Any:
     from rich.text import Text
 
     table = Table(title=f"fleetsched: {report['duration_s']:.1f} s on {report['backend']}, {throughput_text(report)}")
-    for column in ("tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"):
+    columns = ("tenant", "tier", "done", "failed", "cancelled", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
     for t in report["tenants"]:
         table.add_row(
@@ -236,6 +237,9 @@ def tenant_table(report: dict[str, Any]) -> Any:
             t["tier"],
             str(t["sessions_done"]),
             str(t["sessions_failed"]),
+            # Sessions still under way when a run ends (its drain grace over) are cancelled:
+            # without the column they were in no table. Absent from older reports.
+            str(t.get("sessions_cancelled", "-")),
             str(t["calls"]),
             _ms(t["ttft_s"]["p50"]),
             _ms(t["ttft_s"]["p99"]),

@@ -390,3 +390,19 @@ def test_simulate_prints_the_note_run_prints(tmp_path, capsys):
     config.write_text('[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 1\nturns = 1\nprompt_tokens = 20000\n')
     assert cli_main(["simulate", str(config)]) == 0
     assert "fleetsched simulate: note: workload.agents[0] (a): its first call has about" in capsys.readouterr().err
+
+
+def test_sessions_cancelled_at_the_end_are_in_the_tenant_table(tmp_path, capsys):
+    """A fleet held for --duration ends with its sessions under way cancelled: the table showed
+    only done and failed, so they were in no table (13 done, 0 failed; the JSON said 18 more)."""
+    config = tmp_path / "c.toml"
+    config.write_text('[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 3\nturns = 50\ntool_s = 5\n')
+    assert cli_main(["simulate", str(config), "--duration", "20s", "--report", str(tmp_path / "r.json")]) == 0
+    table = capsys.readouterr().out
+    cancelled = json.loads((tmp_path / "r.json").read_text())["tenants"][0]["sessions_cancelled"]
+    assert cancelled > 0
+    header = next(line for line in table.splitlines() if "┃ tenant" in line)  # the first table's
+    row = next(line for line in table.splitlines() if line.startswith("│ a "))
+    columns = [cell.strip() for cell in header.split("┃")[1:-1]]
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]
+    assert cells[columns.index("cancelled")] == str(cancelled)
