@@ -290,11 +290,17 @@ def sla_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    total = report["sla"]["breaches"]
-    table = Table(title=f"SLA: {total['total']} breaches")
+    rows = sla_rows(report)
+    title = f"SLA: {report['sla']['breaches']['total']} breaches"
+    # The breaches are events (calls, sessions); a missed min_tokens_per_s is none, and the
+    # title read "0 breaches" above a MISSED row.
+    missed = sum(row[7].startswith("MISSED") for row in rows)
+    if missed:
+        title += f", {missed} objective{'s' if missed > 1 else ''} missed"
+    table = Table(title=title)
     for column in SLA_COLUMNS:
         table.add_column(column, justify="right" if column in ("weight", "target", "measured", "attained") else "left")
-    for row in sla_rows(report):
+    for row in rows:
         style = "red" if row[7].startswith("MISSED") else None
         table.add_row(Text(row[0]), *row[1:], style=style)  # the tenant's name as plain text, as in tenant_table
     return table

@@ -406,3 +406,12 @@ def test_sessions_cancelled_at_the_end_are_in_the_tenant_table(tmp_path, capsys)
     columns = [cell.strip() for cell in header.split("┃")[1:-1]]
     cells = [cell.strip() for cell in row.split("│")[1:-1]]
     assert cells[columns.index("cancelled")] == str(cancelled)
+
+
+def test_the_sla_table_title_counts_the_objectives_missed(tmp_path, capsys):
+    """A missed min_tokens_per_s is no breach event: the title read "SLA: 0 breaches" above
+    its MISSED row."""
+    config = tmp_path / "c.toml"
+    config.write_text('[tenants.a]\nsla = { min_tokens_per_s = 1000000 }\n[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\n')
+    assert cli_main(["simulate", str(config)]) == 0
+    assert "SLA: 0 breaches, 1 objective missed" in capsys.readouterr().out
