@@ -81,6 +81,17 @@ def test_a_session_that_failed_within_its_deadline_breaches_it_as_failed():
     assert [b.reason for b in breaches] == ["failed", "failed", "queued"]
 
 
+def test_a_session_past_its_deadline_mostly_in_its_tools_is_not_blamed_on_the_engine():
+    # 12 s past a 10-s deadline, 9 of them in its own tool calls: it read "engine slow".
+    tenants = {"a": TenantSettings(sla={"deadline_s": 10.0})}
+    recorder = Recorder()
+    recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, 0.5, 12.0, 3, 15, 30, tool_s=9.0))
+    recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, 0.5, 12.0, 3, 15, 30, tool_s=2.0))
+    recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, 7.0, 12.0, 3, 15, 30, tool_s=5.0))  # waited 7 of 12
+    rows, breaches = evaluate(recorder, tenants)
+    assert [b.reason for b in breaches] == ["in-tools", "engine-slow", "queued"]
+
+
 def test_objectives_met_at_their_quantile():
     tenants = {"a": TenantSettings(sla={"latency_p95_s": 1.0})}
     recorder = Recorder()

@@ -19,8 +19,8 @@ or was cancelled) are not call events: the session's deadline accounts for them.
 A missed event is a `Breach` with a reason: ``shed`` or ``rate-limited`` (refused),
 ``failed`` (the call raised), ``queued`` (queued too long: the dispatcher queue time, started -
 submitted, is at least half the value) or ``engine-slow`` (the rest). A session past its
-deadline is ``queued`` when its admission wait dominates, else ``engine-slow``; one that failed
-within it is ``failed``.
+deadline is ``queued`` when its admission wait is at least half its span, ``in-tools`` when its
+own tool calls are, else ``engine-slow``; one that failed within it is ``failed``.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from ..settings import SlaSettings, TenantSettings
 OBJECTIVES = ("ttft_p99", "latency_p95", "deadline", "min_tokens_per_s")
 #: The share of events that must meet the target for the objective to be met.
 QUANTILE = {"ttft_p99": 0.99, "latency_p95": 0.95, "deadline": 1.0, "min_tokens_per_s": 1.0}
-REASONS = ("queued", "engine-slow", "rate-limited", "shed", "failed")
+REASONS = ("queued", "engine-slow", "in-tools", "rate-limited", "shed", "failed")
 REASON_TEXT = {
     "queued": "queued too long",
     "engine-slow": "engine slow",
+    "in-tools": "in its tools",
     "rate-limited": "rate-limited",
     "shed": "shed",
     "failed": "call failed",
@@ -113,7 +114,9 @@ def session_event(session: SessionRecord, goals: Mapping[str, float]) -> tuple[b
     if span < target:
         return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, "failed")
     wait = session.admitted - session.submitted if session.admitted == session.admitted else span
-    return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, _reason(wait, span))
+    # Its own tools' time is neither the engine's nor the queue's (it was blamed on the engine).
+    reason = "in-tools" if wait < span / 2 <= session.tool_s else _reason(wait, span)
+    return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, reason)
 
 
 def busy_time(intervals: Iterable[tuple[float, float]], lo: float = -math.inf, hi: float = math.inf) -> float:

@@ -55,6 +55,8 @@ class SessionRecord:
     calls: int
     prompt_tokens: int
     completion_tokens: int
+    #: Seconds spent in tools (``ctx.tool`` blocks), of the session's whole span.
+    tool_s: float = 0.0
 
 
 @dataclass(slots=True)

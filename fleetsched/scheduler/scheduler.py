@@ -639,6 +639,7 @@ class Scheduler:
                 c.calls,
                 c.prompt_tokens,
                 c.completion_tokens,
+                c.tool_s,
             )
         )
 
