@@ -129,6 +129,22 @@ async def test_a_quota_lowered_under_a_waiting_session_fails_that_session_alone(
     check_released(scheduler)
 
 
+async def test_an_agent_cannot_release_its_own_session_s_memory():
+    """`ctx.reservation.release()` was accepted: the session ran on without its memory, and the
+    pool admitted three 40 GB sessions on an 80 GB device."""
+
+    async def gives_back(ctx):
+        ctx.reservation.release()
+        await anyio.sleep(5)
+
+    async with Scheduler(settings(scheduler={"session_memory": "40GB"})) as scheduler:
+        handle = await scheduler.submit(gives_back, tenant="acme")
+        with pytest.raises(SessionFailed, match="is released by the scheduler, when its session ends or parks in a tool"):
+            await handle
+        assert await scheduler.run(await hold(1), tenant="acme") == "held"
+    check_released(scheduler)
+
+
 async def test_a_call_that_outlives_its_session_keeps_the_session_s_memory_until_it_ends():
     """An agent starts a call in a task outside its session and returns: the session ends, and
     its slot is free for the next, but its memory stays reserved while the call is at the engine

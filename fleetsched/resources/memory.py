@@ -60,7 +60,7 @@ class DeviceSpec:
 class Reservation:
     """Memory held by one owner on one device. Release it once; further releases do nothing."""
 
-    __slots__ = ("pool", "owner", "tenant", "nbytes", "size", "device", "offset", "priority", "ends_at", "_movable", "_released")
+    __slots__ = ("pool", "owner", "tenant", "nbytes", "size", "device", "offset", "priority", "ends_at", "released_by", "_movable", "_released")
 
     def __init__(
         self,
@@ -83,6 +83,9 @@ class Reservation:
         self.offset = offset
         self.priority = priority
         self.ends_at = ends_at  #: when its owner expects to release it (a placement hint), or None
+        #: Who releases it, when that is not whoever holds it (the scheduler, for a session's
+        #: memory): `release()` then refuses, and that one calls ``pool.release(reservation)``.
+        self.released_by: str | None = None
         self._movable = False
         self._released = False
 
@@ -116,6 +119,10 @@ class Reservation:
                 self.pool._movable_changed(self, value)
 
     def release(self) -> None:
+        if self.released_by is not None:
+            # An agent that gave its session's memory back ran on without it: the pool then
+            # admitted sessions into memory the agent's model calls still used.
+            raise RuntimeError(f"{self!r} is released by {self.released_by}")
         self.pool.release(self)
 
     def resize_nowait(self, nbytes: int) -> bool:

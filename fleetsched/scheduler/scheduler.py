@@ -74,6 +74,10 @@ class SchedulerStatistics:
         return sum(self.running.values())
 
 
+#: Who releases a session's memory (`Reservation.released_by`): not its agent.
+RELEASED_BY = "the scheduler, when its session ends or parks in a tool"
+
+
 def _seconds(name: str, value: float | None, *, finite: bool) -> float | None:
     """`value` (None, or seconds > 0) as a float; a `ValueError` naming `name` for anything else,
     an integer too large for a float among them (it failed later, in the scheduler's own task)."""
@@ -492,6 +496,7 @@ class Scheduler:
 
     def _start(self, handle: SessionHandle, reservation: Any, now: float, spawn: bool = True) -> None:
         self._take_slot(handle)
+        reservation.released_by = RELEASED_BY
         handle.reservation = reservation
         handle._entry = None
         if handle._queue_timer is not None:
@@ -574,7 +579,7 @@ class Scheduler:
         """The ended session gives back its memory; then whoever can run now is admitted."""
         reservation, handle.reservation = handle.reservation, None
         if reservation is not None:
-            reservation.release()  # the pool's release listener admits the next sessions
+            self.pool.release(reservation)  # the pool's release listener admits the next sessions
         self._admit_ready()
 
     async def _expire_queued(self, handle: SessionHandle, timer: anyio.CancelScope) -> None:
@@ -733,7 +738,7 @@ class Scheduler:
         handle.parked_count += 1
         reservation, handle.reservation = handle.reservation, None
         if reservation is not None:
-            reservation.release()  # admits the next sessions through the release listener
+            self.pool.release(reservation)  # admits the next sessions through the release listener
         self._admit_ready()
 
     async def _readmit(self, handle: SessionHandle) -> None:
@@ -763,6 +768,7 @@ class Scheduler:
     def _resume(self, handle: SessionHandle, reservation: Any) -> None:
         self._take_slot(handle)
         self._released.pop(handle, None)
+        reservation.released_by = RELEASED_BY
         handle.reservation = reservation
         event, handle._readmit = handle._readmit, None
         assert event is not None
