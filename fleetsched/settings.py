@@ -42,8 +42,22 @@ def _positive(value: ByteSize) -> ByteSize:
 Bytes = Annotated[ByteSize, BeforeValidator(_no_bool), AfterValidator(_positive)]
 
 
+def _takes_a_number(annotation: object) -> bool:
+    """Whether a field of this annotation takes an int or a float (or None besides), not a bool."""
+    return annotation in (int, float, int | None, float | None)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_flag_for_a_number(cls, value: object, info: ValidationInfo) -> object:
+        # pydantic reads true as 1 and false as 0: `max_num_seqs = true` ran a sim of one
+        # sequence at a time, without a word.
+        if isinstance(value, bool) and info.field_name is not None and _takes_a_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 class SlaSettings(_Section):

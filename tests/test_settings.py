@@ -158,3 +158,18 @@ def test_a_config_path_that_is_a_directory_says_so(tmp_path):
     # It read "no such file: DIR", of a path that exists.
     with pytest.raises(ConfigError, match="a directory, not a TOML file"):
         load_settings(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"backend": {"sim": {"max_num_seqs": True}}}, "backend.sim.max_num_seqs"),  # ran one sequence at a time
+        ({"scheduler": {"max_sessions": True}}, "scheduler.max_sessions"),
+        ({"workload": {"agents": [{"tenant": "default", "count": True}]}}, "workload.agents.0.count"),
+        ({"tenants": {"default": {"sla": {"ttft_p99_s": False}}}}, "tenants.default.sla.ttft_p99_s"),
+    ],
+)
+def test_a_flag_where_a_number_belongs_is_refused(overrides, key):
+    # pydantic reads true as 1 and false as 0, without a word.
+    error = refused(**overrides)
+    assert error.key == key and error.reason.startswith("expected a number, got ")
