@@ -16,8 +16,10 @@ server's values (the defaults are vLLM's CPU server defaults with a 1 GiB cache 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
+import os
 import statistics
 import sys
 from collections.abc import Awaitable, Callable
@@ -27,12 +29,13 @@ from typing import Any
 
 import anyio
 import httpx
+from pydantic import ValidationError
 
-from ._args import positive_int, writable_file
-from .backends.sim._engine import check_request_fits
+from ._args import http_url, positive_float, positive_int, writable_file
+from .backends.sim._engine import SimEngine, check_request_fits
 from .backends.sim._fit import PARAMS, Fit, Measurement, Workload, fit_profile
 from .backends.sim._profiles import dump_profile
-from .settings import SimSettings
+from .settings import SimSettings, first_error
 
 _FILLER = " ".join(f"{w}{i % 97}" for i, w in enumerate("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split() * 8)) + " "
 _ids = itertools.count()
@@ -56,6 +59,20 @@ def client_limits(connections: int) -> httpx.Limits:
 #: project's 2-core machine, with every token streamed, identical runs' TTFT p50 ranged from 32 to
 #: 57 ms.
 STREAM_INTERVAL = 16
+
+
+#: Seconds a measuring client waits for the server's next bytes (connecting, the first chunk of
+#: an answer, the next one) before it gives up. A server that takes the connection and then never
+#: answers would otherwise hold the sweep without a word; a busy CPU server at concurrency 128
+#: sends the next chunk within seconds.
+READ_TIMEOUT_S = 60.0
+
+
+#: Characters of `prompt_of` text that one prompt token may span at most. Its words are 6 to 9
+#: characters ("alpha12 "), which any tokenizer splits into one token at least; a server that
+#: counts fewer tokens than this allows is not counting the prompt (0 from a server that is not
+#: vLLM), and rescaling the prompt by its count would grow it without bound.
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +121,7 @@ async def one_request(
         body["stream_interval"] = stream_interval
     start = anyio.current_time()
     ttft = None
-    usage: dict[str, Any] = {}
+    usage = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.is_error:
             await response.aread()
@@ -115,17 +132,37 @@ async def one_request(
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            try:
-                chunk = json.loads(line[6:])
-            except ValueError:
-                raise RuntimeError(f"the server streamed a line that is not JSON: {_excerpt(line)}") from None
-            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+            has_text, chunk_usage = _read_chunk(line[6:])
+            if ttft is None and has_text:
                 ttft = anyio.current_time() - start
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    if ttft is None or not usage:
+            usage = chunk_usage or usage
+    if ttft is None or usage is None:
         raise RuntimeError(f"the server answered no tokens or no usage for a {max_tokens}-token request")
-    return ttft, usage["prompt_tokens"], usage["completion_tokens"]
+    prompt_tokens, completion_tokens = usage
+    return ttft, prompt_tokens, completion_tokens
+
+
+def _read_chunk(data: str) -> tuple[bool, tuple[int, int] | None]:
+    """A streamed completion chunk: whether it carries text, and its usage's (prompt tokens,
+    completion tokens) when it has one.
+
+    Raises RuntimeError quoting the chunk when it is not JSON of OpenAI's shape: a server that
+    is not vLLM may stream anything, and a KeyError from deep in the sweep says nothing of it.
+    """
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise RuntimeError(f"the server streamed a line that is not JSON: {_excerpt(data)}") from None
+    not_openai = f"the server streamed a chunk that is not an OpenAI completion chunk: {_excerpt(data)}"
+    try:
+        has_text = any(choice.get("text") for choice in chunk.get("choices") or [])
+        usage = chunk.get("usage")
+        counts = (usage["prompt_tokens"], usage["completion_tokens"]) if usage else None
+    except (AttributeError, TypeError, KeyError):  # a list or a string where OpenAI has an object, a key missing
+        raise RuntimeError(not_openai) from None
+    if counts is not None and not all(type(n) is int and n >= 0 for n in counts):  # "5", 2.5, -1, true
+        raise RuntimeError(not_openai)
+    return has_text, counts
 
 
 def _excerpt(text: str) -> str:
@@ -150,11 +187,17 @@ async def prompt_chars(client: httpx.AsyncClient, model: str, tokens: int) -> in
 
     The tokenizer is unknown, so probe (max_tokens 1) and rescale. The first probe has one
     character a token: no tokenizer makes more tokens than characters of this ASCII text, so it
-    cannot pass the model's context length when `tokens` does not.
+    cannot pass the model's context length when `tokens` does not. Raises RuntimeError when the
+    server counts fewer tokens than any tokenizer would (`MAX_CHARS_PER_TOKEN`).
     """
     chars = tokens
     for _ in range(4):
         _, counted, _ = await one_request(client, model, prompt_of(chars), 1)
+        if counted * MAX_CHARS_PER_TOKEN < chars:  # rescaling by it would send gigabytes
+            raise RuntimeError(
+                f"the server counted {counted} prompt tokens for a {chars}-character prompt "
+                f"(a token is {MAX_CHARS_PER_TOKEN} characters at most): is it vLLM?"
+            )
         if abs(counted - tokens) <= max(2, tokens // 50):
             break
         chars = max(8, round(chars * tokens / max(1, counted)))
@@ -211,6 +254,7 @@ async def sweep(
     stream_interval: int = STREAM_INTERVAL,
     repeats: int = 1,
     after_pass: Callable[[], Awaitable[object]] | None = None,
+    read_timeout_s: float = READ_TIMEOUT_S,
 ) -> list[Sample]:
     """Measure every (concurrency, shape) point; shapes are (prompt tokens, max_tokens).
 
@@ -219,9 +263,11 @@ async def sweep(
     next, and passes spread over minutes average out the slow drifts that one pass would take
     for the workload's shape. `after_pass` is awaited after each pass: a caller measuring
     something else on the same server runs it between the passes, so both see the machine alike.
+    A server silent for `read_timeout_s` (`READ_TIMEOUT_S`) ends the sweep with httpx's
+    TimeoutException.
     """
     limits = client_limits(max(concurrencies) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(read_timeout_s), limits=limits) as client:
         if model is None:
             model = await served_model(client)
         # Warm up (first requests pay for compilation and caches).
@@ -317,18 +363,26 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _url(text: str) -> str:
-    """An http(s) URL with a host."""
+    """A server root, http://host:port or https://host:port, checked as the benches check theirs
+    (`http_url`): a port past 65535 passes httpx and fails only at the connect, an OverflowError."""
     try:
-        url = httpx.URL(text)
+        httpx.URL(text)  # first: its reason (an invalid IPv6 address) says more than urlsplit's ValueError
     except httpx.InvalidURL as exc:
         raise argparse.ArgumentTypeError(f"not a URL: {exc}") from None
-    if url.scheme not in ("http", "https") or not url.host:
-        raise argparse.ArgumentTypeError(f"expected an http(s)://host:port URL, got {text!r}")
-    return text
+    return http_url(text)
 
 
-def _server_error(exc: BaseException) -> str | None:
-    """One line on what the server did to end a sweep (refused, failed, went away), else None.
+def _out_file(text: str) -> str:
+    """A file to write the profile to (`writable_file`), not a path ending in a slash: that names
+    a directory, and the profile would be written to a file of the directory's name."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text!r} ends in a slash: it names a directory, not a file")
+    return writable_file(text)
+
+
+def _server_error(exc: BaseException, read_timeout_s: float = READ_TIMEOUT_S) -> str | None:
+    """One line on what the server did to end a sweep (refused, failed, went silent, went
+    away), else None.
 
     Exception groups are opened: each client of a closed loop fails alike when the server dies.
     """
@@ -338,6 +392,8 @@ def _server_error(exc: BaseException) -> str | None:
     if not all(isinstance(e, (httpx.HTTPError, RuntimeError)) for e in leaves):
         return None
     first = leaves[0]
+    if isinstance(first, httpx.TimeoutException):
+        return f"{type(first).__name__}: the server sent nothing for {read_timeout_s:g} s (is it stuck? --read-timeout waits longer)"
     if isinstance(first, httpx.HTTPError):  # httpx.ReadError says nothing of itself
         return f"{type(first).__name__}: {first}" if str(first) else f"{type(first).__name__} (the server closed the connection: did it stop?)"
     return str(first)
@@ -346,7 +402,7 @@ def _server_error(exc: BaseException) -> str | None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, type=_url, help="the vLLM server's root URL (without /v1)")
-    parser.add_argument("--out", required=True, type=writable_file, metavar="PROFILE.toml")
+    parser.add_argument("--out", required=True, type=_out_file, metavar="PROFILE.toml")
     parser.add_argument("--model", help="served model name (default: the server's first)")
     parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128], help="clients, comma-separated")
     parser.add_argument("--shapes", type=_shapes, default=[(64, 128), (384, 32), (160, 96)], help="PROMPT:MAX_TOKENS pairs")
@@ -361,15 +417,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=524288)
     parser.add_argument("--max-model-len", type=positive_int, default=1024)
     parser.add_argument("--description", default="a vLLM server measured by fleetsched calibrate")
+    parser.add_argument(
+        "--read-timeout", type=positive_float, default=READ_TIMEOUT_S, metavar="SECONDS", help="give up on a server silent this long"
+    )
     args = parser.parse_args(argv)
 
-    base = SimSettings(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_model_len=args.max_model_len,
-    )
+    try:
+        base = SimSettings(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            kv_cache_tokens=args.kv_cache_tokens,
+            max_model_len=args.max_model_len,
+        )
+    except ValidationError as exc:
+        key, message = first_error(exc)
+        # Each option sets the field of its name; an error of no field is one between fields.
+        parser.error(f"--{key.replace('_', '-')} {getattr(args, key)}: {message}" if key else f"the engine shape: {message}")
+    try:
+        SimEngine(base)  # the fit builds this engine for every point: after the sweep is too late
+    except (MemoryError, OverflowError):  # OverflowError: more blocks than a list can have
+        blocks = args.kv_cache_tokens // args.block_size
+        parser.error(f"--kv-cache-tokens {args.kv_cache_tokens}: the simulated engine cannot hold its {blocks:,} blocks in memory")
     for prompt, max_tokens in args.shapes:  # the fit runs them on this engine: after the sweep is too late
         try:
             check_request_fits(base, prompt, max_tokens, whole=True)
@@ -377,9 +446,12 @@ def main(argv: list[str]) -> int:
             parser.error(f"--shapes {prompt}:{max_tokens}: {exc} (give the server's --max-model-len and --kv-cache-tokens)")
     print(f"sweeping {args.url}: concurrency {args.concurrency}, (prompt, max_tokens) {args.shapes}")
     try:
-        samples = anyio.run(sweep, args.url, args.model, args.concurrency, args.shapes, args.rounds, print, args.stream_interval, args.repeats)
+        samples = anyio.run(
+            functools.partial(sweep, read_timeout_s=args.read_timeout),
+            args.url, args.model, args.concurrency, args.shapes, args.rounds, print, args.stream_interval, args.repeats,
+        )
     except Exception as exc:  # the sweep's clients run in task groups: their errors come grouped
-        error = _server_error(exc)
+        error = _server_error(exc, args.read_timeout)
         if error is None:
             raise
         print(f"fleetsched calibrate: {args.url}: {error}", file=sys.stderr)

@@ -96,8 +96,14 @@ def test_nnls_clamps_at_zero():
         ("--shapes", "64", "PROMPT:MAX_TOKENS pairs"),
         ("--stream-interval", "0", "expected an integer >= 1"),
         ("--url", "http://[::1", "not a URL"),
-        ("--url", "127.0.0.1:8000", "expected an http(s)://host:port URL"),
+        ("--url", "127.0.0.1:8000", "expected http://host:port or https://host:port"),
         ("--out", "/nonexistent/p.toml", "no directory '/nonexistent'"),
+        # Before: an OverflowError traceback from the connect, pydantic ValidationError tracebacks,
+        # and a MemoryError traceback once the sweep was done (its measurements lost).
+        ("--url", "http://127.0.0.1:99999", "argument --url: expected http://host:port or https://host:port"),
+        ("--block-size", "1000000", "the engine shape: kv_cache_tokens (524288) must hold at least one block of block_size (1000000)"),
+        ("--kv-cache-tokens", "8", "--kv-cache-tokens 8: Input should be greater than or equal to 16"),
+        ("--kv-cache-tokens", str(10**18), "the simulated engine cannot hold its 7,812,500,000,000,000 blocks in memory"),
     ],
 )
 def test_calibrate_arguments_are_checked_before_the_sweep(option, value, message, tmp_path, capsys):
@@ -106,6 +112,14 @@ def test_calibrate_arguments_are_checked_before_the_sweep(option, value, message
     with pytest.raises(SystemExit) as exit_:
         calibrate_main([part for item in args.items() for part in item])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_calibrate_refuses_an_out_path_that_names_a_directory(tmp_path, capsys):
+    """Before: `--out newdir/` (no such directory) swept the server, then wrote a file named newdir."""
+    with pytest.raises(SystemExit) as exit_:
+        calibrate_main(["--url", "http://127.0.0.1:9", "--out", f"{tmp_path}/newdir/"])
+    assert exit_.value.code == 2 and "newdir/' ends in a slash: it names a directory" in capsys.readouterr().err
+    assert not (tmp_path / "newdir").exists()
 
 
 def test_calibrate_reports_an_unreachable_server(tmp_path, capsys):
