@@ -191,11 +191,12 @@ def load_report(path: str | Path) -> dict[str, Any]:
         raise ReportSchemaError(f"{path}: cannot read it ({exc.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise ReportSchemaError(f"{path}: not a JSON run report ({exc})") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser's stack: no report is
+        raise ReportSchemaError(f"{path}: not a JSON run report (nested too deeply)") from None
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != SCHEMA:
         found = f"schema {schema!r}" if schema else "no 'schema' field"
-        hint = " (written by an older fleetsched: run it again to get a new report)" if str(schema).startswith("fleetsched.run/") else ""
-        raise ReportSchemaError(f"{path}: {found}, but this fleetsched reads only {SCHEMA!r}{hint}")
+        raise ReportSchemaError(f"{path}: {found}, but this fleetsched reads only {SCHEMA!r}{_version_hint(schema)}")
     missing = [name for name in _SECTIONS if name not in data]
     if missing:
         raise ReportSchemaError(f"{path}: a {SCHEMA} report without {', '.join(missing)} (cut short, or edited?)")
@@ -205,6 +206,20 @@ def load_report(path: str | Path) -> dict[str, Any]:
 
 #: What `fleetsched report` reads of a report (a report always has them, some null).
 _SECTIONS = ("duration_s", "backend", "throughput_tok_s", "tenants", "sla", "distributions", "timeline")
+
+
+def _version_hint(schema: Any) -> str:
+    """What to do with a report of another ``fleetsched.run/N`` version: an older fleetsched
+    wrote it (run again), or a newer one (render it with that one); nothing for other schemas."""
+    prefix, _, version = str(schema).rpartition("/")
+    if prefix != SCHEMA.rpartition("/")[0] or not version.isdecimal():
+        return ""
+    ours = int(SCHEMA.rpartition("/")[2])
+    if int(version) < ours:
+        return " (written by an older fleetsched: run it again to get a new report)"
+    if int(version) > ours:
+        return " (written by a newer fleetsched: render it with that version, or upgrade this one)"
+    return ""
 
 
 def _no_constant(name: str) -> None:

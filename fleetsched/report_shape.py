@@ -2,10 +2,10 @@
 
 `check_shape(data)` raises `ReportSchemaError` naming the first field that is missing, of the
 wrong type, not finite or out of range (a count or a duration below 0, a ratio outside 0..1), as
-in ``tenants.0.sla: Field required``, and a timeline series that is not aligned with the
-timeline's ``t``. Fields nobody reads back (``sim``, ``wall_s``, ...) are not
-checked, and the report is used as read: these models only check it. ``docs/report-schema.md``
-documents every field.
+in ``tenants.0.sla: Field required``, a timeline whose ``t`` goes back in time, and a timeline
+series that is not aligned with the timeline's ``t``. Fields nobody reads back (``sim``,
+``wall_s``, ...) are not checked, and the report is used as read: these models only check it.
+``docs/report-schema.md`` documents every field.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ class _Shape(BaseModel):
 
 
 class _Percentiles(_Shape):
-    p50: float | None
-    p99: float | None
+    p50: _Amount | None
+    p99: _Amount | None
 
 
 class _Objective(_Shape):
-    target: float
-    value: float | None
+    # seconds, or tokens per second for min_tokens_per_s: never below 0
+    target: _Amount
+    value: _Amount | None
     attainment: _Ratio | None
     met: bool | None
     breaches: dict[str, _Count]
@@ -73,7 +74,7 @@ class _Unreachable(_Shape):
 
 class _Feasibility(_Shape):
     method: str | None = None
-    unloaded_ttft_s: dict[str, float] | None = None
+    unloaded_ttft_s: dict[str, _Amount] | None = None
     unreachable: list[_Unreachable] | None = None
     note: str | None = None
 
@@ -83,7 +84,7 @@ class _Sla(_Shape):
     feasibility: _Feasibility | None = None
 
 
-_Quantiles = Annotated[list[float], Field(min_length=101, max_length=101)]
+_Quantiles = Annotated[list[_Amount], Field(min_length=101, max_length=101)]
 
 
 class _Cdfs(_Shape):
@@ -96,7 +97,7 @@ class _Distributions(_Shape):
 
 
 class _Timeline(_Shape):
-    window_s: float
+    window_s: Annotated[float, Field(gt=0)]  # the rolling SLA window: a window of 0 s holds nothing
     t: list[float]
     completion_tokens: list[float]
     queued_sessions: dict[str, list[float]]
@@ -146,7 +147,12 @@ def check_shape(data: dict[str, Any], source: str) -> None:
         raise ReportSchemaError(f"{source}: {field or '(root)'}: {message}{got}") from None
     timeline = data["timeline"]
     if timeline is not None:
-        n = len(timeline["t"])
+        times = timeline["t"]
+        # The plots draw the series in this order and take rates between neighbours.
+        back = next((i for i in range(1, len(times)) if times[i] < times[i - 1]), None)
+        if back is not None:
+            raise ReportSchemaError(f"{source}: timeline.t.{back}: {times[back]} comes after {times[back - 1]} (its times go forward)")
+        n = len(times)
         for name in _Timeline.model_fields:
             value = timeline[name]
             for key, values in value.items() if isinstance(value, dict) else [(None, value)] if isinstance(value, list) else []:

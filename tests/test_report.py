@@ -108,6 +108,17 @@ def test_a_report_cut_short_or_holding_nan_is_refused_by_name(report, tmp_path, 
     assert "--out" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc: a directory that cannot be written, even by root")
+def test_an_out_directory_that_cannot_be_written_is_one_line(report, tmp_path, capsys):
+    """Before: a FileNotFoundError traceback from the first plot's savefig (the directory
+    exists, so making it succeeded)."""
+    good = tmp_path / "good.json"
+    write_report(report, good)
+    assert render_main([str(good), "--out", "/proc/self"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fleetsched report: --out /proc/self: cannot write ttft_cdf.png (") and len(err.splitlines()) == 1
+
+
 def test_unreachable_ttft_is_flagged_at_start(tmp_path):
     config = tmp_path / "fast.toml"
     config.write_text(
@@ -180,11 +191,18 @@ def test_a_report_edited_by_hand_is_refused_naming_the_field(report, tmp_path, c
         (lambda r: r.__setitem__("duration_s", -5.0), r"duration_s: Input should be greater than or equal to 0"),
         (lambda r: r["tenants"][0]["sla"]["objectives"]["ttft_p99"].__setitem__("attainment", 1.5), r"tenants\.0\.sla\.objectives\.ttft_p99\.attainment: Input should be less than or equal to 1 \(got 1\.5\)"),
         (lambda r: r["timeline"]["attainment"]["pager"].__setitem__(0, -0.5), r"timeline\.attainment\.pager\.0: Input should be greater than or equal to 0"),
+        (lambda r: r["tenants"][0]["ttft_s"].__setitem__("p50", -3.0), r"tenants\.0\.ttft_s\.p50: Input should be greater than or equal to 0 \(got -3\.0\)"),
+        (lambda r: r["tenants"][0]["sla"]["objectives"]["ttft_p99"].__setitem__("value", -0.1), r"tenants\.0\.sla\.objectives\.ttft_p99\.value: Input should be greater than or equal to 0"),
+        (lambda r: r["distributions"]["ttft_s"]["tier"]["critical"].__setitem__(0, -1.0), r"distributions\.ttft_s\.tier\.critical\.0: Input should be greater than or equal to 0"),
+        (lambda r: r["timeline"].__setitem__("window_s", -1.0), r"timeline\.window_s: Input should be greater than 0 \(got -1\.0\)"),
+        (lambda r: r["timeline"]["t"].reverse(), r"timeline\.t\.1: [\d.]+ comes after [\d.]+ \(its times go forward\)"),
     ],
 )
 def test_a_figure_out_of_its_range_is_refused_naming_the_field(report, tmp_path, edit, message):
-    """Counts and durations are at least 0 and ratios from 0 to 1 (docs/report-schema.md); before,
-    -3 calls or an attainment of 1.5 were read and shown ('150.0%')."""
+    """Counts and durations are at least 0 and ratios from 0 to 1 (docs/report-schema.md), the
+    timeline's times go forward; before, -3 calls or an attainment of 1.5 were read and shown
+    ('150.0%'), a TTFT p50 of -3 s as '-3,000' ms, a window of -1 s in a plot's title, and a
+    reversed timeline drawn as 0 tokens/s throughout."""
     path = tmp_path / "edited.json"
     write_report(_edited(report, edit), path)
     with pytest.raises(ReportSchemaError, match=message):

@@ -23,7 +23,8 @@ BENCHMARKS = {
 def run(name: str, argv: list[str]) -> int:
     if name not in BENCHMARKS:
         known = ", ".join(sorted(BENCHMARKS))
-        raise SystemExit(f"fleetsched bench: unknown benchmark {name!r}; known: {known}")
+        print(f"fleetsched bench: unknown benchmark {name!r}; known: {known}", file=sys.stderr)
+        return 2  # a usage error, as argparse's
     module = importlib.import_module(f"fleetsched.bench.{name.replace('-', '_')}")
     try:
         return module.main(argv)

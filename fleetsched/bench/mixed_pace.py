@@ -164,7 +164,8 @@ def main(argv: list[str]) -> int:
     if args.url and args.backend != "vllm-server":
         parser.error("--url needs --backend vllm-server (the sim backend runs on virtual time, with no server)")
     real = args.backend == "vllm-server"
-    applies_only(parser, args, {"seconds": 90.0, "time_scale": 0.1, "engine_nice": 19}, real, "with --backend vllm-server")
+    applies_only(parser, args, {"seconds": 90.0, "time_scale": 0.1}, real, "with --backend vllm-server")
+    applies_only(parser, args, {"engine_nice": 19}, real and args.url is None, "with --backend vllm-server, to the server it starts (not with --url)")
     applies_only(parser, args, {"hours": 0.5}, not real, "with --backend sim (a real vLLM runs for --seconds)")
     # Sessions submitted per mode: more than the modes can serve in the time (see the docstring).
     span_s, span_flag = (args.seconds, "--seconds") if args.backend == "vllm-server" else (args.hours * 3600, "--hours")

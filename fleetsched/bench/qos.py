@@ -61,7 +61,7 @@ from typing import Any
 import anyio
 import httpx
 
-from .._args import http_url, non_negative_float, non_negative_int, positive_float, positive_int, unit_float
+from .._args import applies_only, http_url, non_negative_float, non_negative_int, positive_float, positive_int, unit_float
 from ..backends.sim._fit import answer_draws
 from ..calibrate import KEEPALIVE_EXPIRY_S
 from ..errors import BackendUnavailable
@@ -581,7 +581,12 @@ def build_parser(prog: str = "fleetsched bench qos", description: str = __doc__.
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """`build_parser`'s options, with the checks between them (argparse's exit 2 when they fail)."""
     parser = build_parser()
+    # These shape the servers the bench starts: None tells one given with --url (refused) from
+    # one left out. `build_parser` keeps the defaults for scripts that start servers themselves.
+    started = {"engine_nice": 19, "engine_cpus": parser.get_default("engine_cpus"), "client_off_engine": False}
+    parser.set_defaults(**dict.fromkeys(started))
     args = parser.parse_args(argv)
+    applies_only(parser, args, started, args.url is None, "to the servers the bench starts (not with --url)")
     if args.max_tokens_spread >= args.max_tokens:
         parser.error(f"--max-tokens-spread ({args.max_tokens_spread}) must be below --max-tokens ({args.max_tokens})")
     if args.url is None and args.engine_cpus and hasattr(os, "sched_getaffinity"):  # it pins the servers it starts

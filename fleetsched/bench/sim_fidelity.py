@@ -37,6 +37,7 @@ import anyio
 from fleetsched._args import http_url
 from fleetsched.backends.sim._fit import PARAMS, LoopFeatures, Workload, closed_loop, fit_profile, theta_of
 from fleetsched.backends.sim._profiles import load_profile
+from fleetsched.errors import BackendUnavailable
 from fleetsched.settings import SimSettings
 from fleetsched.virtual_time import Loop
 
@@ -133,6 +134,27 @@ Run = tuple[Any, float | None]
 """One run of the unseen workload: its `Sample`, and the mean TTFT vLLM measured itself."""
 
 
+async def _served_model(client: Any, url: str) -> str:
+    """The model the server at `url` lists first (GET /v1/models), asked before anything else:
+    `BackendUnavailable` (one line, said by `fleetsched.bench.run`) when the server is down or
+    is not vLLM, instead of a traceback from the first request or from reading its answer."""
+    import httpx
+
+    try:
+        response = await client.get("/v1/models")
+    except httpx.HTTPError as exc:
+        raise BackendUnavailable(
+            f"cannot reach the vLLM server at {url} ({type(exc).__name__}: {exc}): is it up? "
+            "`fleetsched bench sim-fidelity` without --url starts its own"
+        ) from None
+    try:
+        return str(response.raise_for_status().json()["data"][0]["id"])
+    except (httpx.HTTPStatusError, ValueError, LookupError, TypeError):  # not JSON, or not OpenAI's shape
+        raise BackendUnavailable(
+            f"GET {response.request.url} answered {response.status_code} with no model: is this a vLLM server?"
+        ) from None
+
+
 async def _real_loop(url: str, workload: Workload, repeats: int, shape: SimSettings | None = None) -> tuple[list[Run], SimSettings | None]:
     """`repeats` closed loops of `workload` after one warm-up run: each run's `Sample` and the
     mean TTFT vLLM measured itself over it (its ``time_to_first_token_seconds`` histogram: from
@@ -165,7 +187,7 @@ async def _real_loop(url: str, workload: Workload, repeats: int, shape: SimSetti
 
     runs: list[Run] = []
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=client_limits(workload.concurrency + 8)) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        model = await _served_model(client, url)
         chars = await prompt_chars(client, model, workload.prompt_tokens)
         # Warm up with one whole run, not counted: in one series after a start the first run gave
         # 5,450 tok/s and a TTFT p50 of 42 ms, the fourth and fifth 5,950-6,340 tok/s and 20-24 ms.

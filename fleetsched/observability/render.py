@@ -4,7 +4,7 @@ Writes into DIR: ``ttft_cdf.png`` (TTFT CDF per tier and per tenant, SLA targets
 ``throughput.png``, ``queue_depth.png``, ``memory.png`` (allocated memory and fragmentation per
 device), ``sla_attainment.png`` (attainment per tenant and objective, and the rolling attainment
 over time) and ``index.html`` (the plots with the tenant and SLA tables). Exit codes: 0 done,
-2 when the report cannot be read or is of another schema version.
+2 when the report cannot be read or is of another schema version, or DIR cannot be written.
 """
 
 from __future__ import annotations
@@ -284,7 +284,12 @@ def main(argv: list[str]) -> int:
     except OSError as exc:  # a file there, or no permission
         print(f"fleetsched report: --out {out}: cannot make that directory ({exc.strerror})", file=sys.stderr)
         return 2
-    paths = render(report, out)
+    try:
+        paths = render(report, out)
+    except OSError as exc:  # a directory that exists but cannot be written (no permission, /proc)
+        name = Path(exc.filename).name if exc.filename else "into it"
+        print(f"fleetsched report: --out {out}: cannot write {name} ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     for path in paths:
         print(path)
     return 0
