@@ -129,6 +129,30 @@ async def test_a_quota_lowered_under_a_waiting_session_fails_that_session_alone(
     check_released(scheduler)
 
 
+async def test_reading_on_after_a_stream_read_was_cut_short_raises():
+    """A timeout around one read of `ctx.stream` ends the call (the cancellation went through the
+    stream's async generators, which end for good). Reading on ended the stream quietly: the
+    agent got 16 of 1,200 characters, and the call was recorded without an error."""
+    seen = []
+
+    async def agent(ctx):
+        async with ctx.stream(MESSAGES, max_tokens=300) as chunks:
+            with anyio.move_on_after(0.01):  # a per-read timeout, say
+                async for _ in chunks:
+                    pass
+            with pytest.raises(RuntimeError, match=r"a read of this stream was cut short \(\w+\): its call ended there"):
+                await chunks.__anext__()
+            seen.append("refused")
+        return "ok"
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        assert await scheduler.run(agent, tenant="acme") == "ok"
+    assert seen == ["refused"]
+    (call,) = scheduler.recorder.calls
+    assert call.error in ("Cancelled", "CancelledError")  # not a whole answer
+    check_released(scheduler)
+
+
 async def test_an_agent_cannot_release_its_own_session_s_memory():
     """`ctx.reservation.release()` was accepted: the session ran on without its memory, and the
     pool admitted three 40 GB sessions on an 80 GB device."""

@@ -25,6 +25,40 @@ if TYPE_CHECKING:
     from ..scheduler.session import SessionHandle
 
 
+class _Chunks:
+    """The chunks of one `SessionContext.stream` call as its agent reads them: the last usage
+    they carried is kept, and they are read inside the call's block only.
+
+    A class, not an async generator: a read cut short (a timeout around one ``__anext__``)
+    throws into a generator, which then ends for good, and the next read ended the stream
+    quietly: the answer cut short, and nothing said so. Here it raises."""
+
+    def __init__(self, chunks: AsyncIterator[Chunk]) -> None:
+        self._chunks = chunks
+        self.usage: dict[str, int] = {}
+        self.block_open = True
+        self._cut: str | None = None  # what cut a read short
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._cut is not None:
+            raise RuntimeError(f"a read of this stream was cut short ({self._cut}): its call ended there, its answer incomplete")
+        if not self.block_open:
+            raise RuntimeError("a stream of ctx.stream() is read inside its `async with` block only")
+        try:
+            chunk = await self._chunks.__anext__()
+        except StopAsyncIteration:
+            raise
+        except BaseException as exc:
+            self._cut = type(exc).__name__
+            raise
+        if chunk.get("usage"):
+            self.usage.update(chunk["usage"])
+        return chunk
+
+
 class SessionContext:
     """The running session's view: identity, deadline, reservation, model calls, tool marks."""
 
@@ -140,28 +174,21 @@ class SessionContext:
         """``async with ctx.stream(messages) as chunks: async for chunk in chunks: ...``"""
         request = self._body(messages, body, kwargs)
         handle = self._handle
-        usage: dict[str, int] = {}
-        block_open = True
-
-        async def counted(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-            async for chunk in chunks:
-                if chunk.get("usage"):
-                    usage.update(chunk["usage"])
-                yield chunk
-            if not block_open:  # the call ended with the block: its chunks did not all come
-                raise RuntimeError("a stream of ctx.stream() is read inside its `async with` block only")
-
+        counted: _Chunks | None = None
         handle.calls_in_flight += 1  # from here: the session is not parked under the call
         try:
             if self._tools_open or not handle._holds_slot:  # in a tool period, parked, or ended
                 await self._busy()
             handle.activity = MODEL_CALL
             async with self._dispatcher.stream(request, **self._route()) as chunks:
-                yield counted(chunks)
+                counted = _Chunks(chunks)
+                yield counted
         finally:
-            block_open = False
+            if counted is not None:
+                counted.block_open = False
             self._call_ended()
-        self._count(usage)  # a call made, as `chat` counts: not one refused or failed
+        assert counted is not None
+        self._count(counted.usage)  # a call made, as `chat` counts: not one refused or failed
 
     @asynccontextmanager
     async def tool(self, name: str) -> AsyncIterator[None]:

@@ -241,7 +241,14 @@ class Dispatcher:
             raise
 
         async def observed() -> AsyncIterator[Chunk]:
-            async for chunk in upstream:
+            while True:
+                try:
+                    chunk = await upstream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except BaseException as exc:  # the call ends here: a reader that goes on past a cut
+                    record.error = type(exc).__name__  # read (caught) leaves the block normally
+                    raise
                 _note(chunk, record)
                 received = _tokens_so_far(chunk, record.streamed, tokens_per_chunk)
                 if received > record.streamed:
