@@ -13,6 +13,7 @@ A bad config exits with code 2 and a message naming the key and the reason.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
 
@@ -47,13 +48,14 @@ def _load(path: str, backend: str | None) -> Settings:
 
 
 async def _run(settings: Settings, args: argparse.Namespace, console: Console) -> dict | None:
-    """Run the workload and print its tables; the report, or None when the run could not start."""
+    """Run the workload and print its tables; the report, or None when the run could not start
+    or its report could not be written."""
     from .agents.workload import plan, run_workload
     from .display import live_view
     from .observability.feasibility import check_feasibility
     from .observability.sla import SlaTracker
     from .observability.timeline import Timeline
-    from .report import build_report, sla_table, tenant_table, write_report
+    from .report import build_report, save_json, sla_table, tenant_table
     from .scheduler import Scheduler
 
     total = len(plan(settings.workload))
@@ -90,7 +92,8 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     console.print(tenant_table(report))
     console.print(sla_table(report))
     if args.report:
-        write_report(report, args.report)
+        if not save_json(json.dumps(report, indent=2) + "\n", args.report, "fleetsched run"):
+            return None
         console.print(f"report written to {args.report}", markup=False)
     return report
 

@@ -10,6 +10,7 @@ missing or of the wrong type, with `ReportSchemaError`.
 from __future__ import annotations
 
 import json
+import sys
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -175,6 +176,19 @@ def build_report(
 
 def write_report(report: dict[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def save_json(text: str, path: str | Path, command: str) -> bool:
+    """Write a run's JSON `text` to `path` (``--report``); whether it was written. A write that
+    fails (the path was checked before the run, yet a disk fills or a directory goes) prints
+    the JSON on stdout and says so on stderr: the run's figures are not lost with a traceback."""
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        print(text)
+        print(f"{command}: cannot write {path} ({exc.strerror or exc}); the report is printed above", file=sys.stderr)
+        return False
+    return True
 
 
 def load_report(path: str | Path) -> dict[str, Any]:

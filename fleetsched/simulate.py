@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from ._args import positive_int, writable_file
 from .errors import ConfigError, FleetschedError
 from .gc_tuning import SIMULATING, gc_thresholds
-from .report import throughput_text
+from .report import save_json, throughput_text
 from .settings import AgentMix, Settings, first_error, load_settings
 from .virtual_time import LOOPS, Loop, run_virtual
 
@@ -401,9 +401,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:  # found as the scheduler starts: a KV cache smaller than a session's budget
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2
-    if args.report:
-        with open(args.report, "w") as f:
-            f.write(text + "\n")
+    if args.report and not save_json(text + "\n", args.report, "fleetsched simulate"):
+        return 1
     return 0
 
 

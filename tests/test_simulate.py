@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -415,3 +416,31 @@ def test_the_sla_table_title_counts_the_objectives_missed(tmp_path, capsys):
     config.write_text('[tenants.a]\nsla = { min_tokens_per_s = 1000000 }\n[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\n')
     assert cli_main(["simulate", str(config)]) == 0
     assert "SLA: 0 breaches, 1 objective missed" in capsys.readouterr().out
+
+
+def _passes_the_check_and_cannot_be_written(path: str) -> bool:
+    """Whether `path` passes --report's check and yet cannot be written: /proc, for root."""
+    import argparse
+
+    from fleetsched._args import writable_file
+
+    try:
+        writable_file(path)
+    except argparse.ArgumentTypeError:
+        return False
+    return os.path.isdir("/proc/self")
+
+
+@pytest.mark.skipif(not _passes_the_check_and_cannot_be_written("/proc/report.json"), reason="needs /proc as root")
+@pytest.mark.parametrize("command", ["run", "simulate"])
+def test_a_report_that_cannot_be_written_at_the_end_is_printed_not_lost(tmp_path, capsys, command):
+    """--report is checked before the run, yet the write can fail at its end (a disk fills, a
+    directory goes): a FileNotFoundError traceback, and the run's figures were lost."""
+    config = tmp_path / "c.toml"
+    config.write_text('[backend]\nkind = "instant"\n[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\n')
+    extra = ["--no-live"] if command == "run" else []
+    assert cli_main([command, str(config), "--report", "/proc/report.json", *extra]) == 1
+    out, err = capsys.readouterr()
+    assert f"fleetsched {command}: cannot write /proc/report.json (" in err and "the report is printed above" in err
+    report = json.loads(out[out.index("{") :])  # the tables (run's) come first
+    assert report["schema"] == "fleetsched.run/2"
