@@ -83,7 +83,7 @@ class SessionContext:
         #: Streams of ``ctx.openai`` an agent may leave unclosed; closed when the session ends.
         self._open_streams: set[Any] = set()
         #: Set when the session ended under calls made from tasks outside it: called when the
-        #: last of them ends (the scheduler gives the session's slot and memory back then).
+        #: last of them ends (the scheduler gives the session's memory back then).
         self._after_calls: Callable[[], None] | None = None
 
     @property
