@@ -101,6 +101,16 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return leaf
 
 
+def _bare_exit(group: BaseExceptionGroup) -> BaseException:
+    """The KeyboardInterrupt or SystemExit of an agent that `group` holds beside cancellations
+    alone, bare; else `group`. In a group, ``sys.exit(3)`` in an agent ended the process with
+    status 1 on trio, and ``except SystemExit`` around the scheduler's block missed it."""
+    exits, rest = group.split((KeyboardInterrupt, SystemExit))
+    if exits is None or (rest is not None and rest.split(anyio.get_cancelled_exc_class())[1] is not None):
+        return group
+    return _first_leaf(exits)
+
+
 def _failure_of(exc: BaseException) -> BaseException | None:
     """The session's failure in an exception out of its agent, or None where it only passes
     through: any exception but cancellation, KeyboardInterrupt and SystemExit (a GeneratorExit or
@@ -268,7 +278,10 @@ class Scheduler:
                     await self._idle.wait()
             finally:
                 # The block's own exception propagates as it is, not wrapped in the task group's.
-                await self._exit_stack.__aexit__(None, None, None)
+                try:
+                    await self._exit_stack.__aexit__(None, None, None)
+                except BaseExceptionGroup as group:
+                    raise _bare_exit(group) from None
 
     # -- submitting ------------------------------------------------------------------------------
 
