@@ -14,13 +14,16 @@ import argparse
 import ast
 import operator
 import random
+import sys
 
 import anyio
+from pydantic import ValidationError
 from rich.console import Console
 
 from fleetsched import Scheduler, Settings
 from fleetsched.agents.loop import Tool, run_tool_loop
 from fleetsched.report import build_report, tenant_table
+from fleetsched.settings import first_error
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
@@ -84,17 +87,35 @@ async def main(sessions: int, backend: str, url: str | None) -> dict:
             await scheduler.submit(make_agent(SCRIPTS[i % len(SCRIPTS)]), tenant=("assistants", "analysts")[i % 2])
             for i in range(sessions)
         ]
-        outcomes = [await h for h in handles]
+        for handle in handles:
+            await handle.ended()
     report = build_report(scheduler, duration_s=anyio.current_time() - start, backend=backend)
-    Console().print(tenant_table(report))
-    print(f"{outcomes.count('answer')} of {sessions} agents answered")
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # piped: not squeezed to 80 columns
+    console.print(tenant_table(report))
+    answered = sum(h.result == "answer" for h in handles)
+    print(f"{answered} of {sessions} agents answered")
+    failed = [h for h in handles if h.error is not None]
+    if failed:  # say why once (an unreachable server fails them all alike)
+        print(f"{len(failed)} failed; the first: {failed[0].error}", file=sys.stderr)
     return report
+
+
+def _sessions(text: str) -> int:
+    if not text.isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of sessions >= 1, got {text!r}")
+    return int(text)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=40)
+    parser.add_argument("--sessions", type=_sessions, default=40)
     parser.add_argument("--backend", default="sim", choices=["sim", "instant", "vllm-server"])
     parser.add_argument("--url", help="vLLM server URL for --backend vllm-server")
     args = parser.parse_args()
-    anyio.run(main, args.sessions, args.backend, args.url)
+    if args.url and args.backend != "vllm-server":
+        parser.error("--url applies only with --backend vllm-server")
+    try:
+        report = anyio.run(main, args.sessions, args.backend, args.url)
+    except ValidationError as exc:  # a malformed --url
+        parser.error(f"--url: {first_error(exc)[1]}")
+    sys.exit(1 if sum(t["sessions_failed"] for t in report["tenants"]) else 0)

@@ -41,6 +41,22 @@ def test_tool_agents_example():
     assert "12 of 12 agents answered" in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("arguments", "code", "message"),
+    [  # before: "0 of -3 agents answered" (exit 0), the --url ignored, a traceback, a traceback
+        (["--sessions", "-3"], 2, "expected a whole number of sessions >= 1, got '-3'"),
+        (["--url", "http://127.0.0.1:1"], 2, "--url applies only with --backend vllm-server"),
+        (["--backend", "vllm-server", "--url", "nope"], 2, "--url: 'nope' is not http://host:port"),
+        (["--backend", "vllm-server", "--url", "http://127.0.0.1:1", "--sessions", "2"], 1, "2 failed; the first: cannot reach vLLM replica"),
+    ],
+)
+def test_tool_agents_example_refuses_bad_arguments_in_a_line(arguments, code, message):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "tool_agents.py"), *arguments], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == code and message in done.stderr and "Traceback" not in done.stderr
+
+
 def test_the_readmes_python_example_runs_as_written(monkeypatch, capsys):
     """It read a ./fleetsched.toml that the repository does not have (ConfigError: no such file)."""
     import anyio
