@@ -10,8 +10,8 @@ missing or of the wrong type, with `ReportSchemaError`.
 from __future__ import annotations
 
 import json
-import sys
 import math
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any

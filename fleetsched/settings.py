@@ -628,11 +628,21 @@ def _check_environment_sections() -> None:
     without a word. Variables without ``__`` are left alone: the scripts have their own
     (``FLEETSCHED_VLLM_VENV``). Names are case-insensitive, as pydantic-settings reads them.
     """
-    prefix = Settings.model_config["env_prefix"].lower()
-    for name in os.environ:
-        section, nested, _ = name.lower().removeprefix(prefix).partition("__")
-        if name.lower().startswith(prefix) and nested and section not in Settings.model_fields:
+    for name, section, _ in _nested_environment():
+        if section not in Settings.model_fields:
             raise ConfigError(name, f"no section {section!r}; the sections are {', '.join(Settings.model_fields)}")
+
+
+def _nested_environment() -> list[tuple[str, str, str]]:
+    """(variable, section, the rest) of every ``FLEETSCHED_<SECTION>__...`` variable, the parts
+    in lower case, as pydantic-settings reads them."""
+    prefix = Settings.model_config["env_prefix"].lower()
+    found = []
+    for name in os.environ:
+        section, nested, rest = name.lower().removeprefix(prefix).partition("__")
+        if name.lower().startswith(prefix) and nested:
+            found.append((name, section, rest))
+    return found
 
 
 def load_settings(path: str | Path | None = None, **overrides: object) -> Settings:
@@ -679,10 +689,9 @@ def _check_environment_tenants(settings: Settings) -> None:
     """Refuse a ``FLEETSCHED_TENANTS__<NAME>__...`` variable meant for a tenant whose name has
     capitals. Environment names are read in lower case: ``FLEETSCHED_TENANTS__ACME__WEIGHT=3``
     made a second tenant "acme", with no sessions, beside the config's "Acme", without a word."""
-    prefix = "fleetsched_tenants__"
-    for name in os.environ:
-        tenant, nested, _ = name.lower().removeprefix(prefix).partition("__")
-        if not name.lower().startswith(prefix) or not nested:
+    for name, section, rest in _nested_environment():
+        tenant, nested, _ = rest.partition("__")
+        if section != "tenants" or not nested:
             continue
         twins = [declared for declared in settings.tenants if declared != tenant and declared.lower() == tenant]
         if twins:

@@ -38,6 +38,8 @@ unreachable replica is then given up at once instead of after backing off (remov
 AVOID_KEY = "fleetsched_avoid"
 """Body key naming a replica that a call routed by load goes to only when no other can take it:
 the one a session's call just failed on, which the dispatcher falls back from (removed too)."""
+PRIVATE_KEYS = (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY)
+"""The body keys above: fleetsched's own, never a client's (the gateway strips them)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,6 +243,9 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
     return BackendError(f"{where}: {exc}")
 
 
+#: Seconds to open a connection to a replica (then `backend.read_timeout_s` for each read).
+CONNECT_TIMEOUT_S = 5.0
+
 #: A transport error's reason when the server was silent past `backend.read_timeout_s`.
 TIMED_OUT = "no answer within the read timeout (backend.read_timeout_s)"
 
@@ -255,7 +258,7 @@ def _reason(exc: BaseException) -> str:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
         chain.append(exc)
     if any(isinstance(e, _CONNECT_TIMEOUTS) for e in chain):
-        return "no connection within the connect timeout (5 s)"
+        return f"no connection within the connect timeout ({CONNECT_TIMEOUT_S:g} s)"
     if any(isinstance(e, _TIMEOUTS) for e in chain):
         return TIMED_OUT
     if isinstance(exc, ConnectionRefusedError):
@@ -361,7 +364,7 @@ class VLLMServerBackend(Backend):
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         #: Sent with every call: the SDK's own default waits 600 s for each read.
-        self.timeout = openai.Timeout(read_timeout_s, connect=5.0)
+        self.timeout = openai.Timeout(read_timeout_s, connect=CONNECT_TIMEOUT_S)
         self._replicas = {
             name: Replica(
                 name=name,

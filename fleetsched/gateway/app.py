@@ -39,7 +39,7 @@ import httpx
 
 from ..agents.transport import error_response, response_for
 from ..backends import create_backend
-from ..backends.base import AVOID_KEY, FALLBACK_KEY, REPLICA_KEY, Backend, completion_room, estimate_prompt_tokens, requested_max_tokens
+from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, tokens_asked
 from ..scheduler import Scheduler
@@ -332,7 +332,7 @@ class Gateway:
         if session_id is not None and not SESSION_ID.fullmatch(session_id):
             return await _error(send, _invalid("X-Session-ID: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Session-ID"))
         streaming = bool(body.pop("stream", False))
-        for private in (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY, ENDPOINT_KEY, "priority"):
+        for private in (*PRIVATE_KEYS, ENDPOINT_KEY, "priority"):
             body.pop(private, None)
         prompt = estimate_prompt_tokens(body)
         max_tokens = requested_max_tokens(body, default=0)
@@ -469,10 +469,8 @@ class Gateway:
         (whatever its outcome: a call refused or failed gets its prompt back too; one whose
         prompt the engine counted longer than the estimate `prompt` is charged the difference),
         and count a served call's tokens and fair-share service."""
-        if done.status >= 400:
-            unused = max_tokens - done.completion_tokens + prompt
-        else:
-            unused = max_tokens - done.completion_tokens + (prompt - done.prompt_tokens if done.prompt_tokens else 0)
+        used_prompt = 0 if done.status >= 400 else (done.prompt_tokens or prompt)
+        unused = prompt + max_tokens - used_prompt - done.completion_tokens
         served = done.status == 200
         if served:
             self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)

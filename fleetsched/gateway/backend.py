@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import AVOID_KEY, FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
+from ..backends.base import AVOID_KEY, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
 from ..backends.vllm_server import VLLMServerBackend, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
 
@@ -131,7 +131,7 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
     prompt = body.pop("prompt")
     if isinstance(prompt, list):
         prompt = "".join(str(p) for p in prompt)
-    for private in (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY):
+    for private in PRIVATE_KEYS:
         body.pop(private, None)
     count = body.pop("logprobs", None)
     if count is not None:  # a text completion's alternatives a token: chat's top_logprobs

@@ -615,11 +615,10 @@ class Scheduler:
             handle.error = error
             self._drop_queued(handle, SessionState.REJECTED)
             return
-        # Its entry, not `_readmit_entry`: that is set once the push that got here returns.
-        self._queue.remove(entry)
+        # Its entry: `_readmit_entry` is set only once the push that got here returns.
+        handle._readmit_entry = entry
         handle._readmit_error = error
-        event, handle._readmit = handle._readmit, None
-        event.set()
+        self._drop_readmission(handle)
 
     def _drop_queued(self, handle: SessionHandle, state: SessionState) -> None:
         """Take a queued session out of the queue, ending it in `state`."""
