@@ -42,7 +42,7 @@ from ._args import positive_int, writable_file
 from .errors import ConfigError, FleetschedError
 from .gc_tuning import SIMULATING, gc_thresholds
 from .report import save_json, throughput_text
-from .settings import AgentMix, Settings, first_error, load_settings
+from .settings import AgentMix, Settings, SimSettings, first_error, load_settings
 from .virtual_time import LOOPS, Loop, run_virtual
 
 SIMULATE_STREAM_INTERVAL = 8
@@ -71,7 +71,9 @@ def sim_settings(settings: Settings, profile: str | None = None, stream_interval
     """`settings` with the sim backend, the profile and the stream interval of a simulation."""
     sim = settings.backend.sim.model_dump(exclude_unset=True)
     if profile is not None:
-        sim = {"profile": profile}  # a profile replaces the section (fields in the config would not apply to it)
+        # A profile replaces the section (fields in the config would not apply to it); its own
+        # fields, a stream_interval among them, are set as if written in the section.
+        sim = SimSettings(profile=profile).model_dump(exclude_unset=True)
     if stream_interval is not None:
         sim["stream_interval"] = stream_interval
     elif "stream_interval" not in sim:

@@ -444,3 +444,21 @@ def test_a_report_that_cannot_be_written_at_the_end_is_printed_not_lost(tmp_path
     assert f"fleetsched {command}: cannot write /proc/report.json (" in err and "the report is printed above" in err
     report = json.loads(out[out.index("{") :])  # the tables (run's) come first
     assert report["schema"] == "fleetsched.run/2"
+
+
+def test_a_profile_on_the_command_line_keeps_its_own_stream_interval(tmp_path, capsys):
+    """--profile FILE whose [sim] sets a stream_interval simulates with it, as the same profile
+    named in the config's [backend.sim] does; before, --profile put simulate's default of 8 over
+    it. A profile without one gets the default, and --stream-interval goes over both."""
+    profile = tmp_path / "p.toml"
+    profile.write_text("[profile]\ndescription = 'one token a chunk'\n[sim]\nstream_interval = 1\n")
+    config = tmp_path / "c.toml"
+    config.write_text('[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 1\nturns = 1\n')
+
+    def interval(*extra: str) -> int:
+        assert cli_main(["simulate", str(config), "--duration", "10s", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["sim"]["stream_interval"]
+
+    assert interval("--profile", str(profile)) == 1
+    assert interval("--profile", "tiny-cpu-vllm") == 8
+    assert interval("--profile", str(profile), "--stream-interval", "4") == 4
