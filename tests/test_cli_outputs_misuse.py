@@ -48,6 +48,46 @@ def test_sim_fidelity_against_a_server_that_is_not_vllm_says_so_in_one_line(not_
     assert err == f"fleetsched bench sim-fidelity: GET {not_vllm}/v1/models answered 404 with no model: is this a vLLM server?\n"
 
 
+class _ListsAModelThenDrops(http.server.BaseHTTPRequestHandler):
+    """Answers GET /v1/models as vLLM does, then closes the connection on every request after:
+    a server that dies once the run is under way."""
+
+    def do_GET(self):
+        if self.path != "/v1/models":
+            self.close_connection = True
+            return
+        body = b'{"object": "list", "data": [{"id": "tiny", "object": "model"}]}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.close_connection = True  # no answer at all: the client reads a closed connection
+
+    def log_message(self, format, *args):
+        pass
+
+
+def test_sim_fidelity_against_a_server_that_stops_answering_mid_run_says_so_in_one_line(capsys):
+    """Before: a traceback ending in httpx.RemoteProtocolError (only the check at the start was
+    one line)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ListsAModelThenDrops)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert bench.run("sim-fidelity", ["--url", url, "--no-speed"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    err = capsys.readouterr().err
+    assert err.startswith(f"fleetsched bench sim-fidelity: the vLLM server at {url} stopped answering partway through the run (")
+    assert len(err.splitlines()) == 1
+
+
 def test_an_unknown_benchmark_is_a_usage_error(capsys):
     """Before: exit 1, as a failed run, not argparse's 2 for a usage error."""
     assert bench.run("nosuch", []) == 2

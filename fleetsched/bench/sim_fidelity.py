@@ -221,7 +221,14 @@ def real_fidelity(
     sessions and within minutes (the same loop ran at 3,800 and at 5,800 tok/s twenty minutes
     apart), and a profile fitted beside the measurement is not caught by that.
     """
-    runs, fresh = anyio.run(_real_loop, url, workload, repeats, settings if calibrate else None)
+    import httpx
+
+    try:
+        runs, fresh = anyio.run(_real_loop, url, workload, repeats, settings if calibrate else None)
+    except httpx.HTTPError as exc:  # it answered at the start (`_served_model`), then stopped
+        raise BackendUnavailable(
+            f"the vLLM server at {url} stopped answering partway through the run ({type(exc).__name__}: {exc})"
+        ) from None
     samples = [sample for sample, _ in runs]
     server_ttfts = [mean for _, mean in runs if mean is not None]
     throughput = statistics.median(s.throughput for s in samples)
