@@ -330,6 +330,10 @@ class ResourceSettings(_Section):
 
 #: The least time a simulated engine step of one token may take, in seconds (a microsecond).
 MIN_STEP_S = 1e-6
+#: The most KV blocks a simulated engine holds: each costs about 150 bytes, and the engine builds
+#: them all when it starts (2**22 blocks: 0.4 s and 600 MB). A GPU's vLLM holds far fewer (an 8B
+#: model on 141 GB: about 70,000 blocks of 16 tokens).
+MAX_SIM_BLOCKS = 2**22
 
 
 class SimSettings(_Section):
@@ -398,6 +402,12 @@ class SimSettings(_Section):
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens ({self.kv_cache_tokens}) must hold at least one block of block_size ({self.block_size}) tokens"
+            )
+        blocks = self.kv_cache_tokens // self.block_size
+        if blocks > MAX_SIM_BLOCKS:
+            raise ValueError(
+                f"kv_cache_tokens ({self.kv_cache_tokens}) makes {blocks:,} blocks of block_size ({self.block_size}) tokens: "
+                f"the sim holds {MAX_SIM_BLOCKS:,} at most (about 600 MB); lower it or raise block_size"
             )
         if not (self.step_base_s or self.step_per_token_s or self.step_per_seq_s):
             raise ValueError("step_base_s, step_per_token_s and step_per_seq_s are all 0: an engine step would take no time")

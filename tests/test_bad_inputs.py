@@ -74,6 +74,14 @@ def test_the_sim_needs_a_cache_of_one_block_and_steps_that_take_time():
     SimSettings(step_base_s=0, step_per_token_s=1e-6, step_per_context_token_s=0, step_per_seq_s=0)
 
 
+def test_the_sim_refuses_more_blocks_than_it_can_build():
+    """kv_cache_tokens of 10**9 was taken: the engine built 7.8 million blocks (1.1 GB) when it
+    started, for every engine a calibration's fit runs. The bound names both fields."""
+    with pytest.raises(ValidationError, match=r"kv_cache_tokens \(1000000000\) makes 7,812,500 blocks of block_size \(128\) tokens: the sim holds 4,194,304 at most"):
+        SimSettings(kv_cache_tokens=10**9, block_size=128)
+    SimSettings(kv_cache_tokens=2**22 * 128, block_size=128)  # the most it holds
+
+
 def test_backend_on_the_command_line_gets_the_checks_the_config_file_would(tmp_path):
     # --backend instant over a config sized from the KV cache ran, and failed with a traceback.
     done = fleetsched("run", "examples/kv_admission.toml", "--backend", "instant", "--no-live")

@@ -103,7 +103,9 @@ def test_nnls_clamps_at_zero():
         ("--url", "http://127.0.0.1:99999", "argument --url: expected http://host:port or https://host:port"),
         ("--block-size", "1000000", "the engine shape: kv_cache_tokens (524288) must hold at least one block of block_size (1000000)"),
         ("--kv-cache-tokens", "8", "--kv-cache-tokens 8: Input should be greater than or equal to 16"),
-        ("--kv-cache-tokens", str(10**18), "the simulated engine cannot hold its 7,812,500,000,000,000 blocks in memory"),
+        ("--kv-cache-tokens", str(10**18), "makes 7,812,500,000,000,000 blocks of block_size (128) tokens: the sim holds 4,194,304 at most"),
+        # Before: taken, and the fit built 1.1 GB of blocks for every engine it ran.
+        ("--kv-cache-tokens", str(10**9), "makes 7,812,500 blocks of block_size (128) tokens: the sim holds 4,194,304 at most"),
     ],
 )
 def test_calibrate_arguments_are_checked_before_the_sweep(option, value, message, tmp_path, capsys):
