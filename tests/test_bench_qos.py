@@ -118,6 +118,29 @@ async def test_summary_counts_every_call_for_the_cpu_a_call():
     assert summary["throughput_tok_s"] == 3.0 and summary["ttft_s"]["batch"]["calls"] == 3
 
 
+@pytest.mark.anyio
+async def test_the_min_share_counts_the_calls_that_ended_each_whole():
+    """The calls cut at the phase's end count in no band: a batch call streaming 64 tokens a
+    chunk has delivered its first token only when it is cut, a standard one every token it made,
+    so the tokens delivered would let the stream interval decide part of the share."""
+    from fleetsched.bench.qos import BATCH_TENANTS, PROMPT_TOKENS, STANDARD_TENANT, min_share_figures
+
+    tally = Tally()
+    for tenant, tier in [(BATCH_TENANTS[0], Tier.BATCH)] + [(STANDARD_TENANT, Tier.STANDARD)] * 19:
+        call = CallTally(tally, tier, tenant)
+        for _ in range(10):
+            call.token()
+        call.ended()
+    cut_standard, cut_batch = CallTally(tally, Tier.STANDARD, STANDARD_TENANT), CallTally(tally, Tier.BATCH, BATCH_TENANTS[1])
+    for _ in range(10):
+        cut_standard.token()
+    cut_batch.token()  # its other 9 tokens were made, not yet sent
+    figures = min_share_figures(tally, 1.0, 0.05)
+    assert tally.completed_service[STANDARD_TENANT] == 19 * (PROMPT_TOKENS + 20)
+    assert figures["service_share"] == {"critical": 0.0, "standard": 0.95, "batch": 0.05}
+    assert figures["delivered_share"]["batch"] == round((60 + 42) / (21 * 60 + 42), 4)
+
+
 def test_the_reserve_is_in_the_engines_batch_or_beyond_it():
     assert window_cap(36, 4, "in-batch") == 36  # 32 places for batch calls, 4 slots kept free
     assert window_cap(32, 4, "beyond-batch") == 36  # 32 for batch calls, 4 waiting in vLLM's queue
