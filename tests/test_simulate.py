@@ -371,7 +371,42 @@ def test_a_deadline_search_needs_probes_as_long_as_the_deadline(tmp_path, capsys
     config = tmp_path / "fleet.toml"
     config.write_text(DEADLINE_ONLY)
     assert cli_main(["simulate", str(config), "--duration", "20s", "--find-max-sessions"]) == 2
-    assert "--duration: 20 s is shorter than the deadline_s of tenant 'a' (100 s)" in capsys.readouterr().err
+    assert "--duration: 20 s is shorter than every objective a fleet too large would miss (the shortest: the deadline_s of tenant 'a', 100 s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("sla", "message"),
+    [
+        ("latency_p95_s = 1000", "--duration: 30 s is shorter than every objective a fleet too large would miss (the shortest: the latency_p95_s of tenant 'a', 1000 s)"),
+        ("min_tokens_per_s = 10", "needs an objective that a fleet too large misses, and none of the workload's tenants (a) sets one"),
+    ],
+)
+def test_a_search_needs_an_objective_that_waiting_sessions_can_miss(sla, message, tmp_path, capsys):
+    """8 slots: before, both searches said "every fleet up to 65536 sessions meets every SLA",
+    exit 0, though at 1,024 sessions 984 were never admitted (the tenant's rate, 237.7 tok/s,
+    was the same at every size)."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        f'[backend.sim]\nmax_num_seqs = 8\n[scheduler]\nmax_sessions = 8\n[tenants.a]\nsla = {{ {sla} }}\n'
+        '[[workload.agents]]\ntenant = "a"\ncount = 4\nturns = 2\nprompt_tokens = 100\nmax_tokens = 16\ntool_s = 1\n'
+    )
+    assert cli_main(["simulate", str(config), "--duration", "30s", "--find-max-sessions"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_latency_objective_bounds_the_search_by_the_sessions_wait_for_admission(tmp_path, capsys):
+    """Before: every fleet up to 65,536 met a 5 s latency_p95_s, since only the calls of admitted
+    sessions were held to it; now their wait for admission is too (42 sessions fit 8 slots)."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[backend.sim]\nmax_num_seqs = 8\n[scheduler]\nmax_sessions = 8\n[tenants.a]\nsla = { latency_p95_s = 5 }\n'
+        '[[workload.agents]]\ntenant = "a"\ncount = 4\nturns = 2\nprompt_tokens = 100\nmax_tokens = 16\ntool_s = 1\n'
+    )
+    assert cli_main(["simulate", str(config), "--duration", "30s", "--find-max-sessions"]) == 0
+    out = capsys.readouterr().out
+    assert "misses a.admission_wait_p95_s" in out
+    assert out.splitlines()[-1].startswith("largest fleet meeting every SLA: ")
+    assert int(out.splitlines()[-1].split(": ")[1].split()[0]) < 100
 
 
 def test_sessions_ended_at_their_deadline_missed_it(tmp_path):
