@@ -497,3 +497,19 @@ def test_a_profile_on_the_command_line_keeps_its_own_stream_interval(tmp_path, c
     assert interval("--profile", str(profile)) == 1
     assert interval("--profile", "tiny-cpu-vllm") == 8
     assert interval("--profile", str(profile), "--stream-interval", "4") == 4
+
+
+def test_the_start_up_check_s_ttft_floor_is_what_a_lone_call_takes_on_a_calibrated_profile(tmp_path, capsys):
+    """The floor left out the API server's turn and the hand-off (request_serial_s and
+    request_overhead_s, which calibrated profiles set): 2.9 ms on tiny-cpu-vllm where a lone call
+    took 9.0 ms, so a 5 ms objective was not flagged, then missed."""
+    config = tmp_path / "floor.toml"
+    config.write_text(
+        '[tenants.a]\nsla = { ttft_p99_s = 0.005 }\n'
+        '[[workload.agents]]\ntenant = "a"\ncount = 1\nturns = 1\nprompt_tokens = 100\nmax_tokens = 16\n'
+    )
+    assert cli_main(["simulate", str(config), "--profile", "tiny-cpu-vllm", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    floor = report["sla"]["feasibility"]["unloaded_ttft_s"]["a"]
+    assert floor == pytest.approx(report["tenants"][0]["ttft_s"]["p50"], rel=0.01)
+    assert [u["tenant"] for u in report["sla"]["feasibility"]["unreachable"]] == ["a"]

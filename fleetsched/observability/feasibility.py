@@ -45,9 +45,11 @@ class Unreachable:
 
 
 def sim_unloaded_ttft_s(sim: SimSettings, prompt_tokens: int) -> float:
-    """TTFT of one call alone on the sim engine: its prefill in chunks of max_num_batched_tokens,
-    each one engine step with one sequence; the first token comes with the last chunk."""
-    total, done = 0.0, 0
+    """TTFT of one call alone on the sim engine: its turn in the API server and the hand-off
+    (request_serial_s and request_overhead_s, which a calibrated profile sets), then its
+    prefill in chunks of max_num_batched_tokens, each one engine step with one sequence; the
+    first token comes with the last chunk."""
+    total, done = sim.request_serial_s + sim.request_overhead_s, 0
     while done < prompt_tokens:
         chunk = min(sim.max_num_batched_tokens, prompt_tokens - done)
         done += chunk
