@@ -41,6 +41,30 @@ def test_window_shrinks_when_the_engine_queues_preempts_or_fills(why):
     assert AimdWindow().next_window(signals(**why)) == 25
 
 
+def test_window_grows_when_lower_tiers_fill_every_place_but_the_critical_reserve():
+    """Lower tiers stop at window - reserve: the window grew only at in_flight >= window, so with
+    a reserve it never grew (8 for 20 s where the same load without one grew it to 46)."""
+    assert AimdWindow().next_window(signals(in_flight=30, reserve=2)) == 33
+    assert AimdWindow().next_window(signals(in_flight=29, reserve=2)) == 32
+    assert AimdWindow(min_window=1).next_window(signals(window=2, in_flight=1, reserve=4)) == 3  # lower tiers get 1 place at least
+
+
+@pytest.mark.anyio
+async def test_the_adaptive_window_grows_with_a_critical_reserve():
+    s = settings(
+        backend={"kind": "instant", "max_in_flight": 8},
+        dispatch={"min_window": 4, "max_window": 64, "critical_reserve": 2, "window_interval_s": 1.0},
+    )
+    backend = SlowBackend()
+    backend.seconds = 30.0
+    async with Scheduler(s, backend=backend) as scheduler, anyio.create_task_group() as tg:
+        for _ in range(20):
+            tg.start_soon(partial(scheduler.dispatcher.chat, body("long"), tenant="acme", tier=Tier.STANDARD))
+        await anyio.sleep(5.5)
+        assert scheduler.statistics().dispatcher.window > 8
+        tg.cancel_scope.cancel()
+
+
 def test_window_shrinks_on_ttft_climb_only_with_engine_queueing():
     policy = AimdWindow()
     policy.next_window(signals(ttft_s=0.01))

@@ -27,6 +27,9 @@ class WindowSignals:
     """Preemptions since the last observation."""
     ttft_s: float | None = None
     """Median engine-side time to first token of the calls finished since the last observation."""
+    reserve: int = 0
+    """Places of the window kept for critical calls (`dispatch.critical_reserve`): lower tiers
+    fill the rest, so a window is full for them at ``window - reserve`` calls in flight."""
 
 
 @dataclass(slots=True)
@@ -62,6 +65,6 @@ class AimdWindow:
         )
         if slow:
             return shrink
-        if s.queued > 0 and s.in_flight >= s.window:
+        if s.queued > 0 and s.in_flight >= max(1, s.window - s.reserve):
             return s.window + 1
         return s.window

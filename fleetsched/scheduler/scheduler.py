@@ -830,6 +830,7 @@ class Scheduler:
                     kv_cache_usage=signals.kv_cache_usage,
                     preemptions=preempted,
                     ttft_s=self.dispatcher.take_engine_ttft(),
+                    reserve=self.dispatcher.critical_reserve,
                 )
             )
             if window != d.window:
