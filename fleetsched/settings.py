@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
 from ._args import url_problem
@@ -183,7 +183,7 @@ class DispatchSettings(_Section):
     then finds a free slot in the engine's running batch at once instead of waiting for a call to
     end: vLLM never preempts a running request for a waiting one. Costs lower tiers that many
     places of the batch, unless the engine's max_num_seqs is raised by as many."""
-    stream_interval: dict[str, int] = Field(default_factory=dict)
+    stream_interval: dict[str, StrictInt] = Field(default_factory=dict)
     """Tokens per streamed chunk asked of vLLM per tier (its per-request ``stream_interval``; the
     first token always comes at once), e.g. ``{batch = 64}``: lower tiers streamed coarser leave
     the API server and this process more time for the calls whose every token is awaited."""
@@ -564,6 +564,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"workload.agents: {total:,} sessions in all; at most {MAX_WORKLOAD_SESSIONS:,} are run "
                 "(each is a task and a session held in memory from the start)"
+            )
+        # The window's largest size: max_window, or max_in_flight where the window is fixed.
+        window, named = (
+            (self.dispatch.max_window, "dispatch.max_window")
+            if self.dispatch.adaptive_window
+            else (self.backend.max_in_flight, "backend.max_in_flight (the window is fixed)")
+        )
+        if self.dispatch.critical_reserve >= window:
+            raise ValueError(
+                f"dispatch.critical_reserve: {self.dispatch.critical_reserve} places for critical calls leave none of the "
+                f"window of at most {window} ({named}) to lower tiers; keep it below {window}"
             )
         if self.resources.kv_cache is not None and self.backend.kind == "instant":
             raise ValueError("resources.kv_cache: the instant backend has no KV cache to size the memory pool from")

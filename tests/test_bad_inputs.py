@@ -3,12 +3,14 @@ the pool, the KV sizing, the settings and the command line."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
 from fleetsched.resources import DeviceSpec, ExtentPool, parse_vllm_cache_config
 from fleetsched.resources.kv_sizing import layer_windows
-from fleetsched.settings import SimSettings
+from fleetsched.settings import Settings, SimSettings
 
 from .test_cli import fleetsched
 
@@ -88,3 +90,25 @@ def test_backend_on_the_command_line_gets_the_checks_the_config_file_would(tmp_p
     assert done.returncode == 2, done.stderr
     assert "config error: --backend: resources.kv_cache: the instant backend has no KV cache" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "backend", "named"),
+    [
+        ({"critical_reserve": 40, "max_window": 8}, {}, "window of at most 8 (dispatch.max_window)"),
+        ({"critical_reserve": 8, "adaptive_window": False}, {"max_in_flight": 8}, "window of at most 8 (backend.max_in_flight (the window is fixed))"),
+    ],
+)
+def test_a_critical_reserve_as_large_as_the_window_is_refused(dispatch, backend, named):
+    """It was taken: with a window of 8 and a reserve of 40, 40 critical calls ran at once, and
+    lower tiers were held to one place without a word."""
+    with pytest.raises(ValidationError, match=re.escape(f"dispatch.critical_reserve: {dispatch['critical_reserve']} places for critical calls leave none of the {named}")):
+        Settings(dispatch=dispatch, backend=backend)
+    Settings(dispatch={**dispatch, "critical_reserve": 7}, backend=backend)
+
+
+@pytest.mark.parametrize("interval", [True, "64"])
+def test_a_tier_s_stream_interval_must_be_an_integer(interval):
+    """true was read as 1 and "64" as 64, where every other count refuses them."""
+    with pytest.raises(ValidationError, match=r"stream_interval\.batch\n  Input should be a valid integer"):
+        Settings(dispatch={"stream_interval": {"batch": interval}})
