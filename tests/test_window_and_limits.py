@@ -231,9 +231,11 @@ async def test_a_call_refused_by_the_engine_gives_its_unused_output_back():
 async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objective():
     backend = SlowBackend(1.0)
     dispatcher = Dispatcher(backend, window=1, shed_after_s={"bulk": 5.0})
+    async with anyio.create_task_group() as warm:  # measure the service rate: 4 calls of 1 s, 3 of them queued
+        for _ in range(4):
+            warm.start_soon(partial(dispatcher.chat, body("warm"), tenant="bulk", tier=Tier.BATCH))
+    assert dispatcher.statistics().service_rate is not None
     async with anyio.create_task_group() as tg:
-        for _ in range(3):  # measure the service rate: 3 calls of 1 s
-            await dispatcher.chat(body("warm"), tenant="bulk", tier=Tier.BATCH)
         for _ in range(12):  # twelve seconds of work queued
             tg.start_soon(partial(dispatcher.chat, body("queued"), tenant="std", tier=Tier.STANDARD))
         await anyio.sleep(0.5)
@@ -243,6 +245,24 @@ async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objec
         # A standard-tier call is never shed; it waits its turn.
         await dispatcher.chat(body("waits"), tenant="std", tier=Tier.STANDARD)
     assert "shed me" not in backend.started and dispatcher.statistics().shed == 1
+
+
+@pytest.mark.anyio
+async def test_the_service_rate_is_measured_while_calls_queue_not_over_idle_time():
+    """Calls one every 3 s, never queued, then a burst: the rate was measured over the idle time
+    too (the demand's pace, 1 call in 3 s), and 31 of 40 burst calls were shed with a retry-after
+    of 3.1 s where the burst cleared in under a second. Now no rate is measured while nothing
+    queues, and the burst is served."""
+    backend = SlowBackend(0.1)
+    dispatcher = Dispatcher(backend, window=8, shed_after_s={"bulk": 2.0})
+    for _ in range(4):
+        await dispatcher.chat(body("trickle"), tenant="bulk", tier=Tier.BATCH)
+        await anyio.sleep(3.0)
+    assert dispatcher.statistics().service_rate is None
+    async with anyio.create_task_group() as tg:
+        for _ in range(40):
+            tg.start_soon(partial(dispatcher.chat, body("burst"), tenant="bulk", tier=Tier.BATCH))
+    assert dispatcher.statistics().shed == 0 and backend.started.count("burst") == 40
 
 
 @pytest.mark.anyio
