@@ -5,7 +5,8 @@ Order, from the outside in:
 1. **Tier bands.** critical before standard before batch, strictly, with two guards so that a
    lower band cannot starve: a waiting entry is promoted one band for every `aging_s` seconds its
    queue's head has waited, and a backlogged band whose `min_share` of the service (by cost) is not
-   met goes next. A band returning from idle starts at its share, so idle time is not banked.
+   met goes next. A band returning from idle starts at its share, so idle time is not banked,
+   and service counts only while another band waits, so time alone is not banked either.
 2. **Weighted fair share between tenants of a band**, by virtual counters in the manner of VTC
    (Sheng et al., "Fairness in Serving Large Language Models"): serving a tenant adds
    ``cost / weight`` to its counter, the backlogged tenant with the smallest counter goes next, and a
@@ -164,15 +165,17 @@ class FairQueue:
 
         Dispatch charges a call's prompt estimate and predicted output at pick time, output beyond
         the prediction as it streams, and corrects both when the call ends (a negative cost
-        corrects an over-estimate). With `tier`, the band's service (for
-        minimum shares) is charged too.
+        corrects an over-estimate). With `tier`, the band's service (for minimum shares) is
+        charged too, while another band waits: service a band gets alone denies nobody, and
+        counted, it was banked (a batch band that ran alone for 10 s then got none of its 5 %
+        for 189 s of contention).
         """
         self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / self._weights.get(tenant, 1.0)
-        if tier is not None:
-            self._served[tier] = self._served.get(tier, 0.0) + cost
+        if tier is not None and any(n for band, n in self._live_by_band.items() if band != tier):
+            self._served[tier] = max(0.0, self._served.get(tier, 0.0) + cost)
 
     def served(self, tier: int) -> float:
-        """Service (cost) given to a band so far."""
+        """Service (cost) given to a band so far while another band waited (see `charge`)."""
         return self._served.get(tier, 0.0)
 
     def serve_direct(self, tenant: str, tier: int, cost: float) -> None:
