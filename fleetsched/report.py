@@ -250,6 +250,13 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:,.0f}"
 
 
+def _fold(column: str) -> dict[str, str]:
+    """The tenant column's cells wrap onto more lines rather than end in an ellipsis: two long
+    names that differ at their ends were cut to the same text, and the rows (one met, one
+    MISSED) could not be told apart."""
+    return {"overflow": "fold"} if column == "tenant" else {}
+
+
 def tenant_table(report: dict[str, Any]) -> Any:
     """A rich Table of the report's per-tenant rows (a tenant's name as plain text, not markup:
     ``team[/]`` failed the run's end with a MarkupError, before its report was written)."""
@@ -259,7 +266,7 @@ def tenant_table(report: dict[str, Any]) -> Any:
     table = Table(title=f"fleetsched: {report['duration_s']:.1f} s on {report['backend']}, {throughput_text(report)}")
     columns = ("tenant", "tier", "done", "failed", "cancelled", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
+        table.add_column(column, justify="left" if column in ("tenant", "tier") else "right", **_fold(column))
     for t in report["tenants"]:
         table.add_row(
             Text(t["tenant"]),
@@ -321,14 +328,14 @@ def sla_table(report: dict[str, Any]) -> Any:
 
     rows = sla_rows(report)
     title = f"SLA: {report['sla']['breaches']['total']} breaches"
-    # The breaches are events (calls, sessions); a missed min_tokens_per_s is none, and the
-    # title read "0 breaches" above a MISSED row.
+    # The breaches are events (calls, refused calls, sessions); a missed min_tokens_per_s rate
+    # is none, and the title read "0 breaches" above a MISSED row.
     missed = sum(row[7].startswith("MISSED") for row in rows)
     if missed:
         title += f", {missed} objective{'s' if missed > 1 else ''} missed"
     table = Table(title=title)
     for column in SLA_COLUMNS:
-        table.add_column(column, justify="right" if column in ("weight", "target", "measured", "attained") else "left")
+        table.add_column(column, justify="right" if column in ("weight", "target", "measured", "attained") else "left", **_fold(column))
     for row in rows:
         style = "red" if row[7].startswith("MISSED") else None
         table.add_row(Text(row[0]), *row[1:], style=style)  # the tenant's name as plain text, as in tenant_table

@@ -241,7 +241,7 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
             # A session ended at its deadline without finishing (DeadlineExceeded, queued or
             # running) spans the deadline exactly, which read as met: it missed it.
             spans = [
-                s.finished - s.submitted if s.state == "done" or s.finished - s.submitted < sla.deadline_s else math.inf
+                s.finished - s.submitted if s.state == "done" or (s.finished - s.submitted < sla.deadline_s and not s.deadline_exceeded) else math.inf
                 for s in sessions
             ]
             checks.append(SlaCheck(name, "deadline_s", sla.deadline_s, max(spans, default=math.nan)))

@@ -275,7 +275,7 @@ def test_the_reports_shared_sorts_give_the_figures_of_sorting_apart():
     from fleetsched.observability.sla import evaluate
     from fleetsched.report import _call_times
     from fleetsched.scheduler import summarise
-    from fleetsched.scheduler.records import CallRecord, Recorder, percentile
+    from fleetsched.scheduler.records import CallRecord, Recorder, rank_percentile
 
     recorder = Recorder()
     for i in range(40):
@@ -294,4 +294,4 @@ def test_the_reports_shared_sorts_give_the_figures_of_sorting_apart():
     for tier, times in by_tier.items():
         assert times.ttft_s == sorted(c.ttft_s for c in ok if c.tier == tier and not math.isnan(c.ttft_s))
     assert by_tenant["a"].latency_s == sorted(c.latency_s for c in ok if c.tenant == "a")
-    assert percentile([c.ttft_s for c in ok if c.tenant == "a"], 99) == summarise(recorder, tenants, by_tenant)[0].ttft_p99_s
+    assert rank_percentile([c.ttft_s for c in ok if c.tenant == "a"], 99) == summarise(recorder, tenants, by_tenant)[0].ttft_p99_s

@@ -10,8 +10,11 @@ Objectives and what counts (see `SlaSettings`):
 - ``latency_p95``: the same with the whole call latency, 95 %.
 - ``deadline``: every session that ended done or failed is an event, met when it ended done
   within the deadline (from submission). Met when every session is.
-- ``min_tokens_per_s``: generated tokens over the time the tenant had a call outstanding (it was
-  backlogged), met when at least the target. Its rolling attainment is 1 or 0 per window.
+- ``min_tokens_per_s``: one event for the rate, generated tokens over the time the tenant had a
+  call outstanding (it was backlogged), met when at least the target; and one missed event per
+  refused or failed call: the tenant asked for service and got none (before, a tenant refused
+  228 of its 231 calls read met at 100 %, and one whose calls all failed at once, not measured).
+  Met when every event is.
 
 Refused calls are events that miss every call objective. Calls cancelled (their session ended
 or was cancelled) are not call events: the session's deadline accounts for them.
@@ -19,8 +22,9 @@ or was cancelled) are not call events: the session's deadline accounts for them.
 A missed event is a `Breach` with a reason: ``shed`` or ``rate-limited`` (refused),
 ``failed`` (the call raised), ``queued`` (queued too long: the dispatcher queue time, started -
 submitted, is at least half the value) or ``engine-slow`` (the rest). A session past its
-deadline is ``queued`` when its admission wait is at least half its span, ``in-tools`` when its
-own tool calls are, else ``engine-slow``; one that failed within it is ``failed``.
+deadline, or ended by it (``DeadlineExceeded``), is ``queued`` when its admission wait is at
+least half its span, ``in-tools`` when its own tool calls are, else ``engine-slow``; one that
+failed of something else within it is ``failed``.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class Breach:
     tier: int
     objective: str
     value: float
-    """What was measured (seconds; inf for a refused or failed call)."""
+    """What was measured (seconds; inf for a refused or failed call; tokens per second for
+    ``min_tokens_per_s``, 0 for a refused or failed call)."""
     target: float
     reason: str
 
@@ -82,10 +87,17 @@ def _reason(wait_s: float, value_s: float) -> str:
 
 
 def call_events(call: CallRecord, goals: Mapping[str, float]) -> list[tuple[str, bool, Breach | None]]:
-    """(objective, met, breach or None) for each call objective in `goals`; [] for a cancelled call."""
+    """(objective, met, breach or None) for each call objective in `goals`; [] for a cancelled call.
+
+    A refused or failed call is also a missed ``min_tokens_per_s`` event (a served call counts
+    only in the rate, which `evaluate` and `SlaTracker` take over the backlogged time)."""
     if not goals or call.error in CANCELLED:
         return []
     events: list[tuple[str, bool, Breach | None]] = []
+    rate = goals.get("min_tokens_per_s")
+    if rate is not None and call.error is not None:
+        reason = _REFUSED.get(call.error, "failed")
+        events.append(("min_tokens_per_s", False, Breach(call.finished, call.tenant, call.tier, "min_tokens_per_s", 0.0, rate, reason)))
     for objective, value in (("ttft_p99", call.ttft_s), ("latency_p95", call.latency_s)):
         target = goals.get(objective)
         if target is None:
@@ -110,8 +122,10 @@ def session_event(session: SessionRecord, goals: Mapping[str, float]) -> tuple[b
     if session.state == "done" and span <= target:
         return True, None
     # Failed before its deadline: its failure, not its wait or the engine, missed the objective.
-    # One failed by the deadline itself ends at it (later on a real clock): the split below.
-    if span < target:
+    # One failed by the deadline itself ends at it (later on a real clock; on virtual time its
+    # span reads 1.9999999999999998 as often as 2.0): its error says so, and the split below
+    # tells why it ran out. A record without an error (hand-made) falls back on its span.
+    if span < target and not session.deadline_exceeded:
         return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, "failed")
     wait = session.admitted - session.submitted if session.admitted == session.admitted else span
     # Its own tools' time is neither the engine's nor the queue's (it was blamed on the engine).
@@ -154,12 +168,10 @@ class ObjectiveResult:
 
     @property
     def met(self) -> bool | None:
-        """Whether the objective was met; None when there was nothing to measure (no event, or
-        no traffic for ``min_tokens_per_s``), which is neither met nor missed."""
-        if not self.events or math.isnan(self.value) and self.objective == "min_tokens_per_s":
+        """Whether the objective was met; None when there was nothing to measure (no event: for
+        ``min_tokens_per_s``, no backlog and no refused or failed call), neither met nor missed."""
+        if not self.events:
             return None
-        if self.objective == "min_tokens_per_s":
-            return not self.value < self.target
         return self.met_events >= QUANTILE[self.objective] * self.events - 1e-9
 
 
@@ -229,11 +241,14 @@ def evaluate(
                 spans = [s.finished - s.submitted for s in sessions[name] if s.state in ("done", "failed")]
                 value = max(spans, default=math.nan)
             else:
+                # The rate is one event beside the refused and failed calls' (`call_events`).
                 busy = busy_time((c.submitted, c.finished) for c in calls[name] if c.error not in _REFUSED)
                 value = sum(c.completion_tokens for c in ok) / busy if busy > 0 else math.nan
-                counts[objective] = [1, int(value >= target)] if busy > 0 else [0, 0]
-                if busy > 0 and value < target:
-                    reasons[objective] = {"engine-slow": 1}
+                if busy > 0:
+                    counts[objective][0] += 1
+                    counts[objective][1] += value >= target
+                    if value < target:
+                        reasons[objective]["engine-slow"] = reasons[objective].get("engine-slow", 0) + 1
             events, met = counts[objective]
             results.append(ObjectiveResult(objective, target, value, events, met, reasons[objective]))
         rows.append(TenantSla(name, str(tenant.tier), tenant.weight, tuple(results), refused))
@@ -316,28 +331,37 @@ class SlaTracker:
             new.append(breach)
 
     def attainment(self, tenant: str, objective: str) -> float | None:
-        """Share of events in the window that met the target; None without events."""
+        """Share of events in the window that met the target; None without events.
+
+        ``min_tokens_per_s``: the window's rate (one event, met or not) with the window's
+        refused and failed calls (each a missed event), as `evaluate` counts the whole run."""
         lo = self._now - self.window_s
-        if objective == "min_tokens_per_s":
-            served = self._served.get(tenant)
-            target = self.goals.get(tenant, {}).get(objective)
-            while served and served[0][1] < lo:
-                served.popleft()
-            if not served or target is None:
-                return None
-            busy = busy_time(((s, f) for s, f, _ in served), lo, self._now)
-            # The backlog is clipped to the window, so the tokens must be too: a call that began
-            # before the window counts the share of its tokens made inside it (taken as spread
-            # evenly over the call), not all of them.
-            tokens = sum(n * _share_in(s, f, lo) for s, f, n in served if f >= lo)
-            return (1.0 if tokens / busy >= target else 0.0) if busy > 0 else None
         key = (tenant, objective)
         events = self._events.get(key)
         while events and events[0][0] < lo:
             self._met[key] -= events.popleft()[1]
-        if not events:
+        count, met = (len(events), self._met[key]) if events else (0, 0)
+        if objective == "min_tokens_per_s":
+            rate = self._rate(tenant, lo)
+            if rate is not None:
+                count, met = count + 1, met + rate
+        return met / count if count else None
+
+    def _rate(self, tenant: str, lo: float) -> float | None:
+        """1.0 or 0.0: whether the tenant's tokens per backlogged second since `lo` met its
+        ``min_tokens_per_s``; None without a backlog in the window."""
+        served = self._served.get(tenant)
+        target = self.goals.get(tenant, {}).get("min_tokens_per_s")
+        while served and served[0][1] < lo:
+            served.popleft()
+        if not served or target is None:
             return None
-        return self._met[key] / len(events)
+        busy = busy_time(((s, f) for s, f, _ in served), lo, self._now)
+        # The backlog is clipped to the window, so the tokens must be too: a call that began
+        # before the window counts the share of its tokens made inside it (taken as spread
+        # evenly over the call), not all of them.
+        tokens = sum(n * _share_in(s, f, lo) for s, f, n in served if f >= lo)
+        return (1.0 if tokens / busy >= target else 0.0) if busy > 0 else None
 
     def tenant_attainment(self, tenant: str) -> float | None:
         """The lowest attainment over the tenant's objectives in the window (None: no events)."""

@@ -57,6 +57,15 @@ class SessionRecord:
     completion_tokens: int
     #: Seconds spent in tools (``ctx.tool`` blocks), of the session's whole span.
     tool_s: float = 0.0
+    #: The type name of the error a failed or rejected session ended with (None otherwise, or
+    #: not recorded). ``DeadlineExceeded``: its deadline ended it, which its span alone cannot
+    #: tell: on a float clock that span reads 1.9999999999999998 s as often as 2.0 s.
+    error: str | None = None
+
+    @property
+    def deadline_exceeded(self) -> bool:
+        """Whether the session's own deadline ended it (queued or running): it missed it."""
+        return self.error == "DeadlineExceeded"
 
 
 @dataclass(slots=True)
@@ -103,7 +112,11 @@ def rank_percentile(values: Sequence[float], q: float) -> float:
     values at or below it; nan for no values. Unlike `percentile`'s interpolation, it is at most
     a target exactly when at least q % of the values are, the rule an SLA objective is met by
     (`fleetsched.observability.sla`)."""
-    data = sorted(v for v in values if not math.isnan(v))
+    return sorted_rank_percentile(sorted(v for v in values if not math.isnan(v)), q)
+
+
+def sorted_rank_percentile(data: Sequence[float], q: float) -> float:
+    """`rank_percentile` of values already sorted and free of nan (`CallTimes`' lists)."""
     if not data:
         return math.nan
     rank = math.ceil(q * len(data) / 100 - 1e-9)  # 1-based; the epsilon absorbs float error
@@ -113,7 +126,8 @@ def rank_percentile(values: Sequence[float], q: float) -> float:
 @dataclass(frozen=True, slots=True)
 class CallTimes:
     """The TTFTs and latencies of successful calls, sorted and free of nan: a report takes many
-    percentiles of the same calls (`sorted_percentile`), and sorts each list once."""
+    percentiles of the same calls (`sorted_rank_percentile`, `sorted_percentile`), and sorts
+    each list once."""
 
     ttft_s: list[float]
     latency_s: list[float]
@@ -156,7 +170,10 @@ class TenantSummary:
 
 def summarise(recorder: Recorder, tenants: Iterable[str], times: Mapping[str, CallTimes] | None = None) -> list[TenantSummary]:
     """Per-tenant figures over everything recorded. `times`: each tenant's `CallTimes`, where
-    the caller has them already (`build_report` shares them with the SLA and the distributions)."""
+    the caller has them already (`build_report` shares them with the SLA and the distributions).
+
+    Percentiles by nearest rank, as the SLA's measured figures: interpolated, the tenant table's
+    TTFT p99 read 44 ms beside the SLA table's 61 ms for the same 49 calls."""
     rows = []
     calls_of: dict[str, list[CallRecord]] = {}
     for call in recorder.calls:
@@ -178,11 +195,11 @@ def summarise(recorder: Recorder, tenants: Iterable[str], times: Mapping[str, Ca
                 sessions_cancelled=sum(s.state == "cancelled" for s in sessions),
                 calls=len(calls),
                 call_errors=len(calls) - len(ok),
-                ttft_p50_s=sorted_percentile(ttft, 50),
-                ttft_p99_s=sorted_percentile(ttft, 99),
-                latency_p50_s=sorted_percentile(latency, 50),
-                latency_p99_s=sorted_percentile(latency, 99),
-                queue_p50_s=percentile([c.queue_s for c in ok], 50),
+                ttft_p50_s=sorted_rank_percentile(ttft, 50),
+                ttft_p99_s=sorted_rank_percentile(ttft, 99),
+                latency_p50_s=sorted_rank_percentile(latency, 50),
+                latency_p99_s=sorted_rank_percentile(latency, 99),
+                queue_p50_s=rank_percentile([c.queue_s for c in ok], 50),
                 prompt_tokens=sum(c.prompt_tokens for c in calls),
                 completion_tokens=sum(c.completion_tokens for c in calls),
             )

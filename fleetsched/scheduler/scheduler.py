@@ -657,6 +657,7 @@ class Scheduler:
                 c.prompt_tokens,
                 c.completion_tokens,
                 c.tool_s,
+                error=None if handle.error is None else type(handle.error).__name__,
             )
         )
 
