@@ -136,9 +136,20 @@ def test_rate_limits_take_both_or_neither():
     limits = TenantRateLimits({"a": RateLimit(requests_per_minute=60, tokens_per_minute=600)})
     assert limits.try_take("a", 600, now=0) == 0
     assert limits.try_take("a", 10, now=0) == pytest.approx(1.0)  # tokens short for 1 s
-    limits.refund("a", 300)
+    limits.refund("a", 300, now=0)
     assert limits.try_take("a", 10, now=0) == 0
     assert limits.try_take("other", 10**9, now=0) == 0  # no limit declared
+
+
+def test_a_charge_at_a_call_s_end_is_taken_from_the_level_at_its_end():
+    """10 tokens a second, 600 at most: a call charged 110 at 0 s ends at 30 s with a prompt 400
+    tokens longer than its estimate. The charge was given on the level as of 0 s (490 - 400),
+    and the refill to 30 s was then cut at the cap: 390 left where 200 are (min(600, 490 + 300)
+    - 400), and a 300-token call went through that must wait 10 s."""
+    limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=600)})
+    assert limits.try_take("a", 110, now=0) == 0
+    limits.refund("a", -400, now=30)
+    assert limits.try_take("a", 300, now=30) == pytest.approx(10.0)
 
 
 

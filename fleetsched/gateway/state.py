@@ -118,7 +118,7 @@ class MemoryState(SharedState):
 
     async def refund(self, tenant: str, tokens: float) -> None:
         if tenant in self.limits:
-            self._buckets.refund(tenant, tokens)
+            self._buckets.refund(tenant, tokens, anyio.current_time())
 
     async def add_usage(self, tenant: str, cost: float) -> None:
         pass  # no peers to tell

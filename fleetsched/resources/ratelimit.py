@@ -41,7 +41,11 @@ class TokenBucket:
         self._refill(now)
         self.tokens -= amount
 
-    def give_back(self, amount: float) -> None:
+    def give_back(self, amount: float, now: float) -> None:
+        """Add `amount` (negative: take it) as of `now`. Refilled to `now` first: a charge given
+        at a call's end, on the level as of its start, was partly lost to the cap at the next
+        refill (a bucket held 390 tokens where 200 were left)."""
+        self._refill(now)
         self.tokens = min(self.capacity, self.tokens + amount)
 
 
@@ -93,20 +97,20 @@ class TenantRateLimits:
             short.append(tokens_asked(bucket.capacity, tokens) + left)
         return " and its ".join(short)
 
-    def untake(self, tenant: str, tokens: float) -> None:
+    def untake(self, tenant: str, tokens: float, now: float) -> None:
         """Give back a whole `try_take`, request and tokens: the call never reached the backend."""
         requests = self._requests.get(tenant)
         if requests is not None:
-            requests.give_back(1)
-        self.refund(tenant, tokens)
+            requests.give_back(1, now)
+        self.refund(tenant, tokens, now)
 
-    def refund(self, tenant: str, tokens: float) -> None:
+    def refund(self, tenant: str, tokens: float, now: float) -> None:
         """Give back tokens charged up front but not used (max_tokens not all generated). A
         negative refund charges what a call used beyond its charge (a prompt longer than its
         estimate): the bucket may go below empty, and the tenant's next calls wait it out."""
         bucket = self._tokens.get(tenant)
         if bucket is not None and not math.isnan(tokens):
-            bucket.give_back(tokens)
+            bucket.give_back(tokens, now)
 
 
 def tokens_asked(per_minute: float, tokens: float) -> str:

@@ -341,7 +341,7 @@ class Dispatcher:
                 await self._wait_turn(tenant, tier, cost)
         except BaseException:  # cancelled before it reached the backend: it used none of the limits
             if self._limits is not None:
-                self._limits.untake(tenant, tokens)
+                self._limits.untake(tenant, tokens, anyio.current_time())
             raise
         record.started = started
         return record, estimate
@@ -363,7 +363,7 @@ class Dispatcher:
             # charged, whether the call failed or not; a prompt the engine counted longer than
             # its estimate is (the estimate counts characters: a real tokenizer may count more).
             prompt = record.prompt_tokens if counted else estimate
-            self._limits.refund(record.tenant, estimate + record.max_tokens - prompt - output)
+            self._limits.refund(record.tenant, estimate + record.max_tokens - prompt - output, now)
         # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.
         self._measure_rate(now, self._cost(estimate, record))
         # Correct what was charged (the prompt estimate, and the larger of the predicted output
