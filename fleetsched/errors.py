@@ -29,6 +29,8 @@ Foreign exceptions (httpx, openai, vllm) are translated where they cross into th
 
 from __future__ import annotations
 
+import math
+
 
 class FleetschedError(Exception):
     """Root of every error fleetsched raises on purpose."""
@@ -134,7 +136,10 @@ class Overloaded(BackendError):
     """The call was shed or rate-limited. Retry after `retry_after_s` seconds."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(f"{message} (retry after {retry_after_s:.1f} s)")
+        # Rounded up to the tenth shown: a wait of 0.01 s read "retry after 0.0 s" (an infinite
+        # wait, under a tokens_per_minute of 1e-300, stays inf).
+        shown = math.ceil(retry_after_s * 10) / 10 if math.isfinite(retry_after_s) else retry_after_s
+        super().__init__(f"{message} (retry after {shown:.1f} s)")
         self.retry_after_s = retry_after_s
 
 

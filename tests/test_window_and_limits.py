@@ -313,3 +313,9 @@ async def test_a_prompt_the_engine_counts_longer_than_its_estimate_is_charged_th
     assert estimate_prompt_tokens(request) < 400
     await dispatcher.chat(request, tenant="a", tier=Tier.STANDARD)
     assert limits._tokens["a"].tokens == pytest.approx(10_000 - 1200 - 1, abs=1)
+
+
+def test_a_short_retry_after_does_not_read_as_zero():
+    """A wait of 0.01 s read "retry after 0.0 s": rounded up to the tenth shown now."""
+    assert str(RateLimited("tenant 'a' is over its requests_per_minute (60)", retry_after_s=0.01)).endswith("(retry after 0.1 s)")
+    assert str(Overloaded("shed", retry_after_s=float("inf"))).endswith("(retry after inf s)")
