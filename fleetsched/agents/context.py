@@ -8,7 +8,7 @@ its tool time, so the scheduler knows the session's pace.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -80,8 +80,9 @@ class SessionContext:
         self._tool_idle = False  # the tool period has seen no model call of its own
         self._tool_name = ""
         self._tool_start = 0.0
-        #: Streams of ``ctx.openai`` an agent may leave unclosed; closed when the session ends.
+        #: Streams of ``ctx.openai`` whose call is under way; closed when the session ends.
         self._open_streams: set[Any] = set()
+        self._ending = False  # the session's end is closing its streams
         #: Set when the session ended under calls made from tasks outside it: called when the
         #: last of them ends (the scheduler gives the session's memory back then).
         self._after_calls: Callable[[], None] | None = None
@@ -243,10 +244,10 @@ class SessionContext:
 
     def _check_live(self) -> None:
         handle = self._handle
-        if handle.done:
+        if handle.done or self._ending:
             raise SessionEnded(
-                f"{handle.name} has ended ({handle.state}): its context makes no more model calls "
-                "and marks no tools (a task that outlived the agent kept it)"
+                f"{handle.name} has ended ({handle.state if handle.done else 'ending'}): its context makes no more "
+                "model calls and marks no tools (a task that outlived the agent kept it)"
             )
 
     async def _busy(self) -> None:
@@ -282,9 +283,22 @@ class SessionContext:
                 self._pace.call_ended(handle)
 
     async def _close(self) -> None:
-        """The session ended: end the calls of ``ctx.openai`` streams the agent left open."""
+        """The session ended: end the calls of ``ctx.openai`` streams still under way. Ending one
+        waits for the task that reads it ahead (`_start_soon`), and a task still reading it may run
+        meanwhile: the session counts as ended from here on, so that such a task gets `SessionEnded`."""
+        self._ending = True
         while self._open_streams:
             await self._open_streams.pop().aclose()
+
+    def _start_soon(self, func: Callable[[], Awaitable[None]], name: str) -> None:
+        """Run `func` beside the session, in the scheduler's task group: a ``ctx.openai`` stream
+        is read to its end there whether or not the agent reads on (it may be in a tool), so that
+        its call ends when the engine's answer does. Such a task must not raise, and ends by the
+        session's end (`_close`)."""
+        task_group = getattr(self._pace, "_task_group", None)
+        if task_group is None:
+            raise RuntimeError("a streamed ctx.openai call needs the context of a session that a Scheduler runs")
+        task_group.start_soon(func, name=name)
 
     def _route(self) -> dict[str, Any]:
         """The dispatcher's arguments for a call of this session: who, how urgent, where.

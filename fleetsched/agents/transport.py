@@ -93,10 +93,14 @@ class _EventStream(httpx.AsyncByteStream):
     Chunks carry no usage; with `include_usage` (``stream_options``) a last chunk with no choices
     carries it, as OpenAI and vLLM send it. A failure of ours ends it with an error event.
 
-    It stays in its session's open streams until closed: an agent that leaves the SDK's stream
-    without closing it (``break`` out of ``async for``) holds a place of the dispatcher's window
-    until its session ends, which closes it then. A task still reading it then (one that outlived
-    the agent) has its wait cut, and gets `SessionEnded`.
+    A task beside the session (`_drain`) reads the rest of the answer into a buffer as the engine
+    sends it, and ends the call when the answer ends, as a server's answer waits unread in its
+    connection: an agent that leaves the SDK's stream without closing it (``break`` out of
+    ``async for``), then makes another call or sits in a tool, holds no place of the dispatcher's
+    window past its answer. The buffer holds one answer at most, and goes with the stream.
+    Closing it, or a read cut short (cancelled, or past the SDK's timeout), cuts the answer at once:
+    the engine aborts it. Its session's end closes it too: a task still reading it then (one that
+    outlived the agent) has its wait cut, and gets `SessionEnded`.
     """
 
     def __init__(
@@ -114,9 +118,14 @@ class _EventStream(httpx.AsyncByteStream):
         self._first = first
         self._request = request
         self._closing = False  # no more reads: `aclose` was called
-        self._closed = False  # the call ended
         self._reading: anyio.CancelScope | None = None  # a read under way
         self._ctx = ctx
+        # The chunks `_drain` read and the agent has not; closed at the answer's end.
+        self._buffered_in, self._buffered = anyio.create_memory_object_stream[Chunk](math.inf)
+        self._failure: Exception | None = None  # what ended the answer early, for the reader after its chunks
+        self._draining = anyio.CancelScope()  # cancelled: end the call now
+        self._cut: BaseException | None = None  # what cut a read short, which the call's record keeps
+        self._ended = anyio.Event()  # the call ended
         ctx._open_streams.add(self)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -143,6 +152,32 @@ class _EventStream(httpx.AsyncByteStream):
         if self._include_usage and last is not None and last.get("usage"):
             yield _event({**last, "choices": []})  # its usage with it
 
+    async def _drain(self) -> None:
+        """Read the answer into the buffer, and end the call when it ends (the engine's end, a
+        failure, or `_stop`). Runs beside the session (`SessionContext._start_soon`): it raises
+        nothing but what cancels it from outside (the scheduler's end)."""
+        failure: BaseException | None = None
+        try:
+            with self._draining:
+                while (chunk := await anext(self._chunks, None)) is not None:
+                    self._buffered_in.send_nowait(chunk)
+                    # An engine far ahead answers every read at once: let a stop cut in.
+                    await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException as exc:  # the call ends with it, which its record keeps
+            failure = exc
+            if not isinstance(exc, Exception):
+                self._closing = True  # not the answer's failure: its reader gets `StreamClosed`
+                raise
+            self._failure = exc  # the reader's, after the chunks before it
+        finally:
+            self._buffered_in.close()
+            with anyio.CancelScope(shield=True):
+                try:
+                    self._ctx._open_streams.discard(self)
+                    await _leave(self._opened, self._cut if self._draining.cancel_called else failure)
+                finally:
+                    self._ended.set()
+
     async def _next(self) -> Chunk | None:
         """The next chunk (None: no more). A read that fails or is cut ends the call, which its
         record keeps. Closed meanwhile or before, raise `SessionEnded` if its session ended, else
@@ -150,30 +185,36 @@ class _EventStream(httpx.AsyncByteStream):
         if not self._closing:
             with _read_timeout(self._request), anyio.CancelScope() as self._reading:
                 try:
-                    chunk = await anext(self._chunks, None)
+                    chunk: Chunk | None = await self._buffered.receive()
+                except anyio.EndOfStream:
+                    if self._failure is not None:
+                        raise self._failure from None
+                    chunk = None
                 except BaseException as exc:
-                    await self._end(exc)
+                    await self._stop(exc)
                     raise
                 finally:
                     self._reading = None
                 if not self._closing:
+                    self._ctx._check_live()  # a task that outlived its session reads no more of it
                     return chunk
         self._ctx._check_live()
         raise httpx.StreamClosed()
 
     async def aclose(self) -> None:
         self._closing = True
-        if self._reading is not None:  # another task waits for a chunk: cut its wait; it ends the call
+        if self._reading is not None:  # another task waits for a chunk: cut its wait
             self._reading.cancel()
-            return
-        await self._end(None)
+        await self._stop(None)
 
-    async def _end(self, failure: BaseException | None) -> None:
-        """End the call, at most once (`failure`: the exception it ended with, which its record keeps)."""
-        if not self._closed:
-            self._closed = True
-            self._ctx._open_streams.discard(self)
-            await _leave(self._opened, failure)
+    async def _stop(self, cut: BaseException | None) -> None:
+        """End the call now if it is under way, the engine's answer cut short (`cut`: the
+        exception that cut a read short, which its record keeps), and wait until it has ended."""
+        if not self._draining.cancel_called:
+            self._cut = cut
+            self._draining.cancel()
+        with anyio.CancelScope(shield=True):  # `_drain` ends it promptly (`abort_stream` is bounded)
+            await self._ended.wait()
 
 
 async def _leave(opened: AbstractAsyncContextManager[Any], failure: BaseException | None) -> None:
@@ -222,7 +263,14 @@ class SessionTransport(httpx.AsyncBaseTransport):
             if answer is None:
                 raise
             return answer
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_EventStream(opened, chunks, first, self._ctx, request, include_usage))
+        events = _EventStream(opened, chunks, first, self._ctx, request, include_usage)
+        try:
+            self._ctx._start_soon(events._drain, name=f"{self._ctx._handle.name}: ctx.openai stream")
+        except BaseException as exc:
+            self._ctx._open_streams.discard(events)
+            await _leave(opened, exc)
+            raise
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=events)
 
 
 @contextmanager
