@@ -229,8 +229,7 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
         failed = sum(c.error is not None and c.error not in CANCELLED for c in calls)
         sla = tenant.sla
         checks.append(SlaCheck(name, "call_errors", 0, failed))
-        waiting = [(s.submitted, s.finished if math.isnan(s.admitted) else s.admitted) for s in sessions]
-        waits = [end - start for start, end in waiting]
+        waits = [(s.finished if math.isnan(s.admitted) else s.admitted) - s.submitted for s in sessions]
         if sla.ttft_p99_s is not None:
             checks.append(SlaCheck(name, "ttft_p99_s", sla.ttft_p99_s, rank_percentile([c.ttft_s for c in ok], 99)))
             checks.append(SlaCheck(name, "admission_wait_p99_s", sla.ttft_p99_s, rank_percentile(waits, 99)))
@@ -315,6 +314,10 @@ def find_max_sessions(
     return result(lo, bounded=False)
 
 
+#: The objectives a session's wait for admission counts against (`sla_checks`).
+_TIME_OBJECTIVES = ("ttft_p99_s", "latency_p95_s", "deadline_s")
+
+
 def _check_targets(settings: Settings, duration_s: float) -> None:
     """A capacity search needs an objective that a fleet too large misses: a time objective
     (ttft_p99_s, latency_p95_s, deadline_s), which its sessions' wait for admission counts
@@ -346,10 +349,6 @@ def _check_targets(settings: Settings, duration_s: float) -> None:
             f"{objective} of tenant {name!r}, {seconds:g} s): a probe that short cannot see one missed; give "
             f"--duration {math.ceil(seconds)}s or more",
         )
-
-
-#: The objectives a session's wait for admission counts against (`sla_checks`).
-_TIME_OBJECTIVES = ("ttft_p99_s", "latency_p95_s", "deadline_s")
 
 
 def _size(agents: list[AgentMix], total: int) -> int:
