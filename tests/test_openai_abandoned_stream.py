@@ -129,3 +129,45 @@ def test_a_stream_closed_early_is_still_aborted_at_the_engine_at_once(loop):
 
     scheduler = None
     run_virtual(main, loop=loop)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_backend_stream_that_fails_as_it_is_closed_fails_no_other_session(loop):
+    """The call of a ctx.openai stream ends in a task beside the session (the scheduler's): an
+    error from closing the backend's stream (a mock: no engine fails so on demand) must reach
+    at most that session, never the scheduler's task group, whose other sessions it would cancel."""
+    from fleetsched.backends.base import Backend, make_chunk
+
+    class FailsOnClose(Backend):
+        async def stream_chat(self, body):
+            try:
+                for _ in range(1000):
+                    await anyio.sleep(0.01)
+                    yield make_chunk("c", "m", 0, role="assistant", content="x")
+            finally:
+                raise RuntimeError("the connection broke as it was closed")
+
+    async def closes_early(ctx):
+        stream = await ctx.openai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1000, stream=True)
+        async for _ in stream:
+            break
+        await stream.close()
+
+    async def bystander(ctx):
+        async with ctx.tool("wait"):
+            await anyio.sleep(5)
+        return "done"
+
+    async def main():
+        async with Scheduler(settings({"a": {}, "b": {}}, **_fixed_window(4)), backend=FailsOnClose()) as scheduler:
+            other = await scheduler.submit(bystander, tenant="b")
+            first = await scheduler.submit(closes_early, tenant="a")
+            with anyio.fail_after(60):
+                assert await other == "done"
+                try:
+                    await first
+                except Exception:
+                    pass  # its own session may fail with it: that is all
+        assert scheduler.statistics().dispatcher.in_flight == 0
+
+    run_virtual(main, loop=loop)
