@@ -513,3 +513,16 @@ def test_the_start_up_check_s_ttft_floor_is_what_a_lone_call_takes_on_a_calibrat
     floor = report["sla"]["feasibility"]["unloaded_ttft_s"]["a"]
     assert floor == pytest.approx(report["tenants"][0]["ttft_s"]["p50"], rel=0.01)
     assert [u["tenant"] for u in report["sla"]["feasibility"]["unreachable"]] == ["a"]
+
+
+def test_trace_sessions_whose_first_call_cannot_fit_are_noted_at_the_start(tmp_path, capsys):
+    """As agent mixes are: a trace line with a 9,000,000-token prompt failed its session without
+    a word (exit 0). Alike sessions are counted in one note, not one note each."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"tenant": "a", "prompt_tokens": 9000000, "turns": 1}\n' * 3 + '{"tenant": "a", "turns": 1}\n')
+    config = tmp_path / "trace.toml"
+    config.write_text(f'[tenants.a]\n[workload]\ntrace = "{trace}"\n')
+    assert cli_main(["simulate", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert "workload.trace session 1 (a, and 2 alike): its first call has about 9000027 prompt tokens" in err
+    assert "every call will fail with ContextTooLong" in err and "session 4" not in err

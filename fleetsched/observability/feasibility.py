@@ -149,17 +149,20 @@ async def check_feasibility(settings: Settings, backend: Backend) -> dict[str, A
 
 
 def over_context(settings: Settings) -> list[str]:
-    """The workload's agents whose first call already does not fit the model's context (where
-    the settings know it: the sim and the in-process engine): refused (every call of theirs
-    will fail), or its answer cut short (as vLLM cuts `max_tokens` to what the prompt leaves)."""
+    """The workload's agents (and trace sessions, alike ones counted together) whose first call
+    already does not fit the model's context (where the settings know it: the sim and the
+    in-process engine): refused (every call of theirs will fail), or its answer cut short (as
+    vLLM cuts `max_tokens` to what the prompt leaves). A trace's sessions were left out: a line
+    with a 9,000,000-token prompt failed its session without a word, and the run exited 0."""
     kind = settings.backend.kind
     limit = settings.backend.sim.max_model_len if kind == "sim" else settings.backend.engine_max_model_len if kind == "vllm-engine" else None
     if limit is None:
         return []
+    agents = [(f"workload.agents[{index}] ({mix.kind or mix.tenant})", mix) for index, mix in enumerate(settings.workload.agents)]
     out = []
-    for index, mix in enumerate(settings.workload.agents):
+    for agent, mix in agents + _trace_kinds(settings):
         prompt = first_prompt_tokens(mix)
-        agent = f"workload.agents[{index}] ({mix.kind or mix.tenant}): its first call has about {prompt} prompt tokens"
+        agent = f"{agent}: its first call has about {prompt} prompt tokens"
         try:
             room = completion_room(limit, prompt, mix.max_tokens)
         except ContextTooLong:
@@ -174,3 +177,22 @@ def over_context(settings: Settings) -> list[str]:
         if room < mix.max_tokens:
             out.append(f"{agent}: the model's context of {limit} leaves {room} of its max_tokens {mix.max_tokens}, and its answers will be cut short")
     return out
+
+
+def _trace_kinds(settings: Settings) -> list[tuple[str, AgentMix]]:
+    """The trace's sessions for `over_context`, one per kind, prompt and max_tokens, named by
+    their first line and how many there are (a trace holds up to a million)."""
+    if settings.workload.trace is None:
+        return []
+    from ..agents.workload import read_trace
+
+    first: dict[tuple[str, str, int, int], tuple[int, AgentMix]] = {}
+    counts: dict[tuple[str, str, int, int], int] = {}
+    for number, (_, mix) in enumerate(read_trace(settings.workload.trace, settings), 1):
+        key = (mix.tenant, mix.kind or "", mix.prompt_tokens, mix.max_tokens)
+        first.setdefault(key, (number, mix))
+        counts[key] = counts.get(key, 0) + 1
+    return [
+        (f"workload.trace session {number} ({mix.kind or mix.tenant}{f', and {counts[key] - 1} alike' if counts[key] > 1 else ''})", mix)
+        for key, (number, mix) in first.items()
+    ]
