@@ -171,7 +171,7 @@ class FairQueue:
         for 189 s of contention).
         """
         self._counters[tenant] = self._counters.get(tenant, 0.0) + cost / self._weights.get(tenant, 1.0)
-        if tier is not None and any(n for band, n in self._live_by_band.items() if band != tier):
+        if tier is not None and self._len > self._live_by_band.get(tier, 0):  # another band has entries waiting
             self._served[tier] = max(0.0, self._served.get(tier, 0.0) + cost)
 
     def served(self, tier: int) -> float:
