@@ -6,10 +6,10 @@ to do it waits on an event (no polling). Because time is read only through anyio
 runs on real time (asyncio or trio) and on virtual time (`fleetsched.virtual_time`).
 
 A request first passes the API server: its turn there (`request_serial_s`, one request at a
-time) and the hand-off (`request_overhead_s`) give the time it reaches the engine, and the engine
-loop queues it then (requests reach the engine in the order they were sent). Its consumer waits
-meanwhile as it waits for tokens: no task sleeps through the front end, which spares every call
-a timer and a task switch.
+time), the hand-off (`request_overhead_s`) and `request_delay_per_running_s` for each request the
+engine runs as it is sent give the time it reaches the engine, and the engine loop queues it
+then. Its consumer waits meanwhile as it waits for tokens: no task sleeps through the front end,
+which spares every call a timer and a task switch.
 
 A glide (steps of coasting requests only, see `_engine`) is one sleep for all its steps. Whatever
 happens during it first applies the steps done by then (`_settle`), so it sees the engine as it
@@ -30,8 +30,9 @@ collector observes, stay the same.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,7 @@ class SimBackend(Backend):
         self._stream_interval = s.stream_interval
         self._request_serial_s = s.request_serial_s
         self._request_overhead_s = s.request_overhead_s
+        self._request_delay_per_running_s = s.request_delay_per_running_s
         self._park: Park = park_event
         self._unpark: Unpark = unpark_event
         self._task_group: TaskGroup | None = None
@@ -162,9 +164,11 @@ class SimBackend(Backend):
         self._closed = False
         self._started_at = 0.0
         self._front_free = 0.0  # when the front end is done with the requests sent so far
-        # Requests on their way through the front end: (when each reaches the engine, request),
-        # in the order they were sent, which is the order they arrive in.
-        self._arriving: deque[tuple[float, SimRequest]] = deque()
+        # Requests on their way through the front end: a heap of (when each reaches the engine,
+        # the order it was sent in, request). Without a delay per running request, they arrive
+        # in the order they were sent.
+        self._arriving: list[tuple[float, int, SimRequest]] = []
+        self._sent = itertools.count()
         self._stopped_at: float | None = None
         self._step_started: float | None = None
         # A glide under way (see `_engine`): the step, the step count it ends at, and the event
@@ -212,7 +216,7 @@ class SimBackend(Backend):
         while (request := engine.queue.peek()) is not None:
             engine.abort(request)
             self._unpark(request)
-        for _, request in self._arriving:
+        for _, _, request in self._arriving:
             engine.abort(request)
             self._unpark(request)
         self._arriving.clear()
@@ -236,10 +240,14 @@ class SimBackend(Backend):
                 self._arrive_due(now)
             step = engine.schedule()
             if step is None:
-                if arriving:  # the next arrival is the next thing to happen (later sends arrive later)
+                if arriving:  # the next arrival is the next thing to happen, unless one sent now comes sooner
                     at = arriving[0][0]
-                    await anyio.sleep(at - now)
-                    now = max(at, anyio.current_time())  # whatever the clock's rounding of the sleep
+                    wake = self._wake = anyio.Event()
+                    with anyio.move_on_after(at - now):
+                        await wake.wait()
+                    self._wake = None
+                    # Woken by a sooner arrival, or at `at` whatever the clock's rounding of the wait.
+                    now = anyio.current_time() if wake.is_set() else max(at, anyio.current_time())
                 else:
                     self._wake = anyio.Event()
                     await self._wake.wait()
@@ -301,7 +309,7 @@ class SimBackend(Backend):
         if now is None:
             now = anyio.current_time()
         while arriving and arriving[0][0] <= now:
-            request = arriving.popleft()[1]
+            request = heapq.heappop(arriving)[2]
             if request.status != ABORTED:
                 self.engine.arrive(request)
 
@@ -454,7 +462,8 @@ class SimBackend(Backend):
         """Send `request` (fresh from `_validate`) through the API server: parsing and
         tokenising one request at a time, then the hand-off. The engine loop queues it when it
         reaches the engine; meanwhile its consumer waits as for tokens (no task sleeps through
-        the front end)."""
+        the front end). The more requests the engine is running as it is sent, the later it
+        reaches it."""
         engine = self.engine
         now = anyio.current_time()
         if self._request_serial_s:
@@ -462,13 +471,15 @@ class SimBackend(Backend):
             at = self._front_free + self._request_overhead_s
         else:
             at = now + self._request_overhead_s
+        if self._request_delay_per_running_s:
+            at += self._request_delay_per_running_s * len(engine.running)
         engine.take(request, arriving=True)
         if at <= now:
             engine.arrive(request)
             self._kick()
         else:
-            self._arriving.append((at, request))
-            if len(self._arriving) == 1:
+            heapq.heappush(self._arriving, (at, next(self._sent), request))
+            if self._arriving[0][2] is request:
                 self._expect(at)
 
     def _drop(self, request: SimRequest) -> None:

@@ -2,8 +2,9 @@
 
 A step costs ``t = a + b*tokens + c*context + d*sequences``; each request spends ``f`` in the
 serving front end, one request at a time (the API server's parsing and tokenising), then ``e``
-side by side (the hand-off, the way back) outside the engine; the profile is
-``theta = (a, b, c, d, e, f)``. A closed loop (each client sends its next request the moment the
+side by side (the hand-off, the way back) outside the engine, and ``g`` more for each request
+the engine is running as it is sent (a loaded server takes new requests in later than an idle
+one); the profile is ``theta = (a, b, c, d, e, f, g)``. A closed loop (each client sends its next request the moment the
 last one comes back) runs on the engine with its clock kept as features: every time in it (a
 step's end, a request's arrival, its first token) is a sum of steps, tokens, context, sequences,
 overheads and front-end turns, so it is linear in ``theta``. One run gives:
@@ -27,7 +28,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from fleetsched.settings import SimSettings
@@ -35,9 +36,12 @@ from fleetsched.settings import SimSettings
 from ._engine import FINISHED, SimEngine, check_request_fits
 
 #: The profile's fields, in the order of the feature vectors.
-PARAMS = ("step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s", "request_overhead_s", "request_serial_s")
+PARAMS = (
+    "step_base_s", "step_per_token_s", "step_per_context_token_s", "step_per_seq_s",
+    "request_overhead_s", "request_serial_s", "request_delay_per_running_s",
+)  # fmt: skip
 
-Vector = tuple[float, float, float, float, float, float]
+Vector = tuple[float, float, float, float, float, float, float]
 
 
 def _dot(features: Sequence[float], theta: Sequence[float]) -> float:
@@ -122,7 +126,8 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
 
     Each client sends its next request the moment its last one finishes; the front end takes
     the requests one at a time, ``request_serial_s`` each, in the order they were sent; the
-    engine sees a request ``request_overhead_s`` after the front end is done with it, at the
+    engine sees a request ``request_overhead_s`` after the front end is done with it (and
+    ``request_delay_per_running_s`` later for each request it was running as it was sent), at the
     first step that starts after that (as the backend does), and idles when nothing has arrived.
     Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
     its answer length (`Workload.answer_lengths`). Raises `ContextTooLong` (a ValueError) when
@@ -146,8 +151,9 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
     def send(client: int, at: list[float]) -> None:
         nonlocal front_free
         start = front_free if _dot(front_free, theta) > _dot(at, theta) else at
-        front_free = start[:5] + [start[5] + 1.0]  # one front-end turn
-        arrival = front_free[:4] + [front_free[4] + 1.0, front_free[5]]  # one request overhead later
+        front_free = [*start[:5], start[5] + 1.0, start[6]]  # one front-end turn
+        # One request overhead later, and the delay for each request the engine is running.
+        arrival = [*front_free[:4], front_free[4] + 1.0, front_free[5], front_free[6] + len(engine.running)]
         heapq.heappush(arrivals, (_dot(arrival, theta), next(serial), arrival, at, client))
 
     def arrive() -> None:
@@ -170,7 +176,7 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
                 break
             now = list(arrivals[0][2])  # idle until the next request arrives
             continue
-        now = [now[0] + 1, now[1] + step.tokens, now[2] + step.context, now[3] + step.seqs, now[4], now[5]]
+        now = [now[0] + 1, now[1] + step.tokens, now[2] + step.context, now[3] + step.seqs, *now[4:]]
         for request in engine.complete(step):
             if request.num_output == 1 and request in sent:
                 out.ttft.append([t - s for t, s in zip(now, sent.pop(request))])
@@ -307,10 +313,14 @@ def fit_profile(
     once the schedules stop changing. Raises ValueError when no non-negative profile fits.
 
     The front-end turn (``request_serial_s``) changes the schedules more than it changes any sum:
-    a round that solves it to 0 lines every request up again, and no later round can see it. So
-    it is searched on a grid (`SERIAL_GRID`, in shares of the quickest measured TTFT) narrowed
-    by golden-section search, the other costs fitted at each point, and then set free from the
-    best point.
+    a round that solves it to 0 lines every request up again, and no later round can see it. The
+    delay per running request (``request_delay_per_running_s``) is alike: on a busy engine a
+    request's delay passes during the steps it waits through, and shows only in which step it
+    joins. So each is searched on a grid (`SERIAL_GRID`; `DELAY_GRID`, in shares of the quickest
+    measured TTFT over the largest loop's clients) narrowed by golden-section search, the other
+    costs fitted at each point and the other searched one held at its best so far, in turn and
+    twice over (`SEARCH_SWEEPS`: searched once, the delay settled beside a turn the truth had not,
+    in a test); then all are set free from the best point.
     """
     if not measurements:
         raise ValueError("fit_profile: no measurements to fit")
@@ -325,25 +335,42 @@ def fit_profile(
         # schedule, and no round could find one: start from one step's fixed cost instead.
         start[4] = start[0] or 0.001
     ttfts = [t for m in measurements if (t := m.ttft_p50_s or m.ttft_mean_s)]
-    if not (free[5] and ttfts):
+    searched: list[tuple[int, list[float]]] = []
+    if ttfts:
+        quickest, clients = min(ttfts), max(m.workload.concurrency for m in measurements)
+        grids = {SERIAL: [share * quickest for share in SERIAL_GRID], DELAY: [share * quickest / clients for share in DELAY_GRID]}
+        searched = [(i, grid) for i, grid in grids.items() if free[i]]
+    if not searched:
         return _alternate(base, measurements, start, fixed, free, ttft_weight)[1]
-    pinned = [*free[:5], False]
+    pinned = [f and i not in (SERIAL, DELAY) for i, f in enumerate(free)]
+    held = list(fixed)  # the searched parameters' values, each the best found once searched
+    best: tuple[float, Fit | None] = (math.inf, None)
+    for i, grid in searched * SEARCH_SWEEPS:
 
-    def at(serial: float) -> tuple[float, Fit | None]:
-        try:
-            return _alternate(base, measurements, start, [*fixed[:5], serial], pinned, ttft_weight)
-        except ValueError:  # a turn longer than the times measured: no profile has it
-            return math.inf, None
+        def at(value: float) -> tuple[float, Fit | None]:
+            try:
+                return _alternate(base, measurements, start, [*held[:i], value, *held[i + 1 :]], pinned, ttft_weight)
+            except ValueError:  # a turn (or delay) longer than the times measured: no profile has it
+                return math.inf, None
 
-    grid = [share * min(ttfts) for share in SERIAL_GRID]
-    fits = [at(serial) for serial in grid]
+        best = min(best, _search(at, grid), key=lambda fit: fit[0])
+        if best[1] is None:
+            raise ValueError("no non-negative profile fits these measurements")
+        held[i] = best[1].theta[i]
+    # Last, every cost free, from the best schedule found.
+    assert best[1] is not None
+    return min(best, _alternate(base, measurements, list(best[1].theta), fixed, free, ttft_weight), key=lambda fit: fit[0])[1]
+
+
+def _search(at: Callable[[float], tuple[float, Fit | None]], grid: Sequence[float]) -> tuple[float, Fit | None]:
+    """The best of `at` over `grid`, then golden-section search between the best point's neighbours."""
+    fits = [at(value) for value in grid]
     i = min(range(len(grid)), key=lambda i: fits[i][0])
     best = fits[i]
     if best[1] is None:
-        raise ValueError("no non-negative profile fits these measurements")
-    # Golden-section search between the best point's neighbours.
+        return best
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-    for _ in range(SERIAL_SEARCH_ROUNDS):
+    for _ in range(SEARCH_ROUNDS):
         left, right = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
         left_fit, right_fit = at(left), at(right)
         best = min(best, left_fit, right_fit, key=lambda fit: fit[0])
@@ -351,15 +378,19 @@ def fit_profile(
             hi = right
         else:
             lo = left
-    # Last, every cost free, from the best schedule found.
-    assert best[1] is not None  # the grid's best fits, and the search only replaces it by a better
-    return min(best, _alternate(base, measurements, list(best[1].theta), fixed, free, ttft_weight), key=lambda fit: fit[0])[1]
+    return best
 
 
+SERIAL, DELAY = PARAMS.index("request_serial_s"), PARAMS.index("request_delay_per_running_s")
 #: Front-end turns tried by `fit_profile`, in shares of the quickest measured TTFT (which
 #: holds one turn, the overhead and a step), then narrowed by golden-section search.
 SERIAL_GRID = (0.0, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
-SERIAL_SEARCH_ROUNDS = 12
+#: Delays per running request tried, in shares of the quickest measured TTFT (usually an idle
+#: engine's, without the delay) over the largest loop's clients: the delay with all of them running.
+DELAY_GRID = (0.0, 1 / 4, 1 / 2, 1.0, 2.0)
+SEARCH_ROUNDS = 12
+#: Times the searched parameters are searched in turn (each from the others' best values).
+SEARCH_SWEEPS = 2
 GOLDEN = (5**0.5 - 1) / 2
 
 
