@@ -56,10 +56,13 @@ MAX_DURATION_S = 365 * 86400.0
 def parse_duration(text: str) -> float:
     """Seconds in ``"90"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"``; ValueError otherwise.
 
-    Only a lone number goes without a unit: ``"1h30"`` (30 seconds? minutes?) is refused."""
+    Only a lone number goes without a unit: ``"1h30"`` (30 seconds? minutes?) is refused. Units
+    go from the largest down, each once: ``"1m1m"`` and ``"30m1h"`` are refused too."""
     parts = re.findall(r"(\d+(?:\.\d+)?)\s*(min|[smhd]?)", text.strip().lower())
     unitless = len(parts) > 1 and any(not u for _, u in parts)
-    if not parts or unitless or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text.strip().lower()):
+    scales = [_UNITS[u] for _, u in parts]
+    descending = all(a > b for a, b in zip(scales, scales[1:]))
+    if not parts or unitless or not descending or "".join(n + u for n, u in parts) != re.sub(r"\s+", "", text.strip().lower()):
         raise ValueError(f"not a duration: {text!r} (examples: 90s, 15m, 2h, 1h30m)")
     seconds = sum(float(n) * _UNITS[u] for n, u in parts)
     if not 0 < seconds <= MAX_DURATION_S:

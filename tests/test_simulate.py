@@ -41,9 +41,9 @@ def test_parse_duration_rejects_junk():
             parse_duration(nothing)
 
 
-@pytest.mark.parametrize("text", ["1h30", "2m30", "90 90", "1 30"])
+@pytest.mark.parametrize("text", ["1h30", "2m30", "90 90", "1 30", "1m1m", "30m1h", "1m1min"])
 def test_parse_duration_rejects_a_number_without_its_unit_among_others(text: str):
-    """Before: '1h30' was 1 h 30 s (3,630 s, not the 90 minutes meant), '90 90' 180 s."""
+    """Before: '1h30' was 1 h 30 s (3,630 s, not the 90 minutes meant), '90 90' 180 s, '1m1m' 120 s."""
     with pytest.raises(ValueError, match="not a duration"):
         parse_duration(text)
 
