@@ -74,6 +74,7 @@ def _sla_section(
                 o.objective: {
                     "target": o.target,
                     "value": _num(o.value),
+                    **({"value_at_least": True} if o.at_least else {}),
                     "events": o.events,
                     "met_events": o.met_events,
                     "attainment": _num(o.attainment),
@@ -309,6 +310,8 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
                 target, value = f"{o['target']:g}", "-" if o["value"] is None else f"{o['value']:,.1f}"
             else:
                 target, value = f"{o['target'] * 1e3:,.0f} ms", "-" if o["value"] is None else f"{o['value'] * 1e3:,.0f} ms"
+                if o.get("value_at_least"):  # the longest session was cut at its deadline, unfinished
+                    value = ">= " + value
             attainment = "-" if o["attainment"] is None else f"{o['attainment']:.1%}"
             verdict = "not measured" if o["met"] is None else "met" if o["met"] else "MISSED"
             if t["tenant"] in unreachable and objective == "ttft_p99":

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fleetsched.observability.sla import SlaTracker, evaluate
-from fleetsched.report import sla_table, tenant_table
+from fleetsched.report import sla_rows, sla_table, tenant_table
 from fleetsched.scheduler import CallRecord, Recorder, SessionRecord, summarise
 from fleetsched.scheduler.records import rank_percentile
 from fleetsched.settings import Settings, TenantSettings, load_settings
@@ -52,6 +52,10 @@ def test_a_session_ended_by_its_deadline_is_classified_by_its_error_not_its_span
     rows, breaches = evaluate(recorder, tenants)
     assert [b.reason for b in breaches] == ["failed", "in-tools", "in-tools", "in-tools"]
     assert by_name(rows)["a"]["deadline"].breaches == {"in-tools": 3, "failed": 1}
+    # The longest span is a session cut at its deadline: it would have run longer.
+    assert by_name(rows)["a"]["deadline"].at_least
+    recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, 0.0, 3.0, 1, 100, 16))
+    assert not by_name(evaluate(recorder, tenants)[0])["a"]["deadline"].at_least  # a finished one ran longest
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -66,6 +70,9 @@ def test_sessions_ended_by_their_deadline_miss_it_in_the_report_and_the_search(t
     assert [s.state for s in sessions] == ["failed"]
     objective = report["tenants"][0]["sla"]["objectives"]["deadline"]
     assert objective["met"] is False and objective["breaches"] == {"in-tools": 1}
+    # Before: "measured 2,000 ms" against "target 2,000 ms", MISSED; the session never finished.
+    assert objective["value_at_least"] is True
+    assert [">= 2,000 ms", "MISSED"] == [cell for cell in sla_rows(report)[0] if cell in (">= 2,000 ms", "MISSED")]
     checks = {c.metric: c for c in sla_checks(scheduler, settings, report["duration_s"])}
     assert not checks["deadline_s"].ok
     assert sessions[0].error == "DeadlineExceeded"

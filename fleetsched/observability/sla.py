@@ -160,6 +160,8 @@ class ObjectiveResult:
     met_events: int
     breaches: Mapping[str, int]
     """Missed events by reason."""
+    at_least: bool = False
+    """`value` is a lower bound: the longest session was ended by its deadline, unfinished."""
 
     @property
     def attainment(self) -> float:
@@ -231,6 +233,7 @@ def evaluate(
         ok_times = (times or {}).get(name) or CallTimes.of(ok)
         results = []
         for objective, target in goals.items():
+            at_least = False
             # Nearest rank, as the verdict counts: an interpolated p99 read 1,628 ms against a
             # target of 1,629 ms beside the verdict MISSED (98.7 % of the calls on time).
             if objective == "ttft_p99":
@@ -238,8 +241,8 @@ def evaluate(
             elif objective == "latency_p95":
                 value = rank_percentile(ok_times.latency_s, 95)
             elif objective == "deadline":
-                spans = [s.finished - s.submitted for s in sessions[name] if s.state in ("done", "failed")]
-                value = max(spans, default=math.nan)
+                spans = [(s.finished - s.submitted, s.deadline_exceeded) for s in sessions[name] if s.state in ("done", "failed")]
+                value, at_least = max(spans, default=(math.nan, False))
             else:
                 # The rate is one event beside the refused and failed calls' (`call_events`).
                 busy = busy_time((c.submitted, c.finished) for c in calls[name] if c.error not in _REFUSED)
@@ -250,7 +253,7 @@ def evaluate(
                     if value < target:
                         reasons[objective]["engine-slow"] = reasons[objective].get("engine-slow", 0) + 1
             events, met = counts[objective]
-            results.append(ObjectiveResult(objective, target, value, events, met, reasons[objective]))
+            results.append(ObjectiveResult(objective, target, value, events, met, reasons[objective], at_least))
         rows.append(TenantSla(name, str(tenant.tier), tenant.weight, tuple(results), refused))
     breaches.sort(key=lambda b: b.at)
     return rows, breaches
