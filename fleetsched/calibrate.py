@@ -5,8 +5,9 @@ generates exactly ``max_tokens``) over concurrency and prompt / answer lengths, 
 throughput and time to first token, and fits the step costs of `SimSettings` by non-negative
 least squares on relative errors of throughput and TTFT p50 (`fleetsched.backends.sim._fit`),
 with the API server's share as three more costs: each request's turn in it (one at a time), its
-time outside the engine besides, and how much later a request reaches a busy engine. Each point is the median of `--repeats` passes over the sweep.
-Prints the fit's error per point and writes the profile as TOML (load it with
+time outside the engine besides, and how much later it reaches the engine for each request the
+engine is running. Each point is the median of `--repeats` passes over the sweep. Prints the
+fit's error per point and writes the profile as TOML (load it with
 ``backend.sim.profile = "profile.toml"``).
 
 The engine's shape (max_num_seqs, token budget, block size, KV cache) is not measured: pass the
@@ -324,8 +325,8 @@ def profile_document(base: SimSettings, samples: list[Sample], fit: Fit, url: st
         "description": description,
         "source": f"fleetsched calibrate --url {url}: closed loops, ignore_eos, unique prompts",
         "assumptions": "Step cost t = a + b*tokens + c*context + d*sequences; per request, f in the API server one "
-        "request at a time (parsing, tokenising), then e outside the engine (the hand-off, the way back), and g more when sent "
-        "while the engine runs others; fitted by non-negative least squares on relative errors of throughput and TTFT p50, each point the median of "
+        "request at a time (parsing, tokenising), then e outside the engine (the hand-off, the way back), and g more for each "
+        "request the engine runs as it is sent; fitted by non-negative least squares on relative errors of throughput and TTFT p50, each point the median of "
         f"{repeats} passes. Engine shape given on the command line, not measured.",
     }
     ttft_err = fit.max_ttft_rel_err

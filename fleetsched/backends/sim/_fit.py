@@ -4,10 +4,11 @@ A step costs ``t = a + b*tokens + c*context + d*sequences``; each request spends
 serving front end, one request at a time (the API server's parsing and tokenising), then ``e``
 side by side (the hand-off, the way back) outside the engine, and ``g`` more for each request
 the engine is running as it is sent (a loaded server takes new requests in later than an idle
-one); the profile is ``theta = (a, b, c, d, e, f, g)``. A closed loop (each client sends its next request the moment the
-last one comes back) runs on the engine with its clock kept as features: every time in it (a
-step's end, a request's arrival, its first token) is a sum of steps, tokens, context, sequences,
-overheads and front-end turns, so it is linear in ``theta``. One run gives:
+one); the profile is ``theta = (a, b, c, d, e, f, g)``. A closed loop (each client sends its
+next request the moment the last one comes back) runs on the engine with its clock kept as
+features: every time in it (a step's end, a request's arrival, its first token) is a sum of
+steps, tokens, context, sequences, overheads, front-end turns and delays, so it is linear in
+``theta``. One run gives:
 
 - total time = ``F_total . theta``;
 - a request's time to first token = ``F_ttft . theta``.
@@ -127,8 +128,9 @@ def closed_loop(settings: SimSettings, workload: Workload, theta: Sequence[float
     Each client sends its next request the moment its last one finishes; the front end takes
     the requests one at a time, ``request_serial_s`` each, in the order they were sent; the
     engine sees a request ``request_overhead_s`` after the front end is done with it (and
-    ``request_delay_per_running_s`` later for each request it was running as it was sent), at the
-    first step that starts after that (as the backend does), and idles when nothing has arrived.
+    ``request_delay_per_running_s`` more for each request it was running as the request was
+    sent), at the first step that starts after that (as the backend does), and idles when
+    nothing has arrived.
     Prompts are unique past `workload.shared_prefix_tokens`; every request generates exactly
     its answer length (`Workload.answer_lengths`). Raises `ContextTooLong` (a ValueError) when
     the longest request does not fit the engine (`check_request_fits`).
