@@ -375,9 +375,9 @@ class SimSettings(_Section):
     request_delay_per_running_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Time a request takes to reach the engine, beyond the overhead, for each request the
     engine is running as it is sent (g): a loaded server takes new requests in later than an idle
-    one. On the real CPU vLLM (eight calibration sweeps, each beside a closed loop at
+    one. On the real CPU vLLM (nine calibration sweeps, each beside a closed loop at
     concurrency 24 it did not see), profiles fitted without it put that loop's TTFT p50 3-31 %
-    low (16 % on average), and with it 0.3-18 % off either way (8.3 % on average).
+    low (15 % on average), and with it 0.3-18 % off either way (7.9 % on average).
     `fleetsched calibrate` fits it; 0 leaves it out."""
     policy: Literal["fcfs", "priority"] = "priority"
     """Waiting-queue order (vLLM's --scheduling-policy): "priority" honours the body's `priority`."""

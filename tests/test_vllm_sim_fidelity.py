@@ -16,9 +16,9 @@ TTFT p50 (the worst 14.98%), so a miss now and then is the machine, three in a r
 Three in a row did miss on TTFT p50 on the machine of 2026-11-24 (the twenty-eighth session),
 19.0, 17.4 and 23.1 %, the sim's TTFT low each time, and the test then reported a TTFT miss as an
 expected failure. The profile has since had a delay per request the engine runs
-(`request_delay_per_running_s`): over eight sweeps, each beside the unseen loop, the fitted TTFT
-p50 went from 3-31 % low (16 % on average, within 15 % in 3 of 8) to 0.3-18 % off either way
-(8.3 %, within 15 % in 5 of 8), and a TTFT missed three times fails the test again.
+(`request_delay_per_running_s`): over nine sweeps, each beside the unseen loop, the fitted TTFT
+p50 went from 3-31 % low (15 % on average, within 15 % in 4 of 9) to 0.3-18 % off either way
+(7.9 %, within 15 % in 6 of 9), and a TTFT missed three times fails the test again.
 """
 
 from __future__ import annotations
