@@ -137,3 +137,22 @@ def test_a_trace_session_that_could_never_be_admitted_is_refused(tmp_path):
         assert "(workload.trace line 2.session_memory)" in info.value.reason
     write(tmp_path / "t.jsonl", fits, {"tenant": "quota", "session_memory": "4GB"})
     assert len(plan(WorkloadSettings(trace=tmp_path / "t.jsonl"), config)) == 2
+
+
+def test_a_trace_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
+    """A run reads its trace up to four times (the command line's check and count, the start-up
+    note, the replay): each parsed every line again, up to a million. The text parsed last is kept,
+    with the settings it was checked against."""
+    parsed = []
+    parse = workload._parse_trace
+    monkeypatch.setattr(workload, "_parse_trace", lambda lines, settings: parsed.append(settings) or parse(lines, settings))
+    trace = write(tmp_path / "t.jsonl", {"at": 1, "tenant": "acme"}, {"at": 2, "tenant": "acme"})
+    first = plan(WorkloadSettings(trace=trace), ACME)
+    assert [p.at for p in plan(WorkloadSettings(trace=trace))] == [p.at for p in first] == [1.0, 2.0]
+    plan(WorkloadSettings(trace=trace), ACME)
+    assert parsed == [ACME]  # unchecked, or checked against equal settings: not parsed again
+    with pytest.raises(ConfigError, match="'acme' is not a declared tenant"):
+        plan(WorkloadSettings(trace=trace), Settings(tenants={"other": {}}))  # other settings: checked again
+    write(trace, {"at": 3, "tenant": "acme"})
+    assert [p.at for p in plan(WorkloadSettings(trace=trace), ACME)] == [3.0]  # a changed file: parsed again
+    assert len(parsed) == 3

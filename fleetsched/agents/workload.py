@@ -10,6 +10,7 @@ arrive all at once, or as a Poisson process of `arrival_rate` per second.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import random
 from collections.abc import Callable
@@ -91,17 +92,37 @@ class PlannedSession:
     agent: Agent
 
 
+#: The last trace parsed: (its path, a digest of its text), the settings it was checked against
+#: (None: not checked), and its sessions. A run reads its trace up to four times (the command
+#: line's check and count, the start-up note, the replay), and a trace may hold a million lines.
+_last_trace: tuple[tuple[Path, bytes], Settings | None, list[tuple[float, AgentMix]]] | None = None
+
+
 def read_trace(path: Path, settings: Settings | None = None) -> list[tuple[float, AgentMix]]:
     """The sessions of a JSONL trace as (arrival offset, agent mix of one). Raises `ConfigError`
     naming the line and the field that is wrong; with `settings`, a tenant they do not declare
-    too, and a session that could never be admitted (as `Settings` refuses such an agent mix)."""
-    sessions = []
+    too, and a session that could never be admitted (as `Settings` refuses such an agent mix).
+
+    The text is parsed again only when it changed since the last trace parsed, or when
+    `settings` differ from those it was checked against."""
+    global _last_trace
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()
+        text = data.decode("utf-8")
     except OSError as exc:
         raise ConfigError("workload.trace", f"cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError("workload.trace", f"{path} is not UTF-8 text (byte {exc.start}): a trace is JSON lines") from None
+    key = (path.resolve(), hashlib.blake2b(data).digest())
+    if _last_trace is not None and _last_trace[0] == key and (settings is None or settings == _last_trace[1]):
+        return list(_last_trace[2])
+    sessions = _parse_trace(text.splitlines(), settings)
+    _last_trace = (key, settings, sessions)
+    return list(sessions)
+
+
+def _parse_trace(lines: list[str], settings: Settings | None) -> list[tuple[float, AgentMix]]:
+    sessions = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
