@@ -176,6 +176,24 @@ def test_a_stray_prompt_beside_the_messages_does_not_make_a_chat_call_cheap():
 
 
 
+
+def test_a_stray_messages_field_does_not_make_a_text_completion_cheap():
+    # A completions body with "messages" beside its prompt was counted by the messages: a
+    # 2,500-token prompt with a one-word message passed the context check (1,000 tokens here)
+    # and was charged 4 tokens against the tenant's tokens per minute. The field is dropped, as
+    # vLLM's completions endpoint ignores it.
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "tokens_per_minute": 1000}})
+    stray = [{"role": "user", "content": "hi"}]
+    with serve_in_thread(s) as (_, url):
+        c = client(url, GLOBEX)
+        with pytest.raises(openai.BadRequestError) as too_long:
+            c.completions.create(model="m", prompt="word " * 2000, max_tokens=4, extra_body={"messages": stray})
+        c.completions.create(model="m", prompt="x" * 3600, max_tokens=1, extra_body={"messages": stray})
+        with pytest.raises(openai.RateLimitError) as caught:
+            c.completions.create(model="m", prompt="x" * 3600, max_tokens=1, extra_body={"messages": stray})
+    assert too_long.value.body["code"] == "context_length_exceeded" and too_long.value.body["param"] == "prompt"
+    assert "this call asks 901 tokens" in caught.value.message
+
 class CharTokenizer(InstantBackend):
     """Counts a prompt a token a character, as a real tokenizer counts Chinese text: four times
     what the gateway's estimate (four characters a token) says before the call."""
@@ -671,43 +689,41 @@ def test_a_tenant_named_empty_is_refused_its_label_is_the_unauthenticated_reques
         load_settings(config)
 
 
-def _two_replicas_one_dead():
-    """A vLLM server backend over two replicas served by a mock transport: "dead" cannot be
-    reached (a connection refused), "live" answers. A session is placed on "dead" (the least
-    loaded, the first of a tie)."""
+def _mock_replicas(names: tuple[str, ...] = ("dead", "live"), dead: frozenset[str] = frozenset({"dead"})):
+    """A vLLM server backend over replicas `names` served by a mock transport: each answers with
+    its own name, and those in `dead` cannot be reached (a connection refused). By default a
+    session is placed on "dead" (the least loaded, the first of a tie)."""
     import httpx2
 
     from fleetsched.backends.vllm_server import VLLMServerBackend
 
-    answer = "".join(
-        f"data: {json.dumps(chunk)}\n\n"
-        for chunk in (
-            make_chunk("chatcmpl-live", "m", 0, role="assistant", content="live"),
-            make_chunk("chatcmpl-live", "m", 0, finish_reason="stop", usage=usage_dict(2, 1)),
-        )
-    ) + "data: [DONE]\n\n"
-
-    text = "".join(
-        f"data: {json.dumps(chunk)}\n\n"
-        for chunk in (
-            {"id": "cmpl-live", "object": "text_completion", "created": 0, "model": "m",
-             "choices": [{"index": 0, "text": "live", "logprobs": None, "finish_reason": "stop"}]},
-            {"id": "cmpl-live", "object": "text_completion", "created": 0, "model": "m", "choices": [], "usage": usage_dict(2, 1)},
-        )
-    ) + "data: [DONE]\n\n"  # fmt: skip
+    def events(*chunks: dict) -> bytes:
+        return ("".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n").encode()
 
     def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        name = next(name for name in names if f"//{name}." in base_url)
+
         def handler(request: httpx2.Request) -> httpx2.Response:
-            if "dead" in base_url:
+            if name in dead:
                 raise httpx2.ConnectError("connection refused")
-            body = answer if request.url.path.endswith("/chat/completions") else text
-            return httpx2.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+            if request.url.path.endswith("/chat/completions"):
+                body = events(
+                    make_chunk(f"chatcmpl-{name}", "m", 0, role="assistant", content=name),
+                    make_chunk(f"chatcmpl-{name}", "m", 0, finish_reason="stop", usage=usage_dict(2, 1)),
+                )
+            else:
+                body = events(
+                    {"id": f"cmpl-{name}", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": name, "logprobs": None, "finish_reason": "stop"}]},
+                    {"id": f"cmpl-{name}", "object": "text_completion", "created": 0, "model": "m", "choices": [], "usage": usage_dict(2, 1)},
+                )  # fmt: skip
+            return httpx2.Response(200, content=body, headers={"content-type": "text/event-stream"})
 
         client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=client)
 
     metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
-    urls = {"dead": "http://dead.invalid:8000", "live": "http://live.invalid:8000"}
+    urls = {name: f"http://{name}.invalid:8000" for name in names}
     return VLLMServerBackend(urls, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
 
 
@@ -716,7 +732,7 @@ def test_a_session_placed_on_a_dead_replica_fails_over_to_the_live_one():
     caller's choice (no failover), and the dispatcher saw no replicas behind the gateway's
     wrapper: every call of the session, streamed or not, got a 502 for as long as it went on
     calling (each call renewed its placement on the dead replica)."""
-    with serve_in_thread(gateway_settings(), backend=_two_replicas_one_dead()) as (gw, url):
+    with serve_in_thread(gateway_settings(), backend=_mock_replicas()) as (gw, url):
         headers = {"authorization": f"Bearer {ACME}", "x-session-id": "placed-on-dead"}
         for stream in (True, False, True):
             response = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "stream": stream}, headers=headers, timeout=10)
@@ -726,13 +742,29 @@ def test_a_session_placed_on_a_dead_replica_fails_over_to_the_live_one():
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
 
 
+def test_a_session_calls_the_replica_its_memory_is_reserved_on():
+    """Memory devices named after the replicas: a session's calls go to the replica that holds
+    its reservation, as an in-process agent's do. Before, they went to the replica proposed when
+    the session began (the least loaded: r0 on a tie), here one whose KV cache is too small for
+    the session, so the engine there would have had to preempt to serve it."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "session_memory": "2GB"}}
+    devices = [{"name": "r0", "memory": "1GB"}, {"name": "r1", "memory": "80GB"}]
+    settings = gateway_settings(tenants, resources={"devices": devices})
+    with serve_in_thread(settings, backend=_mock_replicas(("r0", "r1"), dead=frozenset())) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}", "x-session-id": "big"}
+        for stream in (False, True):
+            response = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "stream": stream}, headers=headers, timeout=10)
+            assert response.status_code == 200, response.text
+            assert "r1" in response.text and "r0" not in response.text
+
+
 @pytest.mark.parametrize("session", [None, "placed-on-dead"])
 def test_a_text_completion_fails_over_from_a_dead_replica_before_its_first_chunk(session):
     """Before: /v1/completions went to the least loaded replica with no failover, which with
     calls to spare was the dead one (ties go to the first, and its breaker never opened: these
     calls do not count against it), so every call got a 502; a session's call fell back from its
     dead replica to the least loaded one, the dead one again."""
-    with serve_in_thread(gateway_settings(), backend=_two_replicas_one_dead()) as (gw, url):
+    with serve_in_thread(gateway_settings(), backend=_mock_replicas()) as (gw, url):
         headers = {"authorization": f"Bearer {ACME}", **({"x-session-id": session} if session else {})}
         for stream in (True, False):
             body = {"prompt": "Once upon", "stream": stream}

@@ -389,8 +389,15 @@ class Gateway:
             due = anyio.current_time() + ttft if ttft else math.inf
             # The replica goes to the dispatcher, not into the body (where the backend takes it as
             # the caller's choice, without failover): the dispatcher sends the call there, and
-            # to another replica if that one is down before the first chunk.
-            tier, deadline, replica = int(handle.tier), handle.deadline, session.placement.replica
+            # to another replica if that one is down before the first chunk. It is the one the
+            # session's memory is reserved on, as for an in-process agent (read at each call: a
+            # re-admission may place it elsewhere), else the placement's (devices not named
+            # after the replicas).
+            tier, deadline = int(handle.tier), handle.deadline
+            reservation = handle.reservation
+            replica = session.placement.replica
+            if reservation is not None and reservation.device in self.backend.replicas:
+                replica = reservation.device
             await self._dispatch(endpoint, body, streaming, handle.tenant, tier, handle.id, due, deadline, send, done, replica)
             handle.counters.calls += 1
             handle.counters.prompt_tokens += done.prompt_tokens
