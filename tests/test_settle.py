@@ -1,6 +1,8 @@
 """Settling: holes slide towards the largest free run through movable reservations only, and
 holes they cannot slide out of are filled from the edges of that run."""
 
+import math
+
 import anyio
 import pytest
 
@@ -267,6 +269,10 @@ def test_compact_off_turns_settling_off_unless_asked():
     for bad in (0, 1.5, "2", True):
         with pytest.raises(ValueError, match=f"settle_moves must be an integer >= 1 or None, got {bad!r}"):
             ExtentPool([DeviceSpec("g", 4 * PAGE)], page_size=PAGE, settle_moves=bad)
+    # "0.5" failed inside the comparison, with a TypeError that named no option.
+    for bad in (-0.1, 1.5, "0.5", True, math.nan):
+        with pytest.raises(ValueError, match=r"compact_threshold must be a number in \[0, 1\] or None, got"):
+            ExtentPool([DeviceSpec("g", 4 * PAGE)], page_size=PAGE, compact_threshold=bad)
 
 
 def test_a_failing_move_callback_stops_settling_and_propagates():

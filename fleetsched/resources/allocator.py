@@ -76,8 +76,12 @@ class ExtentPool(MemoryPool):
         move_callback: Callable[[Reservation, Move], None] | None = None,
     ) -> None:
         super().__init__(devices, quotas=quotas)
-        if compact_threshold is not None and not 0.0 <= compact_threshold <= 1.0:
-            raise ValueError(f"compact_threshold must lie in [0, 1], got {compact_threshold}")
+        if compact_threshold is not None and (
+            isinstance(compact_threshold, bool)
+            or not isinstance(compact_threshold, (int, float))
+            or not 0.0 <= compact_threshold <= 1.0
+        ):
+            raise ValueError(f"compact_threshold must be a number in [0, 1] or None, got {compact_threshold!r}")
         self.compact = compact
         self.compact_threshold = compact_threshold
         #: Settle holes as they appear (see the module docstring); None: as `compact`.
