@@ -420,6 +420,10 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
         # engine's, the rest of the context); vLLM's server refuses it.
         ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens: expected an integer >= 1, got 0"),
         ({"messages": MESSAGES, "max_completion_tokens": 0, "max_tokens": 8}, "max_tokens: expected an integer >= 1, got 0"),
+        # A count beyond 32 bits went into the dispatcher's float sums: a refused 10**30 reset the
+        # tenant's fair-share counter and emptied its tokens per minute; 2**1100 overflowed them.
+        ({"messages": MESSAGES, "max_tokens": 10**30}, "max_tokens: expected at most 2147483647, got 1000000000000000000000000000000"),
+        ({"messages": MESSAGES, "max_tokens": 2**1100}, "max_tokens: expected at most 2147483647, got 1358298529"),
     ],
 )
 async def test_a_malformed_call_fails_its_session_naming_the_field(backend, call, message):

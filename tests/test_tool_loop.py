@@ -49,6 +49,13 @@ async def unmeasured() -> dict:
     return {"temperature": float("nan")}
 
 
+async def deep() -> list:
+    nested: list = []
+    for _ in range(3000):
+        nested = [nested]
+    return nested
+
+
 TOOLS = [
     Tool("add", add, "add two numbers", {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}),
     Tool("search", search, "search the web"),
@@ -57,6 +64,7 @@ TOOLS = [
     Tool("opaque", opaque),
     Tool("upstream", upstream),
     Tool("unmeasured", unmeasured),
+    Tool("deep", deep),
 ]
 
 
@@ -87,7 +95,7 @@ async def test_concurrent_tools_then_an_answer():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        ({"name": "nope"}, "error: unknown tool 'nope'; available tools: add, explode, hang, opaque, search, unmeasured, upstream"),
+        ({"name": "nope"}, "error: unknown tool 'nope'; available tools: add, deep, explode, hang, opaque, search, unmeasured, upstream"),
         ({"name": "add", "arguments": "{not json"}, "error: the arguments for 'add' are not valid JSON"),
         ({"name": "add", "arguments": "[1, 2]"}, "error: the arguments for 'add' must be a JSON object"),
         ({"name": "add", "arguments": {"x": 1}}, "error: tool 'add' raised TypeError"),
@@ -96,6 +104,9 @@ async def test_concurrent_tools_then_an_answer():
         ({"name": "opaque"}, "error: tool 'opaque' returned a object that is not JSON"),
         # NaN went to the model as {"temperature": NaN}, which is not JSON.
         ({"name": "unmeasured"}, "error: tool 'unmeasured' returned a dict that is not JSON (Out of range float values"),
+        # Valid JSON nested deeper than the json module recurses: a RecursionError failed the session.
+        ({"name": "add", "arguments": "[" * 3000 + "]" * 3000}, "error: the arguments for 'add' are nested too deeply"),
+        ({"name": "deep"}, "error: tool 'deep' returned a list that is not JSON (maximum recursion depth"),
         # A tool's own TimeoutError read "did not finish within 30 s", at once.
         ({"name": "upstream"}, "error: tool 'upstream' raised TimeoutError: the weather API did not answer"),
     ],

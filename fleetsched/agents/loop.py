@@ -185,6 +185,8 @@ async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as exc:
             return f"error: the arguments for {name!r} are not valid JSON ({exc.msg} at position {exc.pos})"
+        except RecursionError:
+            return f"error: the arguments for {name!r} are nested too deeply"
     if not isinstance(arguments, dict):
         return f"error: the arguments for {name!r} must be a JSON object, got {type(arguments).__name__}"
     try:
@@ -211,7 +213,7 @@ async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
         return result
     try:
         return json.dumps(result, allow_nan=False)  # NaN and infinity are no JSON
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         return f"error: tool {name!r} returned a {type(result).__name__} that is not JSON ({exc})"
 
 

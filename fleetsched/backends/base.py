@@ -355,10 +355,16 @@ def _message_problem(message: object) -> str | None:
     return None
 
 
+#: The most completion tokens a call may ask for, as vLLM's server and the gateway take them (a
+#: 32-bit count): a larger count went into float sums in the dispatcher's rate limits and fair
+#: share, where a refused 10**30 wiped out the tenant's real figures.
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
 def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     """The completion tokens `body` asks for (``max_completion_tokens``, else ``max_tokens``), or
     `default` where it names none (absent or null); raises `InvalidRequest` for a value that is
-    not a count, 0 included (vLLM's server refuses it too)."""
+    not a count from 1 to `MAX_TOKENS_LIMIT` (vLLM's server refuses 0 too)."""
     value = body.get("max_completion_tokens")
     if value is None:
         value = body.get("max_tokens")
@@ -369,7 +375,9 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     except (TypeError, ValueError, OverflowError):
         count = 0
     if count < 1 or count != value or isinstance(value, bool):  # "8", 2.5 and True are not counts
-        raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {value!r}")
+        raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {value!r:.80}")
+    if count > MAX_TOKENS_LIMIT:
+        raise InvalidRequest(f"max_tokens: expected at most {MAX_TOKENS_LIMIT}, got {value!r:.80}")
     return count
 
 
