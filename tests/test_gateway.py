@@ -194,6 +194,22 @@ def test_a_stray_messages_field_does_not_make_a_text_completion_cheap():
     assert too_long.value.body["code"] == "context_length_exceeded" and too_long.value.body["param"] == "prompt"
     assert "this call asks 901 tokens" in caught.value.message
 
+
+def test_a_call_refused_as_invalid_does_not_use_up_a_request_per_minute():
+    """A 400 after the limits were taken (a session that can never run; a field only the engine
+    checks) used up one of the tenant's requests per minute: two of them locked a tenant of 2 a
+    minute out for up to a minute, though the gateway gave back their tokens."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "requests_per_minute": 2, "session_memory": "100GB"}}
+    headers = {"authorization": f"Bearer {ACME}"}
+    with serve_in_thread(gateway_settings(tenants, backend={"kind": "sim"})) as (_, url):
+        for i in range(2):
+            never = httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers={**headers, "x-session-id": f"s{i}"})
+            assert never.status_code == 400 and "largest device holds" in never.text
+            refused = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "stream_interval": 0}, headers=headers)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_interval"
+        for status in (200, 200, 429):  # and the limit still holds
+            assert httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}, headers=headers).status_code == status
+
 class CharTokenizer(InstantBackend):
     """Counts a prompt a token a character, as a real tokenizer counts Chinese text: four times
     what the gateway's estimate (four characters a token) says before the call."""

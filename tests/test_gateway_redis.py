@@ -133,6 +133,25 @@ async def test_token_bucket_refund_and_usage_and_placement_are_shared(redis_url)
         await b.aclose()
 
 
+async def test_a_request_given_back_is_given_back_to_every_instance(redis_url):
+    """A call refused as invalid gets its request back (`refund(..., request=True)`); before, only
+    its tokens: one bad field used up one of the tenant's requests per minute on every instance."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    limits = {"acme": RateLimit(2.0, 600.0)}  # 2 requests and 600 tokens a minute
+    a, b = RedisState(limits, redis_url, instance="a", prefix=prefix), RedisState(limits, redis_url, instance="b", prefix=prefix)
+    try:
+        assert await a.take("acme", 100) == 0 and await b.take("acme", 100) == 0
+        assert 29 < await a.take("acme", 100) <= 31  # the requests are used up: one more in 30 s
+        await b.refund("acme", 100)  # tokens only: still no request
+        assert await a.take("acme", 100) > 29
+        await b.refund("acme", 100, request=True)
+        assert await a.take("acme", 100) == 0
+        assert await b.take("acme", 100) > 29
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 def test_fair_share_counters_count_the_peers_service(redis_url):
     flush(redis_url)
     s = gateway_settings(gateway={"redis_url": redis_url})

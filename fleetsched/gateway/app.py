@@ -479,16 +479,25 @@ class Gateway:
         used_prompt = 0 if done.status >= 400 else (done.prompt_tokens or prompt)
         unused = prompt + max_tokens - used_prompt - done.completion_tokens
         served = done.status == 200
+        # A call refused as invalid (a session that can never run, a field the engine refuses)
+        # gets its request back too, as one refused for its X-Session-ID never takes it: else
+        # a tenant's bad field locked it out for up to a minute. Refusals for load or time (429,
+        # 503, 408) keep theirs: they were made, and retried at once they would hammer.
+        invalid = done.status in _REFUSED_AS_INVALID
         if served:
             self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
         with anyio.CancelScope(shield=True):
             try:
-                await self.state.refund(tenant, unused)
+                await self.state.refund(tenant, unused, request=invalid)
                 if served and self.state.shared:
                     cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
                     await self.state.add_usage(tenant, cost)
             except Exception as exc:
                 logger.warning("could not settle a call of tenant %r in the shared state: %s: %s", tenant, type(exc).__name__, exc)
+
+
+#: The statuses of a call refused as invalid: it used none of the tenant's requests per minute.
+_REFUSED_AS_INVALID = frozenset({400, 404, 413, 422})
 
 
 class _Outcome:

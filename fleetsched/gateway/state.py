@@ -68,8 +68,9 @@ class SharedState(ABC):
         Returns 0 when taken, else the seconds until both would be there."""
 
     @abstractmethod
-    async def refund(self, tenant: str, tokens: float) -> None:
-        """Give back tokens charged up front but not used."""
+    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
+        """Give back tokens charged up front but not used, and with `request` the request too
+        (a call refused as invalid, which was served nothing)."""
 
     @abstractmethod
     async def add_usage(self, tenant: str, cost: float) -> None:
@@ -116,9 +117,9 @@ class MemoryState(SharedState):
             return 0.0
         return self._buckets.try_take(tenant, tokens, anyio.current_time())
 
-    async def refund(self, tenant: str, tokens: float) -> None:
+    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
         if tenant in self.limits:
-            self._buckets.refund(tenant, tokens, anyio.current_time())
+            self._buckets.refund(tenant, tokens, anyio.current_time(), request=request)
 
     async def add_usage(self, tenant: str, cost: float) -> None:
         pass  # no peers to tell
@@ -176,15 +177,21 @@ redis.call('EXPIRE', KEYS[1], 3600)
 return '0'
 """
 
-# KEYS[1]: the tenant's bucket hash. ARGV: tokens rate/s, tokens capacity, tokens to give back.
+# KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, requests to give
+# back, tokens rate/s, tokens capacity, tokens to give back (a rate of 0: no such limit).
 _REFUND = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rate, cap, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local v = redis.call('HMGET', KEYS[1], 'k', 'kt')
-if v[1] == false then return '0' end
-local k = math.min(cap, tonumber(v[1]) + (now - tonumber(v[2])) * rate)
-redis.call('HSET', KEYS[1], 'k', tostring(math.min(cap, k + amount)), 'kt', tostring(now))
+local rr, rc, rn, tr, tc, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local v = redis.call('HMGET', KEYS[1], 'r', 'rt', 'k', 'kt')
+if rr > 0 and rn > 0 and v[1] ~= false then
+  local r = math.min(rc, tonumber(v[1]) + (now - tonumber(v[2])) * rr)
+  redis.call('HSET', KEYS[1], 'r', tostring(math.min(rc, r + rn)), 'rt', tostring(now))
+end
+if tr > 0 and amount > 0 and v[3] ~= false then
+  local k = math.min(tc, tonumber(v[3]) + (now - tonumber(v[4])) * tr)
+  redis.call('HSET', KEYS[1], 'k', tostring(math.min(tc, k + amount)), 'kt', tostring(now))
+end
 return '1'
 """
 
@@ -246,12 +253,15 @@ class RedisState(SharedState):
         wait = await self._take(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, tpm / 60, tpm, float(tokens)])
         return float(wait)
 
-    async def refund(self, tenant: str, tokens: float) -> None:
+    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
         limit = self.limits.get(tenant)
-        if limit is None or not limit.tokens_per_minute or not tokens > 0:
+        if limit is None:
             return
-        tpm = limit.tokens_per_minute
-        await self._refund(keys=[self._bucket(tenant)], args=[tpm / 60, tpm, float(tokens)])
+        rpm, tpm = limit.requests_per_minute or 0.0, limit.tokens_per_minute or 0.0
+        requests = 1.0 if request and rpm else 0.0
+        tokens = float(tokens) if tpm and tokens > 0 else 0.0
+        if requests or tokens:
+            await self._refund(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, requests, tpm / 60, tpm, tokens])
 
     async def add_usage(self, tenant: str, cost: float) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

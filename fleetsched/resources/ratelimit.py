@@ -99,15 +99,16 @@ class TenantRateLimits:
 
     def untake(self, tenant: str, tokens: float, now: float) -> None:
         """Give back a whole `try_take`, request and tokens: the call never reached the backend."""
-        requests = self._requests.get(tenant)
+        self.refund(tenant, tokens, now, request=True)
+
+    def refund(self, tenant: str, tokens: float, now: float, *, request: bool = False) -> None:
+        """Give back tokens charged up front but not used (max_tokens not all generated), and
+        with `request` the request too. A negative refund charges what a call used beyond its
+        charge (a prompt longer than its estimate): the bucket may go below empty, and the
+        tenant's next calls wait it out."""
+        requests = self._requests.get(tenant) if request else None
         if requests is not None:
             requests.give_back(1, now)
-        self.refund(tenant, tokens, now)
-
-    def refund(self, tenant: str, tokens: float, now: float) -> None:
-        """Give back tokens charged up front but not used (max_tokens not all generated). A
-        negative refund charges what a call used beyond its charge (a prompt longer than its
-        estimate): the bucket may go below empty, and the tenant's next calls wait it out."""
         bucket = self._tokens.get(tenant)
         if bucket is not None and not math.isnan(tokens):
             bucket.give_back(tokens, now)
