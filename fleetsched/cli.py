@@ -43,7 +43,10 @@ def _load(path: str, backend: str | None) -> Settings:
         raise ConfigError("workload.agents", "the config describes no agents to run (nor a workload.trace)")
     from .agents.workload import plan
 
-    plan(settings.workload, settings)  # a bad trace is a config error, found before the run
+    # A bad trace is a config error, found before the run; so is one of no sessions (an empty
+    # file ran nothing and exited 0, where `simulate` refused it).
+    if not plan(settings.workload, settings):
+        raise ConfigError("workload", "the config describes no sessions to run (agents or a trace)")
     return settings
 
 

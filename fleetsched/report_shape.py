@@ -98,14 +98,15 @@ class _Distributions(_Shape):
 
 class _Timeline(_Shape):
     window_s: Annotated[float, Field(gt=0)]  # the rolling SLA window: a window of 0 s holds nothing
-    t: list[float]
-    completion_tokens: list[float]
-    queued_sessions: dict[str, list[float]]
-    queued_calls: dict[str, list[float]]
-    running_sessions: list[float]
-    in_flight: list[float]
-    window: list[float]
-    memory_allocated_bytes: dict[str, list[float]]
+    # Times from the run's start, counts and bytes: none below 0 (as every other figure).
+    t: list[_Amount]
+    completion_tokens: list[_Amount]
+    queued_sessions: dict[str, list[_Amount]]
+    queued_calls: dict[str, list[_Amount]]
+    running_sessions: list[_Amount]
+    in_flight: list[_Amount]
+    window: list[_Amount]
+    memory_allocated_bytes: dict[str, list[_Amount]]
     fragmentation: dict[str, list[_Ratio]]
     attainment: dict[str, list[_Ratio | None]]
 

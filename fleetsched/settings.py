@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
 from ._args import url_problem
@@ -30,6 +30,18 @@ def _no_bool(value: object) -> object:
     if isinstance(value, bool):
         raise ValueError(f"must be a size in bytes (a number, or a string such as '4GB'), got {str(value).lower()}")
     return value
+
+
+def _no_flag(value: object) -> object:
+    # pydantic reads true as 1: a flag where a count belongs is a mistake.
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
+#: An integer inside a table (the sections' own fields are checked in `_Section`): as any count,
+#: also from an environment variable's text ("64"), never from a flag.
+Count = Annotated[int, BeforeValidator(_no_flag)]
 
 
 def _positive(value: ByteSize) -> ByteSize:
@@ -183,7 +195,7 @@ class DispatchSettings(_Section):
     then finds a free slot in the engine's running batch at once instead of waiting for a call to
     end: vLLM never preempts a running request for a waiting one. Costs lower tiers that many
     places of the batch, unless the engine's max_num_seqs is raised by as many."""
-    stream_interval: dict[str, StrictInt] = Field(default_factory=dict)
+    stream_interval: dict[str, Count] = Field(default_factory=dict)
     """Tokens per streamed chunk asked of vLLM per tier (its per-request ``stream_interval``; the
     first token always comes at once), e.g. ``{batch = 64}``: lower tiers streamed coarser leave
     the API server and this process more time for the calls whose every token is awaited."""
@@ -305,6 +317,17 @@ class ResourceSettings(_Section):
             raise ValueError(f"unknown strategy {value!r}; known: {', '.join(['counting', *STRATEGIES])}")
         return value
 
+
+    @model_validator(mode="after")
+    def _kv_cache_alone(self) -> ResourceSettings:
+        # Both were taken, and the devices and page size given left unused without a word.
+        given = [key for key in ("devices", "page_size") if key in self.model_fields_set]
+        if self.kv_cache is not None and given:
+            raise ValueError(
+                f"{given[0]} is not used with [resources.kv_cache], which takes the devices and the page size "
+                "from the backend's KV caches; leave one of them out"
+            )
+        return self
 
     @field_validator("devices")
     @classmethod
@@ -659,6 +682,15 @@ def _check_environment_sections() -> None:
     for name, section, _ in _nested_environment():
         if section not in Settings.model_fields:
             raise ConfigError(name, f"no section {section!r}; the sections are {', '.join(Settings.model_fields)}")
+    # One '_' where '__' belongs: FLEETSCHED_SCHEDULER_MAX_SESSIONS=8 was left alone, unread.
+    prefix = Settings.model_config["env_prefix"].lower()
+    for name in os.environ:
+        rest = name.lower().removeprefix(prefix)
+        if name.lower().startswith(prefix) and "__" not in rest:
+            section = next((s for s in Settings.model_fields if rest.startswith(s + "_")), None)
+            if section is not None:
+                key = name[len(prefix) + len(section) + 1 :]
+                raise ConfigError(name, f"a key of section {section!r} is set with '__' after the section: {name[: len(prefix) + len(section)]}__{key}")
 
 
 def _nested_environment() -> list[tuple[str, str, str]]:
@@ -684,8 +716,10 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
         # argument, the gateway as --config, and a program as `path`.
         if path.is_dir():
             raise ConfigError(str(path), "a directory, not a TOML file")
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(str(path), "no such file")
+        if not path.is_file():  # a pipe, as <(envsubst < fleet.toml) gives, was "no such file"
+            raise ConfigError(str(path), "not a regular file (a pipe or a device): settings are read from a TOML file")
     _check_environment_sections()
     token = _config_path.set(path)
     try:
@@ -715,16 +749,19 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
 
 def _check_environment_tenants(settings: Settings) -> None:
     """Refuse a ``FLEETSCHED_TENANTS__<NAME>__...`` variable meant for a tenant whose name has
-    capitals. Environment names are read in lower case: ``FLEETSCHED_TENANTS__ACME__WEIGHT=3``
-    made a second tenant "acme", with no sessions, beside the config's "Acme", without a word."""
+    capitals or a '-'. Environment names are read in lower case, and a shell cannot export a
+    name with '-': ``FLEETSCHED_TENANTS__ACME__WEIGHT=3`` made a second tenant "acme", with no
+    sessions, beside the config's "Acme", and ``..._SUPPORT_BOT__TIER=batch`` one "support_bot"
+    beside "support-bot", without a word."""
     for name, section, rest in _nested_environment():
         tenant, nested, _ = rest.partition("__")
         if section != "tenants" or not nested:
             continue
-        twins = [declared for declared in settings.tenants if declared != tenant and declared.lower() == tenant]
+        twins = [d for d in settings.tenants if d != tenant and d.lower().replace("-", "_") == tenant.replace("-", "_")]
         if twins:
             raise ConfigError(
                 name,
-                f"environment names are read in lower case: this sets a tenant {tenant!r} beside the config's "
-                f"{twins[0]!r} (a tenant whose name has capitals cannot be set from the environment)",
+                f"environment names are read in lower case and without '-': this sets a tenant {tenant!r} beside "
+                f"the config's {twins[0]!r} (set a tenant whose name has capitals or a '-' in the config, or "
+                "with the whole section as JSON in FLEETSCHED_TENANTS)",
             )

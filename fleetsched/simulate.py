@@ -409,6 +409,8 @@ def main(argv: list[str]) -> int:
             settings = sim_settings(settings, args.profile, args.stream_interval)
         except ValidationError as exc:  # a bad --profile, or a field of [backend.sim]
             field, message = first_error(exc)
+            if args.profile is not None:  # named by its file: "bogus" alone said not where it was
+                field = f"--profile {args.profile}: {field.removeprefix('sim.') or 'sim'}"
             raise ConfigError(field or "backend.sim", message) from None
         if args.find_max_sessions and duration is None:
             raise ConfigError("--duration", "--find-max-sessions needs --duration (each probe holds the fleet that long)")

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from fleetsched.resources import DeviceSpec, ExtentPool, parse_vllm_cache_config
 from fleetsched.resources.kv_sizing import layer_windows
-from fleetsched.settings import Settings, SimSettings
+from fleetsched.settings import Settings, SimSettings, load_settings
 
 from .test_cli import fleetsched
 
@@ -107,8 +107,16 @@ def test_a_critical_reserve_as_large_as_the_window_is_refused(dispatch, backend,
     Settings(dispatch={**dispatch, "critical_reserve": 7}, backend=backend)
 
 
-@pytest.mark.parametrize("interval", [True, "64"])
-def test_a_tier_s_stream_interval_must_be_an_integer(interval):
-    """true was read as 1 and "64" as 64, where every other count refuses them."""
-    with pytest.raises(ValidationError, match=r"stream_interval\.batch\n  Input should be a valid integer"):
+@pytest.mark.parametrize(("interval", "message"), [(True, "expected a number, got true"), (1.5, "Input should be a valid integer")])
+def test_a_tier_s_stream_interval_must_be_an_integer(interval, message):
+    """true was read as 1, where every other count refuses it."""
+    with pytest.raises(ValidationError, match=r"stream_interval\.batch\n  .*" + message):
         Settings(dispatch={"stream_interval": {"batch": interval}})
+
+
+def test_a_tier_s_stream_interval_is_set_from_the_environment_as_any_count(monkeypatch, tmp_path):
+    """FLEETSCHED_DISPATCH__STREAM_INTERVAL__BATCH=64 was refused ("Input should be a valid
+    integer (got '64')"): a variable's value is text, and the field took integers only."""
+    monkeypatch.chdir(tmp_path)  # no ./fleetsched.toml
+    monkeypatch.setenv("FLEETSCHED_DISPATCH__STREAM_INTERVAL__BATCH", "64")
+    assert load_settings().dispatch.stream_interval == {"batch": 64}

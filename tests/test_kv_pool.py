@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
+from pydantic import ValidationError
 
 from fleetsched import Scheduler, cli, simulate
 from fleetsched.errors import BackendError, ConfigError
@@ -38,6 +39,14 @@ def sim_settings(config, context_tokens: int = 1024, **resources) -> Settings:
         resources={"kv_cache": {"config": str(config), "context_tokens": context_tokens}, **resources},
         scheduler={"max_sessions": 100},
     )
+
+
+@pytest.mark.parametrize("given", [{"devices": [{"name": "gpu0", "memory": "1GB"}]}, {"page_size": "1MB"}])
+def test_devices_or_a_page_size_beside_the_kv_cache_are_refused(tiny_config, given):
+    # They were taken, and left unused without a word: the pool is the backend's KV caches.
+    key = next(iter(given))
+    with pytest.raises(ValidationError, match=f"{key} is not used with \\[resources.kv_cache\\]"):
+        sim_settings(tiny_config, **given)
 
 
 async def test_on_the_sim_the_pool_is_its_cache_and_admits_what_it_holds(tiny_config):

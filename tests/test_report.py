@@ -196,6 +196,9 @@ def test_a_report_edited_by_hand_is_refused_naming_the_field(report, tmp_path, c
         (lambda r: r["distributions"]["ttft_s"]["tier"]["critical"].__setitem__(0, -1.0), r"distributions\.ttft_s\.tier\.critical\.0: Input should be greater than or equal to 0"),
         (lambda r: r["timeline"].__setitem__("window_s", -1.0), r"timeline\.window_s: Input should be greater than 0 \(got -1\.0\)"),
         (lambda r: r["timeline"]["t"].reverse(), r"timeline\.t\.1: [\d.]+ comes after [\d.]+ \(its times go forward\)"),
+        # The timeline's own series were taken below 0, and drawn so.
+        (lambda r: r["timeline"]["running_sessions"].__setitem__(0, -5), r"timeline\.running_sessions\.0: Input should be greater than or equal to 0"),
+        (lambda r: r["timeline"]["t"].__setitem__(0, -100.0), r"timeline\.t\.0: Input should be greater than or equal to 0"),
     ],
 )
 def test_a_figure_out_of_its_range_is_refused_naming_the_field(report, tmp_path, edit, message):

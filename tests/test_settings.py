@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fleetsched.cli import main
@@ -153,11 +155,34 @@ def test_an_environment_variable_cannot_set_a_tenant_whose_name_has_capitals(mon
     monkeypatch.delenv("FLEETSCHED_TENANTS__ACME__WEIGHT")
     monkeypatch.setenv("FLEETSCHED_TENANTS__BOB__WEIGHT", "3")  # a lower-case name is set as before
     assert load_settings(config).tenants["bob"].weight == 3
+    # Nor a '-': a shell cannot export one, and ..._SUPPORT_BOT__TIER made a tenant "support_bot".
+    config.write_text('[tenants.support-bot]\n')
+    monkeypatch.setenv("FLEETSCHED_TENANTS__SUPPORT_BOT__TIER", "batch")
+    with pytest.raises(ConfigError, match="this sets a tenant 'support_bot' beside the config's 'support-bot'"):
+        load_settings(config)
+
+
+def test_a_variable_with_one_underscore_after_its_section_is_refused(monkeypatch, tmp_path):
+    # FLEETSCHED_SCHEDULER_MAX_SESSIONS=8 was not read, and nothing said so.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLEETSCHED_SCHEDULER_MAX_SESSIONS", "8")
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert info.value.key == "FLEETSCHED_SCHEDULER_MAX_SESSIONS"
+    assert info.value.reason == "a key of section 'scheduler' is set with '__' after the section: FLEETSCHED_SCHEDULER__MAX_SESSIONS"
+    monkeypatch.delenv("FLEETSCHED_SCHEDULER_MAX_SESSIONS")
+    monkeypatch.setenv("FLEETSCHED_TENANTS", '{"acme": {}}')  # a whole section, as JSON
+    monkeypatch.setenv("FLEETSCHED_TINY_MODEL", "/m")  # the scripts' own
+    load_settings()
 
 def test_a_config_path_that_is_a_directory_says_so(tmp_path):
     # It read "no such file: DIR", of a path that exists.
     with pytest.raises(ConfigError, match="a directory, not a TOML file"):
         load_settings(tmp_path)
+    pipe = tmp_path / "fleet.toml"
+    os.mkfifo(pipe)  # as <(envsubst < fleet.toml) gives: it read "no such file"
+    with pytest.raises(ConfigError, match=r"not a regular file \(a pipe or a device\)"):
+        load_settings(pipe)
 
 
 @pytest.mark.parametrize(

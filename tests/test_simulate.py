@@ -203,6 +203,11 @@ def test_simulate_checks_a_trace_before_the_run_and_runs_one_without_agents(tmp_
     assert cli_main(["simulate", str(agents), "--duration", "5s", "--profile", "BAD"]) == 2
     err = capsys.readouterr().err
     assert "no sim profile 'BAD'" in err and len(err.strip().splitlines()) == 1
+    # A bad field of a profile file was named alone ("bogus: Extra inputs are not permitted").
+    profile = tmp_path / "prof.toml"
+    profile.write_text("[sim]\nbogus = 1\n")
+    assert cli_main(["simulate", str(agents), "--duration", "5s", "--profile", str(profile)]) == 2
+    assert f"config error: --profile {profile}: bogus: Extra inputs are not permitted" in capsys.readouterr().err
 
 
 

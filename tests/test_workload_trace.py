@@ -100,6 +100,10 @@ def test_cli_runs_a_trace_and_refuses_a_bad_one(tmp_path):
     write(trace, {"tenant": "acme"}, "{oops")
     done = subprocess.run([sys.executable, "-m", "fleetsched.cli", "run", str(config), "--no-live"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "workload.trace line 2" in done.stderr
+    # An empty trace ran nothing and exited 0; `simulate` refused it.
+    write(trace, "", "")
+    done = subprocess.run([sys.executable, "-m", "fleetsched.cli", "run", str(config), "--no-live"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "the config describes no sessions to run" in done.stderr
 
 
 def test_an_unknown_tenant_is_named_by_its_line(tmp_path):
@@ -156,3 +160,28 @@ def test_a_trace_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     write(trace, {"at": 3, "tenant": "acme"})
     assert [p.at for p in plan(WorkloadSettings(trace=trace), ACME)] == [3.0]  # a changed file: parsed again
     assert len(parsed) == 3
+
+
+@pytest.mark.anyio
+async def test_a_planned_session_writes_its_prompt_when_it_starts():
+    """A plan held every session's prompt text from the start: 60 sessions of 10M tokens took
+    2.4 GB before the first was admitted, two at a time. The prompt is drawn at planning (the
+    same draws of the seed as before) and written when the session runs."""
+    mix = {"tenant": "acme", "count": 3, "turns": 1, "prompt_tokens": 100_000, "max_tokens": 1}
+    planned = plan(WorkloadSettings(agents=[mix], seed=7))
+    for session in planned:
+        held = [cell.cell_contents for cell in session.agent.__closure__ or ()]
+        assert not any(isinstance(value, str) and len(value) > 10_000 for value in held)
+    rng = workload.random.Random(7)
+    rng.shuffle([0, 1, 2])  # plan's shuffle of the sessions, then one draw a prompt
+    expected = [workload.filler_text(100_000, rng) for _ in range(3)]
+    prompts = []
+
+    class Recorder:
+        async def chat(self, messages, max_tokens):
+            prompts.append(messages[1]["content"])
+            return {"choices": [{"message": {"content": "ok"}}]}
+
+    for session in planned:
+        await session.agent(Recorder())
+    assert prompts == expected

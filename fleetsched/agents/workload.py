@@ -41,11 +41,21 @@ def _corpus() -> str:
 
 def filler_text(tokens: int, rng: random.Random) -> str:
     """About `tokens` tokens of text (4 characters a token, as the estimators count)."""
+    return _filler(tokens, _filler_start(tokens, rng))
+
+
+def _filler_start(tokens: int, rng: random.Random) -> int:
+    """Where in the corpus `filler_text` of `tokens` tokens starts: the draw it makes of `rng`."""
+    length = tokens * 4
+    corpus = _corpus()
+    return 0 if length >= len(corpus) else rng.randrange(len(corpus) - length)
+
+
+def _filler(tokens: int, start: int) -> str:
     corpus = _corpus()
     length = tokens * 4
     if length >= len(corpus):  # longer than the corpus (about 260k tokens): it repeats
         return (corpus * (length // len(corpus) + 1))[:length]
-    start = rng.randrange(len(corpus) - length)
     return corpus[start : start + length]
 
 
@@ -60,13 +70,17 @@ def tool_time(mix: AgentMix, rng: random.Random) -> float:
 
 
 def scripted_chat_agent(mix: AgentMix, rng: random.Random) -> Agent:
-    """A session of `mix`'s kind. It makes real model calls; its decisions follow the script."""
-    prompt = filler_text(mix.prompt_tokens, rng)
+    """A session of `mix`'s kind. It makes real model calls; its decisions follow the script.
+
+    Its prompt is drawn now and written when the session starts: a plan of thousands of
+    sessions held every prompt's text from the start (2.4 GB for 60 of 10M tokens, two of
+    them running at a time)."""
+    start = _filler_start(mix.prompt_tokens, rng)
 
     async def agent(ctx: Any) -> int:
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": prompt},
+            {"role": "user", "content": _filler(mix.prompt_tokens, start)},
         ]
         for turn in range(mix.turns):
             response = await ctx.chat(messages, max_tokens=mix.max_tokens)
