@@ -419,7 +419,7 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
         # 0 was taken for "none named": the call ran to the default length (the in-process vLLM
         # engine's, the rest of the context); vLLM's server refuses it.
         ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens: expected an integer >= 1, got 0"),
-        ({"messages": MESSAGES, "max_completion_tokens": 0, "max_tokens": 8}, "max_tokens: expected an integer >= 1, got 0"),
+        ({"messages": MESSAGES, "max_completion_tokens": 0, "max_tokens": 8}, "max_completion_tokens: expected an integer >= 1, got 0"),
         # A count beyond 32 bits went into the dispatcher's float sums: a refused 10**30 reset the
         # tenant's fair-share counter and emptied its tokens per minute; 2**1100 overflowed them.
         ({"messages": MESSAGES, "max_tokens": 10**30}, "max_tokens: expected at most 2147483647, got 1000000000000000000000000000000"),

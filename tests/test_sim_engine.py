@@ -105,6 +105,23 @@ def test_preempted_request_recomputes_prompt_and_output():
     engine.pool.check()
 
 
+@pytest.mark.parametrize("coast", [False, True])
+def test_a_request_that_is_its_own_victim_leaves_the_engine_busy_not_idle(coast):
+    """Priority policy: a, of the worse priority, runs first in running order; when it needs a
+    block and none is free, it is its own victim, and nothing was scheduled. schedule() said
+    None (idle) with b still running: the sim backend's loop then waited for an arrival, and
+    both calls hung. vLLM steps again at once and runs b."""
+    engine = SimEngine(SimSettings(policy="priority", block_size=4, kv_cache_tokens=32), coast=coast)
+    a = engine.new_request(8, 20, [], priority=1)
+    engine.complete(engine.schedule())
+    b = engine.new_request(8, 20, [], priority=0)
+    while (step := engine.schedule()) is not None:
+        engine.complete(step)
+    assert not engine.has_work and a.num_output == b.num_output == 20
+    assert (a.num_preemptions, b.num_preemptions) == (1, 0)
+    engine.pool.check()
+
+
 def test_a_preempted_request_hits_the_blocks_of_its_own_answer_when_it_resumes():
     """Blocks its answer filled are hashed when a preemption frees them, as vLLM hashes every
     full block: resumed, the request recomputes only what was evicted meanwhile."""
@@ -158,6 +175,8 @@ def test_random_workloads_keep_invariants_and_finish(policy, kv_blocks, budget, 
             assert planned.tokens <= budget and len(engine.running) <= max_seqs
             assert len(set(planned.requests)) == len(planned.requests)
             engine.complete(planned)
+        else:  # idle, as the backend takes it: nothing left to run (it hung on a request its own victim)
+            assert not engine.has_work
         engine.pool.check()
         step += 1
         assert step < 10_000

@@ -365,9 +365,11 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     """The completion tokens `body` asks for (``max_completion_tokens``, else ``max_tokens``), or
     `default` where it names none (absent or null); raises `InvalidRequest` for a value that is
     not a count from 1 to `MAX_TOKENS_LIMIT` (vLLM's server refuses 0 too)."""
-    value = body.get("max_completion_tokens")
+    field = "max_completion_tokens"
+    value = body.get(field)
     if value is None:
-        value = body.get("max_tokens")
+        field = "max_tokens"
+        value = body.get(field)
     if value is None:
         return default
     try:
@@ -375,9 +377,9 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     except (TypeError, ValueError, OverflowError):
         count = 0
     if count < 1 or count != value or isinstance(value, bool):  # "8", 2.5 and True are not counts
-        raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {value!r:.80}")
+        raise InvalidRequest(f"{field}: expected an integer >= 1, got {value!r:.80}")
     if count > MAX_TOKENS_LIMIT:
-        raise InvalidRequest(f"max_tokens: expected at most {MAX_TOKENS_LIMIT}, got {value!r:.80}")
+        raise InvalidRequest(f"{field}: expected at most {MAX_TOKENS_LIMIT}, got {value!r:.80}")
     return count
 
 

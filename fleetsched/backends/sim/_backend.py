@@ -53,6 +53,7 @@ from ..base import (
     invalid_messages,
     make_chunk,
     new_completion_id,
+    requested_max_tokens,
     usage_dict,
     wants_continuous_usage,
 )
@@ -376,17 +377,9 @@ class SimBackend(Backend):
         except (AttributeError, TypeError):  # caught where they are read anyway: no cost when right
             raise invalid_messages(messages) from None
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
-        field = "max_completion_tokens"  # it wins over max_tokens, as in vLLM
-        given = body.get(field)
-        if given is None:
-            field = "max_tokens"
-            given = body.get(field)
-        if given is not None:
-            if not _is_count(given):
-                raise InvalidRequest(f"{field}: expected an integer >= 1, got {given!r}")
-            max_tokens = given
-        else:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, self._max_model_len - prompt))
+        # max_completion_tokens wins over max_tokens, as in vLLM; 5.0 is 5 there (not 5.5), and
+        # here as the dispatcher and the gateway read it (it was refused on the sim alone).
+        max_tokens = requested_max_tokens(body, default=0) or max(1, min(DEFAULT_MAX_TOKENS, self._max_model_len - prompt))
         # Cut to the context, as vLLM does (`check_request_fits`).
         max_tokens = fit_request(self._max_model_len, engine.capacity, prompt, max_tokens)
         check_sampling(body, max_tokens)

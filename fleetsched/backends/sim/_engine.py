@@ -412,6 +412,18 @@ class SimEngine:
 
     def schedule(self) -> Step | None:
         """Choose the next step (or glide: see `Step`), or None if idle."""
+        while True:
+            step, preempted = self._schedule()
+            # Preempted, and nothing scheduled (the first request in running order, of a worse
+            # priority than those after it, was its own victim): vLLM's engine steps again at
+            # once, its empty step costing next to nothing, and schedules the rest then. Taken
+            # for idle, the sim waited for an arrival that might never come, its running
+            # requests stuck. Each pass preempts one running request more, so this ends.
+            if step is not None or not preempted or not self.has_work:
+                return step
+
+    def _schedule(self) -> tuple[Step | None, bool]:
+        """`schedule`'s one pass: the step (None: nothing scheduled), and whether it preempted."""
         ticks = self._calendar_steps
         while ticks and ticks[0] <= self.steps:
             for request in self._calendar.pop(heapq.heappop(ticks)):
@@ -429,7 +441,7 @@ class SimEngine:
             self._admit(scheduled, budget)
         self.left_waiting = len(self.queue)
         if not scheduled and not self._coasting:
-            return None
+            return None, preempted
         step = self._plan(scheduled)
         if (
             not self._attended
@@ -438,7 +450,7 @@ class SimEngine:
         ):  # coasting requests alone, and nobody to admit until one of them needs something
             step.repeat = ticks[0] - self.steps
             step.growth = self._step_per_context_token_s * step.coasting
-        return step
+        return step, preempted
 
     def _fits(self, scheduled: dict[SimRequest, int], budget: int) -> int | None:
         """Schedule the attended requests if the step has budget and blocks for every running one;
