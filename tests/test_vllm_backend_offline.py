@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from fleetsched.backends.base import collect_chat, collect_stream
 from fleetsched.backends.metrics import merge_signals, parse_vllm_metrics
 from fleetsched.backends.vllm_server import CircuitBreaker, VLLMServerBackend
 from fleetsched.errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
+
+from .helpers import virtual_loop
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -97,16 +100,33 @@ def test_breaker_opens_half_opens_and_closes():
     assert breaker.state(1.0) == "open" and not breaker.acquire(5.0)
     assert breaker.retry_in(5.0) == 6.0
     assert "next probe in 6.0 s" in breaker.refusal(5.0)
-    assert breaker.acquire(11.0)  # the one probe
-    assert not breaker.acquire(11.0)  # others wait for its verdict
+    assert breaker.acquire(11.0) == "probe"  # the one probe
+    assert breaker.acquire(11.0) is None  # others wait for its verdict
     assert "a probe call is under way" in breaker.refusal(11.0)  # before: "next probe in 0.0 s"
-    breaker.record_failure(11.5)  # a failed probe re-opens at once
+    breaker.record_failure(11.5, "probe")  # a failed probe re-opens at once
     assert breaker.state(12.0) == "open"
-    assert breaker.acquire(21.5)
-    breaker.release()  # a cancelled probe frees the slot without a verdict
-    assert breaker.acquire(21.5)
+    assert breaker.acquire(21.5) == "probe"
+    breaker.release("probe")  # a cancelled probe frees the slot without a verdict
+    assert breaker.acquire(21.5) == "probe"
     breaker.record_success()
     assert breaker.state(21.5) == "closed" and breaker.consecutive_failures == 0
+
+
+def test_a_call_granted_before_the_probe_has_no_say_on_it():
+    """A call granted while the breaker was closed, cancelled while a probe was under way, freed
+    the probe's slot: a second probe passed beside it. Its failure re-opens the breaker (the
+    replica still fails) but leaves the probe its slot."""
+    breaker = CircuitBreaker(failures=1, reset_s=1.0)
+    stale = breaker.acquire(0.0)
+    assert stale == "call"
+    breaker.record_failure(0.0)  # another call fails: open
+    assert breaker.acquire(1.0) == "probe"
+    breaker.release(stale)  # the stale call is cancelled
+    assert breaker.acquire(1.0) is None  # still the one probe
+    breaker.record_failure(1.5, stale)
+    assert breaker.state(2.6) == "half-open" and breaker.acquire(2.6) is None  # the probe still holds its slot
+    breaker.record_success()  # the probe's verdict
+    assert breaker.state(2.6) == "closed"
 
 
 def _sse(*chunks: dict) -> bytes:
@@ -158,6 +178,72 @@ async def test_5xx_is_retried_with_backoff_then_streams():
     assert seen[0]["stream_options"] == {"include_usage": True}
     assert chunks[-1]["usage"]["total_tokens"] == 6
     assert collect_chat(chunks)["choices"][0]["message"]["content"] == "hi"
+    await backend.aclose()
+
+
+def _streamed(*parts: bytes, then: BaseException | float | None = None) -> httpx2.Response:
+    """An event stream of `parts`, then (`then`) an error raised, or a stall of that many seconds."""
+
+    async def body():
+        for part in parts:
+            yield part
+        if isinstance(then, BaseException):
+            raise then
+        if then is not None:
+            await anyio.sleep(then)
+
+    return httpx2.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+
+#: asyncio on virtual time, whose clock stands still while the SDK works in a worker thread (on
+#: its first call): trio's plain MockClock jumps meanwhile, to the next deadline.
+VIRTUAL_ASYNCIO = pytest.mark.parametrize("anyio_backend", [virtual_loop("asyncio")])
+
+
+@pytest.mark.parametrize("then", [httpx2.ReadError("connection reset by peer"), 3600.0])
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_an_answer_whole_at_its_done_is_not_failed_by_the_connection_after_it(then, anyio_backend):
+    """The body is read to its end after [DONE] to keep the connection. A reset there failed the
+    finished call with BackendUnavailable (the answer thrown away, the breaker counting it), and a
+    stall held it for the read timeout, then failed it."""
+    backend = _backend([_streamed(OK_STREAM, then=then)], [], read_timeout_s=60.0)
+    began = anyio.current_time()
+    response, _ = await collect_stream(backend.stream_chat(BODY))
+    assert response["choices"][0]["message"]["content"] == "hi" and response["usage"]["total_tokens"] == 6
+    assert anyio.current_time() - began <= 1.0 and backend.replicas["r0"].breaker.consecutive_failures == 0
+    await backend.aclose()
+
+
+@pytest.mark.parametrize("event", [b"not json", b"null", b"[]"])
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_an_event_that_is_not_a_json_object_is_named(event, anyio_backend):
+    # It said "Expecting value: line 1 column 1 (char 0)", or "'list' object has no attribute 'get'".
+    backend = _backend([_streamed(b"data: " + event + b"\n\n")], [], retry_attempts=1)
+    said = re.escape(f"sent an event that is not a JSON object: {event.decode()!r}")
+    with pytest.raises(BackendError, match=rf"vLLM replica r0 \(.*\): {said}"):
+        await collect_stream(backend.stream_chat(BODY))
+    await backend.aclose()
+
+
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_a_replica_that_sends_only_comments_fails_the_call_within_the_read_timeout(anyio_backend):
+    """Comments (a proxy's keep-alives, in front of a hung server) kept every read within the
+    read timeout: the call waited for ever, holding its place."""
+
+    async def pings():
+        while True:
+            yield b": ping\n\n"
+            await anyio.sleep(0.3)
+
+    response = httpx2.Response(200, content=pings(), headers={"content-type": "text/event-stream"})
+    backend = _backend([response], [], retry_attempts=1, read_timeout_s=1.0)
+    with anyio.fail_after(10):
+        with pytest.raises(BackendUnavailable, match=r"took the call, then sent nothing: no answer within the read timeout"):
+            await collect_stream(backend.stream_chat(BODY))
+    assert backend.replicas["r0"].in_flight == 0
     await backend.aclose()
 
 

@@ -66,7 +66,9 @@ class CircuitBreaker:
 
     Closed: calls pass. After `failures` consecutive failed calls it opens: calls are refused for
     `reset_s` seconds. Then it is half-open: one probe call passes (others are refused); its
-    success closes the breaker, its failure opens it again for another `reset_s`.
+    success closes the breaker, its failure opens it again for another `reset_s`. A call granted
+    before, still under way, ends with no say on the probe: its failure does not free the
+    probe's slot, nor does its cancellation (`acquire` tells which grant a call holds).
     """
 
     def __init__(self, failures: int = 5, reset_s: float = 30.0) -> None:
@@ -83,15 +85,16 @@ class CircuitBreaker:
             return "closed"
         return "half-open" if now - self.opened_at >= self.reset_s else "open"
 
-    def acquire(self, now: float) -> bool:
-        """Ask to make a call now. True: go ahead (and report with `record_*` or `release`)."""
+    def acquire(self, now: float) -> Literal["call", "probe"] | None:
+        """Ask to make a call now: the grant ("probe": the half-open breaker's one probe), to
+        report with `record_*` or `release`; None: refused."""
         state = self.state(now)
         if state == "closed":
-            return True
+            return "call"
         if state == "half-open" and not self.probing:
             self.probing = True
-            return True
-        return False
+            return "probe"
+        return None
 
     def retry_in(self, now: float) -> float:
         """Seconds until a refused caller may try again."""
@@ -110,15 +113,19 @@ class CircuitBreaker:
         self.opened_at = None
         self.probing = False
 
-    def record_failure(self, now: float) -> None:
+    def record_failure(self, now: float, grant: Literal["call", "probe"] = "call") -> None:
         self.consecutive_failures += 1
-        if self.probing or self.consecutive_failures >= self.failures:
+        probe = grant == "probe" and self.probing
+        if probe or self.consecutive_failures >= self.failures:
             self.opened_at = now
-        self.probing = False
+        if probe:
+            self.probing = False
 
-    def release(self) -> None:
-        """A granted call ended without a verdict (it was cancelled): free the probe slot."""
-        self.probing = False
+    def release(self, grant: Literal["call", "probe"] = "call") -> None:
+        """A granted call ended without a verdict (it was cancelled): the probe frees its slot.
+        (Any call's did: a second probe then passed beside the first.)"""
+        if grant == "probe":
+            self.probing = False
 
 
 @dataclass(eq=False)
@@ -285,12 +292,21 @@ def _default_client(base_url: str, api_key: str) -> AsyncOpenAI:
     return client
 
 
-class _EventStream:
-    """The chunks of one streamed response, parsed from its server-sent event lines."""
+#: Seconds to read a response's end after its ``[DONE]`` (the server ends it at once).
+DRAIN_S = 1.0
 
-    def __init__(self, opened: Any, lines: AsyncIterator[str]) -> None:
+
+class _EventStream:
+    """The chunks of one streamed response, parsed from its server-sent event lines.
+
+    `read_timeout_s` bounds the wait for the next event as the client's read timeout bounds the
+    wait for the next bytes: a replica that sends only keep-alive comments (a proxy's, in front
+    of a hung server) is silent too."""
+
+    def __init__(self, opened: Any, lines: AsyncIterator[str], read_timeout_s: float = math.inf) -> None:
         self._opened = opened
         self._lines = lines
+        self._read_timeout_s = read_timeout_s
         self._closed = False
         self._done = False
 
@@ -299,19 +315,23 @@ class _EventStream:
         (vLLM ends every stream with it): that raises a transport error, as a broken one does."""
         if self._done:
             return None
+        since = anyio.current_time()
         async for line in self._lines:
             if not line.startswith("data:"):
+                if anyio.current_time() - since > self._read_timeout_s:  # comments only, for that long
+                    raise httpx.ReadTimeout("no event within the read timeout, only comments")
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                # Read the body to its end: a response closed before that takes its connection
-                # down with it, and every call would open a new one (measured: a quarter of the
-                # calls under load, each an accept and a handshake for the API server too).
-                async for _ in self._lines:
-                    pass
                 self._done = True
+                await self._drain()
                 return None
-            chunk = json.loads(data)
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                chunk = None
+            if not isinstance(chunk, dict):  # it said "Expecting value: line 1 column 1 (char 0)"
+                raise ValueError(f"sent an event that is not a JSON object: {data!r:.80}")
             if "error" in chunk and "choices" not in chunk:  # vLLM reports a failure mid-stream so
                 error = chunk["error"]
                 message = error.get("message", error) if isinstance(error, dict) else error
@@ -322,6 +342,20 @@ class _EventStream:
         # A body delimited by the connection's close (no length, not chunked, as some proxies
         # send it) ends cleanly wherever the connection dropped: without [DONE], it was cut.
         raise httpx.RemoteProtocolError("the stream ended before its 'data: [DONE]'")
+
+    async def _drain(self) -> None:
+        """Read the body to its end after ``[DONE]``: a response closed before that takes its
+        connection down with it, and every call would open a new one (measured: a quarter of the
+        calls under load, each an accept and a handshake for the API server too). The answer is
+        whole by then, so a connection that breaks or stalls here fails nothing: `close` drops
+        it (before, a reset after ``[DONE]`` failed the finished call, and counted against the
+        replica's breaker)."""
+        with anyio.move_on_after(DRAIN_S):
+            try:
+                async for _ in self._lines:
+                    pass
+            except Exception as exc:
+                logger.debug("a response broke off after its [DONE]: %r", exc)
 
     async def close(self) -> None:
         if not self._closed:
@@ -498,7 +532,8 @@ class VLLMServerBackend(Backend):
         On return the call counts in `target.in_flight`; the caller takes it out when it ends."""
         breaker = target.breaker
         now = anyio.current_time()
-        if not breaker.acquire(now):
+        grant = breaker.acquire(now)
+        if grant is None:
             raise BackendUnavailable(f"circuit open for vLLM replica {target.name} ({target.url}) {breaker.refusal(now)}")
         target.in_flight += 1
         try:
@@ -508,9 +543,9 @@ class VLLMServerBackend(Backend):
             if _status(exc) is not None and not _retryable(exc):
                 breaker.record_success()  # it answered: the replica is up, the body was wrong
             elif _retryable(exc):
-                breaker.record_failure(anyio.current_time())
+                breaker.record_failure(anyio.current_time(), grant)
             else:
-                breaker.release()  # cancelled: no verdict
+                breaker.release(grant)  # cancelled: no verdict
             if isinstance(exc, Exception) and not isinstance(exc, BackendError):
                 raise translate_error(exc, target.name, target.url) from exc
             raise
@@ -578,7 +613,7 @@ class VLLMServerBackend(Backend):
         """
         opened = target.client.chat.completions.with_streaming_response.create(**kwargs)
         response = await opened.__aenter__()
-        stream = _EventStream(opened, response.iter_lines())
+        stream = _EventStream(opened, response.iter_lines(), self.timeout.read or math.inf)
         try:
             # Another service there (a proxy's page, say) answers 200 too: it was retried as a
             # stream cut short, and counted against the breaker. Not a server to retry.
