@@ -220,6 +220,16 @@ def test_a_number_too_large_for_a_float_is_refused(report, tmp_path):
         load_report(path)
 
 
+def test_times_no_axis_can_span_are_refused_in_one_line(report, tmp_path, capsys):
+    """Times near the largest float pass the schema (forward, at least 0) but no axis spans
+    them: matplotlib's ValueError came out as a traceback."""
+    path = tmp_path / "far.json"
+    write_report(_edited(report, lambda r: r["timeline"].__setitem__("t", [1e308] * len(r["timeline"]["t"]))), path)
+    assert render_main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fleetsched report: {path}: cannot plot its figures (") and len(err.splitlines()) == 1
+
+
 def test_an_unknown_breach_reason_or_a_null_unreachable_list_still_renders(report, tmp_path):
     """Before: KeyError 'weird' (the SLA table) and TypeError (iterating None, the HTML page)."""
 

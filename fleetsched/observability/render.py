@@ -290,6 +290,9 @@ def main(argv: list[str]) -> int:
         name = Path(exc.filename).name if exc.filename else "into it"
         print(f"fleetsched report: --out {out}: cannot write {name} ({exc.strerror or exc})", file=sys.stderr)
         return 2
+    except (ValueError, OverflowError) as exc:  # figures the schema takes but no axis spans (times near 1e308)
+        print(f"fleetsched report: {args.report}: cannot plot its figures ({exc})", file=sys.stderr)
+        return 2
     for path in paths:
         print(path)
     return 0
