@@ -21,7 +21,7 @@ Every error the library raises on purpose derives from `FleetschedError`::
         ├── BackendUnavailable             connection refused, circuit open, server gone
         ├── Overloaded                     shed: its wait would exceed its SLA; carries retry_after_s
         │   └── RateLimited                the tenant's requests or tokens per minute are used up
-        └── DeadlineExceeded(TimeoutError) a call started after the session's deadline
+        └── DeadlineExceeded(TimeoutError) a session past its deadline, queued or running
 
 Foreign exceptions (httpx, openai, vllm) are translated where they cross into the library with
 ``raise OurError(...) from exc`` so that callers catch one tree.
@@ -148,4 +148,5 @@ class RateLimited(Overloaded):
 
 
 class DeadlineExceeded(BackendError, TimeoutError):
-    """A model call was made after the session's deadline had passed."""
+    """A session passed its deadline, queued or running (the cause of its `SessionFailed`, with
+    or without a model call under way), or a model call was made after it had passed."""

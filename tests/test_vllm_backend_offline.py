@@ -181,6 +181,29 @@ async def test_5xx_is_retried_with_backoff_then_streams():
     await backend.aclose()
 
 
+def test_a_collected_answer_keeps_a_reasoning_model_s_thinking_and_stop_reason():
+    """vLLM streams a reasoning model's thinking as ``reasoning`` deltas (``reasoning_content``
+    in older servers) and its non-streamed answer has them joined, beside ``stop_reason``; the
+    fold kept content and tool calls only, so ctx.chat and non-streamed SDK calls lost them."""
+
+    def chunk(delta: dict, **choice) -> dict:
+        return {"id": "c1", "model": "m", "created": 1, "choices": [{"index": 0, "delta": delta, "finish_reason": None, **choice}]}
+
+    for key in ("reasoning", "reasoning_content"):
+        chunks = [
+            chunk({"role": "assistant", "content": ""}),
+            chunk({key: "The user greets; "}),
+            chunk({key: "answer politely."}),
+            chunk({"content": "Hello!"}),
+            chunk({}, finish_reason="stop", stop_reason=7),
+        ]
+        (choice,) = collect_chat(chunks)["choices"]
+        assert choice["message"] == {"role": "assistant", "content": "Hello!", key: "The user greets; answer politely."}
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", 7)
+    plain = collect_chat([chunk({"content": "hi"}, finish_reason="stop", stop_reason=None)])["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "hi"} and "stop_reason" not in plain
+
+
 def _streamed(*parts: bytes, then: BaseException | float | None = None) -> httpx2.Response:
     """An event stream of `parts`, then (`then`) an error raised, or a stall of that many seconds."""
 

@@ -176,21 +176,35 @@ def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
     return response
 
 
-class _Choice:
-    """One choice of a streamed answer, folded: its content, tool calls and finish reason."""
+#: The delta fields `_Choice` folds on their own (the rest of its text is joined as it comes).
+_FOLDED_APART = frozenset({"role", "content", "tool_calls"})
 
-    __slots__ = ("content", "tool_calls", "finish_reason", "logprobs")
+
+class _Choice:
+    """One choice of a streamed answer, folded: its content, tool calls and finish reason, and
+    the other text its deltas carry (a reasoning model's ``reasoning``, or ``reasoning_content``
+    as older vLLM servers name it) with the ``stop_reason``, as vLLM's non-streamed answer has
+    them (they were dropped: a reasoning model's thinking reached a streaming caller only)."""
+
+    __slots__ = ("content", "texts", "tool_calls", "finish_reason", "stop_reason", "logprobs")
 
     def __init__(self) -> None:
         self.content: list[str] = []
+        self.texts: dict[str, list[str]] = {}
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.logprobs: dict[str, list[Any]] | None = None
 
     def add(self, choice: Mapping[str, Any]) -> None:
         delta = choice.get("delta") or {}
         if delta.get("content"):
             self.content.append(delta["content"])
+        for key, value in delta.items():
+            if key not in _FOLDED_APART and isinstance(value, str) and value:
+                self.texts.setdefault(key, []).append(value)
+        if choice.get("stop_reason") is not None:
+            self.stop_reason = choice["stop_reason"]
         for call in delta.get("tool_calls") or ():
             slot = self.tool_calls.setdefault(
                 call.get("index", 0),
@@ -207,9 +221,12 @@ class _Choice:
         """The choice as a ``chat.completion`` response lists it."""
         content = "".join(self.content) if self.content or not self.tool_calls else None
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        message.update((key, "".join(parts)) for key, parts in self.texts.items())
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
         result = {"index": index, "message": message, "finish_reason": self.finish_reason or "stop"}
+        if self.stop_reason is not None:
+            result["stop_reason"] = self.stop_reason
         if self.logprobs is not None:
             result["logprobs"] = self.logprobs
         return result
