@@ -298,3 +298,24 @@ async def test_a_client_the_agent_closed_is_replaced_at_its_next_use():
     async with Scheduler(settings()) as scheduler:
         assert await (await scheduler.submit(agent, tenant="acme")) == (2, 2)
     check_released(scheduler)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_the_sdk_lists_the_model_as_vllm_s_clients_begin(anyio_backend):
+    """``client.models.list()`` (vLLM's client examples take the model's name from it) got a 404,
+    failing the session; the legacy completions endpoint still does, naming what is served."""
+
+    async def agent(ctx):
+        models = await ctx.openai.models.list()
+        model = models.data[0].id
+        retrieved = await ctx.openai.models.retrieve(model)
+        response = await ctx.openai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        with pytest.raises(openai.NotFoundError, match=r"is not served to agents \(chat completions and models are\)"):
+            await ctx.openai.completions.create(model=model, prompt="hi")
+        return model, retrieved.id, response.choices[0].message.content
+
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        model, retrieved, answer = await handle
+    assert model == retrieved == scheduler.settings.backend.model and answer == "ok"
+    check_released(scheduler)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from ..backends.base import Chunk
+from ..backends.base import Chunk, model_list
 from ..errors import BackendError, BackendUnavailable, ContextTooLong, DeadlineExceeded, InvalidRequest, Overloaded, RateLimited
 
 if TYPE_CHECKING:
@@ -236,8 +236,13 @@ class SessionTransport(httpx.AsyncBaseTransport):
         self._ctx = ctx
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
-            return error_response(404, f"{request.method} {request.url.path} is not served to agents", "not_found")
+        path = request.url.path
+        if request.method == "GET" and path.endswith("/models"):  # as vLLM's clients begin: the model's name
+            return httpx.Response(200, json=model_list(self._ctx.model))
+        if request.method == "GET" and path.endswith(f"/models/{self._ctx.model}"):
+            return httpx.Response(200, json=model_list(self._ctx.model)["data"][0])
+        if request.method != "POST" or not path.endswith("/chat/completions"):
+            return error_response(404, f"{request.method} {path} is not served to agents (chat completions and models are)", "not_found")
         try:
             body: dict[str, Any] = json.loads(await request.aread())
             if not isinstance(body, dict) or not isinstance(body.get("messages"), list):

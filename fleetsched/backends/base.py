@@ -247,6 +247,11 @@ def merge_logprobs(folded: dict[str, list[Any]] | None, part: Any) -> dict[str, 
     return folded
 
 
+def model_list(model: str) -> dict[str, Any]:
+    """The ``/v1/models`` answer for one served model, in the OpenAI wire format."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fleetsched"}]}
+
+
 def chat_completion(
     completion_id: str, model: str, created: int, message: dict[str, Any], finish_reason: str, usage: dict[str, int]
 ) -> dict[str, Any]:

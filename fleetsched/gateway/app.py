@@ -39,7 +39,7 @@ import httpx
 
 from ..agents.transport import error_response, response_for
 from ..backends import create_backend
-from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, requested_max_tokens
+from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, tokens_asked
 from ..scheduler import Scheduler
@@ -126,9 +126,7 @@ class Gateway:
         self.max_context = context_limit(settings)
         self.scheduler: Scheduler | None = None
         self.sessions: SessionTable | None = None
-        self._models = _dumps(
-            {"object": "list", "data": [{"id": settings.backend.model, "object": "model", "created": 0, "owned_by": "fleetsched"}]}
-        )
+        self._models = _dumps(model_list(settings.backend.model))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
