@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -401,3 +402,37 @@ async def test_a_tool_raising_a_cancelled_error_of_its_own_is_a_tool_error(anyio
     assert loop.tool_errors == 1
     assert [m["content"] for m in loop.messages if m["role"] == "tool"] == ["error: tool 'flaky' raised CancelledError: "]
     check_released(scheduler)
+
+
+async def test_a_refused_model_call_is_made_again_after_the_wait_it_names():
+    """Under 3 requests a minute the loop's fourth model call is refused for 20 s: it failed
+    the session, three turns of tool work lost. It waits the 20 s and goes on; a refusal past
+    `max_refusals`, or whose wait passes the deadline, is raised."""
+    calc = [{"name": "add", "arguments": {"a": 6, "b": 7}}]
+
+    async def agent(ctx, **kw):
+        began = anyio.current_time()
+        result = await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, script=[calc] * 3, **kw)
+        return result.stopped, result.turns, anyio.current_time() - began
+
+    async with Scheduler(settings({"acme": {"requests_per_minute": 3}, "tight": {"requests_per_minute": 3, "sla": {"deadline_s": 10}}})) as scheduler:
+        stopped, turns, took = await scheduler.run(agent, tenant="acme")
+        assert (stopped, turns) == ("answer", 4) and 20 <= took < 21
+        await anyio.sleep(60)  # the bucket full again
+        with pytest.raises(SessionFailed) as refused:
+            await scheduler.run(functools.partial(agent, max_refusals=0), tenant="acme")
+        with pytest.raises(SessionFailed) as past_deadline:
+            await scheduler.run(agent, tenant="tight")
+    assert "requests_per_minute (3)" in str(refused.value.__cause__)
+    assert "requests_per_minute (3)" in str(past_deadline.value.__cause__)
+    check_released(scheduler)
+
+
+async def test_max_refusals_must_be_a_count():
+    async def agent(ctx):
+        await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, max_refusals=-1)
+
+    async with Scheduler(settings()) as scheduler:
+        with pytest.raises(SessionFailed) as info:
+            await scheduler.run(agent, tenant="acme")
+    assert str(info.value.__cause__) == "max_refusals must be >= 0 (an integer), got -1"

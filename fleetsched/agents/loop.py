@@ -2,7 +2,9 @@
 
 The model asks for tools; the loop runs them (concurrently when several are asked), feeds the
 results back as ``tool`` messages, and stops on an answer, a turn limit or the session's
-deadline. Malformed model output never hangs or crashes the loop: an unknown tool, arguments that
+deadline. A model call refused for the tenant's rate limits or shed (`Overloaded`) is made again
+after the wait the refusal names, a few times at most (`max_refusals`), where that wait ends
+before the session's deadline. Malformed model output never hangs or crashes the loop: an unknown tool, arguments that
 are not JSON, a tool that raises, times out or returns something that is not text, and an empty
 reply each become a clear error message in the conversation, and the model gets another turn.
 
@@ -23,6 +25,7 @@ from typing import Any, Literal
 import anyio
 
 from .._cancellation import stray_cancelled_error
+from ..errors import Overloaded
 from ..virtual_time import run_sync_in_thread
 from .context import SessionContext
 
@@ -91,9 +94,17 @@ async def run_tool_loop(
     max_turns: int = 8,
     max_tokens: int = 256,
     script: Sequence[ScriptTurn] | None = None,
+    max_refusals: int = 3,
 ) -> LoopResult:
-    """Run the loop from `messages`. Returns the answer and why the loop stopped."""
+    """Run the loop from `messages`. Returns the answer and why the loop stopped.
+
+    A model call refused (`Overloaded`, `RateLimited`) is made again after the refusal's
+    `retry_after_s`, up to `max_refusals` times a call; the refusal after those, or one whose
+    wait would pass the session's deadline, is raised. (Each failed the session at once, the
+    turns done lost, though it said when the call would go through.)"""
     _check_arguments(messages, tools, max_turns, script)
+    if isinstance(max_refusals, bool) or not isinstance(max_refusals, int) or max_refusals < 0:
+        raise ValueError(f"max_refusals must be >= 0 (an integer), got {max_refusals!r}")
     by_name = {tool.name: tool for tool in tools}
     conversation = [dict(m) for m in messages]
     # No tools, no tools field: vLLM refuses an empty list.
@@ -102,7 +113,7 @@ async def run_tool_loop(
     for turn in range(max_turns):
         if anyio.current_time() >= ctx.deadline:
             return LoopResult(None, "deadline", turn, conversation, errors)
-        response = await ctx.chat(conversation, max_tokens=max_tokens, **offered)
+        response = await _chat(ctx, conversation, max_refusals, max_tokens=max_tokens, **offered)
         message = response["choices"][0]["message"]
         calls = list(message.get("tool_calls") or ())
         if script is not None:
@@ -145,6 +156,19 @@ def _check_arguments(messages: Any, tools: Any, max_turns: Any, script: Any) -> 
     for turn, steps in enumerate(script or ()):
         if isinstance(steps, (str, bytes, Mapping)) or not all(isinstance(step, Mapping) for step in steps):
             raise ValueError(f"script turn {turn}: expected a list of tool calls, got {steps!r:.80}")
+
+
+async def _chat(ctx: SessionContext, conversation: list[dict[str, Any]], max_refusals: int, **options: Any) -> dict[str, Any]:
+    """`ctx.chat`, made again after each refusal's wait, `max_refusals` times at most."""
+    refusals = 0
+    while True:
+        try:
+            return await ctx.chat(conversation, **options)
+        except Overloaded as exc:
+            if refusals == max_refusals or anyio.current_time() + exc.retry_after_s >= ctx.deadline:
+                raise
+            refusals += 1
+            await anyio.sleep(exc.retry_after_s)
 
 
 def _scripted_call(turn: int, step: Mapping[str, Any]) -> dict[str, Any]:
