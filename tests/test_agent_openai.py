@@ -319,3 +319,21 @@ async def test_the_sdk_lists_the_model_as_vllm_s_clients_begin(anyio_backend):
         model, retrieved, answer = await handle
     assert model == retrieved == scheduler.settings.backend.model and answer == "ok"
     check_released(scheduler)
+
+
+async def test_stream_options_are_refused_where_vllm_refuses_them():
+    """They were dropped unread: on a call not streamed, and when not an object (vLLM answers
+    400: "Stream options can only be defined when `stream=True`")."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def agent(ctx):
+        for stream, options, said in ((False, {"include_usage": True}, "set only with stream=true"), (True, "yes", "an object")):
+            with pytest.raises(openai.BadRequestError, match=f"stream_options: {said}") as info:
+                await ctx.openai.chat.completions.create(model="m", messages=messages, stream=stream, extra_body={"stream_options": options})
+            assert info.value.body["param"] == "stream_options"
+        stream = await ctx.openai.chat.completions.create(model="m", messages=messages, stream=True, stream_options={"include_usage": True})
+        return [chunk.usage.completion_tokens async for chunk in stream if chunk.usage]
+
+    async with Scheduler(settings()) as scheduler:
+        assert await scheduler.run(agent, tenant="acme") == [16]  # the instant backend's answer
+    check_released(scheduler)

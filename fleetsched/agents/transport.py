@@ -251,6 +251,9 @@ class SessionTransport(httpx.AsyncBaseTransport):
             return error_response(400, f"malformed request: {exc}", "invalid_request_error")
         streaming = bool(body.pop("stream", False))
         options = body.pop("stream_options", None)
+        if options is not None and (not streaming or not isinstance(options, dict)):  # refused as vLLM refuses it
+            said = "an object" if streaming else "set only with stream=true"
+            return error_response(400, f"stream_options: {said}, got {options!r:.80}", "invalid_request_error", param="stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         try:
             with _read_timeout(request):
