@@ -4,9 +4,10 @@ The model asks for tools; the loop runs them (concurrently when several are aske
 results back as ``tool`` messages, and stops on an answer, a turn limit or the session's
 deadline. A model call refused for the tenant's rate limits or shed (`Overloaded`) is made again
 after the wait the refusal names, a few times at most (`max_refusals`), where that wait ends
-before the session's deadline. Malformed model output never hangs or crashes the loop: an unknown tool, arguments that
-are not JSON, a tool that raises, times out or returns something that is not text, and an empty
-reply each become a clear error message in the conversation, and the model gets another turn.
+before the session's deadline. Malformed model output never hangs or crashes the loop: an
+unknown tool, arguments that are not JSON, a tool that raises, times out or returns something
+that is not text, and an empty reply each become a clear error message in the conversation,
+and the model gets another turn.
 
 Where the model cannot be trusted to decide (a tiny random model in tests and benchmarks), a
 `script` decides the tool calls turn by turn; the loop still makes every model call for real.
