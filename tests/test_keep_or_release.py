@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import anyio
@@ -277,3 +278,60 @@ async def test_a_tool_cut_short_by_its_sessions_cancellation_is_not_learned():
         ("A", "end", 100.0),
     ]
     check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_a_parked_session_comes_back_with_the_memory_it_had_grown_to():
+    """It was re-admitted with its size at submission: grown to 16 MiB, parked in a long tool, it
+    came back with 4 MiB, and the 12 MiB between were the pool's to give away."""
+    page = 2 << 20
+    s = settings(
+        {"a": {"session_memory": 2 * page}},
+        resources={"devices": [{"name": "g0", "memory": 40 * page}]},
+        scheduler={"max_sessions": 4, "tool_policy": "release"},
+    )
+
+    async def agent(ctx):
+        await ctx.chat([{"role": "user", "content": "x"}], max_tokens=4)
+        ctx.reservation.resize_nowait(8 * page)  # its context grew
+        async with ctx.tool("search"):
+            await anyio.sleep(60)
+        await ctx.chat([{"role": "user", "content": "y"}], max_tokens=4)
+        return ctx.reservation.nbytes, ctx._handle.parked_count
+
+    async with Scheduler(s) as scheduler:
+        assert await scheduler.run(agent, tenant="a") == (8 * page, 1)
+    check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_adaptive_keeps_a_tool_s_slot_when_no_waiting_session_could_take_it():
+    """The only session waiting belongs to a tenant at its max_sessions: a long tool's slot and
+    memory were released for it all the same, and the slot stood idle while the session came
+    back later. A session of a tenant under its limit, arriving during the tool, still has the
+    tool's slot released to it."""
+    s = settings(
+        {"a": {}, "b": {"max_sessions": 1}, "c": {}},
+        scheduler={"max_sessions": 2, "tool_policy": "adaptive"},
+    )
+    arrived = []
+
+    async def holder(ctx):
+        await anyio.sleep(100)
+
+    async def tool_user(ctx, tenant_arriving=None):
+        await ctx.chat([{"role": "user", "content": "x"}], max_tokens=4)
+        async with ctx.tool("search"):
+            if tenant_arriving is not None:
+                arrived.append(await scheduler.submit(holder, tenant=tenant_arriving))
+            await anyio.sleep(30)
+        return ctx._handle.parked_count
+
+    async with Scheduler(s) as scheduler:
+        for _ in range(3):
+            scheduler._tool_stats.observe("search", 30.0)  # a long tool, learned
+        await scheduler.submit(holder, tenant="b")
+        await scheduler.submit(holder, tenant="b")  # waits: b is at its limit of 1
+        assert await scheduler.run(tool_user, tenant="a") == 0
+        assert await scheduler.run(functools.partial(tool_user, tenant_arriving="c"), tenant="a") == 1
+        assert arrived[0].timestamps[SessionState.RUNNING] < 100  # it took a's slot during the tool

@@ -45,6 +45,11 @@ class SessionSlots:
         limit = self._limits.get(tenant)
         return self._in_use < self.total and (limit is None or self._by_tenant.get(tenant, 0) < limit)
 
+    def under_cap(self, tenant: str) -> bool:
+        """Whether `tenant` runs fewer sessions than its own limit (the global one aside)."""
+        limit = self._limits.get(tenant)
+        return limit is None or self._by_tenant.get(tenant, 0) < limit
+
     def take(self, tenant: str) -> None:
         if not self.can_take(tenant):
             raise RuntimeError(f"no session slot free for tenant {tenant!r}")

@@ -417,11 +417,17 @@ class Scheduler:
 
     def _push(self, entry: Entry) -> Entry:
         """Queue `entry` (a new session, or one returning from a tool) and admit whoever can run."""
-        pressure_before = bool(self._queue)
+        waiting_before = self._queue.queued_by() if self._queue else {}
         pushed = self._queue.push(entry)
         self._admit_ready()
-        if self._queue and not pressure_before:
-            self._reconsider_tools(anyio.current_time())  # sessions now wait: tools kept for lack of pressure may park
+        # Sessions now wait (or, for the first time, one of a tenant under its limit: those at
+        # theirs cannot take a slot another tenant frees): tools kept for lack of pressure may park.
+        slots = self.slots
+        if self._queue and (
+            not waiting_before
+            or (slots.under_cap(entry.tenant) and not any(slots.under_cap(tenant) for tenant, _ in waiting_before))
+        ):
+            self._reconsider_tools(anyio.current_time())
         return pushed
 
     # -- admission -------------------------------------------------------------------------------
@@ -669,7 +675,7 @@ class Scheduler:
         self._plan_park(handle, tool, now, now)
 
     def _plan_park(self, handle: SessionHandle, tool: str, started: float, now: float) -> None:
-        ttl = self._tool_policy.ttl_s(tool, self._tool_stats, waiting=len(self._queue))
+        ttl = self._tool_policy.ttl_s(tool, self._tool_stats, waiting=self._waiting_for(handle))
         remaining = ttl - (now - started)
         if remaining <= 0:
             self._park(handle)
@@ -677,6 +683,16 @@ class Scheduler:
             handle._park_timer = anyio.CancelScope()
             assert self._task_group is not None
             self._task_group.start_soon(self._park_after, handle, remaining, handle._park_timer)
+
+    def _waiting_for(self, handle: SessionHandle) -> int:
+        """The queued sessions that the slot of `handle` could serve if it freed it: of its own
+        tenant, or of a tenant under its own limit. (Every queued session counted: a tool was
+        released for one of a tenant at its `max_sessions`, which could not take the slot, and
+        the slot stood idle.)"""
+        if not self._queue:
+            return 0
+        slots = self.slots
+        return sum(n for (tenant, _), n in self._queue.queued_by().items() if tenant == handle.tenant or slots.under_cap(tenant))
 
     def _reconsider_tools(self, now: float) -> None:
         """Admission pressure appeared: decide again for sessions kept in a tool without a timer."""
@@ -751,6 +767,9 @@ class Scheduler:
         handle.parked_count += 1
         reservation, handle.reservation = handle.reservation, None
         if reservation is not None:
+            # Re-admitted with what it holds now: it came back with its size at submission, and
+            # the bytes it had grown to (`ctx.reservation.resize_nowait`) went to others.
+            handle.memory = reservation.nbytes
             self.pool.release(reservation)  # admits the next sessions through the release listener
         self._admit_ready()
 
