@@ -44,6 +44,12 @@ def unit_float(text: str) -> float:
     return _checked(text, float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
 
 
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """A number from `low` to `high`: for options whose values outside a range break the run
+    (a hang, an overflow) rather than mean something."""
+    return lambda text: _checked(text, float, lambda v: low <= v <= high, f"a number from {low:g} to {high:g}")
+
+
 def _checked(text: str, kind: Callable[[str], T], ok: Callable[[T], bool], expected: str) -> T:
     try:
         value = kind(text)

@@ -107,6 +107,22 @@ def test_bad_strategies_are_a_usage_error_naming_the_option(value, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--load", "1e-15"], "argument --load: expected a number from 0.01 to 10"),  # the replay looped for ever
+        (["--load", "1e-320"], "argument --load: expected a number from 0.01 to 10"),  # a ValueError traceback
+        (["--hint-noise", "1000"], "argument --hint-noise: expected a number from 0 to 5"),  # an OverflowError
+    ],
+)
+def test_values_that_break_the_replay_are_a_usage_error(argv, expected, capsys):
+    from fleetsched.bench.allocator import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--sessions", "10", *argv])
+    assert exited.value.code == 2 and expected in capsys.readouterr().err
+
+
 def test_one_session_per_trace_gives_json_without_infinity(capsys):
     # One session: no span between arrivals, so no offered load to measure. It was math.inf,
     # which json.dumps writes as Infinity (not JSON); the figure is null instead.

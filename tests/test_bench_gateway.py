@@ -64,3 +64,24 @@ def test_a_vllm_rate_without_vllm_is_a_usage_error(capsys):
         gateway.main(["--vllm-rate", "5"])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "--vllm-rate applies only with --vllm" in err
+
+
+def test_the_rate_answered_is_taken_over_the_time_the_requests_were_offered_in():
+    """One request at --rate 1 read 911.8 rps: its count over its own latency, the span from the
+    first request's send to the last one's answer being (n - 1) / rate plus a latency."""
+
+    async def main() -> dict:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while not reader.at_eof():
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+        server = await asyncio.start_server(lambda r, w: answer(r, w), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await gateway._load(port, gateway._request(port, gateway._BODY, False), 1.0, 1.0, 0.0, 4)
+
+    load = asyncio.run(main())
+    assert load["requests"] == 1 and load["errors"] == 0 and load["rps"] <= 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 from functools import partial
 
@@ -77,6 +78,50 @@ def test_verdict_reports_the_effective_overload_against_the_best_rate():
         "fairness_within_vtc_bound_throughout": False,  # 400 sampled during the load > 2 x 168
     }
     assert result["fairness_gap_tokens"] == 10 and result["vtc_bound_tokens"] == 336
+    # No critical call measured: null, not NaN (which is no JSON, and --json printed it).
+    result["modes"]["fleetsched"]["ttft_s"] = {}
+    verdict(result, tally, argparse.Namespace(max_tokens=64, max_tokens_spread=0))
+    assert result["targets"]["critical_ttft_p99_over_unloaded"] is None
+    json.loads(json.dumps(result, allow_nan=False))
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--duration", "5", "--warmup", "10"], "--warmup (10 s) must be below --duration (5 s)"),
+        (["--max-tokens", "3", "--max-tokens-spread", "0"], "argument --max-tokens: expected at least 4"),
+    ],
+)
+def test_options_that_leave_no_critical_call_measured_are_refused(argv, said, capsys):
+    from fleetsched.bench.qos import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--url", "http://127.0.0.1:9", *argv])
+    assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_server_that_takes_calls_and_never_answers_is_given_up_on(monkeypatch, capsys):
+    """It held `bench qos` (5 probes of 120 s) and `bench sim-fidelity` (600 s) for ten minutes."""
+    import socket
+    import threading
+
+    from fleetsched.bench import qos, sim_fidelity
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: held.extend(listener.accept() for _ in range(2)), daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setattr(qos, "FIRST_CONTACT_S", 0.5)
+    monkeypatch.setattr(sim_fidelity, "FIRST_CONTACT_S", 0.5)
+    try:
+        assert bench.run("qos", ["--url", url, "--duration", "1", "--warmup", "0"]) == 1
+        assert f"the server at {url} answered none of 5 small probe calls within 0.5 s" in capsys.readouterr().err
+        assert bench.run("sim-fidelity", ["--url", url, "--no-speed", "--no-calibrate"]) == 1
+        assert f"cannot reach the vLLM server at {url}" in capsys.readouterr().err
+    finally:
+        listener.close()
+        for connection, _ in held:
+            connection.close()
 
 
 def test_the_service_gap_is_sampled_during_the_load():
@@ -212,7 +257,7 @@ def test_the_min_share_phase_on_the_sim_backend_gives_the_batch_band_its_minimum
 def test_a_server_that_does_not_answer_is_a_clear_error_not_a_traceback(capsys):
     # It was a ZeroDivisionError deep in the load generator once every probe call had failed.
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert bench.run("qos", ["--url", closed, "--duration", "1"]) == 1
+    assert bench.run("qos", ["--url", closed, "--duration", "1", "--warmup", "0"]) == 1
     err = capsys.readouterr().err
     assert f"5 of 5 probe calls to the vLLM server at {closed} failed" in err and "Traceback" not in err
 

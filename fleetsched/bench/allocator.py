@@ -79,7 +79,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .._args import non_negative_float, positive_float, positive_int, unit_float
+from .._args import float_in, non_negative_float, positive_int, unit_float
 from ..errors import WouldBlock
 from ..resources import (
     DEFAULT_STRATEGY,
@@ -585,12 +585,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--sessions", type=positive_int, default=4000, help="sessions per trace (default 4000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--load", type=positive_float, default=LOAD, help=f"offered load, fraction of capacity (default {LOAD})")
+    # Outside these the replay breaks: at a load of 1e-15 the arrival clock reaches 1e15 s, where a
+    # step of a session's cycle rounds back to the same instant and the replay loops for ever;
+    # a hint noise over ~190 overflows its lognormal draw.
+    parser.add_argument("--load", type=float_in(0.01, 10.0), default=LOAD, help=f"offered load, fraction of capacity, 0.01-10 (default {LOAD})")
     parser.add_argument("--idle-scale", type=non_negative_float, default=1.0, help="scale the sessions' idle (movable) shares")
     parser.add_argument("--threshold", type=unit_float, default=0.3, help="compact_threshold for the threshold row (default 0.3)")
     parser.add_argument("--strategies", type=_strategy_names, default=list(STRATEGIES), help="comma-separated names")
     parser.add_argument(
-        "--hint-noise", type=non_negative_float, default=HINT_NOISE,
+        "--hint-noise", type=float_in(0.0, 5.0), default=HINT_NOISE,
         help=f"spread of the end hints of the hinted row: lifetimes off by e^N(0, X) (default {HINT_NOISE})",
     )  # fmt: skip
     args = parser.parse_args(argv)

@@ -324,6 +324,8 @@ def summarise(tally: Tally, duration: float, cpu_s: float) -> dict[str, Any]:
 
 
 UNLOADED_CALLS = 200  # sequential calls a reading of the unloaded TTFT takes
+#: Seconds the first calls to a server may take before the bench gives up on it.
+FIRST_CONTACT_S = 30.0
 
 
 async def measure_unloaded(url: str, clients: DirectClients) -> dict[str, float]:
@@ -334,8 +336,14 @@ async def measure_unloaded(url: str, clients: DirectClients) -> dict[str, float]
     series and make the TTFT target look easier than it is.
     """
     warm_up = Tally()
-    for _ in range(5):
-        await direct_call(clients.pick(), warm_up, Tier.CRITICAL, "probe", 8, priority=False)
+    with anyio.move_on_after(FIRST_CONTACT_S) as contact:  # a port that takes calls and never answers
+        for _ in range(5):
+            await direct_call(clients.pick(), warm_up, Tier.CRITICAL, "probe", 8, priority=False)
+    if contact.cancelled_caught:
+        raise BackendUnavailable(
+            f"the server at {url} answered none of 5 small probe calls within {FIRST_CONTACT_S:g} s "
+            "(is it a vLLM server, and idle? it held the bench for 10 minutes before)"
+        )
     if warm_up.errors:
         raise BackendUnavailable(
             f"{warm_up.errors} of 5 probe calls to the vLLM server at {url} failed "
@@ -530,11 +538,15 @@ def verdict(result: dict[str, Any], tally: Tally, args: argparse.Namespace) -> N
     sampled = result["fairness_gap_sampled_tokens"] = result["modes"]["fleetsched"]["fairness_gap_sampled_tokens"]
     result["vtc_bound_tokens"] = 2 * largest_request
     ours = result["modes"]["fleetsched"]
-    critical_p99 = ours["ttft_s"].get("critical", {}).get("p99", math.nan)
-    critical_p99_all = ours["ttft_s_warmup_included"].get("critical", {}).get("p99", math.nan)
+    unloaded_p99 = result["unloaded_ttft_s"]["p99"]
+
+    def over_unloaded(ttft: dict[str, Any]) -> float | None:  # None (JSON's null) without a critical call: NaN is no JSON
+        p99 = ttft.get("critical", {}).get("p99")
+        return None if p99 is None else round(p99 / unloaded_p99, 2)
+
     result["targets"] = {
-        "critical_ttft_p99_over_unloaded": round(critical_p99 / result["unloaded_ttft_s"]["p99"], 2),
-        "critical_ttft_p99_over_unloaded_warmup_included": round(critical_p99_all / result["unloaded_ttft_s"]["p99"], 2),
+        "critical_ttft_p99_over_unloaded": over_unloaded(ours["ttft_s"]),
+        "critical_ttft_p99_over_unloaded_warmup_included": over_unloaded(ours["ttft_s_warmup_included"]),
         "throughput_over_saturation": round(ours["throughput_tok_s"] / result["saturation_tok_s"], 3),
         "fairness_within_vtc_bound": result["fairness_gap_tokens"] <= result["vtc_bound_tokens"],
         "fairness_within_vtc_bound_throughout": sampled["max"] is not None and sampled["max"] <= result["vtc_bound_tokens"],
@@ -616,6 +628,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     applies_only(parser, args, started, args.url is None, "to the servers the bench starts (not with --url)")
     if args.max_tokens_spread >= args.max_tokens:
         parser.error(f"--max-tokens-spread ({args.max_tokens_spread}) must be below --max-tokens ({args.max_tokens})")
+    # Else no critical call's TTFT is measured: none made after the warm-up, or none made at all
+    # (a quarter of 1-3 tokens is 0, which vLLM refuses).
+    if args.warmup >= args.duration:
+        parser.error(f"--warmup ({args.warmup:g} s) must be below --duration ({args.duration:g} s)")
+    if args.max_tokens < 4:
+        parser.error(f"argument --max-tokens: expected at least 4 (critical calls ask a quarter of it), got {args.max_tokens}")
     if args.url is None and args.engine_cpus and hasattr(os, "sched_getaffinity"):  # it pins the servers it starts
         mine = os.sched_getaffinity(0)
         if lacking := sorted(args.engine_cpus - mine):

@@ -67,6 +67,10 @@ REAL_WORKLOAD = Workload(concurrency=24, prompt_tokens=200, max_tokens=64, round
 REAL_REPEATS = 5
 
 
+#: Seconds the server's first answer (its model list) may take before the bench gives up on it.
+FIRST_CONTACT_S = 30.0
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
@@ -140,8 +144,8 @@ async def _served_model(client: Any, url: str) -> str:
     is not vLLM, instead of a traceback from the first request or from reading its answer."""
     import httpx
 
-    try:
-        response = await client.get("/v1/models")
+    try:  # a short wait of its own: a port that takes the request and never answers held it for 600 s
+        response = await client.get("/v1/models", timeout=FIRST_CONTACT_S)
     except httpx.HTTPError as exc:
         raise BackendUnavailable(
             f"cannot reach the vLLM server at {url} ({type(exc).__name__}: {exc}): is it up? "
