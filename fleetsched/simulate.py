@@ -3,7 +3,9 @@
 The same `Scheduler`, dispatcher and agents as ``fleetsched run``, on the `sim` backend in virtual
 time (`fleetsched.virtual_time`): whenever every task waits, the clock jumps to the next deadline,
 so hours of fleet traffic take seconds of wall time. ``--loop trio`` runs it under trio's
-``MockClock(autojump_threshold=0)`` instead of the (faster) virtual-time asyncio loop.
+``MockClock(autojump_threshold=0)`` instead of the (faster) virtual-time asyncio loop; trio runs
+the tasks ready at one instant in a random order, so two runs of one seed may differ a little
+there (on the asyncio loop they give the same figures).
 
 With ``--duration``, the workload is a fleet held for that long: each ``workload.agents`` entry keeps
 ``count`` sessions running at once (a session that ends is replaced by a new one of its kind, each
