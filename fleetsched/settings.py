@@ -318,7 +318,6 @@ class ResourceSettings(_Section):
             raise ValueError(f"unknown strategy {value!r}; known: {', '.join(['counting', *STRATEGIES])}")
         return value
 
-
     @model_validator(mode="after")
     def _kv_cache_alone(self) -> ResourceSettings:
         # Both were taken, and the devices and page size given left unused without a word.
@@ -690,8 +689,8 @@ def _check_environment_sections() -> None:
         if name.lower().startswith(prefix) and "__" not in rest:
             section = next((s for s in Settings.model_fields if rest.startswith(s + "_")), None)
             if section is not None:
-                key = name[len(prefix) + len(section) + 1 :]
-                raise ConfigError(name, f"a key of section {section!r} is set with '__' after the section: {name[: len(prefix) + len(section)]}__{key}")
+                cut = len(prefix) + len(section)
+                raise ConfigError(name, f"a key of section {section!r} is set with '__' after the section: {name[:cut]}__{name[cut + 1 :]}")
 
 
 def _nested_environment() -> list[tuple[str, str, str]]:
@@ -763,6 +762,5 @@ def _check_environment_tenants(settings: Settings) -> None:
             raise ConfigError(
                 name,
                 f"environment names are read in lower case and without '-': this sets a tenant {tenant!r} beside "
-                f"the config's {twins[0]!r} (set a tenant whose name has capitals or a '-' in the config, or "
-                "with the whole section as JSON in FLEETSCHED_TENANTS)",
+                f"the config's {twins[0]!r} (a tenant whose name has capitals or a '-' is set in the config)",
             )

@@ -11,7 +11,8 @@ The same workload, concurrency and memory budget in two modes:
 - ``fleetsched-keep``: the tiers without keep-or-release, to show what each part contributes.
 
 It runs on the sim backend in virtual time (`run_virtual`'s asyncio loop): `--hours` of traffic
-take seconds, with the same figures for the same arguments. Sessions arrive faster than either mode can serve, so sessions per hour measures capacity.
+take seconds, with the same figures for the same arguments. Sessions arrive faster than either
+mode can serve, so sessions per hour measures capacity.
 
 ``--backend vllm-server`` runs it on a real vLLM in real time instead (shorter: `--seconds` per
 mode, tool times scaled by `--time-scale`), and reports the engine's prefix-cache hit rate per
