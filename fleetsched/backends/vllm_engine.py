@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import anyio
 
-from ..errors import BackendUnavailable, InvalidRequest
+from ..errors import BackendError, BackendUnavailable, InvalidRequest
 from ..resources.kv_sizing import KVCacheCapacity
 from .base import (
     Backend,
@@ -51,6 +51,17 @@ def _request_refused() -> type[Exception]:
     except ImportError:
         return ValueError
     return VLLMClientError
+
+
+def _priority(body: ChatBody) -> int:
+    """The request's priority (lower is sooner), checked as vLLM's server checks it (an int64):
+    "5", True and 2.7 were read as 5, 1 and 2, and 2**70 failed inside the engine's client."""
+    priority = body.get("priority")
+    if priority is None:
+        return 0
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+        raise InvalidRequest(f"priority: expected a 64-bit integer (lower is sooner), got {priority!r:.80}")
+    return priority
 
 
 class VLLMEngineBackend(Backend):
@@ -172,36 +183,49 @@ class VLLMEngineBackend(Backend):
         prompt too long) and `BackendUnavailable` when the engine is dead.
         """
         await self.start()
-        from vllm.v1.engine.exceptions import EngineDeadError
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         RequestRefused = _request_refused()  # noqa: N806
         prompt = self._prompt(body)
         params = self._sampling_params(body, len(prompt))
+        priority = _priority(body)
         request_id = f"fs-engine-{next(_request_ids)}"
         model = body.get("model") or self.served_model_name
-        # `created` is informational; the other backends leave it 0 too (no wall clock here).
-        yield make_chunk(request_id, model, 0, role="assistant", content="")
+        # The role comes on the first output's chunk, as vLLM's server sends it: sent before the
+        # request reached the engine, it counted as the first token (every call's TTFT read
+        # about 0) and made a refusal of the engine's an error inside a stream begun with 200.
+        role: str | None = "assistant"
         continuous = wants_continuous_usage(body)
         prompt_tokens = completion_tokens = 0
         finish_reason: str | None = None
         self._in_flight += 1
         finished = False
         try:
-            outputs = self._engine.generate({"prompt_token_ids": prompt}, params, request_id, priority=int(body.get("priority") or 0))
+            outputs = self._engine.generate({"prompt_token_ids": prompt}, params, request_id, priority=priority)
             async with aclosing(outputs):
                 async for output in outputs:
                     prompt_tokens = len(output.prompt_token_ids or ()) or prompt_tokens
                     completion = output.outputs[0]
                     completion_tokens += len(completion.token_ids)
                     finish_reason = completion.finish_reason
-                    if completion.text or finish_reason:
+                    if finish_reason == "error":  # vLLM's server answers it with a 500 (retryable)
+                        raise BackendUnavailable(f"vLLM engine for {self.model!r} failed the call while generating")
+                    if completion.text or finish_reason or role:
                         usage = usage_dict(prompt_tokens, completion_tokens) if continuous else None
-                        yield make_chunk(request_id, model, 0, content=completion.text or None, finish_reason=finish_reason, usage=usage)
+                        chunk = make_chunk(
+                            request_id, model, 0, role=role, content=completion.text or ("" if role else None), finish_reason=finish_reason, usage=usage
+                        )
+                        if finish_reason and completion.stop_reason is not None:  # as the server's final choice has it
+                            chunk["choices"][0]["stop_reason"] = completion.stop_reason
+                        role = None
+                        yield chunk
             finished = True
         except EngineDeadError as exc:
             raise BackendUnavailable(f"vLLM engine for {self.model!r} died: {exc}") from exc
         except (ValueError, RequestRefused) as exc:  # validation errors (prompt longer than max_model_len, ...)
             raise invalid_request(f"vLLM engine rejected the call: {exc}") from exc
+        except EngineGenerateError as exc:  # generate() wraps every other failure in it: it escaped raw
+            raise BackendError(f"vLLM engine for {self.model!r} failed the call: {exc.__cause__ or exc}") from exc
         finally:
             self._in_flight -= 1
             if not finished and self._engine is not None:

@@ -20,7 +20,7 @@ from contextlib import aclosing
 
 import anyio
 
-from fleetsched.backends.base import collect_chat
+from fleetsched.backends.base import collect_chat, collect_stream
 from fleetsched.backends.vllm_engine import VLLMEngineBackend
 from fleetsched.errors import ContextTooLong, InvalidRequest
 
@@ -40,6 +40,11 @@ async def check(model_dir: str) -> dict:
         chunks = [c async for c in backend.stream_chat({**request, "priority": -1})]
         folded = collect_chat(chunks)
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant", chunks[0]
+        # The first chunk comes with the engine's first output (a step away at least): the role
+        # was sent before the request reached the engine, and every call's TTFT read about 0.
+        sent = anyio.current_time()
+        _, first = await collect_stream(backend.stream_chat(request))
+        assert first is not None and first - sent >= 0.001, first - sent
         assert chunks[-1]["usage"]["completion_tokens"] == 12, chunks[-1]
         assert folded["choices"][0]["finish_reason"] == "length", folded
         # Usage on every chunk when asked for (as the dispatcher does): the count so far.
@@ -83,7 +88,11 @@ async def check(model_dir: str) -> dict:
         # later call hung), a seed past 64 bits was vLLM's EngineGenerateError, a number for stop
         # a TypeError, a negative temperature vLLM's own VLLMValidationError; max_tokens 0 was
         # taken for none named (the answer filled the context), n=2 gave one choice silently.
-        bad = (("max_tokens", 0), ("n", 2), ("seed", 1.5), ("seed", 2**70), ("top_k", 2.0), ("stop", 5), ("stop_token_ids", [1.5]), ("temperature", -1))
+        # A priority "5" was taken as 5, and 2**70 failed in the engine's client (EngineGenerateError).
+        bad = (
+            ("max_tokens", 0), ("n", 2), ("seed", 1.5), ("seed", 2**70), ("top_k", 2.0), ("stop", 5), ("stop_token_ids", [1.5]),
+            ("temperature", -1), ("priority", "5"), ("priority", 2**70),
+        )  # fmt: skip
         for field, value in bad:
             try:
                 with anyio.fail_after(30):

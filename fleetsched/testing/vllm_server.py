@@ -253,6 +253,8 @@ class VLLMServer:
         """
         if self.running:
             return self
+        if self.process is not None:  # it exited on its own: reap it, and end what is left of its group
+            self.stop()
         missing = missing_setup(self.venv, self.model_dir)
         if missing:
             raise VLLMServerError(f"missing {', '.join(missing)}: run scripts/setup-vllm.sh")
@@ -274,14 +276,15 @@ class VLLMServer:
             )
         try:
             self._wait_healthy(began)
+            self.start_seconds = time.monotonic() - began  # wall-clock ok
+            # Inside the try: a nice or CPUs this process may not set left the server running.
+            if self.engine_nice:
+                renice_children(self.process.pid, self.engine_nice)
+            if self.engine_cpus:
+                pin_engine(self.process.pid, set(self.engine_cpus))
         except BaseException:
             self.stop()
             raise
-        self.start_seconds = time.monotonic() - began  # wall-clock ok
-        if self.engine_nice:
-            renice_children(self.process.pid, self.engine_nice)
-        if self.engine_cpus:
-            pin_engine(self.process.pid, set(self.engine_cpus))
         return self
 
     def _wait_healthy(self, began: float) -> None:
