@@ -167,6 +167,12 @@ class VLLMEngineBackend(Backend):
         stop = body.get("stop")
         if stop is not None:
             options["stop"] = [stop] if isinstance(stop, str) else stop
+        # Tokens a streamed chunk, as the dispatcher asks per tier: it was dropped unread.
+        interval = body.get("stream_interval")
+        if interval is not None:
+            if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+                raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r:.80}")
+            options["stream_interval"] = interval
         try:
             return SamplingParams(
                 max_tokens=max_tokens,

@@ -45,6 +45,10 @@ async def check(model_dir: str) -> dict:
         sent = anyio.current_time()
         _, first = await collect_stream(backend.stream_chat(request))
         assert first is not None and first - sent >= 0.001, first - sent
+        # A stream_interval (the dispatcher's per tier) reaches the engine: the first token at
+        # once, then every 4 (it was dropped: a chunk a token).
+        coarse = [c async for c in backend.stream_chat({**request, "stream_interval": 4}) if c["choices"]]
+        assert len(coarse) <= 5, len(coarse)
         assert chunks[-1]["usage"]["completion_tokens"] == 12, chunks[-1]
         assert folded["choices"][0]["finish_reason"] == "length", folded
         # Usage on every chunk when asked for (as the dispatcher does): the count so far.
@@ -91,7 +95,7 @@ async def check(model_dir: str) -> dict:
         # A priority "5" was taken as 5, and 2**70 failed in the engine's client (EngineGenerateError).
         bad = (
             ("max_tokens", 0), ("n", 2), ("seed", 1.5), ("seed", 2**70), ("top_k", 2.0), ("stop", 5), ("stop_token_ids", [1.5]),
-            ("temperature", -1), ("priority", "5"), ("priority", 2**70),
+            ("temperature", -1), ("priority", "5"), ("priority", 2**70), ("stream_interval", 0),
         )  # fmt: skip
         for field, value in bad:
             try:
