@@ -163,6 +163,14 @@ class VLLMEngineBackend(Backend):
         max_tokens = requested_max_tokens(body, default=max(1, self._max_model_len - prompt_tokens))
         max_tokens = completion_room(self._max_model_len, prompt_tokens, max_tokens)  # cut to the context, as the server does
         check_sampling(body, max_tokens)
+        # What this backend does not do is refused, not dropped: the answer carried no log
+        # probabilities, and a tool call asked for came as text (it parses none).
+        if body.get("logprobs"):
+            raise InvalidRequest("logprobs: the in-process vLLM engine backend returns none; the vllm-server backend does")
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise InvalidRequest(
+                f"tool_choice: the in-process vLLM engine backend parses no tool calls, so it cannot force one, got {body['tool_choice']!r:.80}"
+            )
         options = {key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None}
         stop = body.get("stop")
         if stop is not None:

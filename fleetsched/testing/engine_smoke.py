@@ -95,7 +95,7 @@ async def check(model_dir: str) -> dict:
         # A priority "5" was taken as 5, and 2**70 failed in the engine's client (EngineGenerateError).
         bad = (
             ("max_tokens", 0), ("n", 2), ("seed", 1.5), ("seed", 2**70), ("top_k", 2.0), ("stop", 5), ("stop_token_ids", [1.5]),
-            ("temperature", -1), ("priority", "5"), ("priority", 2**70), ("stream_interval", 0),
+            ("temperature", -1), ("priority", "5"), ("priority", 2**70), ("stream_interval", 0), ("logprobs", True),
         )  # fmt: skip
         for field, value in bad:
             try:
@@ -105,6 +105,14 @@ async def check(model_dir: str) -> dict:
                 assert field in str(exc), exc
             else:
                 raise AssertionError(f"{field}={value!r} was not refused with InvalidRequest")
+        # A tool call forced: refused (this backend parses none), where it came back as text.
+        tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            _ = [c async for c in backend.stream_chat({**request, "tools": tools, "tool_choice": "required"})]
+        except InvalidRequest as exc:
+            assert "tool_choice" in str(exc), exc
+        else:
+            raise AssertionError("a forced tool call was not refused")
         with anyio.fail_after(30):
             after = [c async for c in backend.stream_chat(request)][-1]["usage"]
         assert after["completion_tokens"] == 12, after
