@@ -33,7 +33,7 @@ def _no_bool(value: object) -> object:
 
 
 def _no_flag(value: object) -> object:
-    # pydantic reads true as 1: a flag where a count belongs is a mistake.
+    # pydantic reads true as 1 and false as 0: a flag where a number belongs is a mistake.
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got {str(value).lower()}")
     return value
@@ -67,8 +67,8 @@ class _Section(BaseModel):
     def _no_flag_for_a_number(cls, value: object, info: ValidationInfo) -> object:
         # pydantic reads true as 1 and false as 0: `max_num_seqs = true` ran a sim of one
         # sequence at a time, without a word.
-        if isinstance(value, bool) and info.field_name is not None and _takes_a_number(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"expected a number, got {str(value).lower()}")
+        if info.field_name is not None and _takes_a_number(cls.model_fields[info.field_name].annotation):
+            return _no_flag(value)
         return value
 
 

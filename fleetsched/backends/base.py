@@ -405,6 +405,14 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     return count
 
 
+def checked_stream_interval(value: object) -> int:
+    """`value` as a request's ``stream_interval`` (tokens a streamed chunk): an integer >= 1, as
+    vLLM takes it; raises `InvalidRequest` naming the field otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {value!r:.80}")
+    return value
+
+
 def completion_room(max_model_len: int, prompt_tokens: int, max_tokens: int) -> int:
     """The completion tokens a call gets in a context of `max_model_len`, as vLLM's OpenAI
     server (0.32) decides: `max_tokens` cut to what the prompt leaves of the context (the answer

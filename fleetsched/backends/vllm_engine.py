@@ -28,6 +28,7 @@ from .base import (
     ChatBody,
     Chunk,
     EngineSignals,
+    checked_stream_interval,
     completion_room,
     invalid_request,
     make_chunk,
@@ -176,11 +177,8 @@ class VLLMEngineBackend(Backend):
         if stop is not None:
             options["stop"] = [stop] if isinstance(stop, str) else stop
         # Tokens a streamed chunk, as the dispatcher asks per tier: it was dropped unread.
-        interval = body.get("stream_interval")
-        if interval is not None:
-            if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-                raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r:.80}")
-            options["stream_interval"] = interval
+        if body.get("stream_interval") is not None:
+            options["stream_interval"] = checked_stream_interval(body["stream_interval"])
         try:
             return SamplingParams(
                 max_tokens=max_tokens,

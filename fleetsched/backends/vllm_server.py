@@ -315,11 +315,14 @@ class _EventStream:
         (vLLM ends every stream with it): that raises a transport error, as a broken one does."""
         if self._done:
             return None
-        since = anyio.current_time()
+        since: float | None = None  # when comments began: the clock is read for them only, not a chunk
         async for line in self._lines:
             if not line.startswith("data:"):
-                if anyio.current_time() - since > self._read_timeout_s:  # comments only, for that long
-                    raise httpx.ReadTimeout("no event within the read timeout, only comments")
+                if line.startswith(":"):
+                    now = anyio.current_time()
+                    since = now if since is None else since
+                    if now - since > self._read_timeout_s:  # comments only, for that long
+                        raise httpx.ReadTimeout("no event within the read timeout, only comments")
                 continue
             data = line[5:].strip()
             if data == "[DONE]":

@@ -50,6 +50,7 @@ from ..base import (
     Chunk,
     EngineSignals,
     chat_completion,
+    checked_stream_interval,
     invalid_messages,
     make_chunk,
     new_completion_id,
@@ -86,11 +87,6 @@ def token_logprobs(count: int, top: int) -> dict[str, list[dict[str, Any]]]:
             for _ in range(count)
         ]
     }
-
-
-def _is_count(value: object) -> bool:
-    """An integer >= 1 (not a bool), as vLLM takes ``max_tokens`` and ``stream_interval``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,9 +382,7 @@ class SimBackend(Backend):
         hashes = block_hashes(text, engine.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
         request.text = text
-        interval = body.get("stream_interval", self._stream_interval)  # per request, as vLLM takes it
-        if not _is_count(interval):
-            raise InvalidRequest(f"stream_interval: expected an integer >= 1, got {interval!r}")
+        interval = checked_stream_interval(body.get("stream_interval", self._stream_interval))  # per request, as vLLM takes it
         interval = max(interval, self._stream_interval)  # vLLM clamps it to the server's: never smaller
         request.wake_every = max_tokens if body.get("stream") is False else interval
         request.continuous_usage = wants_continuous_usage(body)
