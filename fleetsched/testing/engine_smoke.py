@@ -22,17 +22,33 @@ import anyio
 
 from fleetsched.backends.base import collect_chat, collect_stream
 from fleetsched.backends.vllm_engine import VLLMEngineBackend
-from fleetsched.errors import ContextTooLong, InvalidRequest
+from fleetsched.errors import BackendUnavailable, ContextTooLong, InvalidRequest
 
 
 async def check(model_dir: str) -> dict:
-    began = anyio.current_time()
+    # The model's sampling defaults, as a generation_config.json would set them: greedy.
     backend = VLLMEngineBackend(
         model_dir, served_model_name="fleetsched-tiny", max_num_seqs=4, max_num_batched_tokens=1024,
-        max_model_len=1024, dtype="float32",
+        max_model_len=1024, dtype="float32", engine_options={"override_generation_config": {"temperature": 0.0}},
     )  # fmt: skip
-    async with backend:
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.1)
+            ticks += 1
+
+    async with anyio.create_task_group() as ticking:
+        ticking.start_soon(tick)
+        began = anyio.current_time()
+        await backend.start()
         started_s = anyio.current_time() - began
+        ticking.cancel_scope.cancel()
+    # The engine is built off the event loop: other tasks ran meanwhile (they stood still for
+    # the whole start, tens of seconds).
+    assert ticks >= started_s / 0.1 / 2, (ticks, started_s)
+    async with backend:
         # 1 GiB of cache (VLLM_CPU_KVCACHE_SPACE) at 2,048 bytes a token of the tiny float32 model.
         cache = (await backend.kv_capacities())["engine"]
         assert cache.tokens * 2048 == 1 << 30 and cache.block_size == 128, cache
@@ -116,6 +132,43 @@ async def check(model_dir: str) -> dict:
         with anyio.fail_after(30):
             after = [c async for c in backend.stream_chat(request)][-1]["usage"]
         assert after["completion_tokens"] == 12, after
+        # The messages go through vLLM's parser before the template, as on its server: a bare
+        # string among content parts counts (the template alone dropped it).
+        parts = {**request, "messages": [{"role": "user", "content": ["hi", {"type": "text", "text": " there"}]}]}
+        plain = {**request, "messages": [{"role": "user", "content": "hi there"}]}
+        counted = [[c async for c in backend.stream_chat(b)][-1]["usage"]["prompt_tokens"] for b in (parts, plain)]
+        assert counted[0] == counted[1], counted
+        # The model's defaults fill what a call leaves out (greedy here: two answers the same),
+        # as on vLLM's server; a call's own temperature still wins.
+        greedy = [collect_chat([c async for c in backend.stream_chat(request)])["choices"][0]["message"]["content"] for _ in range(2)]
+        assert greedy[0] == greedy[1], greedy
+        hot = {**request, "temperature": 1.0}
+        sampled = {collect_chat([c async for c in backend.stream_chat(hot)])["choices"][0]["message"]["content"] for _ in range(3)}
+        assert len(sampled) > 1, sampled
+        # Closing with a call in flight fails the call (it waited for good), and the closed
+        # backend refuses the next call rather than starting a new engine.
+        failure: list[BaseException] = []
+        streaming = anyio.Event()
+
+        async def long_call() -> None:
+            try:
+                async for _ in backend.stream_chat({**request, "max_tokens": 900}):
+                    streaming.set()
+            except BackendUnavailable as exc:
+                failure.append(exc)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as calls:
+                calls.start_soon(long_call)
+                await streaming.wait()
+                await backend.aclose()
+        assert failure and "closed" in str(failure[0]), failure
+        try:
+            _ = [c async for c in backend.stream_chat(request)]
+        except BackendUnavailable as exc:
+            assert "closed" in str(exc), exc
+        else:
+            raise AssertionError("a closed backend served a call")
     return {"ok": True, "engine_start_s": round(started_s, 1), "usage": folded["usage"]}
 
 
