@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from functools import partial
 from typing import Any, Literal
 
 import anyio
@@ -67,6 +68,47 @@ def _priority(body: ChatBody) -> int:
     return priority
 
 
+class _EngineStats:
+    """The engine's scheduler as vLLM's stat loggers see it (`record` runs after each step's
+    outputs): the gauges of the last step, and the counters summed, as its Prometheus logger
+    keeps them for ``vllm:num_requests_waiting`` and the rest on vLLM's server."""
+
+    def __init__(self) -> None:
+        self.recorded = False
+        self.running = self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.preemptions = self.prefix_queries = self.prefix_hits = 0
+
+    def record(self, scheduler: Any, iteration: Any) -> None:
+        if scheduler is not None:
+            self.recorded = True
+            self.running = scheduler.num_running_reqs
+            self.waiting = scheduler.num_waiting_reqs + scheduler.num_skipped_waiting_reqs
+            self.kv_cache_usage = scheduler.kv_cache_usage
+            self.prefix_queries += scheduler.prefix_cache_stats.queries
+            self.prefix_hits += scheduler.prefix_cache_stats.hits
+        if iteration is not None:
+            self.preemptions += iteration.num_preempted_reqs
+
+    def logger_factory(self) -> Any:
+        """A vLLM stat logger class that records into this (vLLM imported here, not earlier)."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class Recorder(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                stats.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Recorder
+
+
 class VLLMEngineBackend(Backend):
     """Stream chat completions from an in-process vLLM engine.
 
@@ -103,6 +145,7 @@ class VLLMEngineBackend(Backend):
         self._engine: Any = None
         self._max_model_len = max_model_len  # the engine's own, once it is built
         self._sampling_defaults: dict[str, Any] = {}
+        self._stats = _EngineStats()
         self._start_lock = anyio.Lock()
         self._in_flight = 0
         self._closed = False
@@ -142,7 +185,9 @@ class VLLMEngineBackend(Backend):
             # it builds is this backend's to shut down.
             with anyio.CancelScope(shield=True):
                 try:
-                    engine = await anyio.to_thread.run_sync(AsyncLLM.from_engine_args, AsyncEngineArgs(**self.engine_args))
+                    args = AsyncEngineArgs(**self.engine_args)
+                    build = partial(AsyncLLM.from_engine_args, args, stat_loggers=[self._stats.logger_factory()])
+                    engine = await anyio.to_thread.run_sync(build)
                 except Exception as exc:
                     raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
                 try:
@@ -284,12 +329,22 @@ class VLLMEngineBackend(Backend):
         yield make_chunk(request_id, model, 0, usage=usage_dict(prompt_tokens, completion_tokens))
 
     async def signals(self) -> EngineSignals:
-        """Only what this backend knows itself: its calls in the engine (running plus waiting).
-
-        The in-process engine's Prometheus gauges live in this process's registry only when a
-        stat logger is configured; fleetsched does not rely on that.
-        """
-        return EngineSignals(running=self._in_flight)
+        """The engine's own signals, as its stat loggers record them after each step: requests
+        running and waiting, KV cache usage, preemptions and prefix-cache counts (it gave only
+        the calls in flight, so the adaptive window ran blind on this backend). With no call in
+        flight, nothing runs or waits, whatever the last step said."""
+        stats = self._stats
+        if not stats.recorded:
+            return EngineSignals(running=self._in_flight)
+        idle = self._in_flight == 0
+        return EngineSignals(
+            running=0 if idle else stats.running,
+            waiting=0 if idle else stats.waiting,
+            kv_cache_usage=0.0 if idle else stats.kv_cache_usage,
+            preemptions_total=stats.preemptions,
+            prefix_cache_queries_total=stats.prefix_queries,
+            prefix_cache_hits_total=stats.prefix_hits,
+        )
 
     async def kv_capacities(self) -> dict[str, KVCacheCapacity]:
         """The engine's KV cache, as one replica, ``engine``: the blocks it allocated on starting."""

@@ -2,14 +2,16 @@
 
     .venv-vllm/bin/python -m fleetsched.testing.engine_smoke .cache/tiny-model
 
-Starts `VLLMEngineBackend`, streams one call (priority passed), checks the chunks and usage (on
-every chunk when asked for), leaves a second call early and checks that nothing is left in
-flight, then that a prompt over the context, or max_tokens past it, is refused with
-`ContextTooLong` (a call naming no max_tokens, or more than the prompt leaves, fills the
-context's rest), and one with bad
-sampling parameters (of the wrong type or out of range) with `InvalidRequest`, the engine serving
-calls after them. Prints one JSON line; exits 1 on failure. It is a script rather than a test
-because vLLM is not installed in the main virtualenv.
+Starts `VLLMEngineBackend` (checking that the event loop runs meanwhile), streams one call
+(priority passed), checks the chunks and usage (on every chunk when asked for), reads the
+engine's signals under a load larger than its batch, leaves a call early and checks that
+nothing is left in flight, then that a prompt over the context, or max_tokens past it, is
+refused with `ContextTooLong` (a call naming no max_tokens, or more than the prompt leaves,
+fills the context's rest), and one with bad sampling parameters (of the wrong type or out of
+range) with `InvalidRequest`, the engine serving calls after them. Then: messages parsed as
+vLLM's server parses them, the model's sampling defaults applied, and closing with a call in
+flight. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
+is not installed in the main virtualenv.
 """
 
 from __future__ import annotations
@@ -71,6 +73,27 @@ async def check(model_dir: str) -> dict:
         options = {"include_usage": True, "continuous_usage_stats": True}
         counts = [c["usage"]["completion_tokens"] async for c in backend.stream_chat({**request, "stream_options": options}) if c.get("usage")]
         assert len(counts) > 2 and counts == sorted(counts) and counts[-1] == 12, counts
+        # The engine's own signals, as its stat loggers record them (the adaptive window reads
+        # them): 8 calls on a batch of 4 leave some waiting. Only the calls in flight were known.
+        seen: list[tuple[int | None, int | None, float | None]] = []
+        loaded = anyio.Event()
+
+        async def load() -> None:
+            async with anyio.create_task_group() as calls:
+                for _ in range(8):
+                    calls.start_soon(collect_chat_of, backend, {**request, "max_tokens": 64})
+            loaded.set()
+
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(load)
+            while not loaded.is_set():
+                signals = await backend.signals()
+                seen.append((signals.running, signals.waiting, signals.kv_cache_usage))
+                await anyio.sleep(0.01)
+        assert max(w or 0 for _, w, _ in seen) >= 1 and max(r or 0 for r, _, _ in seen) <= 4, seen
+        assert max(k or 0 for _, _, k in seen) > 0, seen
+        signals = await backend.signals()
+        assert signals.prefix_cache_queries_total and signals.preemptions_total is not None, signals
         async with aclosing(backend.stream_chat({**request, "max_tokens": 900})) as stream:
             async for _ in stream:
                 break
@@ -169,7 +192,12 @@ async def check(model_dir: str) -> dict:
             assert "closed" in str(exc), exc
         else:
             raise AssertionError("a closed backend served a call")
-    return {"ok": True, "engine_start_s": round(started_s, 1), "usage": folded["usage"]}
+    loaded_signals = {"max_waiting": max(w or 0 for _, w, _ in seen), "max_kv_cache_usage": max(k or 0 for _, _, k in seen)}
+    return {"ok": True, "engine_start_s": round(started_s, 1), "start_ticks": ticks, "signals": loaded_signals, "usage": folded["usage"]}
+
+
+async def collect_chat_of(backend: VLLMEngineBackend, body: dict) -> None:
+    _ = [c async for c in backend.stream_chat(body)]
 
 
 def main() -> int:
