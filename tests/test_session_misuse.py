@@ -670,3 +670,36 @@ async def _read(stream) -> None:
     async with stream as chunks:
         async for _ in chunks:
             pass
+
+
+async def test_a_stream_left_while_a_task_reads_it_frees_its_place_and_says_why():
+    """An agent leaves a ``ctx.stream()`` block while a task of its own reads the chunks: closing
+    the stream under that read raised Python's "aclose(): asynchronous generator is already
+    running", which skipped the call's end. Its place in the window stayed taken for good, and
+    another tenant's call (a window of 1) waited out its deadline. Now the place comes back,
+    and the error says what was done wrong."""
+
+    async def reader(chunks):
+        async for _ in chunks:
+            pass
+
+    async def agent(ctx):
+        async with anyio.create_task_group() as tg:
+            async with ctx.stream(MESSAGES, max_tokens=200) as chunks:
+                tg.start_soon(reader, chunks)
+                await anyio.sleep(0.001)  # the reader waits inside the stream now
+
+    async def chat(ctx):
+        return (await ctx.chat(MESSAGES, max_tokens=4))["usage"]["completion_tokens"]
+
+    one_place = settings(
+        tenants={"acme": {}, "other": {}}, backend={"kind": "sim", "max_in_flight": 1}, dispatch={"adaptive_window": False}
+    )
+    async with Scheduler(one_place) as scheduler:
+        with pytest.raises(SessionFailed) as failed:
+            await (await scheduler.submit(agent, tenant="acme"))
+        assert "while another task was reading it" in repr(failed.value.__cause__)
+        assert scheduler.dispatcher.statistics().in_flight == 0
+        with anyio.fail_after(60):
+            assert await (await scheduler.submit(chat, tenant="other", deadline_s=600)) == 4
+    check_released(scheduler)

@@ -283,9 +283,17 @@ async def collect_stream(stream: AsyncIterator[Chunk]) -> tuple[dict[str, Any], 
 
 
 async def abort_stream(stream: AsyncIterator[Chunk]) -> None:
-    """Close a backend's stream so the engine aborts the call; shielded, bounded cleanup."""
+    """Close a backend's stream so the engine aborts the call; shielded, bounded cleanup.
+
+    Raises `RuntimeError` for a stream another task is reading: it cannot be closed under that
+    read (Python's own error said only that ``aclose()`` found the generator running)."""
     if getattr(stream, "ag_running", None) is False and getattr(stream, "ag_frame", True) is None:
         return  # exhausted: nothing to abort
+    if getattr(stream, "ag_running", False):
+        raise RuntimeError(
+            "a model call's stream was closed while another task was reading it: read a stream "
+            "inside its block, and let the block end after the task that reads it"
+        )
     with anyio.move_on_after(5, shield=True):
         await stream.aclose()  # type: ignore[attr-defined]
 

@@ -267,8 +267,10 @@ class Dispatcher:
             record.error = type(exc).__name__
             raise
         finally:
-            await abort_stream(upstream)
-            self._end(record, estimate)
+            try:
+                await abort_stream(upstream)
+            finally:  # the call ends whatever the close raised: its place went missing for good
+                self._end(record, estimate)
 
     def _upstream(self, request: dict[str, Any], replica: str | None) -> AsyncIterator[Chunk]:
         if self._routes_to(replica):
