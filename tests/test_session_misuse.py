@@ -703,3 +703,78 @@ async def test_a_stream_left_while_a_task_reads_it_frees_its_place_and_says_why(
         with anyio.fail_after(60):
             assert await (await scheduler.submit(chat, tenant="other", deadline_s=600)) == 4
     check_released(scheduler)
+
+
+@pytest.mark.parametrize("when", ["at once", "queued"])
+async def test_a_pool_failing_to_admit_a_session_fails_that_session_alone(when):
+    """The pool's move callback fails while it compacts to admit a session. Admitted at once:
+    `submit` raised, but the session stayed counted as live, and the scheduler's exit waited for
+    it for good (shielded: no timeout could end it). Queued: the error left a release of another
+    session's memory and cancelled every session. Now the session fails alone."""
+    from fleetsched.resources import DeviceSpec, ExtentPool
+
+    failing = False
+
+    def move(reservation, new_offset):
+        if failing:
+            raise OSError("copy failed")
+
+    pool = ExtentPool([DeviceSpec("gpu0", 10 * GB)], strategy="first-fit", page_size=GB, settle=False)
+    pool.set_move_callback(move)
+
+    async def in_tool(ctx):
+        async with ctx.tool("search"):
+            await anyio.sleep(20)
+        return "tool"
+
+    bystanders = []
+    with anyio.fail_after(300):
+        async with Scheduler(settings(scheduler={"tool_policy": "keep"}), pool=pool) as scheduler:
+            for agent, size in ((await hold(20), 3), (in_tool, 2), (await hold(2), 2), (await hold(20), 1), (await hold(2), 2)):
+                bystanders.append(await scheduler.submit(agent, tenant="acme", memory=size * GB))
+            if when == "queued":  # no room yet: it queues, and is admitted when 4 GB come free in two holes
+                failing = True
+                late = await scheduler.submit(await hold(1), tenant="acme", memory=4 * GB)
+                with pytest.raises(SessionFailed) as failed:
+                    await late
+                assert isinstance(failed.value.__cause__, OSError)
+            else:
+                await anyio.sleep(3)  # two holes of 2 GB: 4 GB free, in pieces
+                failing = True
+                with pytest.raises(OSError):
+                    await scheduler.submit(await hold(1), tenant="acme", memory=4 * GB)
+            failing = False
+            assert [await handle for handle in bystanders] == ["held", "tool", "held", "held", "held"]
+    check_released(scheduler)
+
+
+@pytest.mark.parametrize("fails", ["listener", "move callback"])
+async def test_a_pool_callback_failing_after_a_release_harms_no_other_session(fails, caplog):
+    """A release listener of the pool's owner, or its move callback settling another session's
+    memory, raises once after a session's memory was released: the error left that session's
+    cleanup and cancelled every session of the scheduler. Now it is logged, and the fleet runs
+    on."""
+    from fleetsched.resources import DeviceSpec, ExtentPool
+
+    pool = ExtentPool([DeviceSpec("gpu0", 10 * GB)], strategy="first-fit", page_size=GB)
+    failures = [OSError("copy failed")]
+
+    def fail_once(*_):
+        if failures:
+            raise failures.pop()
+
+    if fails == "listener":
+        pool.add_release_listener(fail_once)
+    else:
+        pool.set_move_callback(fail_once)
+
+    async def in_tool(ctx):  # movable, so the release before it settles it down
+        async with ctx.tool("search"):
+            await anyio.sleep(5)
+        return "tool"
+
+    async with Scheduler(settings(scheduler={"tool_policy": "keep"}), pool=pool) as scheduler:
+        handles = [await scheduler.submit(agent, tenant="acme", memory=2 * GB) for agent in (await hold(1), in_tool, await hold(10))]
+        assert [await handle for handle in handles] == ["held", "tool", "held"]
+    assert not failures and "copy failed" in caplog.text
+    check_released(scheduler)

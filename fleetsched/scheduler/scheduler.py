@@ -19,6 +19,7 @@ reservation in `_finish`.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import numbers
 from collections.abc import Mapping
@@ -38,7 +39,7 @@ from ..policies.fair_queue import Entry, FairQueue
 from ..policies.pace import KeepOrRelease, ToolStats
 from ..policies.tiers import Tier
 from ..policies.window import AimdWindow, WindowSignals
-from ..resources import MemoryPool, MemoryStatistics, create_pool, kv_pool
+from ..resources import MemoryPool, MemoryStatistics, Reservation, create_pool, kv_pool
 from ..resources.limiter import SessionSlots
 from ..resources.ratelimit import RateLimit, TenantRateLimits
 from ..settings import DeviceSettings, Settings
@@ -46,6 +47,7 @@ from .dispatcher import Dispatcher, DispatcherStatistics
 from .records import Recorder, SessionRecord
 from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHandle, SessionState
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStatistics:
@@ -409,7 +411,9 @@ class Scheduler:
         return handle, now
 
     def _enqueue(self, handle: SessionHandle, now: float) -> None:
-        handle._entry = self._push(Entry(handle.tenant, int(handle.tier), now, handle))
+        # Set before the push, which may admit or fail it at once (`_start`, `_refuse_queued`).
+        handle._entry = Entry(handle.tenant, int(handle.tier), now, handle)
+        self._push(handle._entry)
         if handle.state is SessionState.QUEUED and handle.deadline < math.inf:
             assert self._task_group is not None
             handle._queue_timer = anyio.CancelScope()
@@ -467,6 +471,9 @@ class Scheduler:
                 except SessionRejected as exc:  # it can never fit now: its tenant's quota was lowered under it
                     self._refuse_queued(entry, exc)
                     continue
+                except Exception as exc:  # the pool's own failure (a move callback's, compacting for it)
+                    self._refuse_queued(entry, exc)  # fails that session alone: it raised out of `submit`
+                    continue
                 picked = self._queue.pick(now, eligible)
                 assert picked is entry
                 if handle._readmit is not None:
@@ -488,6 +495,12 @@ class Scheduler:
             )
         except WouldBlock:  # QuotaWouldBlock too: it queues, and `_admit_ready` takes it from there
             return False
+        except BaseException as exc:  # the pool's own failure: the session ends (it stayed counted, and the exit hung)
+            handle.error = exc
+            handle._set_state(SessionState.FAILED, now)
+            self._record(handle)
+            self._session_ended()
+            raise
         self._queue.serve_direct(handle.tenant, int(handle.tier), 1.0)  # a session costs 1, as a queued one does
         self._start(handle, reservation, now, spawn)
         return True
@@ -598,8 +611,18 @@ class Scheduler:
         """The ended session gives back its memory; then whoever can run now is admitted."""
         reservation, handle.reservation = handle.reservation, None
         if reservation is not None:
-            self.pool.release(reservation)  # the pool's release listener admits the next sessions
+            self._give_back(reservation)  # the pool's release listener admits the next sessions
         self._admit_ready()
+
+    def _give_back(self, reservation: Reservation) -> None:
+        """Release `reservation`. The pool raises what its owner's callbacks raised (a move
+        callback settling others' memory, a release listener) after the release is done: logged
+        here, not raised, it no longer leaves the ended session's cleanup to cancel every
+        session of the scheduler."""
+        try:
+            self.pool.release(reservation)
+        except Exception:
+            logger.exception("a callback of the memory pool failed after %r was released", reservation)
 
     async def _expire_queued(self, handle: SessionHandle, timer: anyio.CancelScope) -> None:
         """Fail `handle` with `DeadlineExceeded` if it still waits in the queue at its deadline
@@ -613,13 +636,14 @@ class Scheduler:
     def _cancel_queued(self, handle: SessionHandle) -> None:
         self._drop_queued(handle, SessionState.CANCELLED)
 
-    def _refuse_queued(self, entry: Entry, error: SessionRejected) -> None:
-        """A queued session that can never be given its memory (`error` says why) fails alone:
-        a new one is rejected; one waiting to be re-admitted gets `error` where it waits."""
+    def _refuse_queued(self, entry: Entry, error: Exception) -> None:
+        """A queued session that cannot be given its memory (`error` says why) fails alone: a new
+        one is rejected (`SessionRejected`: it never can) or fails; one waiting to be re-admitted
+        gets `error` where it waits."""
         handle: SessionHandle = entry.item
         if handle._readmit is None:
             handle.error = error
-            self._drop_queued(handle, SessionState.REJECTED)
+            self._drop_queued(handle, SessionState.REJECTED if isinstance(error, SessionRejected) else SessionState.FAILED)
             return
         # Its entry: `_readmit_entry` is set only once the push that got here returns.
         handle._readmit_entry = entry
@@ -770,7 +794,7 @@ class Scheduler:
             # Re-admitted with what it holds now: it came back with its size at submission, and
             # the bytes it had grown to (`ctx.reservation.resize_nowait`) went to others.
             handle.memory = reservation.nbytes
-            self.pool.release(reservation)  # admits the next sessions through the release listener
+            self._give_back(reservation)  # admits the next sessions through the release listener
         self._admit_ready()
 
     async def _readmit(self, handle: SessionHandle) -> None:
