@@ -56,9 +56,15 @@ def test_sync_sdk_chat_and_streaming(url):
     c = client(url)
     reply = c.chat.completions.create(model="m", messages=MSG, max_tokens=4)
     assert reply.choices[0].message.content == "ok" and reply.usage.completion_tokens == 4
+    # Streamed as OpenAI streams: no usage unless asked for (the usual `chunk.choices[0]` loop
+    # broke on a last chunk of usage alone, sent to every client), then a last chunk with it.
     chunks = list(c.chat.completions.create(model="m", messages=MSG, max_tokens=3, stream=True))
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "ok"
-    assert chunks[-1].usage.completion_tokens == 3
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "ok"
+    assert all(ch.usage is None for ch in chunks)
+    options = {"include_usage": True}
+    chunks = list(c.chat.completions.create(model="m", messages=MSG, max_tokens=3, stream=True, stream_options=options))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(ch.usage is None for ch in chunks[:-1])
 
 
 def test_sync_sdk_completions(url):
@@ -66,7 +72,8 @@ def test_sync_sdk_completions(url):
     reply = c.completions.create(model="m", prompt="Once upon", max_tokens=2)
     assert reply.object == "text_completion" and reply.choices[0].text == "ok" and reply.usage.completion_tokens == 2
     chunks = list(c.completions.create(model="m", prompt="Once upon", max_tokens=2, stream=True))
-    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "ok"
+    assert "".join(ch.choices[0].text for ch in chunks) == "ok" and all(ch.usage is None for ch in chunks)
+    chunks = list(c.completions.create(model="m", prompt="Once upon", max_tokens=2, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.total_tokens > 0
 
 
@@ -74,7 +81,7 @@ def test_sync_sdk_completions(url):
 @pytest.mark.anyio
 async def test_async_sdk_streaming(url, anyio_backend):
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=ACME, max_retries=0) as c:
-        stream = await c.chat.completions.create(model="m", messages=MSG, max_tokens=5, stream=True)
+        stream = await c.chat.completions.create(model="m", messages=MSG, max_tokens=5, stream=True, stream_options={"include_usage": True})
         parts = [ch async for ch in stream]
         reply = await c.completions.create(model="m", prompt="x", max_tokens=1)
     assert parts[0].choices[0].delta.content == "ok" and parts[-1].usage.completion_tokens == 5
@@ -912,3 +919,23 @@ def test_log_probabilities_of_a_text_completion_over_a_chat_backend():
     # Named as the client sent it: it travels as chat's top_logprobs, which the refusal named.
     assert too_many.status_code == 400 and too_many.json()["error"]["message"].startswith("logprobs: at most 20")
     assert too_many.json()["error"]["param"] == "logprobs"
+
+
+def test_streamed_usage_on_the_sim_follows_the_client_s_stream_options():
+    """The engine counts usage on every chunk for the dispatcher (it charges tenants as tokens
+    stream); the client sees it as it asked, as from vLLM: none, a last chunk of it, or the
+    count so far on every chunk (vLLM's `continuous_usage_stats`). Every client got all of it."""
+    with serve_in_thread(gateway_settings(backend={"kind": "sim"})) as (_, url):
+        c = client(url)
+
+        def stream(**options):
+            return list(c.chat.completions.create(model="m", messages=MSG, max_tokens=6, stream=True, **options))
+
+        plain = stream()
+        last_only = stream(stream_options={"include_usage": True})
+        continuous = stream(stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert all(ch.choices and ch.usage is None for ch in plain)
+    assert [ch.usage is not None for ch in last_only] == [False] * (len(last_only) - 1) + [True]
+    assert last_only[-1].usage.completion_tokens == 6
+    counts = [ch.usage.completion_tokens for ch in continuous]
+    assert len(counts) > 2 and counts == sorted(counts) and counts[-1] == 6

@@ -71,8 +71,11 @@ def test_completions_streaming_and_not(gateway_url):
     reply = c.completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=5, extra_body={"ignore_eos": True})
     assert reply.object == "text_completion" and reply.usage.completion_tokens == 5 and reply.choices[0].text
     chunks = list(
-        c.completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=5, stream=True, extra_body={"ignore_eos": True})
-    )
+        c.completions.create(
+            model="fleetsched-tiny", prompt="Once upon a time", max_tokens=5, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
     assert chunks[-1].usage.completion_tokens == 5
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
 
