@@ -23,7 +23,7 @@ import pytest
 from fleetsched.gateway.app import FAIR_SHARE_SYNC_S
 from fleetsched.gateway.auth import hash_key
 from fleetsched.gateway.server import serve_in_thread
-from fleetsched.gateway.state import Placement, RedisState
+from fleetsched.gateway.state import MemoryState, Placement, RedisState
 from fleetsched.resources.ratelimit import RateLimit
 from fleetsched.scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
 
@@ -325,3 +325,17 @@ async def test_a_past_deadline_mark_is_shared_and_expires(redis_url):
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_a_call_that_used_more_than_its_charge_is_charged_the_rest_in_redis_too(redis_url):
+    """A negative refund (a prompt the engine counted longer than its estimate) charges the
+    difference, as the in-memory state does: Redis dropped it, and with such prompts a tenant
+    got several times its tokens per minute."""
+    limits = {"acme": RateLimit(None, 6000.0)}  # 100 tokens a second flow back
+    for state in (MemoryState(limits), RedisState(limits, redis_url, instance="a", prefix=f"t-{uuid.uuid4().hex[:8]}")):
+        try:
+            assert await state.take("acme", 1000) == 0
+            await state.refund("acme", -5000)
+            assert 9 < await state.take("acme", 1000) <= 11  # 6,000 used of 6,000: 1,000 more is 10 s away
+        finally:
+            await state.aclose()

@@ -18,6 +18,7 @@ balancer act as one gateway). `create_state` picks from the settings.
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -178,7 +179,8 @@ return '0'
 """
 
 # KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, requests to give
-# back, tokens rate/s, tokens capacity, tokens to give back (a rate of 0: no such limit).
+# back, tokens rate/s, tokens capacity, tokens to give back (negative: to take; a rate of 0: no
+# such limit).
 _REFUND = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -188,7 +190,7 @@ if rr > 0 and rn > 0 and v[1] ~= false then
   local r = math.min(rc, tonumber(v[1]) + (now - tonumber(v[2])) * rr)
   redis.call('HSET', KEYS[1], 'r', tostring(math.min(rc, r + rn)), 'rt', tostring(now))
 end
-if tr > 0 and amount > 0 and v[3] ~= false then
+if tr > 0 and amount ~= 0 and v[3] ~= false then
   local k = math.min(tc, tonumber(v[3]) + (now - tonumber(v[4])) * tr)
   redis.call('HSET', KEYS[1], 'k', tostring(math.min(tc, k + amount)), 'kt', tostring(now))
 end
@@ -259,7 +261,10 @@ class RedisState(SharedState):
             return
         rpm, tpm = limit.requests_per_minute or 0.0, limit.tokens_per_minute or 0.0
         requests = 1.0 if request and rpm else 0.0
-        tokens = float(tokens) if tpm and tokens > 0 else 0.0
+        # Negative too: a call that used more than its charge up front (a prompt longer than its
+        # estimate) is charged the rest, as in memory; dropped here, a tenant got several times
+        # its tokens per minute with such prompts.
+        tokens = float(tokens) if tpm and not math.isnan(tokens) else 0.0
         if requests or tokens:
             await self._refund(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, requests, tpm / 60, tpm, tokens])
 
