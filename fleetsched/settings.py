@@ -146,6 +146,11 @@ class GatewaySettings(_Section):
     settings where they say it, else unchecked."""
     max_body_bytes: int = Field(4 << 20, ge=1)
     """Largest request body accepted (413 above)."""
+    send_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    """Longest a client may leave the next bytes of its answer untaken. A client that stops
+    reading a stream holds its call's place in the dispatcher's window for as long as its
+    connection stays open, and every tenant's calls wait behind such places: past this, the call
+    ends as if the client had left."""
 
     @field_validator("admin_api_keys")
     @classmethod

@@ -939,3 +939,31 @@ def test_streamed_usage_on_the_sim_follows_the_client_s_stream_options():
     assert last_only[-1].usage.completion_tokens == 6
     counts = [ch.usage.completion_tokens for ch in continuous]
     assert len(counts) > 2 and counts == sorted(counts) and counts[-1] == 6
+
+
+def test_a_client_that_stops_reading_its_stream_gives_its_place_back():
+    """A client opens a long stream and reads none of it. Its call held its place in the
+    dispatcher's window for as long as the connection stayed open: with a window of 1, every
+    other tenant's calls waited with no bound. Past `send_timeout_s` the call ends, as if the
+    client had left."""
+    import socket
+
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "tier": "critical"}, "globex": {"api_keys": [hash_key(GLOBEX)]}}
+    s = gateway_settings(
+        tenants,
+        backend={"kind": "sim", "max_in_flight": 1, "sim": {"step_base_s": 0.0005, "max_model_len": 8192}},
+        dispatch={"adaptive_window": False},
+        gateway={"send_timeout_s": 0.5, "max_context_tokens": 8192},
+    )
+    # Big chunks (20 alternatives a token), so the answer overflows the socket's buffers.
+    body = json.dumps({"messages": MSG, "max_tokens": 6000, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
+    with serve_in_thread(s) as (gateway, url), socket.socket() as stalled:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        stalled.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nAuthorization: Bearer {GLOBEX}\r\n\r\n"
+        stalled.sendall(head.encode() + body)
+        time.sleep(1)  # its call is under way, and its answer piles up unread
+        assert gateway.scheduler.dispatcher.statistics().calls_started == 1
+        reply = client(url).with_options(timeout=20).chat.completions.create(model="m", messages=MSG, max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+        assert gateway.scheduler.dispatcher.statistics().in_flight == 0

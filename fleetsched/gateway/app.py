@@ -356,6 +356,7 @@ class Gateway:
             body[ENDPOINT_KEY] = "completions"
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
+            send = _bounded(send, self.settings.gateway.send_timeout_s, tg.cancel_scope, tenant)
             try:
                 if session_id is None:
                     tier = int(tenant_settings.tier)
@@ -608,6 +609,21 @@ async def _read_body(receive: Receive, limit: int) -> bytes | httpx.Response | N
         parts.append(chunk)
         if not message.get("more_body"):
             return b"".join(parts) if len(parts) != 1 else parts[0]
+
+
+def _bounded(send: Send, timeout_s: float, gone: anyio.CancelScope, tenant: str) -> Send:
+    """`send`, each message taken by the client within `timeout_s`, else the call is cancelled
+    (`gone`) as if the client had left (`GatewaySettings.send_timeout_s`)."""
+
+    async def bounded(message: MutableMapping[str, Any]) -> None:
+        with anyio.move_on_after(timeout_s) as writing:
+            await send(message)
+        if writing.cancelled_caught:
+            logger.warning("a client of tenant %r took nothing for %g s: its call is ended", tenant, timeout_s)
+            gone.cancel()
+            await anyio.sleep(0)  # the cancellation, here
+
+    return bounded
 
 
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
