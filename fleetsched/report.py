@@ -160,7 +160,7 @@ def build_report(
         "duration_s": round(duration_s, 3),
         "sessions": dict(stats.finished),
         "calls": recorder.call_count,
-        "refused_calls": len(recorder.refusals),
+        "refused_calls": recorder.refusal_count,
         "completion_tokens": completion,
         "throughput_tok_s": round(completion / duration_s, 1) if duration_s > 0 else None,
         "memory": {

@@ -495,6 +495,12 @@ async def test_a_call_cancelled_while_it_waits_for_its_turn_is_not_charged():
         ({"due": Decimal("NaN")}, "due"),
         ({"body": ["not", "a", "dict"]}, "body"),
         ({"body": None}, "body"),
+        # A NaN deadline never passed; "soon" and a list of tenants raised bare TypeErrors.
+        ({"deadline": float("nan")}, "deadline"),
+        ({"deadline": "soon"}, "deadline"),
+        ({"deadline": Decimal("5")}, "deadline"),
+        ({"tenant": ["a"]}, "tenant"),
+        ({"tenant": None}, "tenant"),
     ],
 )
 async def test_a_call_with_a_bad_argument_is_refused_naming_it_and_holds_nothing(bad, named):

@@ -162,3 +162,21 @@ async def test_listeners_hear_a_release_whose_waiter_s_compaction_failed():
         held[0].release()  # pages 0-3 free: the waiter is served
     accounts_agree(pool)
     assert pool.statistics().waiting == 0
+
+
+@pytest.mark.parametrize("kind", ["counting", "extent"])
+def test_what_is_not_a_reservation_or_a_listener_is_refused_naming_it(kind):
+    """`release(None)` and `resize_nowait(None, n)` raised bare AttributeErrors; a listener that
+    cannot be called was taken, and every later release failed on it; removing one never added
+    said only "list.remove(x): x not in list"."""
+    pool = CountingPool([DeviceSpec("g0", 8 * MB)]) if kind == "counting" else ExtentPool([DeviceSpec("g0", 8 * MB)], page_size=MB)
+    held = pool.reserve_nowait(MB, owner="a")
+    for call in (lambda: pool.release(None), lambda: pool.release("res-1"), lambda: pool.resize_nowait(None, MB)):
+        with pytest.raises(TypeError, match="^reservation: expected a Reservation"):
+            call()
+    with pytest.raises(TypeError, match="^callback: "):
+        pool.add_release_listener("not callable")
+    with pytest.raises(ValueError, match="^callback: .* is not a release listener"):
+        pool.remove_release_listener(print)
+    held.release()  # nothing was taken by the refusals: releases go on as before
+    assert pool.statistics().allocated == 0

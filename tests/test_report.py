@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -308,3 +309,15 @@ def test_the_reports_shared_sorts_give_the_figures_of_sorting_apart():
         assert times.ttft_s == sorted(c.ttft_s for c in ok if c.tier == tier and not math.isnan(c.ttft_s))
     assert by_tenant["a"].latency_s == sorted(c.latency_s for c in ok if c.tenant == "a")
     assert rank_percentile([c.ttft_s for c in ok if c.tenant == "a"], 99) == summarise(recorder, tenants, by_tenant)[0].ttft_p99_s
+
+
+def test_a_recorder_that_keeps_no_calls_keeps_no_refusals_but_counts_them():
+    """`keep_calls=False` (a server, a long run) kept every refused call: a tenant retrying
+    against its rate limit grew the gateway's recorder for ever. The report reads the count."""
+    from fleetsched.scheduler import CallRecord, Recorder
+
+    for keep in (True, False):
+        recorder = Recorder(keep_calls=keep)
+        for i in range(1000):
+            recorder.add_refusal(CallRecord("a", 2, i, float(i), math.nan, float(i), float(i), 0, 0, error="RateLimited"))
+        assert recorder.refusal_count == 1000 and len(recorder.refusals) == (1000 if keep else 0)

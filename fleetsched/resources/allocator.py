@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from .defrag import CompactionPlan, DeviceLayout, ExtentView, HolePlan, Move, plan_compaction, plan_hole
 from .extents import AddressSpace
-from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation, _positive_bytes
+from .memory import DeviceSpec, DeviceStatistics, MemoryPool, Reservation, _check_reservation, _positive_bytes
 from .settle import Neighbour, plan_fill, plan_slide
 from .strategies import DEFAULT_STRATEGY, STRATEGIES, PlacementStrategy, make_strategy
 
@@ -285,6 +285,7 @@ class ExtentPool(MemoryPool):
         return reservation
 
     def resize_nowait(self, reservation: Reservation, nbytes: int) -> bool:
+        _check_reservation(reservation)
         live = reservation.pool is self and not reservation.released
         if live:
             self._unindex(reservation)

@@ -416,6 +416,7 @@ class MemoryPool(ABC):
         device has no room, `QuotaWouldBlock` when the tenant's quota is full, `RequestTooLarge`
         / `QuotaExceeded` when `nbytes` could never fit, ValueError for a released reservation.
         """
+        _check_reservation(reservation)
         if reservation.pool is not self or reservation._released:
             raise ValueError(f"cannot resize {reservation!r}: not a live reservation of this pool")
         self._check_not_moving("resizing a reservation")
@@ -512,6 +513,7 @@ class MemoryPool(ABC):
 
     def release(self, reservation: Reservation) -> None:
         """Give a reservation back and hand the memory to waiters. Idempotent."""
+        _check_reservation(reservation)
         if reservation._released or reservation.pool is not self:
             return
         self._check_not_moving("releasing a reservation")
@@ -548,9 +550,13 @@ class MemoryPool(ABC):
     def add_release_listener(self, callback: Callable[[], None]) -> None:
         """Call `callback()` (synchronously) after every release, and after a waiter gives up,
         so admission can retry."""
+        if not callable(callback):  # taken, it made every later release fail
+            raise TypeError(f"callback: expected a function, got {callback!r:.80}")
         self._listeners.append(callback)
 
     def remove_release_listener(self, callback: Callable[[], None]) -> None:
+        if callback not in self._listeners:
+            raise ValueError(f"callback: {callback!r:.80} is not a release listener of this pool")
         self._listeners.remove(callback)
 
     def reservations(self) -> list[Reservation]:
@@ -683,3 +689,9 @@ class CountingPool(MemoryPool):
 
     def _unplace(self, reservation: Reservation) -> None:
         pass
+
+
+def _check_reservation(value: object) -> None:
+    """Raise TypeError unless `value` is a `Reservation` (None raised a bare AttributeError)."""
+    if not isinstance(value, Reservation):
+        raise TypeError(f"reservation: expected a Reservation, got {value!r:.80}")

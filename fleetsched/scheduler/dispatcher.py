@@ -172,7 +172,7 @@ class Dispatcher:
         context manager and generator layers, and lets the backend collect the answer
         (`Backend.complete_chat`).
         """
-        _check_call(body, tier, due, due_in)
+        _check_call(body, tenant, tier, due, due_in, deadline)
         record, estimate = await self._begin(body, tenant, tier, session, due, due_in, deadline)
         # "stream": False: only the first token's time and the whole answer matter here.
         request = {**body, "priority": tier, "stream": False}
@@ -217,7 +217,7 @@ class Dispatcher:
         early aborts the call at the engine. `replica` (the session's placement) routes the call to
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
-        _check_call(body, tier, due, due_in)
+        _check_call(body, tenant, tier, due, due_in, deadline)
         given_options = body.get("stream_options") or {}
         if not isinstance(given_options, Mapping):
             raise InvalidRequest(f"stream_options: expected an object, got {given_options!r:.80}")
@@ -600,21 +600,23 @@ def _check_count(name: str, value: object, least: int) -> None:
         raise ValueError(f"{name} must be >= {least}, got {value}")
 
 
-def _check_call(body: object, tier: object, due: object, due_in: object = math.inf) -> None:
+def _check_call(body: object, tenant: object, tier: object, due: object, due_in: object, deadline: object) -> None:
     """Refuse a call's bad arguments before it takes anything (rate limits, a place, a queue
     entry): a tier that is not one of `Tier`'s would be queued and compared with the others,
-    and a NaN due breaks the earliest-deadline order. A bool is none of them, though True
-    equals 1 (the standard tier), and a Decimal is no time: it compares with floats but cannot
-    be added to the clock's (`_begin`'s ``now + due_in`` raised a bare TypeError). The common
-    case costs the seven tests of the first `if`s."""
+    and a NaN due breaks the earliest-deadline order (a NaN deadline never passed). A bool is
+    none of them, though True equals 1 (the standard tier), and a Decimal is no time: it
+    compares with floats but cannot be added to the clock's (`_begin`'s ``now + due_in``
+    raised a bare TypeError). The common case costs the tests of the first `if`s."""
     try:
-        if type(body) is dict and tier in _TIERS and type(due) in _TIMES and type(due_in) in _TIMES:
-            if type(tier) is not bool and due >= 0 and due_in >= 0:  # type: ignore[operator]
+        if type(body) is dict and type(tenant) is str and tier in _TIERS and type(due) in _TIMES and type(due_in) in _TIMES:
+            if type(tier) is not bool and due >= 0 and due_in >= 0 and type(deadline) in _TIMES and deadline >= 0:  # type: ignore[operator]
                 return
     except TypeError:  # an unhashable tier: named below
         pass
     if not isinstance(body, Mapping):
         raise InvalidRequest(f"body: expected an object (a dict), got {type(body).__name__}")
+    if not isinstance(tenant, str):  # a list raised "unhashable type" from the rate limits
+        raise TypeError(f"tenant: expected a tenant's name (a str), got {tenant!r:.40}")
     try:
         known = tier in _TIERS and not isinstance(tier, bool)
     except TypeError:
@@ -625,6 +627,8 @@ def _check_call(body: object, tier: object, due: object, due_in: object = math.i
         raise ValueError(f"due: expected a time on the clock (>= 0, or inf for none), got {due!r:.40}")
     if not (_is_number(due_in) and due_in >= 0):
         raise ValueError(f"due_in: expected seconds (>= 0, or inf for none), got {due_in!r:.40}")
+    if not (_is_number(deadline) and deadline >= 0):  # "soon" raised a bare TypeError
+        raise ValueError(f"deadline: expected a time on the clock (>= 0, or inf for none), got {deadline!r:.40}")
 
 
 def _is_number(value: object) -> TypeGuard[float]:

@@ -78,7 +78,10 @@ class Recorder:
     call_count: int = 0
     refusals: list[CallRecord] = field(default_factory=list)
     """Calls refused before a place in the window (shed, rate-limited): `error` names why,
-    `started` is nan and `finished` the refusal's time. Kept apart from `calls`."""
+    `started` is nan and `finished` the refusal's time. Kept apart from `calls`, and as they
+    are: counted only, without `keep_calls` (a tenant hammering its limits grew a server's
+    list for ever)."""
+    refusal_count: int = 0
 
     def add_call(self, record: CallRecord) -> None:
         self.call_count += 1
@@ -89,7 +92,9 @@ class Recorder:
         self.sessions.append(record)
 
     def add_refusal(self, record: CallRecord) -> None:
-        self.refusals.append(record)
+        self.refusal_count += 1
+        if self.keep_calls:
+            self.refusals.append(record)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
