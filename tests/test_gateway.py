@@ -145,6 +145,7 @@ def test_rate_limited_429_with_retry_after():
             c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
     assert caught.value.status_code == 429 and int(caught.value.response.headers["retry-after"]) >= 1
     assert "requests_per_minute (2)" in caught.value.message  # before: "over its requests or tokens per minute"
+    assert caught.value.code == "rate_limit_exceeded"  # OpenAI's code for it (it was the status, 429)
 
 
 def test_a_429_says_when_one_call_asks_more_than_a_minutes_tokens():

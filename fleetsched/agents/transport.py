@@ -59,7 +59,7 @@ def error_response(
 def response_for(exc: BaseException) -> httpx.Response | None:
     """The HTTP answer for one of our errors (None: not ours to answer)."""
     if isinstance(exc, RateLimited):
-        return error_response(429, str(exc), "rate_limit_exceeded", retry_after_s=exc.retry_after_s)
+        return error_response(429, str(exc), "rate_limit_exceeded", retry_after_s=exc.retry_after_s, code="rate_limit_exceeded")
     if isinstance(exc, Overloaded):
         return error_response(503, str(exc), "overloaded", retry_after_s=exc.retry_after_s)
     if isinstance(exc, DeadlineExceeded):

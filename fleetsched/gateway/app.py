@@ -350,7 +350,7 @@ class Gateway:
         if wait > 0:
             return await _error(
                 send,
-                error_response(429, _over_limits(tenant, tenant_settings, tokens), "rate_limit_exceeded", retry_after_s=wait),
+                error_response(429, _over_limits(tenant, tenant_settings, tokens), "rate_limit_exceeded", retry_after_s=wait, code="rate_limit_exceeded"),
             )
         if endpoint == "completions":
             body[ENDPOINT_KEY] = "completions"
