@@ -512,6 +512,13 @@ def test_client_disconnect_aborts_the_call():
             httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers=headers, timeout=0.5)
         assert _wait_for(lambda: backend.aborted == 2)
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+        # Counted as nginx counts them, 499 (client closed request): the stream cut counted as a
+        # 200 served, the call given up not at all.
+        text = httpx.get(url + "/metrics", headers=headers).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    requests = [s for s in families["fleetsched_gateway_requests"].samples if s.name.endswith("_total")]
+    assert [(s.labels["code"], s.value) for s in requests] == [("499", 2.0)]
+    assert "fleetsched_gateway_request_seconds" not in families or not families["fleetsched_gateway_request_seconds"].samples
 
 
 def test_sessions_group_calls_and_are_admitted_as_sessions():

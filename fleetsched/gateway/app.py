@@ -300,9 +300,10 @@ class Gateway:
             return
         done = _Outcome()
         status = await self._answer(endpoint, identity, headers, receive, send, done)
-        if status:
-            seconds = anyio.current_time() - start
-            self.metrics.record(tenant, endpoint, status, seconds, failed_mid_stream=done.failed_mid_stream)
+        if not status or done.client_left and not done.answered:  # as nginx counts it: not served, nor uncounted
+            status = CLIENT_CLOSED_REQUEST
+        seconds = anyio.current_time() - start
+        self.metrics.record(tenant, endpoint, status, seconds, failed_mid_stream=done.failed_mid_stream)
 
     async def _answer(
         self, endpoint: str, identity: Identity, headers: dict[bytes, bytes], receive: Receive, send: Send, done: _Outcome
@@ -355,8 +356,8 @@ class Gateway:
         if endpoint == "completions":
             body[ENDPOINT_KEY] = "completions"
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
-            send = _bounded(send, self.settings.gateway.send_timeout_s, tg.cancel_scope, tenant)
+            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, done)
+            send = _bounded(send, self.settings.gateway.send_timeout_s, tg.cancel_scope, tenant, done)
             try:
                 if session_id is None:
                     tier = int(tenant_settings.tier)
@@ -518,18 +519,26 @@ class _UsageShape:
         return {key: value for key, value in chunk.items() if key != "usage"}
 
 
+#: The status a call is counted under in the metrics when its client left before its answer's
+#: end (nginx's "client closed request"): such calls went uncounted, or counted as served.
+CLIENT_CLOSED_REQUEST = 499
+
 #: The statuses of a call refused as invalid: it used none of the tenant's requests per minute.
 _REFUSED_AS_INVALID = frozenset({400, 404, 413, 422})
 
 
 class _Outcome:
-    __slots__ = ("status", "started", "failed_mid_stream", "prompt_tokens", "completion_tokens")
+    __slots__ = ("status", "started", "failed_mid_stream", "client_left", "answered", "prompt_tokens", "completion_tokens")
 
     def __init__(self) -> None:
         self.status = 0
         self.started = False
         #: The stream ended in an error event after its 200 was sent.
         self.failed_mid_stream = False
+        #: The client went away (or took nothing for `send_timeout_s`); its answer was `answered`
+        #: in full or not.
+        self.client_left = False
+        self.answered = False
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
@@ -611,25 +620,29 @@ async def _read_body(receive: Receive, limit: int) -> bytes | httpx.Response | N
             return b"".join(parts) if len(parts) != 1 else parts[0]
 
 
-def _bounded(send: Send, timeout_s: float, gone: anyio.CancelScope, tenant: str) -> Send:
+def _bounded(send: Send, timeout_s: float, gone: anyio.CancelScope, tenant: str, done: _Outcome) -> Send:
     """`send`, each message taken by the client within `timeout_s`, else the call is cancelled
     (`gone`) as if the client had left (`GatewaySettings.send_timeout_s`)."""
 
     async def bounded(message: MutableMapping[str, Any]) -> None:
         with anyio.move_on_after(timeout_s) as writing:
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                done.answered = True
         if writing.cancelled_caught:
             logger.warning("a client of tenant %r took nothing for %g s: its call is ended", tenant, timeout_s)
+            done.client_left = True
             gone.cancel()
             await anyio.sleep(0)  # the cancellation, here
 
     return bounded
 
 
-async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope, done: _Outcome) -> None:
     """Cancel the call when the client goes away (ASGI says so with ``http.disconnect``)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            done.client_left = True
             scope.cancel()
             return

@@ -50,7 +50,7 @@ class GatewayMetrics:
             return tenant is None or name == tenant
 
         lines = [
-            "# HELP fleetsched_gateway_requests_total Requests answered, by tenant, endpoint and status.",
+            "# HELP fleetsched_gateway_requests_total Requests, by tenant, endpoint and status (499: the client left before its answer's end).",
             "# TYPE fleetsched_gateway_requests_total counter",
         ]
         for (t, endpoint, status), n in sorted(self.requests.items()):
