@@ -34,6 +34,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,10 +209,13 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
         calls_by.setdefault(call.tenant, []).append(call)
     # Calls refused before the backend (shed, rate-limited) are kept apart from `calls`; each
     # fails its session and misses every call objective in the report, so a fleet with refused
-    # calls does not fit (else a larger fleet, refused more, would look as good).
-    refused: dict[str, int] = {}
+    # calls does not fit (else a larger fleet, refused more, would look as good). Refused by
+    # the tenant's own rate limits, counted apart (`RATE_LIMITED`): a busier engine slows its
+    # calls under the limit, so these can stop as the fleet grows.
+    refused: dict[tuple[str, str], int] = {}
     for call in scheduler.recorder.refusals:
-        refused[call.tenant] = refused.get(call.tenant, 0) + 1
+        metric = RATE_LIMITED if call.error == "RateLimited" else "refused_calls"
+        refused[call.tenant, metric] = refused.get((call.tenant, metric), 0) + 1
     sessions_by: dict[str, list[Any]] = {}
     rejected: dict[str, int] = {}
     for session in scheduler.recorder.sessions:
@@ -224,8 +228,9 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
         sessions = sessions_by.get(name, [])
         if name in rejected:  # a fleet whose sessions cannot run does not fit, whatever else it met
             checks.append(SlaCheck(name, "rejected_sessions", 0, rejected[name]))
-        if name in refused:
-            checks.append(SlaCheck(name, "refused_calls", 0, refused[name]))
+        for metric in ("refused_calls", RATE_LIMITED):
+            if (name, metric) in refused:
+                checks.append(SlaCheck(name, metric, 0, refused[name, metric]))
         if not calls and not sessions:
             continue
         ok = [c for c in calls if c.error is None]
@@ -260,47 +265,84 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
     return checks
 
 
+#: The check of calls refused by their tenant's own rate limits (`sla_checks`).
+RATE_LIMITED = "rate_limited_calls"
+
+
 def find_max_sessions(
     settings: Settings, duration_s: float, echo: Any = print, limit: int = 1 << 16, loop: Loop = "asyncio"
 ) -> dict[str, Any]:
     """The largest fleet (total sessions, tier mix kept) whose run meets every tenant's SLA.
 
+    The search grows the fleet, then bisects (to within 2 %) for the edge past which it
+    misses, taking a larger fleet to miss whatever a smaller one missed. A tenant's own rate
+    limits break that: a busier engine slows its calls under them, so a fleet refused by them
+    can be smaller than one that is not. When fleets missed nothing but those refusals and a
+    larger one missed more, the search bisects again between them for the engine's own edge,
+    reading such a fleet as within it (it answered 6 sessions where 48 to 72 fit).
+
     The result: ``max_sessions`` (0: even the smallest fleet, one session of each kind, misses),
     ``bounded_by_limit``, ``probes`` ({sessions run: met}), ``agents`` (the fleet found),
-    ``smallest_misses`` (what the smallest fleet missed, when it was run and missed) and
-    ``unreachable`` (the start-up check's messages: objectives an idle engine cannot meet).
+    ``first_miss`` (sessions of the smallest fleet run past it that missed, None if none),
+    ``rate_limited`` ({sessions run: what its tenants' rate limits refused} for fleets that
+    missed nothing else), ``smallest_misses`` (what the smallest fleet missed, when it was run
+    and missed) and ``unreachable`` (the start-up check's messages: objectives an idle engine
+    cannot meet).
     """
     agents = settings.workload.agents
     probes: dict[int, bool] = {}
-    misses: dict[int, str] = {}
+    misses: dict[int, str] = {}  # by sessions run: what a fleet missed, its rate limits' refusals aside
+    rate_limited: dict[int, str] = {}  # by sessions run: fleets that missed only those
+    ran: dict[int, int] = {}  # the sessions run for each total tried
     unreachable: list[str] = []
 
-    def meets(total: int) -> bool:
+    def run(total: int) -> int:
+        """Run the fleet of `total` (once: virtual time repeats it); the sessions it ran."""
         mix = scale_fleet(agents, total)
-        ran = sum(m.count for m in mix)  # each kind at least 1: may exceed `total`
-        if ran in probes:  # a fleet of this size ran already (deterministic virtual time)
-            return probes[ran]
+        ran[total] = sessions = sum(m.count for m in mix)  # each kind at least 1: may exceed `total`
+        if sessions in probes:
+            return sessions
         scaled = settings.model_copy(update={"workload": settings.workload.model_copy(update={"agents": mix})})
         report, scheduler = simulate(scaled, duration_s, loop)
         if not probes:
             unreachable.extend(u["message"] for u in report["sla"]["feasibility"]["unreachable"])
-        checks = sla_checks(scheduler, scaled, report["duration_s"])
-        failed = [c for c in checks if not c.ok]
-        probes[ran] = not failed
-        if failed:
-            misses[ran] = ", ".join(f"{c.tenant}.{c.metric} ({c.measured} vs {c.target:.3g})" for c in failed)
-        verdict = "misses " + misses[ran] if failed else "meets every SLA"
-        echo(f"  {ran:6d} sessions: {throughput_text(report)}, {verdict} [{report['wall_s']:.1f} s wall]")
-        return not failed
+        failed = [c for c in sla_checks(scheduler, scaled, report["duration_s"]) if not c.ok]
+        probes[sessions] = not failed
+        text = ", ".join(f"{c.tenant}.{c.metric} ({c.measured} vs {c.target:.3g})" for c in failed)
+        if failed and all(c.metric == RATE_LIMITED for c in failed):
+            rate_limited[sessions] = text
+            verdict = f"misses only its tenants' own rate limits: {text}"
+        elif failed:
+            misses[sessions] = text
+            verdict = "misses " + text
+        else:
+            verdict = "meets every SLA"
+        echo(f"  {sessions:6d} sessions: {throughput_text(report)}, {verdict} [{report['wall_s']:.1f} s wall]")
+        return sessions
 
-    def result(lo: int, bounded: bool) -> dict[str, Any]:
-        smallest = _size(agents, 1)
+    def meets(total: int) -> bool:
+        return probes[run(total)]
+
+    def fits(total: int) -> bool:
+        """Within the engine's edge: missing nothing, or only its tenants' rate limits."""
+        return run(total) not in misses
+
+    def bisect(lo: int, hi: int, within: Callable[[int], bool]) -> int:
+        while hi - lo > max(1, lo // 50):  # to within 2%
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if within(mid) else (lo, mid)
+        return lo
+
+    def result(found: int, bounded: bool) -> dict[str, Any]:
+        size, smallest = _size(agents, found), _size(agents, 1)
         return {
-            "max_sessions": _size(agents, lo),
+            "max_sessions": size,
             "bounded_by_limit": bounded,
             "probes": probes,
-            "agents": _mix(agents, lo),
-            "smallest_misses": misses.get(smallest) if lo == 0 else None,
+            "agents": _mix(agents, found),
+            "first_miss": min((n for n, ok in probes.items() if n > size and not ok), default=None),
+            "rate_limited": rate_limited,
+            "smallest_misses": (misses.get(smallest) or rate_limited.get(smallest)) if found == 0 else None,
             "unreachable": unreachable,
         }
 
@@ -310,13 +352,15 @@ def find_max_sessions(
         lo, hi = hi, hi * 2
         if hi > limit:
             return result(lo, bounded=True)
-    while hi - lo > max(1, lo // 50):  # to within 2%
-        mid = (lo + hi) // 2
-        if meets(mid):
-            lo = mid
-        else:
-            hi = mid
-    return result(lo, bounded=False)
+    found = bisect(lo, hi, meets)
+    # Fleets that missed only their rate limits below one that missed more: the engine's edge
+    # lies between them, and fleets there may meet every objective.
+    limited = [total for total, sessions in ran.items() if sessions in rate_limited]
+    above = [total for total, sessions in ran.items() if sessions in misses and total > max(limited, default=math.inf)]
+    if above:
+        edge = bisect(max(limited), min(above), fits)
+        found = max([found, *(total for total, sessions in ran.items() if total <= edge and probes[sessions])])
+    return result(found, bounded=False)
 
 
 #: The objectives a session's wait for admission counts against (`sla_checks`).
@@ -450,7 +494,18 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
         elif result["bounded_by_limit"]:
             print(f"every fleet up to {result['max_sessions']} sessions meets every SLA (the search stops there) {result['agents']}")
         else:
-            print(f"largest fleet meeting every SLA: {result['max_sessions']} sessions {result['agents']}")
+            found, first_miss = result["max_sessions"], result["first_miss"]
+            edge = ""  # the bisection stops within 2 %: where the edge lies
+            if first_miss is not None:
+                edge = f"; {first_miss} miss" + (", sizes between were not run" if first_miss > found + 1 else "")
+            print(f"largest fleet meeting every SLA: {found} sessions {result['agents']}{edge}")
+        limited = {n: text for n, text in result["rate_limited"].items() if n > result["max_sessions"]}
+        if limited and not args.json:
+            largest = max(limited)
+            print(
+                f"note: {largest} sessions fit the engine but miss their tenants' own rate limits ({limited[largest]}): "
+                "a rate limit, not the engine, bounds the fleet there"
+            )
     else:
         report, _ = simulate(settings, duration, args.loop)
         text = json.dumps(report, indent=2)
