@@ -562,3 +562,19 @@ def test_the_search_looks_past_fleets_refused_only_by_their_own_rate_limits(monk
     result = find_max_sessions(settings, 600.0, echo=lambda _: None)
     assert result["max_sessions"] == 73 and result["first_miss"] == 74
     assert 45 in result["rate_limited"] and result["probes"][45] is False
+
+
+def test_the_search_says_how_much_of_a_rate_limit_a_probe_hides(tmp_path, capsys):
+    """A bucket starts with a minute's worth: in 2-minute probes a tenant 18-26 % over its
+    tokens_per_minute met it (refused from the fifth minute on), and nothing said so."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[backend.sim]\nmax_num_seqs = 8\n[scheduler]\nmax_sessions = 8\n[tenants.a]\ntokens_per_minute = 100000\n'
+        'sla = { latency_p95_s = 5 }\n[[workload.agents]]\ntenant = "a"\ncount = 4\nturns = 2\nprompt_tokens = 100\n'
+        "max_tokens = 16\ntool_s = 1\n"
+    )
+    assert cli_main(["simulate", str(config), "--duration", "2m", "--find-max-sessions"]) == 0
+    err = capsys.readouterr().err
+    assert "a set rate limits" in err and "up to 50 % over its limit is not refused" in err
+    assert cli_main(["simulate", str(config), "--duration", "1x"]) == 2
+    assert "--duration: not a duration" in capsys.readouterr().err
