@@ -288,7 +288,14 @@ def tenant_table(report: dict[str, Any]) -> Any:
     return table
 
 
-_UNITS = {"ttft_p99": "TTFT p99", "latency_p95": "call p95", "deadline": "deadline", "min_tokens_per_s": "tok/s"}
+_UNITS = {
+    "ttft_p99": "TTFT p99",
+    "admission_p99": "admission p99",
+    "latency_p95": "call p95",
+    "admission_p95": "admission p95",
+    "deadline": "deadline",
+    "min_tokens_per_s": "tok/s",
+}
 
 
 def sla_rows(report: dict[str, Any]) -> list[list[str]]:

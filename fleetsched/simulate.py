@@ -198,7 +198,7 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
     with 984 of 1,024 sessions never admitted). `duration_s` (the run's length) is not used:
     min_tokens_per_s is over the backlogged time.
     """
-    from .observability.sla import CANCELLED, busy_time
+    from .observability.sla import CANCELLED, admission_wait, busy_time
     # Nearest rank, not interpolation: a p99 at most the target exactly when 99 % of the values
     # are, as the report's verdict (an interpolated p99 passes with 98.7 % of 150 calls on time).
     from .scheduler.records import rank_percentile
@@ -239,7 +239,7 @@ def sla_checks(scheduler: Any, settings: Settings, duration_s: float) -> list[Sl
         failed = sum(c.error is not None and c.error not in CANCELLED for c in calls)
         sla = tenant.sla
         checks.append(SlaCheck(name, "call_errors", 0, failed))
-        waits = [(s.finished if math.isnan(s.admitted) else s.admitted) - s.submitted for s in sessions]
+        waits = [admission_wait(s) for s in sessions]  # none rejected: each a float
         if sla.ttft_p99_s is not None:
             checks.append(SlaCheck(name, "ttft_p99_s", sla.ttft_p99_s, rank_percentile([c.ttft_s for c in ok], 99)))
             checks.append(SlaCheck(name, "admission_wait_p99_s", sla.ttft_p99_s, rank_percentile(waits, 99)))

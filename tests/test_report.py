@@ -48,7 +48,7 @@ def test_report_has_the_v2_sections(report):
     assert report["schema"] == SCHEMA == "fleetsched.run/2"
     tenants = {t["tenant"]: t for t in report["tenants"]}
     pager = tenants["pager"]["sla"]["objectives"]
-    assert set(pager) == {"ttft_p99", "latency_p95", "deadline"}
+    assert set(pager) == {"ttft_p99", "admission_p99", "latency_p95", "admission_p95", "deadline"}
     assert pager["ttft_p99"]["events"] == 24 and 0 <= pager["ttft_p99"]["attainment"] <= 1
     assert tenants["product"]["sla"]["refused"]["rate_limited"] > 0  # 20 a minute: refusals recorded
     by_reason = report["sla"]["breaches"]["by_reason"]
