@@ -274,12 +274,12 @@ def find_max_sessions(
 ) -> dict[str, Any]:
     """The largest fleet (total sessions, tier mix kept) whose run meets every tenant's SLA.
 
-    The search grows the fleet, then bisects (to within 2 %) for the edge past which it
-    misses, taking a larger fleet to miss whatever a smaller one missed. A tenant's own rate
-    limits break that: a busier engine slows its calls under them, so a fleet refused by them
-    can be smaller than one that is not. When fleets missed nothing but those refusals and a
-    larger one missed more, the search bisects again between them for the engine's own edge,
-    reading such a fleet as within it (it answered 6 sessions where 48 to 72 fit).
+    The search grows the fleet, then bisects (to within 2 %) for the engine's edge, past which
+    a fleet misses, taking a larger fleet to miss whatever a smaller one missed. A tenant's own
+    rate limits break that: a busier engine slows its calls under them, so a fleet refused by
+    them can be smaller than one that is not. So the edge is sought reading a fleet that missed
+    nothing but those refusals as within it (taken for a miss, it answered 6 sessions where 48
+    to 72 fit); the answer is the largest fleet within it that met every objective.
 
     The result: ``max_sessions`` (0: even the smallest fleet, one session of each kind, misses),
     ``bounded_by_limit``, ``probes`` ({sessions run: met}), ``agents`` (the fleet found),
@@ -346,21 +346,23 @@ def find_max_sessions(
             "unreachable": unreachable,
         }
 
-    # From the config's fleet, but not past the limit: a config of millions would run them all first.
+    # From the config's fleet, but not past the limit: a config of millions would run them all
+    # first. The engine's edge first: grown and bisected on `fits`.
     lo, hi = 0, min(max(1, sum(m.count for m in agents)), limit)
-    while meets(hi):  # grow until a fleet fails
+    bounded = False
+    while fits(hi):
         lo, hi = hi, hi * 2
         if hi > limit:
-            return result(lo, bounded=True)
-    found = bisect(lo, hi, meets)
-    # Fleets that missed only their rate limits below one that missed more: the engine's edge
-    # lies between them, and fleets there may meet every objective.
-    limited = [total for total, sessions in ran.items() if sessions in rate_limited]
-    above = [total for total, sessions in ran.items() if sessions in misses and total > max(limited, default=math.inf)]
-    if above:
-        edge = bisect(max(limited), min(above), fits)
-        found = max([found, *(total for total, sessions in ran.items() if total <= edge and probes[sessions])])
-    return result(found, bounded=False)
+            bounded = True
+            break
+    edge = lo if bounded else bisect(lo, hi, fits)
+    # Then the largest fleet within it that met every objective; below a fleet refused by its
+    # rate limits, bisected again for it.
+    found = max((total for total, sessions in ran.items() if total <= edge and probes[sessions]), default=0)
+    limited = [total for total, sessions in ran.items() if found < total <= edge and sessions in rate_limited]
+    if limited:
+        found = bisect(found, min(limited), meets)
+    return result(found, bounded=bounded and found == edge)
 
 
 def _note_rate_limits(settings: Settings, duration_s: float) -> None:
@@ -514,11 +516,9 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
         elif result["bounded_by_limit"]:
             print(f"every fleet up to {result['max_sessions']} sessions meets every SLA (the search stops there) {result['agents']}")
         else:
-            found, first_miss = result["max_sessions"], result["first_miss"]
-            edge = ""  # the bisection stops within 2 %: where the edge lies
-            if first_miss is not None:
-                edge = f"; {first_miss} miss" + (", sizes between were not run" if first_miss > found + 1 else "")
-            print(f"largest fleet meeting every SLA: {found} sessions {result['agents']}{edge}")
+            # The bisection stops within 2 %: the next fleet run says where the edge lies.
+            miss = "" if result["first_miss"] is None else f"; the next fleet run, {result['first_miss']} sessions, misses"
+            print(f"largest fleet meeting every SLA: {result['max_sessions']} sessions {result['agents']}{miss}")
         limited = {n: text for n, text in result["rate_limited"].items() if n > result["max_sessions"]}
         if limited and not args.json:
             largest = max(limited)

@@ -741,8 +741,9 @@ async def test_a_pool_failing_to_admit_a_session_fails_that_session_alone(when):
             else:
                 await anyio.sleep(3)  # two holes of 2 GB: 4 GB free, in pieces
                 failing = True
-                with pytest.raises(OSError):
+                with pytest.raises(SessionFailed) as failed:  # as the queued one's: a raw OSError was raised
                     await scheduler.submit(await hold(1), tenant="acme", memory=4 * GB)
+                assert isinstance(failed.value.__cause__, OSError)
             failing = False
             assert [await handle for handle in bystanders] == ["held", "tool", "held", "held", "held"]
     check_released(scheduler)

@@ -558,10 +558,11 @@ def test_the_search_looks_past_fleets_refused_only_by_their_own_rate_limits(monk
     monkeypatch.setattr(simulate_module, "simulate", fake_simulate)
     monkeypatch.setattr(simulate_module, "sla_checks", lambda sessions, settings, duration_s: verdict(sessions))
     monkeypatch.setattr(simulate_module, "throughput_text", lambda report: "")
-    settings = Settings(tenants={"warehouse": {}}, workload={"agents": [{"tenant": "warehouse", "count": 180}]})
-    result = find_max_sessions(settings, 600.0, echo=lambda _: None)
-    assert result["max_sessions"] == 73 and result["first_miss"] == 74
-    assert 45 in result["rate_limited"] and result["probes"][45] is False
+    for count in (4, 20, 40, 60, 180):  # the search starts from the config's fleet
+        settings = Settings(tenants={"warehouse": {}}, workload={"agents": [{"tenant": "warehouse", "count": count}]})
+        result = find_max_sessions(settings, 600.0, echo=lambda _: None)
+        assert result["max_sessions"] == 73 and result["first_miss"] == 74, count
+        assert all(not result["probes"][n] for n in result["rate_limited"]) and (count > 45 or result["rate_limited"])
 
 
 def test_the_search_says_how_much_of_a_rate_limit_a_probe_hides(tmp_path, capsys):

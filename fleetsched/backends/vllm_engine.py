@@ -222,6 +222,8 @@ class VLLMEngineBackend(Backend):
         try:
             _, prompt = await engine.renderer.render_messages_async(messages, params)
         except Exception as exc:  # a malformed message, or one the model's template cannot render
+            if self._closed:  # the renderer went with the engine
+                raise BackendUnavailable(f"the vLLM engine backend for {self.model!r} was closed during the call") from exc
             raise InvalidRequest(f"messages: the chat template of {self.model!r} cannot render them: {exc}") from exc
         return list(prompt["prompt_token_ids"])
 
@@ -362,6 +364,8 @@ class VLLMEngineBackend(Backend):
             return
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        engine.output_processor.propagate_error(EngineDeadError("closed"))
-        with anyio.CancelScope(shield=True):  # it joins the engine's processes: seconds, off the loop
-            await anyio.to_thread.run_sync(engine.shutdown)
+        try:
+            engine.output_processor.propagate_error(EngineDeadError("closed"))
+        finally:
+            with anyio.CancelScope(shield=True):  # it joins the engine's processes: seconds, off the loop
+                await anyio.to_thread.run_sync(engine.shutdown)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import ReportSchemaError
 from ..report import SLA_COLUMNS, load_report, sla_rows, throughput_text
+from .sla import OBJECTIVES
 
 PLOTS = ("ttft_cdf.png", "throughput.png", "queue_depth.png", "memory.png", "sla_attainment.png")
 TIER_COLORS = {"critical": "tab:red", "standard": "tab:blue", "batch": "tab:green"}
@@ -161,7 +162,7 @@ def plot_memory(report: dict[str, Any], path: Path) -> None:
 def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     fig, (bars, over_time) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.3]})
-    objectives = ["ttft_p99", "latency_p95", "deadline", "min_tokens_per_s"]
+    objectives = list(OBJECTIVES)
     tenants = [t for t in report["tenants"] if t["sla"]["objectives"]]
     width = 0.8 / len(objectives)
     for j, objective in enumerate(objectives):
@@ -169,7 +170,7 @@ def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
         for i, t in enumerate(tenants):
             o = t["sla"]["objectives"].get(objective)
             if o is not None and o["attainment"] is not None:
-                xs.append(i + (j - 1.5) * width)
+                xs.append(i + (j - (len(objectives) - 1) / 2) * width)
                 ys.append(100 * o["attainment"])
         if xs:
             bars.bar(xs, ys, width=width, label=objective)

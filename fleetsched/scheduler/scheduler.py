@@ -34,7 +34,17 @@ from .._cancellation import stray_cancelled_error
 from .._parking import current_task
 from ..agents.context import SessionContext
 from ..backends import Backend, create_backend
-from ..errors import ConfigError, DeadlineExceeded, FleetschedError, QuotaWouldBlock, SchedulerClosed, SessionRejected, UnknownTenant, WouldBlock
+from ..errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FleetschedError,
+    QuotaWouldBlock,
+    SchedulerClosed,
+    SessionFailed,
+    SessionRejected,
+    UnknownTenant,
+    WouldBlock,
+)
 from ..policies.fair_queue import Entry, FairQueue
 from ..policies.pace import KeepOrRelease, ToolStats
 from ..policies.tiers import Tier
@@ -45,7 +55,7 @@ from ..resources.ratelimit import RateLimit, TenantRateLimits
 from ..settings import DeviceSettings, Settings
 from .dispatcher import Dispatcher, DispatcherStatistics
 from .records import Recorder, SessionRecord
-from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHandle, SessionState
+from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHandle, SessionState, _described
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +318,8 @@ class Scheduler:
         ``ends_at``): sessions expected to end together are placed side by side.
 
         Raises `UnknownTenant`, `RequestTooLarge` or `QuotaExceeded` (the session could never
-        run: rejected at once), `SchedulerClosed` outside the ``async with`` block.
+        run: rejected at once), `SchedulerClosed` outside the ``async with`` block,
+        `SessionFailed` when the memory pool fails admitting it at once (a move callback's error).
         """
         handle, now = self._new_session(agent, tenant, tier, memory, deadline_s, name, kind, expected_s)
         if not self._start_at_once(handle, now):
@@ -495,11 +506,19 @@ class Scheduler:
             )
         except WouldBlock:  # QuotaWouldBlock too: it queues, and `_admit_ready` takes it from there
             return False
-        except BaseException as exc:  # the pool's own failure: the session ends (it stayed counted, and the exit hung)
-            handle.error = exc
-            handle._set_state(SessionState.FAILED, now)
+        except BaseException as exc:  # the session ends here: it stayed counted, and the exit hung
+            if isinstance(exc, SessionRejected):
+                state = SessionState.REJECTED
+            elif isinstance(exc, Exception):  # the pool's own (its owner's move callback, compacting for it)
+                state = SessionState.FAILED
+            else:  # Ctrl-C, say: no failure of the session's
+                state = SessionState.CANCELLED
+            handle.error = None if state is SessionState.CANCELLED else exc
+            handle._set_state(state, now)
             self._record(handle)
             self._session_ended()
+            if state is SessionState.FAILED:  # as a queued session's is given: not a raw OSError
+                raise SessionFailed(f"{handle.name} failed: the memory pool could not admit it: {_described(exc)}") from exc
             raise
         self._queue.serve_direct(handle.tenant, int(handle.tier), 1.0)  # a session costs 1, as a queued one does
         self._start(handle, reservation, now, spawn)
@@ -622,6 +641,8 @@ class Scheduler:
         try:
             self.pool.release(reservation)
         except Exception:
+            if not reservation.released:  # refused before releasing (during a move): not to be hidden
+                raise
             logger.exception("a callback of the memory pool failed after %r was released", reservation)
 
     async def _expire_queued(self, handle: SessionHandle, timer: anyio.CancelScope) -> None:
