@@ -16,8 +16,9 @@ staggered over the first seconds); new sessions stop at the end and those runnin
 entries together, keeping the tier mix) and binary-searches the largest total that still meets
 every tenant's SLA (`SlaSettings`: ttft_p99_s, latency_p95_s, deadline_s, min_tokens_per_s; and
 no failed or refused calls), one virtual-time run per probe. Sessions that wait for admission count: their
-wait is held to the tenant's TTFT objective, so a fleet larger than the scheduler's slots (or
-memory) admit does not fit. The search needs a tenant of the workload with an objective.
+wait is held to the tenant's TTFT and latency objectives (as the report holds it), so a fleet
+larger than the scheduler's slots (or memory) admit does not fit. The search needs a tenant of
+the workload with an objective.
 
 Cost: one engine step per generated token wakes a stream only every ``stream_interval`` tokens;
 simulate sets it to 8 (vLLM's own knob; the first token always comes at once) unless the config or
@@ -503,7 +504,8 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
     if args.find_max_sessions:
         echo = (lambda _: None) if args.json else print
         result = find_max_sessions(settings, duration, echo=echo, loop=args.loop)  # type: ignore[arg-type]
-        result["probes"] = {str(k): v for k, v in sorted(result["probes"].items())}
+        for key in ("probes", "rate_limited"):
+            result[key] = {str(k): v for k, v in sorted(result[key].items())}
         text = json.dumps(result, indent=2)
         for message in result["unreachable"]:
             print(f"fleetsched simulate: warning: {message}", file=sys.stderr)
@@ -519,7 +521,7 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
             # The bisection stops within 2 %: the next fleet run says where the edge lies.
             miss = "" if result["first_miss"] is None else f"; the next fleet run, {result['first_miss']} sessions, misses"
             print(f"largest fleet meeting every SLA: {result['max_sessions']} sessions {result['agents']}{miss}")
-        limited = {n: text for n, text in result["rate_limited"].items() if n > result["max_sessions"]}
+        limited = {int(n): refused for n, refused in result["rate_limited"].items() if int(n) > result["max_sessions"]}
         if limited and not args.json:
             largest = max(limited)
             print(

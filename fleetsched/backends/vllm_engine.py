@@ -71,7 +71,10 @@ def _priority(body: ChatBody) -> int:
 class _EngineStats:
     """The engine's scheduler as vLLM's stat loggers see it (`record` runs after each step's
     outputs): the gauges of the last step, and the counters summed, as its Prometheus logger
-    keeps them for ``vllm:num_requests_waiting`` and the rest on vLLM's server."""
+    keeps them for ``vllm:num_requests_waiting`` and the rest on vLLM's server.
+
+    One engine core's: with data parallelism the gauges are the last core's to step. Giving
+    vLLM a stat logger turns its stats on (``disable_log_stats`` keeps only its own loggers off)."""
 
     def __init__(self) -> None:
         self.recorded = False

@@ -129,7 +129,10 @@ def admission_wait(session: SessionRecord) -> float | None:
 
 
 def admission_events(session: SessionRecord, goals: Mapping[str, float]) -> list[tuple[str, bool, Breach | None]]:
-    """(objective, met, breach or None) for each admission objective in `goals` (`ADMISSION`)."""
+    """(objective, met, breach or None) for each admission objective in `goals` (`ADMISSION`).
+
+    Taken from the session's record, at its end: `SlaTracker`'s live attainment sees a wait
+    when the session ends, not while it waits (the whole run's `evaluate` sees every one)."""
     wait = admission_wait(session)
     events: list[tuple[str, bool, Breach | None]] = []
     for objective in ADMISSION:
