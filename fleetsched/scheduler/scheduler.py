@@ -59,6 +59,7 @@ from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHa
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class SchedulerStatistics:
     """A snapshot of the scheduler, taken by `Scheduler.statistics()`."""
