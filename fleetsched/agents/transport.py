@@ -86,12 +86,39 @@ def field_named(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+class UsageShape:
+    """A stream's chunks as the client's ``stream_options`` ask for them, as OpenAI and vLLM send
+    them: the dispatcher asks the engine for usage on every chunk (it charges the tenant as
+    tokens stream). With no ``include_usage`` the client sees no usage; with it, a last chunk of
+    usage alone (`end`), and usage on the others only with vLLM's ``continuous_usage_stats``
+    too. (The gateway sent all of it to every client, and the chunk of usage alone, whose empty
+    ``choices`` broke the usual ``chunk.choices[0]`` loop.)"""
+
+    def __init__(self, include_usage: bool, continuous: bool = False) -> None:
+        self.include_usage = include_usage
+        self.continuous = include_usage and continuous
+        self._last: Chunk | None = None  # the last chunk that carried usage
+
+    def __call__(self, chunk: Chunk) -> Chunk | None:
+        """`chunk` as the client sees it; None for one of usage alone (its usage comes at the end)."""
+        if chunk.get("usage") is not None:
+            self._last = chunk
+        if not chunk.get("choices"):
+            return None
+        if self.continuous or "usage" not in chunk:
+            return chunk
+        return {key: value for key, value in chunk.items() if key != "usage"}
+
+    def end(self) -> Chunk | None:
+        """The stream's last chunk, of usage alone, where the client asked for it."""
+        return {**self._last, "choices": []} if self.include_usage and self._last is not None else None
+
+
 class _EventStream(httpx.AsyncByteStream):
     """Server-sent events over an already opened dispatcher stream, from its `first` chunk on
     (None: it had none); closing it ends the call.
 
-    Chunks carry no usage; with `include_usage` (``stream_options``) a last chunk with no choices
-    carries it, as OpenAI and vLLM send it. A failure of ours ends it with an error event.
+    Usage as `usage` (`UsageShape`) shapes it. A failure of ours ends it with an error event.
 
     A task beside the session (`_drain`) reads the rest of the answer into a buffer as the engine
     sends it, and ends the call when the answer ends, as a server's answer waits unread in its
@@ -110,10 +137,10 @@ class _EventStream(httpx.AsyncByteStream):
         first: Chunk | None,
         ctx: SessionContext,
         request: httpx.Request,
-        include_usage: bool,
+        usage: UsageShape,
     ) -> None:
         self._opened = opened
-        self._include_usage = include_usage
+        self._usage = usage
         self._chunks = chunks
         self._first = first
         self._request = request
@@ -143,14 +170,14 @@ class _EventStream(httpx.AsyncByteStream):
             await self.aclose()
 
     async def _events(self) -> AsyncIterator[bytes]:
-        chunk, last = self._first, None
+        chunk = self._first
         while chunk is not None:
-            last = chunk
-            if chunk.get("choices"):  # not a chunk of usage alone (vLLM's last): that comes below, if asked for
-                yield _event({key: value for key, value in chunk.items() if key != "usage"})
+            shown = self._usage(chunk)
+            if shown is not None:
+                yield _event(shown)
             chunk = await self._next()
-        if self._include_usage and last is not None and last.get("usage"):
-            yield _event({**last, "choices": []})  # its usage with it
+        if (usage := self._usage.end()) is not None:
+            yield _event(usage)
 
     async def _drain(self) -> None:
         """Read the answer into the buffer, and end the call when it ends (the engine's end, a
@@ -254,7 +281,8 @@ class SessionTransport(httpx.AsyncBaseTransport):
         if options is not None and (not streaming or not isinstance(options, dict)):  # refused as vLLM refuses it
             said = "an object" if streaming else "set only with stream=true"
             return error_response(400, f"stream_options: {said}, got {options!r:.80}", "invalid_request_error", param="stream_options")
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        # Continuous usage is not offered to agents: their streams carry it at the end alone.
+        usage = UsageShape(isinstance(options, dict) and bool(options.get("include_usage")))
         try:
             with _read_timeout(request):
                 if not streaming:
@@ -271,7 +299,7 @@ class SessionTransport(httpx.AsyncBaseTransport):
             if answer is None:
                 raise
             return answer
-        events = _EventStream(opened, chunks, first, self._ctx, request, include_usage)
+        events = _EventStream(opened, chunks, first, self._ctx, request, usage)
         try:
             self._ctx._start_soon(events._drain, name=f"{self._ctx._handle.name}: ctx.openai stream")
         except BaseException as exc:

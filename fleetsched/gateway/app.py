@@ -37,9 +37,9 @@ from typing import Any
 import anyio
 import httpx
 
-from ..agents.transport import error_response, response_for
+from ..agents.transport import UsageShape, error_response, response_for
 from ..backends import create_backend
-from ..backends.base import PRIVATE_KEYS, Backend, Chunk, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
+from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, tokens_asked
 from ..scheduler import Scheduler
@@ -452,18 +452,20 @@ class Gateway:
                     return
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 done.started, done.status = True, 200
-                shape = _UsageShape(body.get("stream_options"))
+                options = body.get("stream_options") or {}
+                usage = UsageShape(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
                 try:
                     with anyio.CancelScope(deadline=deadline) as budget:
                         chunk = first
                         while chunk is not None:
                             done.note(chunk)  # the tokens are counted whatever the client sees of them
-                            shown = shape(chunk)
+                            shown = usage(chunk)
                             if shown is not None:
                                 await send({"type": "http.response.body", "body": b"data: " + _dumps(shown) + b"\n\n", "more_body": True})
                             chunk = await anext(chunks, None)
                     _check_budget(budget)
-                    tail = b"data: [DONE]\n\n"
+                    last = usage.end()
+                    tail = (b"" if last is None else b"data: " + _dumps(last) + b"\n\n") + b"data: [DONE]\n\n"
                 except Exception as exc:  # mid-stream: the error travels as an event, the stream ends
                     logger.warning("stream of tenant %r failed: %r", tenant, exc)
                     done.failed_mid_stream = True
@@ -496,27 +498,6 @@ class Gateway:
                     await self.state.add_usage(tenant, cost)
             except Exception as exc:
                 logger.warning("could not settle a call of tenant %r in the shared state: %s: %s", tenant, type(exc).__name__, exc)
-
-
-class _UsageShape:
-    """A streamed chunk as the client's ``stream_options`` ask, as OpenAI and vLLM send them:
-    the dispatcher asks the engine for usage on every chunk (it charges the tenant as tokens
-    stream), and all of it went to the client, who had not asked. With no ``include_usage``,
-    no usage and no last chunk of usage alone (whose empty ``choices`` broke the usual
-    ``chunk.choices[0]`` loop); with it, that last chunk, and usage on the others only with
-    vLLM's ``continuous_usage_stats`` too."""
-
-    def __init__(self, options: dict[str, Any] | None) -> None:
-        options = options or {}
-        self.include_usage = bool(options.get("include_usage"))
-        self.continuous = self.include_usage and bool(options.get("continuous_usage_stats"))
-
-    def __call__(self, chunk: Chunk) -> Chunk | None:
-        if not chunk.get("choices") and chunk.get("usage") is not None:  # usage alone: the engine's last
-            return chunk if self.include_usage else None
-        if self.continuous or "usage" not in chunk:
-            return chunk
-        return {key: value for key, value in chunk.items() if key != "usage"}
 
 
 #: The status a call is counted under in the metrics when its client left before its answer's

@@ -147,6 +147,14 @@ def _failure_of(exc: BaseException) -> BaseException | None:
     return None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else exc
 
 
+def _ended_by(error: BaseException) -> SessionState:
+    """How a session that never ran ends on `error`: rejected (`SessionRejected`: it never can),
+    failed, or cancelled (Ctrl-C, say: no failure of the session's)."""
+    if isinstance(error, SessionRejected):
+        return SessionState.REJECTED
+    return SessionState.FAILED if isinstance(error, Exception) else SessionState.CANCELLED
+
+
 class Scheduler:
     """Runs agent sessions under admission control. Use as ``async with Scheduler(...) as s:``.
 
@@ -433,13 +441,14 @@ class Scheduler:
 
     def _push(self, entry: Entry) -> Entry:
         """Queue `entry` (a new session, or one returning from a tool) and admit whoever can run."""
-        waiting_before = self._queue.queued_by() if self._queue else {}
+        kept = bool(self._in_tool)  # sessions kept in a tool: the only ones a change of pressure may park
+        waiting_before = self._queue.queued_by() if kept and self._queue else {}
         pushed = self._queue.push(entry)
         self._admit_ready()
         # Sessions now wait (or, for the first time, one of a tenant under its limit: those at
         # theirs cannot take a slot another tenant frees): tools kept for lack of pressure may park.
         slots = self.slots
-        if self._queue and (
+        if kept and self._queue and (
             not waiting_before
             or (slots.under_cap(entry.tenant) and not any(slots.under_cap(tenant) for tenant, _ in waiting_before))
         ):
@@ -508,17 +517,10 @@ class Scheduler:
         except WouldBlock:  # QuotaWouldBlock too: it queues, and `_admit_ready` takes it from there
             return False
         except BaseException as exc:  # the session ends here: it stayed counted, and the exit hung
-            if isinstance(exc, SessionRejected):
-                state = SessionState.REJECTED
-            elif isinstance(exc, Exception):  # the pool's own (its owner's move callback, compacting for it)
-                state = SessionState.FAILED
-            else:  # Ctrl-C, say: no failure of the session's
-                state = SessionState.CANCELLED
+            state = _ended_by(exc)
             handle.error = None if state is SessionState.CANCELLED else exc
-            handle._set_state(state, now)
-            self._record(handle)
-            self._session_ended()
-            if state is SessionState.FAILED:  # as a queued session's is given: not a raw OSError
+            self._end_unrun(handle, state, now)
+            if state is SessionState.FAILED:  # the pool's own failure, as a queued session's is given: not a raw OSError
                 raise SessionFailed(f"{handle.name} failed: the memory pool could not admit it: {_described(exc)}") from exc
             raise
         self._queue.serve_direct(handle.tenant, int(handle.tier), 1.0)  # a session costs 1, as a queued one does
@@ -665,7 +667,7 @@ class Scheduler:
         handle: SessionHandle = entry.item
         if handle._readmit is None:
             handle.error = error
-            self._drop_queued(handle, SessionState.REJECTED if isinstance(error, SessionRejected) else SessionState.FAILED)
+            self._drop_queued(handle, _ended_by(error))
             return
         # Its entry: `_readmit_entry` is set only once the push that got here returns.
         handle._readmit_entry = entry
@@ -681,10 +683,14 @@ class Scheduler:
         if handle._queue_timer is not None:
             handle._queue_timer.cancel()
             handle._queue_timer = None
-        handle._set_state(state, anyio.current_time())
+        self._end_unrun(handle, state, anyio.current_time())
+        self._admit_ready()  # the head may have been the one blocking
+
+    def _end_unrun(self, handle: SessionHandle, state: SessionState, now: float) -> None:
+        """End in `state` a counted session that never ran."""
+        handle._set_state(state, now)
         self._record(handle)
         self._session_ended()
-        self._admit_ready()  # the head may have been the one blocking
 
     def _session_ended(self) -> None:
         self._live -= 1
@@ -921,4 +927,3 @@ class Scheduler:
 
     def running_sessions(self) -> list[SessionHandle]:
         return list(self._running.values())
-

@@ -81,7 +81,7 @@ async def check(model_dir: str) -> dict:
         async def load() -> None:
             async with anyio.create_task_group() as calls:
                 for _ in range(8):
-                    calls.start_soon(collect_chat_of, backend, {**request, "max_tokens": 64})
+                    calls.start_soon(read_to_end, backend, {**request, "max_tokens": 64})
             loaded.set()
 
         async with anyio.create_task_group() as watching:
@@ -196,7 +196,7 @@ async def check(model_dir: str) -> dict:
     return {"ok": True, "engine_start_s": round(started_s, 1), "start_ticks": ticks, "signals": loaded_signals, "usage": folded["usage"]}
 
 
-async def collect_chat_of(backend: VLLMEngineBackend, body: dict) -> None:
+async def read_to_end(backend: VLLMEngineBackend, body: dict) -> None:
     _ = [c async for c in backend.stream_chat(body)]
 
 
