@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetsched.backends.base import Backend, ChatBody, Chunk, make_chunk, usage_dict
 from fleetsched.backends.instant import InstantBackend
 from fleetsched.errors import Overloaded, RateLimited
-from fleetsched.gateway.app import Gateway, _answer_for
+from fleetsched.gateway.app import Gateway, _answer_for, duration_text
 from fleetsched.gateway.auth import KeyRing, hash_key
 from fleetsched.gateway.server import serve_in_thread
 from fleetsched.settings import Settings
@@ -146,6 +146,40 @@ def test_rate_limited_429_with_retry_after():
     assert caught.value.status_code == 429 and int(caught.value.response.headers["retry-after"]) >= 1
     assert "requests_per_minute (2)" in caught.value.message  # before: "over its requests or tokens per minute"
     assert caught.value.code == "rate_limit_exceeded"  # OpenAI's code for it (it was the status, 429)
+
+
+def test_answers_carry_openais_rate_limit_headers():
+    """Every answer after the tenant's limits are taken carries OpenAI's x-ratelimit-* headers
+    (LiteLLM-style proxies pass them on; clients pace themselves by them): 200s, streams and
+    429s alike. A tenant without limits gets none."""
+    s = gateway_settings(
+        {
+            "globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2, "tokens_per_minute": 1000},
+            "acme": {"api_keys": [hash_key(ACME)]},
+        }
+    )
+    with serve_in_thread(s) as (_, url):
+        c = client(url, GLOBEX)
+        first = c.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=100)
+        h = first.headers
+        assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("2", "1")
+        assert h["x-ratelimit-reset-requests"] in ("30s", "29.999s")  # one request at 2 a minute
+        tokens_left = int(h["x-ratelimit-remaining-tokens"])  # 1,000 less the prompt and max_tokens
+        assert h["x-ratelimit-limit-tokens"] == "1000" and 880 <= tokens_left <= 900
+        assert h["x-ratelimit-reset-tokens"].endswith("s") and 6 <= float(h["x-ratelimit-reset-tokens"][:-1]) <= 7.3
+        with c.chat.completions.with_streaming_response.create(model="m", messages=MSG, max_tokens=1, stream=True) as streamed:
+            assert streamed.headers["x-ratelimit-remaining-requests"] == "0"
+        with pytest.raises(openai.RateLimitError) as caught:
+            c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        refused = caught.value.response.headers
+        assert refused["x-ratelimit-remaining-requests"] == "0" and "retry-after" in refused
+        plain = client(url, ACME).chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=1)
+        assert not [name for name in plain.headers if name.startswith("x-ratelimit")]
+
+
+def test_reset_times_are_written_as_openai_writes_them():
+    cases = {0: "0s", -1: "0s", 0.25: "250ms", 0.0004: "1ms", 6: "6s", 1.5: "1.5s", 90.5: "1m30.5s", 60: "1m0s", 3600: "1h0m0s"}
+    assert {s: duration_text(s) for s in cases} == cases
 
 
 def test_a_429_says_when_one_call_asks_more_than_a_minutes_tokens():
@@ -537,6 +571,63 @@ def test_sessions_group_calls_and_are_admitted_as_sessions():
         assert _wait_for(lambda: len(gw.sessions) == 0, 3)
 
 
+def test_a_client_ends_its_session_and_frees_its_slot_at_once():
+    """DELETE /v1/sessions/{id}: one slot, tools kept, 60 s idle. Session "a" ends at its
+    client's word, so "b" is admitted at once (before: "b" waited for "a" to idle out); a later
+    call of "a" starts a new session. Another tenant's key, an unknown id, the admin key and a
+    malformed id are refused."""
+    s = gateway_settings(scheduler={"max_sessions": 1, "tool_policy": "keep"}, gateway={"session_idle_s": 60})
+    with serve_in_thread(s) as (gw, url):
+        a = client(url).with_options(default_headers={"X-Session-ID": "agent/a"})
+        a.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        assert gw.scheduler.statistics().running_total == 1
+
+        def delete(session: str, key: str = ACME) -> httpx.Response:
+            return httpx.delete(f"{url}/v1/sessions/{session}", headers={"authorization": f"Bearer {key}"}, timeout=10)
+
+        assert delete("agent/a", GLOBEX).status_code == 404  # the same id of another tenant: none
+        assert delete("nobody").status_code == 404
+        assert delete("agent/a", ADMIN).status_code == 403
+        assert delete("bad id").status_code == 400
+        answer = delete("agent/a")
+        assert answer.status_code == 200 and answer.json() == {"id": "agent/a", "object": "session", "deleted": True}
+        assert delete("agent/a").status_code == 404  # ended: nothing left to end
+        start = time.monotonic()
+        b = client(url).with_options(default_headers={"X-Session-ID": "b"})
+        b.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        assert time.monotonic() - start < 5  # not the 60 s "a" would have held the slot idle
+        assert _wait_for(lambda: gw.scheduler.statistics().finished.get("cancelled", 0) == 1, 3)
+        assert delete("b").status_code == 200
+        a.chat.completions.create(model="m", messages=MSG, max_tokens=1)  # a new session of the id
+        assert _wait_for(lambda: len(gw.sessions) == 1 and gw.scheduler.statistics().running_total == 1, 3)
+
+
+def test_a_session_ended_while_its_call_waits_for_admission_is_closed_by_a_shutdown():
+    """One slot, held by idle session "a"; "b"'s first call waits for admission when its client
+    ends "b"; then the server shuts down. The call gets the shutdown's 503, as calls waiting
+    for admission do (before: the ended session was out of the gateway's table, so the shutdown
+    missed it, and "b" was admitted and served once "a" was gone)."""
+    import threading
+
+    s = gateway_settings(scheduler={"max_sessions": 1, "tool_policy": "keep"}, gateway={"session_idle_s": 60})
+    headers = {"authorization": f"Bearer {ACME}"}
+    answers: list[httpx.Response] = []
+    with serve_in_thread(s) as (gw, url):
+
+        def call(session: str) -> httpx.Response:
+            body = {"messages": MSG, "max_tokens": 1}
+            return httpx.post(url + "/v1/chat/completions", json=body, headers={**headers, "x-session-id": session}, timeout=30)
+
+        assert call("a").status_code == 200
+        waiting = threading.Thread(target=lambda: answers.append(call("b")))
+        waiting.start()
+        assert _wait_for(lambda: gw.scheduler.statistics().queued_total == 1)
+        assert httpx.delete(url + "/v1/sessions/b", headers=headers).status_code == 200
+        assert len(gw.sessions) == 2  # "b" still counts: it has a call to serve
+    waiting.join(10)
+    assert answers[0].status_code == 503 and "shutting down" in answers[0].json()["error"]["message"]
+
+
 def test_sessions_released_during_client_time():
     """Tools released: between its calls a session lends its slot to another session."""
     s = gateway_settings(scheduler={"max_sessions": 1, "tool_policy": "release"}, gateway={"session_idle_s": 30})
@@ -625,6 +716,32 @@ def test_a_session_past_its_deadline_ends_its_call_and_refuses_its_id():
         assert streamed.status_code == 200 and json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 408
         assert events[-1] == "data: [DONE]"
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0 and len(gw.sessions) == 0)
+
+
+def test_a_session_ended_by_its_client_leaves_no_deadline_mark_on_its_id():
+    """Its client ends session "s1" while its call runs, then the call passes the tenant's 2 s
+    deadline. A later call of "s1" starts a new session (before: the ended session, reaching its
+    deadline, marked the id past it, and the new session's call got a 408)."""
+    import threading
+
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "sla": {"deadline_s": 2}}}
+    backend = SlowBackend()
+    with serve_in_thread(gateway_settings(tenants), backend=backend) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}", "x-session-id": "s1"}
+        answers: list[httpx.Response] = []
+
+        def post() -> httpx.Response:
+            return httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers=headers, timeout=10)
+
+        first = threading.Thread(target=lambda: answers.append(post()))
+        first.start()
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 1)
+        assert httpx.delete(url + "/v1/sessions/s1", headers=headers).status_code == 200
+        backend.wait_s = 0  # the next calls answer at once
+        first.join(10)
+        assert answers[0].status_code == 408
+        assert _wait_for(lambda: len(gw.sessions) == 0)  # the ended session is gone, at its deadline
+        assert post().status_code == 200
 
 
 def test_a_session_past_its_deadline_before_its_first_call_is_served_gets_a_408():

@@ -24,7 +24,7 @@ from fleetsched.gateway.app import FAIR_SHARE_SYNC_S
 from fleetsched.gateway.auth import hash_key
 from fleetsched.gateway.server import serve_in_thread
 from fleetsched.gateway.state import MemoryState, Placement, RedisState
-from fleetsched.resources.ratelimit import RateLimit
+from fleetsched.resources.ratelimit import RateLimit, Taken
 from fleetsched.scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
 
 from .test_gateway import ACME, GLOBEX, MSG, client, gateway_settings
@@ -110,12 +110,13 @@ async def test_token_bucket_refund_and_usage_and_placement_are_shared(redis_url)
     limits = {"acme": RateLimit(None, 600.0)}  # 600 tokens a minute, burst 600
     a, b = RedisState(limits, redis_url, instance="a", prefix=prefix), RedisState(limits, redis_url, instance="b", prefix=prefix)
     try:
-        assert await a.take("acme", 500) == 0
-        wait = await b.take("acme", 200)
-        assert 9 < wait <= 11  # 100 tokens short at 10 a second
+        assert (await a.take("acme", 500)).wait_s == 0
+        refused = await b.take("acme", 200)
+        assert 9 < refused.wait_s <= 11  # 100 tokens short at 10 a second
+        assert refused.requests is None and refused.tokens.limit == 600 and 99 < refused.tokens.left <= 101
         await a.refund("acme", 300)
-        assert await b.take("acme", 200) == 0
-        assert await a.take("nobody", 10**9) == 0  # no limit, no bucket
+        assert (await b.take("acme", 200)).wait_s == 0
+        assert (await a.take("nobody", 10**9)).wait_s == 0  # no limit, no bucket
 
         await a.add_usage("acme", 10.5)
         await b.add_usage("acme", 2)
@@ -140,13 +141,13 @@ async def test_a_request_given_back_is_given_back_to_every_instance(redis_url):
     limits = {"acme": RateLimit(2.0, 600.0)}  # 2 requests and 600 tokens a minute
     a, b = RedisState(limits, redis_url, instance="a", prefix=prefix), RedisState(limits, redis_url, instance="b", prefix=prefix)
     try:
-        assert await a.take("acme", 100) == 0 and await b.take("acme", 100) == 0
-        assert 29 < await a.take("acme", 100) <= 31  # the requests are used up: one more in 30 s
+        assert (await a.take("acme", 100)).wait_s == 0 and (await b.take("acme", 100)).wait_s == 0
+        assert 29 < (await a.take("acme", 100)).wait_s <= 31  # the requests are used up: one more in 30 s
         await b.refund("acme", 100)  # tokens only: still no request
-        assert await a.take("acme", 100) > 29
+        assert (await a.take("acme", 100)).wait_s > 29
         await b.refund("acme", 100, request=True)
-        assert await a.take("acme", 100) == 0
-        assert await b.take("acme", 100) > 29
+        assert (await a.take("acme", 100)).wait_s == 0
+        assert (await b.take("acme", 100)).wait_s > 29
     finally:
         await a.aclose()
         await b.aclose()
@@ -334,8 +335,27 @@ async def test_a_call_that_used_more_than_its_charge_is_charged_the_rest_in_redi
     limits = {"acme": RateLimit(None, 6000.0)}  # 100 tokens a second flow back
     for state in (MemoryState(limits), RedisState(limits, redis_url, instance="a", prefix=f"t-{uuid.uuid4().hex[:8]}")):
         try:
-            assert await state.take("acme", 1000) == 0
+            assert (await state.take("acme", 1000)).wait_s == 0
             await state.refund("acme", -5000)
-            assert 9 < await state.take("acme", 1000) <= 11  # 6,000 used of 6,000: 1,000 more is 10 s away
+            assert 9 < (await state.take("acme", 1000)).wait_s <= 11  # 6,000 used of 6,000: 1,000 more is 10 s away
+        finally:
+            await state.aclose()
+
+
+async def test_a_take_reads_the_buckets_alike_in_memory_and_in_redis(redis_url):
+    """A take answers with the buckets' levels after it, for the x-ratelimit-* headers; Redis's
+    script reads them as the in-memory buckets do, refused or taken."""
+    limits = {"acme": RateLimit(2.0, 600.0)}  # 2 requests and 600 tokens a minute
+    for state in (MemoryState(limits), RedisState(limits, redis_url, instance="a", prefix=f"t-{uuid.uuid4().hex[:8]}")):
+        try:
+            taken = await state.take("acme", 100)
+            assert taken.wait_s == 0
+            assert (taken.requests.limit, taken.tokens.limit) == (2, 600)
+            assert 1 <= taken.requests.left < 1.01 and 500 <= taken.tokens.left < 501
+            assert 29.5 < taken.requests.reset_s <= 30 and 9.9 < taken.tokens.reset_s <= 10  # 1 request, 100 tokens short
+            assert (await state.take("acme", 100)).wait_s == 0
+            refused = await state.take("acme", 100)
+            assert refused.wait_s > 29 and refused.requests.left < 0.01 and 400 <= refused.tokens.left < 401
+            assert (await state.take("nobody", 100)) == Taken(0.0)  # no limits: no levels
         finally:
             await state.aclose()

@@ -1,7 +1,7 @@
 """The gateway: an ASGI app serving the OpenAI API to tenants, through the dispatcher.
 
     POST /v1/chat/completions   POST /v1/completions   (streaming and not)
-    GET  /v1/models   GET /metrics   GET /health
+    GET  /v1/models   GET /metrics   GET /health   DELETE /v1/sessions/{X-Session-ID}
 
 A raw ASGI callable rather than a framework: the hot path (auth, checks, one dispatcher call,
 one JSON answer) has no routing or middleware layers, which keeps the added latency well under a
@@ -12,9 +12,10 @@ What a request goes through, in order: the API key (401 when missing or wrong) d
 tier and SLA; the body is parsed and checked (400 naming the field, 413 when too large); a
 request whose prompt estimate plus max_tokens exceeds the backend's context is refused (400
 naming the limit); the tenant's rate limits are taken from the shared state (429 with
-Retry-After); with ``X-Session-ID`` the call waits for its session's turn (session admission,
-keep-or-release across calls, replica placement); then the dispatcher (which sheds batch calls
-with 503 and Retry-After). Responses and streams are passed through as the backend produced
+Retry-After; every answer from here on carries OpenAI's ``x-ratelimit-*`` headers); with
+``X-Session-ID`` the call waits for its session's turn (session admission, keep-or-release
+across calls, replica placement); then the dispatcher (which sheds batch calls with 503 and
+Retry-After). Responses and streams are passed through as the backend produced
 them, usage included: on every chunk of a stream, as the dispatcher asks the engine for it (it
 charges the tenant by the engine's count). A client that disconnects cancels its call, which
 aborts it at the engine.
@@ -41,7 +42,7 @@ from ..agents.transport import UsageShape, error_response, response_for
 from ..backends import create_backend
 from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
-from ..resources.ratelimit import RateLimit, tokens_asked
+from ..resources.ratelimit import RateLimit, Taken, tokens_asked
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
 from ..scheduler.records import Recorder
@@ -72,6 +73,9 @@ _ROUTES = {
     "/metrics": ("GET", "metrics"),
     "/health": ("GET", "health"),
 }
+#: ``DELETE /v1/sessions/{X-Session-ID}`` ends a session (`Gateway._end_session`).
+_SESSIONS_PATH = "/v1/sessions/"
+_SESSION_ROUTE = ("DELETE", "session")
 
 
 class _SessionRecorder(Recorder):
@@ -231,7 +235,8 @@ class Gateway:
             await self._lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = _ROUTES.get(scope["path"])
+        path = scope["path"]
+        route = _ROUTES.get(path) or (_SESSION_ROUTE if path.startswith(_SESSIONS_PATH) else None)
         if route is None:
             await _error(send, error_response(404, f"no such endpoint: {scope['path']}", "not_found"))
             return
@@ -268,10 +273,27 @@ class Gateway:
             return
         if endpoint == "models":
             await _send(send, 200, self._models)
+        elif endpoint == "session":
+            await self._end_session(identity, path.removeprefix(_SESSIONS_PATH), send)
         elif endpoint == "metrics":
             await self._metrics(identity, send)
         else:
             await self._call(endpoint, identity, headers, receive, send)
+
+    async def _end_session(self, identity: Identity, session_id: str, send: Send) -> None:
+        """``DELETE /v1/sessions/{id}``: the tenant's session ends once the calls already waiting
+        for it are served, its slot and memory free at once rather than after
+        `gateway.session_idle_s`; 404 when this instance serves no such session of the tenant."""
+        if identity.tenant is None:
+            await _error(send, error_response(403, "the admin key has no sessions; use a tenant's key", "permission_denied"))
+            return
+        if not SESSION_ID.fullmatch(session_id):
+            await _error(send, _invalid("the session id: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "session_id"))
+            return
+        if self.sessions is None or not self.sessions.end(identity.tenant, session_id):
+            await _error(send, error_response(404, f"no session {session_id!r} of tenant {identity.tenant!r} is open here", "not_found"))
+            return
+        await _send(send, 200, _dumps({"id": session_id, "object": "session", "deleted": True}))
 
     async def _metrics(self, identity: Identity, send: Send) -> None:
         extra: list[str] = []
@@ -344,14 +366,17 @@ class Gateway:
                 return await _error(send, _invalid(message, param, code="context_length_exceeded"))
         tokens = prompt + requested_max_tokens(body)
         try:
-            wait = await self.state.take(tenant, tokens)
+            taken = await self.state.take(tenant, tokens)
         except Exception as exc:  # the shared state (Redis) is unreachable: a 503, not our 500
             logger.warning("shared state unavailable for tenant %r: %s: %s", tenant, type(exc).__name__, exc)
             return await _error(send, _answer_for(StateUnavailable.from_error(exc)))
-        if wait > 0:
+        send = _with_headers(send, ratelimit_headers(taken))
+        if taken.wait_s > 0:
             return await _error(
                 send,
-                error_response(429, _over_limits(tenant, tenant_settings, tokens), "rate_limit_exceeded", retry_after_s=wait, code="rate_limit_exceeded"),
+                error_response(
+                    429, _over_limits(tenant, tenant_settings, tokens), "rate_limit_exceeded", retry_after_s=taken.wait_s, code="rate_limit_exceeded"
+                ),
             )
         if endpoint == "completions":
             body[ENDPOINT_KEY] = "completions"
@@ -599,6 +624,50 @@ async def _read_body(receive: Receive, limit: int) -> bytes | httpx.Response | N
         parts.append(chunk)
         if not message.get("more_body"):
             return b"".join(parts) if len(parts) != 1 else parts[0]
+
+
+def ratelimit_headers(taken: Taken) -> list[tuple[bytes, bytes]]:
+    """OpenAI's ``x-ratelimit-*`` headers for the tenant's buckets after a take: each limit per
+    minute, what is left of it (whole requests and tokens, never below 0) and when it is full
+    again ("1m30s", "250ms"). Empty for a tenant without limits."""
+    headers = []
+    for kind, level in (("requests", taken.requests), ("tokens", taken.tokens)):
+        if level is not None:
+            headers += [
+                (b"x-ratelimit-limit-" + kind.encode(), f"{level.limit:.15g}".encode()),
+                (b"x-ratelimit-remaining-" + kind.encode(), f"{max(0, math.floor(level.left))}".encode()),
+                (b"x-ratelimit-reset-" + kind.encode(), duration_text(level.reset_s).encode()),
+            ]
+    return headers
+
+
+def duration_text(seconds: float) -> str:
+    """`seconds` as OpenAI writes a reset time (Go's duration format): "0s", "250ms", "6s",
+    "1.5s", "1m30s", "1h0m0s"."""
+    ms = math.ceil(seconds * 1000 - 1e-6)  # never early: a client that waits this is served
+    if ms <= 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, ms = divmod(ms, 60_000)
+    hours, minutes = divmod(minutes, 60)
+    text = f"{ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours:
+        return f"{hours}h{minutes}m{text}"
+    return f"{minutes}m{text}" if minutes else text
+
+
+def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    """`send`, adding `headers` to the response's start (whatever answer it turns out to be)."""
+    if not headers:
+        return send
+
+    async def with_headers(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+        await send(message)
+
+    return with_headers
 
 
 def _bounded(send: Send, timeout_s: float, gone: anyio.CancelScope, tenant: str, done: _Outcome) -> Send:

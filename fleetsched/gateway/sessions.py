@@ -6,7 +6,9 @@ agent does not make the calls itself: it hands each arriving call a turn, waits 
 is over, and then sits in a tool period (``ctx.tool("client")``) until the next call comes. The
 time between two calls is the client's tool or think time, so the scheduler's keep-or-release
 policy applies across HTTP calls: it may lend the session's slot and memory to waiting sessions,
-and then the next call waits for re-admission. After `idle_s` without a call the session ends.
+and then the next call waits for re-admission. After `idle_s` without a call the session ends,
+or at once when its client says it is over (`SessionTable.end`, after the calls already
+waiting for it).
 
 Calls of one session are served one at a time, in arrival order. The call itself runs in the
 request's own task (so a client disconnect cancels it at once) with the session's identity,
@@ -45,13 +47,15 @@ def session_key(tenant: str, session_id: str) -> str:
 
 
 class _Turn:
-    __slots__ = ("ready", "done", "abandoned", "granted")
+    __slots__ = ("ready", "done", "abandoned", "granted", "last")
 
-    def __init__(self) -> None:
+    def __init__(self, *, last: bool = False) -> None:
         self.ready = anyio.Event()
         self.done = anyio.Event()
         self.abandoned = False
         self.granted = False  # by the session (else the session ended first)
+        #: No call: the session ends here, after the turns before it (`SessionTable.end`).
+        self.last = last
 
 
 @dataclass(eq=False)
@@ -80,10 +84,12 @@ class SessionTable:
         self._idle_s = idle_s
         self._pick_replica = pick_replica
         self._sessions: dict[str, GatewaySession] = {}
+        #: Sessions their clients ended (`end`) that still serve the calls waiting for them.
+        self._ending: set[GatewaySession] = set()
         self._closing = False
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        return len(self._sessions) + len(self._ending)
 
     @asynccontextmanager
     async def call(self, tenant: str, session_id: str) -> AsyncIterator[GatewaySession]:
@@ -191,13 +197,17 @@ class SessionTable:
                             try:
                                 next_turn = session.receive.receive_nowait()
                             except anyio.WouldBlock:
-                                self._close(session)
-                                assert session.handle is not None
-                                session.handle.cancel()  # leaves the tool without waiting for re-admission
-                                await anyio.sleep_forever()
+                                pass
+                        if next_turn is None or next_turn.last:  # idle for idle_s, or ended by its client
+                            self._close(session)
+                            assert session.handle is not None
+                            session.handle.cancel()  # leaves the tool without waiting for re-admission
+                            await anyio.sleep_forever()
                     turn = next_turn
             finally:
-                if anyio.current_time() >= ctx.deadline:  # ended by its deadline: its id stays refused a while
+                # Ended by its deadline: its id stays refused a while. Not once its client ended it:
+                # the id may name a new session by now, which the mark would refuse.
+                if anyio.current_time() >= ctx.deadline and session not in self._ending:
                     # Marked before the session closes: a call that comes meanwhile joins the
                     # session and gets its 408 from the deadline, rather than a new session.
                     await self._mark_past_deadline(session.key)
@@ -218,6 +228,7 @@ class SessionTable:
         if session.closed:
             return
         session.closed = True
+        self._ending.discard(session)
         if self._sessions.get(session.key) is session:
             del self._sessions[session.key]
         while True:  # a call that raced with the expiry goes ahead without the session
@@ -226,11 +237,26 @@ class SessionTable:
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
 
+    def end(self, tenant: str, session_id: str) -> bool:
+        """End a session at its client's word (``DELETE /v1/sessions/{id}``) rather than after
+        `idle_s`: its slot and memory come free once the calls already waiting for it are served,
+        and a later call with its id starts a new session (placed where the ended one was: the
+        placement is left to expire, a hint for the replica whose cache holds the conversation).
+        False when this instance serves no such session."""
+        key = session_key(tenant, session_id)
+        session = self._sessions.get(key)
+        if session is None or session.closed:
+            return False
+        del self._sessions[key]  # later calls of the id make a new session
+        self._ending.add(session)
+        session.send.send_nowait(_Turn(last=True))
+        return True
+
     def close_all(self) -> None:
         """End every session (the gateway is shutting down): calls under way finish, calls
         waiting for their turn get `SchedulerClosed`, and so do new ones."""
         self._closing = True
-        for session in list(self._sessions.values()):
+        for session in [*self._sessions.values(), *self._ending]:
             self._close(session)
             if session.handle is not None:
                 session.handle.cancel()

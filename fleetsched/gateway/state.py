@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import anyio
 
 from ..errors import ConfigError, FleetschedError
-from ..resources.ratelimit import RateLimit, TenantRateLimits
+from ..resources.ratelimit import Level, RateLimit, Taken, TenantRateLimits
 
 
 class StateUnavailable(FleetschedError):
@@ -63,10 +63,11 @@ class SharedState(ABC):
         self.limits = dict(limits)
 
     @abstractmethod
-    async def take(self, tenant: str, tokens: float) -> float:
+    async def take(self, tenant: str, tokens: float) -> Taken:
         """Take one request and `tokens` tokens from `tenant`'s buckets, or neither.
 
-        Returns 0 when taken, else the seconds until both would be there."""
+        Its `wait_s` is 0 when taken, else the seconds until both would be there; with the
+        buckets' levels after it."""
 
     @abstractmethod
     async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
@@ -113,10 +114,12 @@ class MemoryState(SharedState):
         #: Per session, its placement (None: marked past its deadline) and when it expires.
         self._placements: dict[str, tuple[Placement | None, float]] = {}
 
-    async def take(self, tenant: str, tokens: float) -> float:
+    async def take(self, tenant: str, tokens: float) -> Taken:
         if tenant not in self.limits:
-            return 0.0
-        return self._buckets.try_take(tenant, tokens, anyio.current_time())
+            return Taken(0.0)
+        now = anyio.current_time()
+        wait = self._buckets.try_take(tenant, tokens, now)
+        return Taken(wait, *self._buckets.levels(tenant, now))
 
     async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
         if tenant in self.limits:
@@ -150,8 +153,9 @@ class MemoryState(SharedState):
 
 
 # KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, tokens rate/s,
-# tokens capacity (rate 0: no such limit), tokens to take. Returns the wait in seconds, as a
-# string (Redis would truncate a Lua number to an integer).
+# tokens capacity (rate 0: no such limit), tokens to take. Returns the wait in seconds and the
+# two buckets' levels after the take (or the refusal), as a string "wait requests tokens" (Redis
+# would truncate a Lua number to an integer).
 _TAKE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -171,11 +175,17 @@ if tr > 0 then
   local need = math.min(amount, tc)
   if k < need then wait = math.max(wait, (need - k) / tr) end
 end
-if wait > 0 then return tostring(wait) end
-if rr > 0 then redis.call('HSET', KEYS[1], 'r', tostring(r - 1), 'rt', tostring(now)) end
-if tr > 0 then redis.call('HSET', KEYS[1], 'k', tostring(k - amount), 'kt', tostring(now)) end
+if wait > 0 then return tostring(wait) .. ' ' .. tostring(r) .. ' ' .. tostring(k) end
+if rr > 0 then
+  r = r - 1
+  redis.call('HSET', KEYS[1], 'r', tostring(r), 'rt', tostring(now))
+end
+if tr > 0 then
+  k = k - amount
+  redis.call('HSET', KEYS[1], 'k', tostring(k), 'kt', tostring(now))
+end
 redis.call('EXPIRE', KEYS[1], 3600)
-return '0'
+return '0 ' .. tostring(r) .. ' ' .. tostring(k)
 """
 
 # KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, requests to give
@@ -247,13 +257,14 @@ class RedisState(SharedState):
     def _bucket(self, tenant: str) -> str:
         return f"{self._prefix}:bucket:{tenant}"
 
-    async def take(self, tenant: str, tokens: float) -> float:
+    async def take(self, tenant: str, tokens: float) -> Taken:
         limit = self.limits.get(tenant)
         if limit is None:
-            return 0.0
+            return Taken(0.0)
         rpm, tpm = limit.requests_per_minute or 0.0, limit.tokens_per_minute or 0.0
-        wait = await self._take(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, tpm / 60, tpm, float(tokens)])
-        return float(wait)
+        answer = await self._take(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, tpm / 60, tpm, float(tokens)])
+        wait, requests, tokens_left = (float(x) for x in answer.split())
+        return Taken(wait, _level(rpm, requests), _level(tpm, tokens_left))
 
     async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
         limit = self.limits.get(tenant)
@@ -301,6 +312,13 @@ class RedisState(SharedState):
         if not self._closed:
             self._closed = True
             await self._redis.aclose()
+
+
+def _level(per_minute: float, left: float) -> Level | None:
+    """A bucket's level as the take script read it (None: no such limit)."""
+    if not per_minute:
+        return None
+    return Level(per_minute, left, max(0.0, (per_minute - left) * 60 / per_minute))
 
 
 def _milliseconds(seconds: float) -> int:

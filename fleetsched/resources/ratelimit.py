@@ -41,12 +41,38 @@ class TokenBucket:
         self._refill(now)
         self.tokens -= amount
 
+    def level(self, now: float) -> Level:
+        """The bucket as its client sees it at `now`."""
+        self._refill(now)
+        return Level(self.capacity, self.tokens, max(0.0, (self.capacity - self.tokens) / self.rate_per_s))
+
     def give_back(self, amount: float, now: float) -> None:
         """Add `amount` (negative: take it) as of `now`. Refilled to `now` first: a charge given
         at a call's end, on the level as of its start, was partly lost to the cap at the next
         refill (a bucket held 390 tokens where 200 were left)."""
         self._refill(now)
         self.tokens = min(self.capacity, self.tokens + amount)
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """A bucket as its client sees it (OpenAI's ``x-ratelimit-*`` headers): its size (a minute's
+    worth), what is in it (below 0 after a take larger than it held), and the seconds until it
+    is full again."""
+
+    limit: float
+    left: float
+    reset_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """The answer to a take: `wait_s` 0 when it was taken, else the seconds until it would be;
+    and the tenant's buckets after it (None: the tenant has no such limit)."""
+
+    wait_s: float
+    requests: Level | None = None
+    tokens: Level | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +109,12 @@ class TenantRateLimits:
         if token_bucket:
             token_bucket.take(tokens, now)
         return 0.0
+
+    def levels(self, tenant: str, now: float) -> tuple[Level | None, Level | None]:
+        """`tenant`'s requests and tokens buckets at `now` (None: no such limit)."""
+        requests = self._requests.get(tenant)
+        tokens = self._tokens.get(tenant)
+        return (requests.level(now) if requests else None, tokens.level(now) if tokens else None)
 
     def shortfall(self, tenant: str, tokens: float, now: float) -> str:
         """Which of `tenant`'s limits keeps one request of `tokens` tokens from being taken now,
