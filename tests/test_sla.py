@@ -282,3 +282,36 @@ def test_agents_whose_first_call_exceeds_the_context_are_named_at_start():
     # session failed, and nothing said why).
     (message,) = over_context(settings(100, sim={"kv_cache_tokens": 32, "block_size": 16}))
     assert "every call will fail with ContextTooLong" in message and "the whole cache holds 32" in message
+
+
+@pytest.mark.anyio
+async def test_live_attainment_sees_a_wait_for_admission_when_it_ends():
+    """One session slot: the second session waits 30 s for the first, then runs 100 s. The live
+    view counts its wait at its admission (before: at the session's end, 100 s later, when the
+    report's verdict had long seen it); the whole run's verdict is the same."""
+    from fleetsched import Scheduler
+
+    from .helpers import settings
+
+    def sleeper(seconds: float):
+        async def agent(ctx):
+            await anyio.sleep(seconds)
+
+        return agent
+
+    config = settings({"a": {"sla": {"ttft_p99_s": 5.0}}}, scheduler={"max_sessions": 1})
+    tracker = SlaTracker(config.tenants, window_s=600)
+    async with Scheduler(config) as scheduler:
+        await scheduler.submit(sleeper(30), tenant="a")
+        second = await scheduler.submit(sleeper(100), tenant="a")
+        await anyio.sleep(40)
+        tracker.update(scheduler.recorder, anyio.current_time())
+        assert not second.done
+        assert tracker.attainment("a", "admission_p99") == 0.5  # waited 0 s and 30 s, against 5 s
+        assert [(b.at, b.value) for b in tracker.recent] == [(30.0, 30.0)]
+        await second
+        tracker.update(scheduler.recorder, anyio.current_time())
+        assert tracker.attainment("a", "admission_p99") == 0.5  # no second count at its end
+    rows, breaches = evaluate(scheduler.recorder, config.tenants)
+    assert (by_name(rows)["a"]["admission_p99"].events, by_name(rows)["a"]["admission_p99"].met_events) == (2, 1)
+    assert [(b.objective, b.at) for b in breaches] == [("admission_p99", 30.0)]

@@ -84,6 +84,9 @@ class _SessionRecorder(Recorder):
     def add_session(self, record: Any) -> None:
         pass
 
+    def add_admission(self, record: Any) -> None:
+        pass
+
 
 def context_limit(settings: Settings) -> int | None:
     """The backend's context in tokens (None: unknown, not checked): a prompt that fills it, or

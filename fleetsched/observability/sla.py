@@ -33,7 +33,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from ..scheduler.records import CallRecord, CallTimes, Recorder, SessionRecord, rank_percentile
 from ..settings import SlaSettings, TenantSettings
@@ -57,6 +57,7 @@ REASON_TEXT = {
 }
 _REFUSED = {"Overloaded": "shed", "RateLimited": "rate-limited"}
 _FINISHED = attrgetter("finished")
+_FIRST = itemgetter(0)
 #: A call's `error` when it was cancelled with its session: no event of any objective.
 CANCELLED = frozenset({"Cancelled", "CancelledError"})
 
@@ -129,17 +130,22 @@ def admission_wait(session: SessionRecord) -> float | None:
 
 
 def admission_events(session: SessionRecord, goals: Mapping[str, float]) -> list[tuple[str, bool, Breach | None]]:
-    """(objective, met, breach or None) for each admission objective in `goals` (`ADMISSION`).
-
-    Taken from the session's record, at its end: `SlaTracker`'s live attainment sees a wait
-    when the session ends, not while it waits (the whole run's `evaluate` sees every one)."""
+    """(objective, met, breach or None) for each admission objective in `goals` (`ADMISSION`),
+    from the session's record, at its end (the whole run's `evaluate`)."""
     wait = admission_wait(session)
+    if wait is None:
+        return []
+    at = session.finished if math.isnan(session.admitted) else session.admitted
+    return _admission_events(session.tenant, session.tier, wait, at, goals)
+
+
+def _admission_events(tenant: str, tier: int, wait: float, at: float, goals: Mapping[str, float]) -> list[tuple[str, bool, Breach | None]]:
     events: list[tuple[str, bool, Breach | None]] = []
     for objective in ADMISSION:
         target = goals.get(objective)
-        if target is None or wait is None:
+        if target is None:
             continue
-        breach = None if wait <= target else Breach(session.finished, session.tenant, session.tier, objective, wait, target, "queued")
+        breach = None if wait <= target else Breach(at, tenant, tier, objective, wait, target, "queued")
         events.append((objective, breach is None, breach))
     return events
 
@@ -318,7 +324,7 @@ class SlaTracker:
         self.breaches: dict[tuple[str, str, str], int] = {}
         """Breaches so far per (tenant, objective, reason)."""
         self.recent: deque[Breach] = deque(maxlen=200)
-        self._cursors = [0, 0, 0]  # calls, refusals, sessions
+        self._cursors = [0, 0, 0, 0]  # calls, refusals, sessions, admissions
         self._now = -math.inf
 
     def update(self, recorder: Recorder, now: float) -> list[Breach]:
@@ -326,7 +332,7 @@ class SlaTracker:
         self._now = now
         new: list[Breach] = []
         fresh: list[list] = []
-        lists: Sequence[list] = (recorder.calls, recorder.refusals, recorder.sessions)
+        lists: Sequence[list] = (recorder.calls, recorder.refusals, recorder.sessions, recorder.admissions)
         for i, records in enumerate(lists):
             start, self._cursors[i] = self._cursors[i], len(records)
             fresh.append(records[start:])
@@ -353,8 +359,17 @@ class SlaTracker:
                     event = session_event(record, goals)
                     if event is not None:
                         self._note(record.tenant, "deadline", record.finished, *event, new)
-                    for objective, met, breach in admission_events(record, goals):
-                        self._note(record.tenant, objective, record.finished, met, breach, new)
+        # A wait for admission counts when it ends: at the admission, or at the end of a session
+        # never admitted. In time order, as the calls are.
+        waits = [(a.admitted, a.tenant, a.tier, a.admitted - a.submitted) for a in fresh[3]]
+        for s in fresh[2]:
+            if math.isnan(s.admitted) and (wait := admission_wait(s)) is not None:
+                waits.append((s.finished, s.tenant, s.tier, wait))
+        for at, tenant, tier, wait in sorted(waits, key=_FIRST):
+            goals = self.goals.get(tenant)
+            if goals:
+                for objective, met, breach in _admission_events(tenant, tier, wait, at, goals):
+                    self._note(tenant, objective, at, met, breach, new)
         return new
 
     def _note(self, tenant: str, objective: str, at: float, met: bool, breach: Breach | None, new: list[Breach]) -> None:

@@ -68,6 +68,17 @@ class SessionRecord:
         return self.error == "DeadlineExceeded"
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionRecord:
+    """A session's first admission (its wait is `admitted - submitted`), recorded when it
+    happens: the live SLA view sees a long wait then, not when the session ends."""
+
+    tenant: str
+    tier: int
+    submitted: float
+    admitted: float
+
+
 @dataclass(slots=True)
 class Recorder:
     """Collects records. Pass `keep_calls=False` to keep only counts (long simulations)."""
@@ -82,6 +93,7 @@ class Recorder:
     are: counted only, without `keep_calls` (a tenant hammering its limits grew a server's
     list for ever)."""
     refusal_count: int = 0
+    admissions: list[AdmissionRecord] = field(default_factory=list)
 
     def add_call(self, record: CallRecord) -> None:
         self.call_count += 1
@@ -90,6 +102,9 @@ class Recorder:
 
     def add_session(self, record: SessionRecord) -> None:
         self.sessions.append(record)
+
+    def add_admission(self, record: AdmissionRecord) -> None:
+        self.admissions.append(record)
 
     def add_refusal(self, record: CallRecord) -> None:
         self.refusal_count += 1

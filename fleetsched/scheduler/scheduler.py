@@ -54,7 +54,7 @@ from ..resources.limiter import SessionSlots
 from ..resources.ratelimit import RateLimit, TenantRateLimits
 from ..settings import DeviceSettings, Settings
 from .dispatcher import Dispatcher, DispatcherStatistics
-from .records import Recorder, SessionRecord
+from .records import AdmissionRecord, Recorder, SessionRecord
 from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHandle, SessionState, _described
 
 logger = logging.getLogger(__name__)
@@ -558,6 +558,7 @@ class Scheduler:
             handle._queue_timer = None
         handle._scope = anyio.CancelScope(deadline=handle.deadline)
         handle._set_state(ADMITTED, now)
+        self.recorder.add_admission(AdmissionRecord(handle.tenant, int(handle.tier), handle.timestamps[QUEUED], now))
         self._running[handle.id] = handle
         if spawn:
             assert self._task_group is not None
