@@ -64,7 +64,7 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     total = len(plan(settings.workload))
     tracker = SlaTracker(settings.tenants, window_s=args.sla_window)
     async with Scheduler(settings) as scheduler:
-        feasibility = await check_feasibility(settings, scheduler.backend)
+        feasibility = await check_feasibility(settings, scheduler.backend, scheduler.model)
         for flagged in feasibility["unreachable"]:
             print(f"fleetsched: warning: {flagged['message']}", file=sys.stderr, flush=True)
         if feasibility["note"]:

@@ -17,7 +17,7 @@ Every error the library raises on purpose derives from `FleetschedError`::
     ├── SessionEnded(RuntimeError)         a session's context used after the session ended
     └── BackendError                       a model call failed
         ├── InvalidRequest(ValueError)     the engine refuses the body as it stands (HTTP 400)
-        │   └── ContextTooLong             prompt plus max_tokens exceed the model's context
+        │   └── ContextTooLong             the prompt fills the model's context, or max_tokens alone exceeds it
         ├── BackendUnavailable             connection refused, circuit open, server gone
         ├── Overloaded                     shed: its wait would exceed its SLA; carries retry_after_s
         │   └── RateLimited                the tenant's requests or tokens per minute are used up

@@ -459,8 +459,12 @@ class SimSettings(_Section):
 class BackendSettings(_Section):
     kind: Literal["sim", "instant", "vllm-server", "vllm-engine"] = "sim"
     max_in_flight: int = Field(64, ge=1)
-    """Calls at the engine at once (the dispatcher's window)."""
+    """Calls at the engine at once (the dispatcher's window) to start with: with
+    ``dispatch.adaptive_window`` (on by default) the window then moves between ``min_window``
+    and ``max_window`` with the engine's signals."""
     model: str = "fleetsched-tiny"
+    """The model name calls ask for. Left unset with kind "vllm-server", the one the servers
+    list first (``GET /v1/models``: their ``--served-model-name``), asked at start."""
     sim: SimSettings = Field(default_factory=SimSettings)
     urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1)
     """vLLM server replicas (kind "vllm-server"): root URLs, without the ``/v1`` suffix."""

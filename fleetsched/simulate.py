@@ -131,7 +131,7 @@ async def _simulate(settings: Settings, duration_s: float | None) -> tuple[dict[
     from .scheduler import Scheduler
 
     async with Scheduler(settings) as scheduler:
-        feasibility = await check_feasibility(settings, scheduler.backend)
+        feasibility = await check_feasibility(settings, scheduler.backend, scheduler.model)
         start = anyio.current_time()
         timeline = Timeline(scheduler, SlaTracker(settings.tenants), interval_s=max(1.0, (duration_s or 0) / 500))
         async with anyio.create_task_group() as tg:

@@ -1092,3 +1092,31 @@ def test_a_client_that_stops_reading_its_stream_gives_its_place_back():
         reply = client(url).with_options(timeout=20).chat.completions.create(model="m", messages=MSG, max_tokens=2)
         assert reply.usage.completion_tokens == 2
         assert gateway.scheduler.dispatcher.statistics().in_flight == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_the_vllm_server_backend_asks_the_server_which_model_it_serves(anyio_backend, caplog):
+    """Settings that name no model: the agents' calls name the one the server lists, as its
+    --served-model-name says (before: "fleetsched-tiny", which a server started for another
+    model refuses with a 404). Here the server is a gateway listing "other-model"; a model the
+    settings name is used as it is; a server that does not answer leaves the default, with a
+    warning that says what to set."""
+    from fleetsched import Scheduler
+
+    served = gateway_settings(backend={"kind": "instant", "model": "other-model"})
+    with serve_in_thread(served) as (_, url):
+
+        async def agent(ctx):
+            return await ctx.chat(MSG, max_tokens=2)
+
+        backend = {"kind": "vllm-server", "urls": [url], "api_key": ACME}
+        async with Scheduler(Settings(backend=backend)) as scheduler:
+            assert scheduler.model == "other-model"
+            answer = await (await scheduler.submit(agent, tenant="default"))
+        assert answer["model"] == "other-model"
+        async with Scheduler(Settings(backend={**backend, "model": "named"})) as scheduler:
+            assert scheduler.model == "named"
+    async with Scheduler(Settings(backend={"kind": "vllm-server", "urls": ["http://127.0.0.1:9"]})) as scheduler:
+        assert scheduler.model == "fleetsched-tiny"
+    assert "set backend.model" in caplog.text

@@ -88,6 +88,11 @@ class Backend(ABC):
         from them). Raises `BackendError` for a backend that has none to report."""
         raise BackendError(f"the {self.name} backend reports no KV cache to size the memory pool from (resources.kv_cache)")
 
+    async def served_model(self) -> str | None:
+        """The model a call that names none asks for, where the backend knows better than the
+        settings' ``backend.model`` default (a vLLM server's own list); None: it does not."""
+        return None
+
     async def aclose(self) -> None:
         """Release connections and engines. Idempotent."""
 
@@ -97,6 +102,10 @@ class Backend(ABC):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+
+#: The model name a call that names none goes out with, where the backend knows no other (the
+#: tiny test model's ``--served-model-name``; `VLLMServerBackend` asks its servers instead).
+DEFAULT_MODEL = "fleetsched-tiny"
 
 _ids = itertools.count(1)
 

@@ -41,7 +41,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
 from ..resources.kv_sizing import KVCacheCapacity, read_vllm_kv_capacity
-from .base import AVOID_KEY, FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
+from .base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
 
 try:  # openai >= 2 speaks httpx2; older releases speak httpx.
@@ -379,7 +379,7 @@ class VLLMServerBackend(Backend):
         self,
         urls: str | Sequence[str] | Mapping[str, str],
         *,
-        model: str = "fleetsched-tiny",
+        model: str | None = "fleetsched-tiny",
         api_key: str = "EMPTY",
         retry_attempts: int = 4,
         retry_initial_s: float = 0.25,
@@ -396,7 +396,10 @@ class VLLMServerBackend(Backend):
         if not named:
             raise ValueError("at least one vLLM server URL is needed")
         factory = client_factory or _default_client
+        #: The model a call that names none asks for. None: the one the servers list first,
+        #: asked when the backend is entered (`served_model`).
         self.model = model
+        self._api_key = api_key
         self.retry_attempts = retry_attempts
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
@@ -418,7 +421,9 @@ class VLLMServerBackend(Backend):
     def from_settings(cls, settings: Any, **overrides: Any) -> VLLMServerBackend:
         """Build from a `fleetsched.settings.BackendSettings` section."""
         options: dict[str, Any] = dict(
-            model=settings.model,
+            # Not named in the settings: the servers' own, as they list it (a server started
+            # for another model refused every call that named the default with a 404).
+            model=settings.model if "model" in settings.model_fields_set else None,
             api_key=settings.api_key,
             retry_attempts=settings.retry_attempts,
             retry_initial_s=settings.retry_initial_s,
@@ -560,7 +565,7 @@ class VLLMServerBackend(Backend):
             messages = request.pop("messages")
         except KeyError:
             raise InvalidRequest("chat body has no 'messages'") from None
-        model = request.pop("model", None) or self.model
+        model = request.pop("model", None) or self.model or DEFAULT_MODEL
         request.pop("stream", None)
         given_options = request.pop("stream_options", None) or {}
         if not isinstance(given_options, Mapping):
@@ -730,6 +735,33 @@ class VLLMServerBackend(Backend):
             except (httpx.HTTPError, ValueError) as exc:
                 raise BackendUnavailable(f"vLLM replica {name} ({rep.url}): cannot read its KV cache: {exc}") from exc
         return capacities
+
+    async def __aenter__(self) -> VLLMServerBackend:
+        await self.served_model()
+        return self
+
+    async def served_model(self) -> str:
+        """`model` if given; else the model the first replica that answers lists first
+        (``GET /v1/models``), as vLLM's ``--served-model-name`` or model path names it, kept as
+        `model`; `DEFAULT_MODEL` when none answers (with a warning: calls then name it, and a
+        server serving another model refuses them)."""
+        if self.model is None:
+            self.model = await self._listed_model()
+        return self.model
+
+    async def _listed_model(self) -> str:
+        failures = []
+        for rep in self._replicas.values():
+            try:
+                response = await self._http.get(f"{rep.url}/v1/models", headers={"Authorization": f"Bearer {self._api_key}"})
+                return str(response.raise_for_status().json()["data"][0]["id"])
+            except (httpx.HTTPError, ValueError, LookupError, TypeError) as exc:  # down, or not vLLM's answer
+                failures.append(f"{rep.name} ({rep.url}): {type(exc).__name__}: {exc}")
+        logger.warning(
+            "no vLLM replica listed its model (%s): calls name %r; set backend.model to the server's --served-model-name",
+            "; ".join(failures), DEFAULT_MODEL,
+        )  # fmt: skip
+        return DEFAULT_MODEL
 
     async def aclose(self) -> None:
         for rep in self._replicas.values():

@@ -10,8 +10,9 @@ lifespan or by `Gateway.running()`.
 
 What a request goes through, in order: the API key (401 when missing or wrong) decides tenant,
 tier and SLA; the body is parsed and checked (400 naming the field, 413 when too large); a
-request whose prompt estimate plus max_tokens exceeds the backend's context is refused (400
-naming the limit); the tenant's rate limits are taken from the shared state (429 with
+request whose prompt estimate fills the backend's context, or whose max_tokens alone exceeds
+it, is refused (400 naming the limit; a max_tokens the prompt leaves no room for is cut, as
+vLLM cuts it); the tenant's rate limits are taken from the shared state (429 with
 Retry-After; every answer from here on carries OpenAI's ``x-ratelimit-*`` headers); with
 ``X-Session-ID`` the call waits for its session's turn (session admission, keep-or-release
 across calls, replica placement); then the dispatcher (which sheds batch calls with 503 and
@@ -150,6 +151,7 @@ class Gateway:
                 anyio.create_task_group() as tg,
             ):
                 self.scheduler = scheduler
+                self._models = _dumps(model_list(scheduler.model))  # a vLLM server's own, where the settings name none
                 self.sessions = SessionTable(
                     scheduler,
                     self.state,

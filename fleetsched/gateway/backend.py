@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import AVOID_KEY, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
+from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
 from ..backends.vllm_server import VLLMServerBackend, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
 
@@ -62,6 +62,9 @@ class GatewayBackend(Backend):
     async def signals(self) -> EngineSignals:
         return await self.inner.signals()
 
+    async def served_model(self) -> str | None:
+        return await self.inner.served_model()
+
     async def __aenter__(self) -> GatewayBackend:
         await self.inner.__aenter__()
         return self
@@ -91,7 +94,7 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
     target = backend.pick_replica(named, avoid=avoid)
     body.pop("stream", None)
     stream_options = {**(body.pop("stream_options", None) or {}), "include_usage": True}
-    model = body.pop("model", None) or backend.model
+    model = body.pop("model", None) or backend.model or DEFAULT_MODEL
     prompt = body.pop("prompt")
     tried = backend._tried_first(target, avoid)
     while True:

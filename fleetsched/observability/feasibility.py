@@ -106,7 +106,7 @@ def unreachable(settings: Settings, unloaded_ttft_s: dict[str, float], prompt_to
     return out
 
 
-async def check_feasibility(settings: Settings, backend: Backend) -> dict[str, Any]:
+async def check_feasibility(settings: Settings, backend: Backend, model: str | None = None) -> dict[str, Any]:
     """The report's ``sla.feasibility``: the unloaded TTFT per tenant and the unreachable SLAs.
 
     For the sim backend it is computed; for others one probe call is made. A failing probe is
@@ -126,7 +126,7 @@ async def check_feasibility(settings: Settings, backend: Backend) -> dict[str, A
         method = "probe call"
         try:
             with anyio.fail_after(30):
-                measured = await probe_unloaded_ttft_s(backend, settings.backend.model)
+                measured = await probe_unloaded_ttft_s(backend, model or settings.backend.model)
         except BackendUnavailable:
             raise
         except Exception as exc:  # any other failure: skip the check, say why

@@ -176,6 +176,9 @@ class Scheduler:
         tenants = self.settings.tenants
         self._own_backend = backend is None
         self.backend = backend if backend is not None else create_backend(self.settings.backend)
+        #: The model the agents' calls name: ``backend.model``, or where the settings name none,
+        #: the one the backend serves (`Backend.served_model`, asked on entering).
+        self.model = self.settings.backend.model
         quotas = {name: int(t.memory_quota) for name, t in tenants.items() if t.memory_quota is not None}
         #: `resources.kv_cache`: the pool is built over the backend's KV caches on entering.
         self._size_from_caches = pool is None and self.settings.resources.kv_cache is not None
@@ -243,6 +246,8 @@ class Scheduler:
         async with AsyncExitStack() as stack:
             if self._own_backend:
                 await stack.enter_async_context(self.backend)
+            if "model" not in self.settings.backend.model_fields_set:
+                self.model = await self.backend.served_model() or self.model
             if self._size_from_caches:
                 await self._use_kv_caches()
             self._task_group = await stack.enter_async_context(anyio.create_task_group())
@@ -568,7 +573,7 @@ class Scheduler:
         """Run the admitted session's agent and finish it. `now`: the time, when the caller
         admitted it in this very instant (`run`, with no await between) and has it already."""
         slo = self.settings.tenants[handle.tenant].sla.ttft_p99_s
-        ctx = SessionContext(handle, self.dispatcher, model=self.settings.backend.model, ttft_slo_s=slo or math.inf, pace=self)
+        ctx = SessionContext(handle, self.dispatcher, model=self.model, ttft_slo_s=slo or math.inf, pace=self)
         scope = handle._scope
         assert scope is not None
         outcome: SessionState | None = None
