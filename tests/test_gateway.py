@@ -1120,3 +1120,20 @@ async def test_the_vllm_server_backend_asks_the_server_which_model_it_serves(any
     async with Scheduler(Settings(backend={"kind": "vllm-server", "urls": ["http://127.0.0.1:9"]})) as scheduler:
         assert scheduler.model == "fleetsched-tiny"
     assert "set backend.model" in caplog.text
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_the_gateway_sizes_its_pool_from_the_kv_cache_as_the_scheduler_does(anyio_backend):
+    """[resources.kv_cache] under `serve` (before: the gateway's wrapper of the backend reported
+    no KV cache, and the gateway failed at start with BackendError)."""
+    from fleetsched import Scheduler
+
+    kv_cache = {"config": "examples/models/qwen2-7b-instruct", "context_tokens": 512}
+    settings = gateway_settings(backend={"kind": "sim"}, resources={"kv_cache": kv_cache})
+    async with Scheduler(settings) as scheduler:
+        expected = scheduler.pool.statistics().total, scheduler._session_memory
+    gateway = Gateway(settings)
+    async with gateway.running():
+        assert (gateway.scheduler.pool.statistics().total, gateway.scheduler._session_memory) == expected
+    assert expected[0] > 0

@@ -18,6 +18,7 @@ import anyio
 from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
 from ..backends.vllm_server import VLLMServerBackend, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
+from ..resources.kv_sizing import KVCacheCapacity
 
 ENDPOINT_KEY = "fleetsched_endpoint"
 """Body key marking a text-completion call (removed before the backend sees the body)."""
@@ -64,6 +65,9 @@ class GatewayBackend(Backend):
 
     async def served_model(self) -> str | None:
         return await self.inner.served_model()
+
+    async def kv_capacities(self) -> dict[str, KVCacheCapacity]:
+        return await self.inner.kv_capacities()
 
     async def __aenter__(self) -> GatewayBackend:
         await self.inner.__aenter__()
