@@ -744,6 +744,39 @@ def test_a_session_ended_by_its_client_leaves_no_deadline_mark_on_its_id():
         assert post().status_code == 200
 
 
+def test_a_session_ended_by_its_client_while_queued_leaves_no_deadline_mark_on_its_id():
+    """One slot, held by an idle session of globex. Acme's session "b" waits for admission when
+    its client ends it; it then passes acme's 1 s deadline in the queue, and its call gets the
+    408. Once the slot is free, a later call of "b" starts a new session (before: the session
+    closed before its deadline refusal, which then marked the id, and the new call got a 408)."""
+    import threading
+
+    tenants = {
+        "acme": {"api_keys": [hash_key(ACME)], "sla": {"deadline_s": 1}},
+        "globex": {"api_keys": [hash_key(GLOBEX)]},
+    }
+    s = gateway_settings(tenants, scheduler={"max_sessions": 1, "tool_policy": "keep"}, gateway={"session_idle_s": 60})
+    with serve_in_thread(s) as (gw, url):
+
+        def call(key: str, session: str) -> httpx.Response:
+            headers = {"authorization": f"Bearer {key}", "x-session-id": session}
+            return httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}, headers=headers, timeout=30)
+
+        def delete(key: str, session: str) -> int:
+            return httpx.delete(f"{url}/v1/sessions/{session}", headers={"authorization": f"Bearer {key}"}, timeout=10).status_code
+
+        assert call(GLOBEX, "hold").status_code == 200  # holds the only slot, idle
+        answers: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: answers.append(call(ACME, "b")))
+        waiting.start()
+        assert _wait_for(lambda: gw.scheduler.statistics().queued_total == 1)
+        assert delete(ACME, "b") == 200
+        waiting.join(10)
+        assert answers[0].status_code == 408
+        assert delete(GLOBEX, "hold") == 200
+        assert call(ACME, "b").status_code == 200
+
+
 def test_a_session_past_its_deadline_before_its_first_call_is_served_gets_a_408():
     """Tenant b's deadline is 1 s. Its session waits for admission behind the only slot (held by
     an idle session of a): a 408 at the deadline (before: no answer ever; the session failed in

@@ -64,6 +64,9 @@ class GatewaySession:
     placement: Placement
     handle: SessionHandle | None = None
     closed: bool = False
+    #: Ended by its client (`SessionTable.end`): its id may name a new session by now, so its
+    #: deadline marks nothing.
+    ended_by_client: bool = False
     #: Calls waiting for their turn, and turns handed out so far.
     waiting: int = 0
     served: int = 0
@@ -175,7 +178,8 @@ class SessionTable:
         handle = session.handle
         if session.served == 0 and handle is not None and handle.done:
             if isinstance(handle.error, DeadlineExceeded):
-                await self._mark_past_deadline(session.key)
+                if not session.ended_by_client:
+                    await self._mark_past_deadline(session.key)
                 raise DeadlineExceeded(f"session {session_id!r} passed its deadline before its first call was served")
             raise SchedulerClosed(f"session {session_id!r} ended ({handle.state}) before serving this call")
 
@@ -205,9 +209,8 @@ class SessionTable:
                             await anyio.sleep_forever()
                     turn = next_turn
             finally:
-                # Ended by its deadline: its id stays refused a while. Not once its client ended it:
-                # the id may name a new session by now, which the mark would refuse.
-                if anyio.current_time() >= ctx.deadline and session not in self._ending:
+                # Ended by its deadline: its id stays refused a while (not once its client ended it).
+                if anyio.current_time() >= ctx.deadline and not session.ended_by_client:
                     # Marked before the session closes: a call that comes meanwhile joins the
                     # session and gets its 408 from the deadline, rather than a new session.
                     await self._mark_past_deadline(session.key)
@@ -248,6 +251,7 @@ class SessionTable:
         if session is None or session.closed:
             return False
         del self._sessions[key]  # later calls of the id make a new session
+        session.ended_by_client = True
         self._ending.add(session)
         session.send.send_nowait(_Turn(last=True))
         return True
