@@ -31,7 +31,9 @@ def _load(path: str, backend: str | None) -> Settings:
     settings = load_settings(path)
     if backend is not None:
         try:
-            section = settings.backend.model_validate({**settings.backend.model_dump(), "kind": backend})
+            # Only what the config set: a default dumped and read back would count as set (a
+            # backend.model "set" so is named in every call, not asked of the server).
+            section = settings.backend.model_validate({**settings.backend.model_dump(exclude_unset=True), "kind": backend})
         except ValueError as exc:
             raise ConfigError("--backend", str(exc).splitlines()[-1].strip()) from None
         settings = settings.model_copy(update={"backend": section})

@@ -59,6 +59,24 @@ def test_a_server_that_cannot_be_reached_stops_the_run_at_once():
     assert "Traceback" not in done.stderr and "support-bot" not in done.stdout
 
 
+def test_backend_override_leaves_the_model_to_the_server_unless_the_config_names_it(tmp_path):
+    """`run --backend vllm-server` on a config that names no backend.model: the scheduler asks
+    the server which model it serves (before: the override read the default back as set, and
+    every call named fleetsched-tiny, a 404 on a server of another model). A model the config
+    names stays named; the other settings stay as they were."""
+    from fleetsched.cli import _load
+    from fleetsched.settings import load_settings
+
+    quickstart = ROOT / "examples" / "quickstart.toml"
+    overridden = _load(str(quickstart), "vllm-server").backend
+    assert overridden.kind == "vllm-server" and "model" not in overridden.model_fields_set
+    assert {**overridden.model_dump(), "kind": "sim"} == load_settings(str(quickstart)).backend.model_dump()
+    named = tmp_path / "named.toml"
+    named.write_text(quickstart.read_text().replace("[backend]\n", '[backend]\nmodel = "qwen"\n', 1))
+    overridden = _load(str(named), "vllm-server").backend
+    assert overridden.model == "qwen" and "model" in overridden.model_fields_set
+
+
 def test_a_metrics_port_in_use_is_a_clear_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
