@@ -36,6 +36,7 @@ from ._args import http_url, positive_float, positive_int, writable_file
 from .backends.sim._engine import SimEngine, check_request_fits
 from .backends.sim._fit import PARAMS, Fit, Measurement, Workload, fit_profile
 from .backends.sim._profiles import dump_profile
+from .backends.vllm_server import first_listed_model
 from .settings import SimSettings, first_error
 
 _FILLER = " ".join(f"{w}{i % 97}" for i, w in enumerate("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split() * 8)) + " "
@@ -175,8 +176,8 @@ async def served_model(client: httpx.AsyncClient) -> str:
     """The first model the server lists (GET /v1/models); RuntimeError when it lists none."""
     response = await client.get("/v1/models")
     try:
-        return str(response.raise_for_status().json()["data"][0]["id"])
-    except (httpx.HTTPStatusError, ValueError, LookupError, TypeError):  # not JSON, or not OpenAI's shape
+        return first_listed_model(response)
+    except (httpx.HTTPStatusError, ValueError):  # not JSON, or not OpenAI's shape
         raise RuntimeError(
             f"GET /v1/models answered {response.status_code} with no model ({_excerpt(response.text)}): "
             "is this a vLLM server? (give --model to skip the question)"

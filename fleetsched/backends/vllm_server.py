@@ -283,6 +283,16 @@ def _policy_in_server_info(info: Any) -> str | None:
     return None if info is None else str(info)
 
 
+def first_listed_model(response: httpx.Response) -> str:
+    """The first model a server's ``GET /v1/models`` answer lists (vLLM's ``--served-model-name``
+    or model path). Raises `httpx.HTTPStatusError` for an error status, ValueError for an answer
+    not in OpenAI's shape (not JSON, or no model listed)."""
+    try:
+        return str(response.raise_for_status().json()["data"][0]["id"])
+    except (LookupError, TypeError) as exc:
+        raise ValueError(f"no model listed: {type(exc).__name__}: {exc}") from None
+
+
 def _default_client(base_url: str, api_key: str) -> AsyncOpenAI:
     # The SDK's own retries are off: ours know about the breaker and the first chunk.
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
@@ -379,7 +389,7 @@ class VLLMServerBackend(Backend):
         self,
         urls: str | Sequence[str] | Mapping[str, str],
         *,
-        model: str | None = "fleetsched-tiny",
+        model: str | None = DEFAULT_MODEL,
         api_key: str = "EMPTY",
         retry_attempts: int = 4,
         retry_initial_s: float = 0.25,
@@ -754,8 +764,8 @@ class VLLMServerBackend(Backend):
         for rep in self._replicas.values():
             try:
                 response = await self._http.get(f"{rep.url}/v1/models", headers={"Authorization": f"Bearer {self._api_key}"})
-                return str(response.raise_for_status().json()["data"][0]["id"])
-            except (httpx.HTTPError, ValueError, LookupError, TypeError) as exc:  # down, or not vLLM's answer
+                return first_listed_model(response)
+            except (httpx.HTTPError, ValueError) as exc:  # down, or not vLLM's answer
                 failures.append(f"{rep.name} ({rep.url}): {type(exc).__name__}: {exc}")
         logger.warning(
             "no vLLM replica listed its model (%s): calls name %r; set backend.model to the server's --served-model-name",
