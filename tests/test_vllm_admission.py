@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import anyio
 import httpx
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, Timeout
 
 from fleetsched import Scheduler
 from fleetsched.resources import (
@@ -78,7 +78,8 @@ async def _run_load(server: VLLMServer, pool: ExtentPool, nbytes: int) -> list[t
     """Run SESSIONS sessions at once, each holding a reservation of `nbytes` while it generates."""
     # The SDK's default gives a connection 5 s, its only timeout shorter than the load's own
     # bound (the fail_after below): a clean-clone CI once failed here on an APITimeoutError.
-    openai = AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=httpx.Timeout(120.0, connect=60.0))
+    # The SDK's own Timeout class: openai >= 2 speaks httpx2, which refuses an httpx.Timeout.
+    openai = AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=Timeout(120.0, connect=60.0))
     usage: list[tuple[int, int]] = []
 
     async def session(i: int) -> None:
