@@ -359,3 +359,40 @@ async def test_a_take_reads_the_buckets_alike_in_memory_and_in_redis(redis_url):
             assert (await state.take("nobody", 100)) == Taken(0.0)  # no limits: no levels
         finally:
             await state.aclose()
+
+
+async def test_a_limit_under_one_request_a_minute_serves_a_call_once_its_bucket_is_full(redis_url):
+    """requests_per_minute 0.5 (the settings take any rate above 0): one call, then the next two
+    minutes later, in memory and in Redis alike (Redis asked for a whole request of a bucket that
+    never holds one, and refused every call for good)."""
+    limits = {"acme": RateLimit(0.5, None)}
+    for state in (MemoryState(limits), RedisState(limits, redis_url, instance="a", prefix=f"t-{uuid.uuid4().hex[:8]}")):
+        try:
+            assert (await state.take("acme", 10)).wait_s == 0
+            assert 119 < (await state.take("acme", 10)).wait_s <= 120
+        finally:
+            await state.aclose()
+
+
+async def test_a_bucket_in_debt_outlives_the_hour_and_a_charge_on_a_bucket_not_stored_counts(redis_url):
+    """Redis kept a tenant's buckets an hour whatever they owed: a 1,000-tokens-a-minute tenant
+    that took 120,000 tokens owes two hours, and its bucket came back full after one. A charge
+    after the call (the engine counted more than the estimate) on a bucket not stored (expired,
+    or never taken) was dropped; memory counts it."""
+    import redis
+
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    limits = {"acme": RateLimit(None, 1000.0), "globex": RateLimit(None, 1000.0)}
+    shared = RedisState(limits, redis_url, instance="a", prefix=prefix)
+    memory = MemoryState(limits)
+    try:
+        for state in (memory, shared):
+            assert (await state.take("acme", 120_000)).wait_s == 0
+            await state.refund("globex", -300)  # no take before it: a full bucket, charged
+        ttl = redis.Redis.from_url(redis_url).ttl(f"{prefix}:bucket:acme")
+        assert 120 * 60 <= ttl <= 121 * 60  # 120,000 tokens short of full at 1,000 a minute: two hours, and a minute
+        levels = [(await state.take("globex", 100)).tokens.left for state in (memory, shared)]
+        assert all(599 < left <= 601 for left in levels), levels
+    finally:
+        await shared.aclose()
+        await memory.aclose()

@@ -152,23 +152,38 @@ class MemoryState(SharedState):
         self._placements.pop(session, None)
 
 
-# KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, tokens rate/s,
-# tokens capacity (rate 0: no such limit), tokens to take. Returns the wait in seconds and the
-# two buckets' levels after the take (or the refusal), as a string "wait requests tokens" (Redis
-# would truncate a Lua number to an integer).
-_TAKE = """
+# Both bucket scripts begin so: Redis's clock, a bucket's level (a bucket not stored is full, as
+# a new in-memory one is), and `keep`, which keeps the hash until both buckets are full again (an
+# hour at least): a bucket in debt (a take larger than it, a charge after the call) that expired
+# sooner would come back full.
+_BUCKETS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rr, rc, tr, tc, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local v = redis.call('HMGET', KEYS[1], 'r', 'rt', 'k', 'kt')
 local function level(value, at, rate, cap)
   if value == false or value == nil then return cap end
   return math.min(cap, tonumber(value) + (now - tonumber(at)) * rate)
 end
+local function keep(r, rr, rc, k, tr, tc)
+  local refill = 0
+  if rr > 0 then refill = math.max(refill, (rc - r) / rr) end
+  if tr > 0 then refill = math.max(refill, (tc - k) / tr) end
+  redis.call('EXPIRE', KEYS[1], math.max(3600, math.ceil(refill) + 60))
+end
+"""
+
+# KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, tokens rate/s,
+# tokens capacity (rate 0: no such limit), tokens to take. Returns the wait in seconds and the
+# two buckets' levels after the take (or the refusal), as a string "wait requests tokens" (Redis
+# would truncate a Lua number to an integer). A take needs at most a full bucket, of requests
+# as of tokens (a limit under one request a minute serves a call once its bucket is full).
+_TAKE = _BUCKETS + """
+local rr, rc, tr, tc, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local v = redis.call('HMGET', KEYS[1], 'r', 'rt', 'k', 'kt')
 local wait, r, k = 0, 0, 0
 if rr > 0 then
   r = level(v[1], v[2], rr, rc)
-  if r < 1 then wait = math.max(wait, (1 - r) / rr) end
+  local need = math.min(1, rc)
+  if r < need then wait = math.max(wait, (need - r) / rr) end
 end
 if tr > 0 then
   k = level(v[3], v[4], tr, tc)
@@ -184,26 +199,26 @@ if tr > 0 then
   k = k - amount
   redis.call('HSET', KEYS[1], 'k', tostring(k), 'kt', tostring(now))
 end
-redis.call('EXPIRE', KEYS[1], 3600)
+keep(r, rr, rc, k, tr, tc)
 return '0 ' .. tostring(r) .. ' ' .. tostring(k)
 """
 
 # KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, requests to give
 # back, tokens rate/s, tokens capacity, tokens to give back (negative: to take; a rate of 0: no
 # such limit).
-_REFUND = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+_REFUND = _BUCKETS + """
 local rr, rc, rn, tr, tc, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local v = redis.call('HMGET', KEYS[1], 'r', 'rt', 'k', 'kt')
-if rr > 0 and rn > 0 and v[1] ~= false then
-  local r = math.min(rc, tonumber(v[1]) + (now - tonumber(v[2])) * rr)
-  redis.call('HSET', KEYS[1], 'r', tostring(math.min(rc, r + rn)), 'rt', tostring(now))
+local r, k = level(v[1], v[2], rr, rc), level(v[3], v[4], tr, tc)
+if rr > 0 and rn > 0 then
+  r = math.min(rc, r + rn)
+  redis.call('HSET', KEYS[1], 'r', tostring(r), 'rt', tostring(now))
 end
-if tr > 0 and amount ~= 0 and v[3] ~= false then
-  local k = math.min(tc, tonumber(v[3]) + (now - tonumber(v[4])) * tr)
-  redis.call('HSET', KEYS[1], 'k', tostring(math.min(tc, k + amount)), 'kt', tostring(now))
+if tr > 0 and amount ~= 0 then
+  k = math.min(tc, k + amount)
+  redis.call('HSET', KEYS[1], 'k', tostring(k), 'kt', tostring(now))
 end
+keep(r, rr, rc, k, tr, tc)
 return '1'
 """
 
