@@ -870,9 +870,10 @@ def test_a_tenant_named_empty_is_refused_its_label_is_the_unauthenticated_reques
         load_settings(config)
 
 
-def _mock_replicas(names: tuple[str, ...] = ("dead", "live"), dead: frozenset[str] = frozenset({"dead"})):
+def _mock_replicas(names: tuple[str, ...] = ("dead", "live"), dead: frozenset[str] = frozenset({"dead"}), completions: dict[str, str] | None = None):
     """A vLLM server backend over replicas `names` served by a mock transport: each answers with
-    its own name, and those in `dead` cannot be reached (a connection refused). By default a
+    its own name, and those in `dead` cannot be reached (a connection refused); a replica named
+    in `completions` answers /v1/completions with that text as its event stream. By default a
     session is placed on "dead" (the least loaded, the first of a tie)."""
     import httpx2
 
@@ -887,7 +888,9 @@ def _mock_replicas(names: tuple[str, ...] = ("dead", "live"), dead: frozenset[st
         def handler(request: httpx2.Request) -> httpx2.Response:
             if name in dead:
                 raise httpx2.ConnectError("connection refused")
-            if request.url.path.endswith("/chat/completions"):
+            if name in (completions or {}) and not request.url.path.endswith("/chat/completions"):
+                body = completions[name].encode()
+            elif request.url.path.endswith("/chat/completions"):
                 body = events(
                     make_chunk(f"chatcmpl-{name}", "m", 0, role="assistant", content=name),
                     make_chunk(f"chatcmpl-{name}", "m", 0, finish_reason="stop", usage=usage_dict(2, 1)),
@@ -921,6 +924,33 @@ def test_a_session_placed_on_a_dead_replica_fails_over_to_the_live_one():
             assert "live" in response.text and (response.text.endswith("data: [DONE]\n\n") if stream else True)
         assert gw.sessions is not None and len(gw.sessions) == 1
         assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+
+
+def test_a_completions_stream_that_fails_is_answered_as_a_chat_stream_would_be():
+    """/v1/completions on vLLM servers, whose events the SDK parses: a failure vLLM reports in
+    its stream is translated by its code, as on the chat path (it was a 502 whatever the code,
+    and a 5xx did not fall over to another replica), and an event that is not JSON is the
+    server's fault, a 502 (it was a 400, the client's)."""
+
+    def error_event(code: int) -> str:
+        return f'data: {json.dumps({"error": {"message": "it failed", "type": "Error", "code": code}})}\n\ndata: [DONE]\n\n'
+
+    headers = {"authorization": f"Bearer {ACME}"}
+    for answer, status in ((error_event(400), 400), ("data: {oops\n\ndata: [DONE]\n\n", 502)):
+        backend = _mock_replicas(("only",), dead=frozenset(), completions={"only": answer})
+        with serve_in_thread(gateway_settings(), backend=backend) as (_, url):
+            plain = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, headers=headers, timeout=10)
+            assert plain.status_code == status, plain.text
+            streamed = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}, headers=headers, timeout=10)
+            assert streamed.status_code in (200, status)
+            error = json.loads(next(line for line in streamed.text.splitlines() if '"error"' in line).removeprefix("data: "))
+            assert error["error"]["type"] == plain.json()["error"]["type"], (streamed.text, plain.text)
+    # A 500 in the stream before any chunk: the call falls over to a replica that answers.
+    backend = _mock_replicas(("failing", "live"), dead=frozenset(), completions={"failing": error_event(500)})
+    with serve_in_thread(gateway_settings(), backend=backend) as (_, url):
+        for stream in (False, True):
+            response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": stream}, headers=headers, timeout=10)
+            assert response.status_code == 200 and "live" in response.text, response.text
 
 
 def test_a_session_calls_the_replica_its_memory_is_reserved_on():

@@ -177,8 +177,19 @@ class _ErrorEvent(Exception):
         self.status_code = status_code
 
 
+def _as_event(exc: BaseException) -> BaseException:
+    """`exc` as `_ErrorEvent` where it is the SDK's own reading of an error event (a bare
+    ``openai.APIError`` carrying the event's body, as its streams raise it on the completions
+    path, which the SDK parses); otherwise `exc` itself."""
+    if type(exc) is openai.APIError and isinstance(exc.body, Mapping):
+        code = exc.body.get("code")
+        return _ErrorEvent(exc.message, code if type(code) is int else None)
+    return exc
+
+
 def _status(exc: BaseException) -> int | None:
     """The HTTP code of the server's answer `exc` stands for (an error status or event), else None."""
+    exc = _as_event(exc)
     if isinstance(exc, (openai.APIStatusError, _ErrorEvent)):
         return exc.status_code
     return None
@@ -220,6 +231,7 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
     """The fleetsched error for a foreign exception raised while calling `replica` (at `url`,
     the server root, which the message names where it is given)."""
     where = f"vLLM replica {replica}" if url is None else f"vLLM replica {replica} ({url})"
+    exc = _as_event(exc)
     if isinstance(exc, _ErrorEvent):
         said = f"{where} failed the call in its stream ({exc.status_code}): {exc}"
         if exc.status_code in (400, 422):
@@ -243,6 +255,8 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
                 "URL of a vLLM server (http://host:port, without /v1 or another path)"
             )
         return BackendError(f"{where} rejected the call ({exc.status_code}): {exc.message}")
+    if isinstance(exc, json.JSONDecodeError):  # the SDK's parse of an event (the completions path)
+        return BackendError(f"{where}: sent an event that is not JSON: {exc}")
     if _unreachable(exc):
         if _reason(exc) == TIMED_OUT:  # it took the call: reached, then silent
             return BackendUnavailable(f"{where} took the call, then sent nothing: {TIMED_OUT}")

@@ -114,7 +114,8 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
                     streamed = True
                     yield chunk.model_dump(exclude_unset=True)
                 return
-            except (openai.OpenAIError, *_transport_errors()) as exc:
+            # ValueError: an event that is not JSON (the SDK parses them here), the server's fault.
+            except (openai.OpenAIError, ValueError, *_transport_errors()) as exc:
                 error = translate_error(exc, target.name, target.url)
                 others = [] if named is not None or streamed else backend._untried(tried)
                 if not isinstance(error, BackendUnavailable) or not others:
