@@ -653,3 +653,10 @@ async def test_a_replica_that_answers_with_a_page_is_no_vllm_server():
                 await collect_stream(backend.stream_chat(BODY))
             assert backend.replicas["r0"].breaker.consecutive_failures == 0
     assert len(posts) == 1  # not retried
+
+
+def test_an_http_client_of_another_kind_is_refused_naming_it():
+    """The readers of /metrics, the KV cache and the model list catch httpx's errors: an httpx2
+    client (the SDK's own kind, an easy slip) let its raw errors out of every one of them."""
+    with pytest.raises(TypeError, match=r"^http_client: expected an httpx.AsyncClient, got httpx2\."):
+        VLLMServerBackend("http://vllm.invalid:8000", http_client=httpx2.AsyncClient())

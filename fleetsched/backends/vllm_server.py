@@ -419,6 +419,9 @@ class VLLMServerBackend(Backend):
         named = dict(urls) if isinstance(urls, Mapping) else {f"r{i}": u for i, u in enumerate(urls)}
         if not named:
             raise ValueError("at least one vLLM server URL is needed")
+        if http_client is not None and not isinstance(http_client, httpx.AsyncClient):
+            # An httpx2 client (the SDK's own kind) raised its own errors past every reader here.
+            raise TypeError(f"http_client: expected an httpx.AsyncClient, got {type(http_client).__module__}.{type(http_client).__qualname__}")
         factory = client_factory or _default_client
         #: The model a call that names none asks for. None: the one the servers list first,
         #: asked when the backend is entered (`served_model`).
