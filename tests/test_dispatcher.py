@@ -343,13 +343,18 @@ async def test_a_tenant_is_charged_its_share_of_max_tokens_up_front():
 async def test_streamed_output_is_charged_by_the_engines_count_not_by_chunks():
     """The dispatcher asks for usage on every chunk and charges the engine's count: the batch
     tier streams 8 tokens a chunk, but the engine sent the first token alone, then 20 (a
-    reader that fell behind). A caller that turns usage on every chunk off gets 8 a chunk with
-    content, until the usage at the end."""
+    reader that fell behind). It asks whatever the caller asked (a caller that turned usage on
+    every chunk off was charged nothing for a stream it left early, at the gateway); an engine
+    that does not send it has 8 a chunk with content charged, until the usage at the end."""
 
     class Coarse(SlowBackend):
+        def __init__(self, continuous: bool) -> None:
+            super().__init__()
+            self.continuous = continuous
+
         async def stream_chat(self, body):
             self.options = body.get("stream_options")
-            usage = self.options.get("continuous_usage_stats")
+            usage = self.continuous and self.options.get("continuous_usage_stats")
             yield make_chunk("c", "m", 0, role="assistant", content="")
             yield make_chunk("c", "m", 0, content="x", usage=usage_dict(10, 1) if usage else None)
             await anyio.sleep(1.0)
@@ -357,16 +362,21 @@ async def test_streamed_output_is_charged_by_the_engines_count_not_by_chunks():
             await anyio.sleep(1.0)
             yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(10, 21))
 
-    for options, charged in ((None, [0, 2, 42, 42]), ({"continuous_usage_stats": False}, [0, 16, 32, 42])):
-        backend = Coarse()
+    cases = (
+        (None, True, [0, 2, 42, 42]),
+        ({"continuous_usage_stats": False, "include_usage": False}, True, [0, 2, 42, 42]),
+        (None, False, [0, 16, 32, 42]),
+    )
+    for options, continuous, charged in cases:
+        backend = Coarse(continuous)
         dispatcher = Dispatcher(backend, window=1, stream_interval={Tier.BATCH: 8})
         queue = dispatcher._queue
         request = {**body("x", max_tokens=100), "stream_options": options}
         async with dispatcher.stream(request, tenant="a", tier=Tier.BATCH) as chunks:
             start = queue.counter("a")  # the prompt estimate: no prediction before a call ends
             assert [queue.counter("a") - start async for _ in chunks] == charged
-        assert queue.counter("a") == 10 + 21 * 2.0  # corrected to the usage in both cases
-    assert backend.options == {"continuous_usage_stats": False, "include_usage": True}  # the caller's choice stands
+        assert queue.counter("a") == 10 + 21 * 2.0  # corrected to the usage in every case
+        assert backend.options == {"continuous_usage_stats": True, "include_usage": True}
 
 
 async def test_the_critical_reserve_holds_when_the_window_shrinks():

@@ -226,9 +226,10 @@ class Dispatcher:
         # Every chunk carries the engine's count of the tokens so far (vLLM's continuous usage
         # stats): the tenant is charged what its call received, however the engine split the
         # answer into chunks (the first token alone, then up to `stream_interval` a chunk, more
-        # when the reader falls behind).
-        options = {"continuous_usage_stats": True, **given_options}
-        request["stream_options"] = {**options, "include_usage": True}
+        # when the reader falls behind). Whatever the caller asked: what it gets of them is shaped
+        # on the way out (`agents.transport.UsageShape`), and a caller that turned them off here
+        # was charged nothing for a stream it left early.
+        request["stream_options"] = {**given_options, "continuous_usage_stats": True, "include_usage": True}
         # Coarser streaming for lower tiers: fewer chunks for the engine's API server and for this
         # process to handle, so the calls that need every token at once get it sooner.
         tokens_per_chunk = self._stream_interval.get(tier, 1)
