@@ -73,7 +73,11 @@ def _view(scheduler: Scheduler, total: int, tracker: SlaTracker | None = None) -
         f"calls in flight {d.in_flight}/{d.window}, queued {d.queued}\n"
         f"queues  {queues}\nmemory  {devices}   fragmentation failures {stats.memory.fragmentation_failures}"
     )
-    return Group(ProgressBar(total=max(total, 1), completed=finished, width=60), summary, table)
+    # In a grid row, the bar ends its line: alone, it ran into the summary's first line, which a
+    # 120-column terminal then cut short.
+    progress = Table.grid(padding=(0, 1))
+    progress.add_row(ProgressBar(total=max(total, 1), completed=finished, width=60), f"{100 * finished / max(total, 1):.0f} % of sessions ended")
+    return Group(progress, summary, table)
 
 
 def _line(scheduler: Scheduler, total: int, tracker: SlaTracker | None) -> str:

@@ -288,7 +288,7 @@ def tenant_table(report: dict[str, Any]) -> Any:
     return table
 
 
-_UNITS = {
+_OBJECTIVE_TEXT = {
     "ttft_p99": "TTFT p99",
     "admission_p99": "admission p99",
     "latency_p95": "call p95",
@@ -296,6 +296,11 @@ _UNITS = {
     "deadline": "deadline",
     "min_tokens_per_s": "tok/s",
 }
+
+
+def objective_text(objective: str) -> str:
+    """An SLA objective as the tables and plots name it ("ttft_p99": "TTFT p99")."""
+    return _OBJECTIVE_TEXT.get(objective, objective)
 
 
 def sla_rows(report: dict[str, Any]) -> list[list[str]]:
@@ -324,7 +329,7 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
             if t["tenant"] in unreachable and objective == "ttft_p99":
                 verdict += " (unreachable)"
             breaches = ", ".join(f"{n} {REASON_TEXT.get(r, r)}" for r, n in sorted(o["breaches"].items(), key=lambda kv: -kv[1]))
-            rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", _UNITS[objective], target, value, attainment, verdict, breaches or refused_text])
+            rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", objective_text(objective), target, value, attainment, verdict, breaches or refused_text])
     return rows
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from fleetsched.errors import ReportSchemaError
 from fleetsched.observability.render import PLOTS, main as render_main
-from fleetsched.report import SCHEMA, load_report, write_report
+from fleetsched.report import SCHEMA, load_report, sla_rows, write_report
 from fleetsched.settings import Settings
 from fleetsched.simulate import simulate
 
@@ -70,6 +70,8 @@ def test_report_renders_plots_and_html(report, tmp_path):
     page = (out / "index.html").read_text()
     assert all(f"src='{name}'" in page for name in PLOTS)
     assert "pager" in page and "TTFT p99" in page and "rate-limited" in page
+    missed = sum(row[7].startswith("MISSED") for row in sla_rows(report))  # red, as in the terminal
+    assert missed > 0 and page.count("<tr class='bad'>") == missed
 
 
 def test_other_schema_versions_get_a_clear_error(report, tmp_path, capsys):
@@ -321,3 +323,37 @@ def test_a_recorder_that_keeps_no_calls_keeps_no_refusals_but_counts_them():
         for i in range(1000):
             recorder.add_refusal(CallRecord("a", 2, i, float(i), math.nan, float(i), float(i), 0, 0, error="RateLimited"))
         assert recorder.refusal_count == 1000 and len(recorder.refusals) == (1000 if keep else 0)
+
+
+@pytest.mark.parametrize(("low", "high", "expected"), [(0.003, 3.0, ["10 ms", "100 ms", "1 s"]), (0.01, 0.5, ["20 ms", "50 ms", "100 ms", "200 ms"])])
+def test_time_axes_read_in_milliseconds_and_seconds(low, high, expected):
+    """The TTFT plots' log axes read "$\\mathdefault{10^{-2}}$": matplotlib's labels are math
+    text, which the renderer turns off (names are never math). They read 10 ms, 100 ms, 1 s; at
+    1, 2 and 5 a decade over up to two decades."""
+    from fleetsched.observability.render import _log_seconds, _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([low, high], [0, 1])
+    _log_seconds(ax)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text() and low <= t.get_position()[0] <= high]
+    plt.close(fig)
+    assert all(label in labels for label in expected) and not any("$" in label for label in labels), labels
+
+
+def test_the_sla_chart_names_objectives_as_the_tables_do_and_only_those_measured(report, tmp_path, monkeypatch):
+    """Its legend read the report's keys (ttft_p99), and every tenant kept a slot for each of the
+    six objectives, measured or not: bars stood off their tenant's name."""
+    from matplotlib.axes import Axes
+
+    from fleetsched.observability.render import plot_sla_attainment
+
+    bars = []
+    monkeypatch.setattr(Axes, "bar", lambda self, x, height, **kw: bars.append((x, kw.get("label"))))
+    plot_sla_attainment(report, tmp_path / "sla.png")
+    assert {label for _, label in bars if label} == {"TTFT p99", "admission p99", "call p95", "admission p95", "deadline", "tok/s"}
+    for i, tenant in enumerate(t for t in report["tenants"] if t["sla"]["objectives"]):
+        mine = [x for x, _ in bars if abs(x - i) < 0.5]
+        assert len(mine) == sum(o["attainment"] is not None for o in tenant["sla"]["objectives"].values())
+        assert sum(mine) / len(mine) == pytest.approx(i)  # centred under its name

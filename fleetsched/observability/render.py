@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ReportSchemaError
-from ..report import SLA_COLUMNS, load_report, sla_rows, throughput_text
-from .sla import OBJECTIVES
+from ..report import SLA_COLUMNS, load_report, objective_text, sla_rows, throughput_text
+from .sla import OBJECTIVES, REASON_TEXT
 
 PLOTS = ("ttft_cdf.png", "throughput.png", "queue_depth.png", "memory.png", "sla_attainment.png")
 TIER_COLORS = {"critical": "tab:red", "standard": "tab:blue", "batch": "tab:green"}
@@ -34,6 +34,26 @@ def _pyplot() -> Any:
     return plt
 
 
+def _seconds_text(value: float, _position: object = None) -> str:
+    return f"{value * 1e3:g} ms" if value < 1 else f"{value:g} s"
+
+
+def _log_seconds(ax: Any) -> None:
+    """Label a log x axis of times as "20 ms" or "5 s", at 1, 2 and 5 a decade over up to two
+    decades and once a decade over more: matplotlib's own labels are math text, which
+    `_pyplot` turns off (they read ``$\\mathdefault{10^{-2}}$``). Call it once the data is drawn."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    low, high = ax.get_xlim()
+    decades = math.log10(high / low) if 0 < low < high else 0.0
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0) if decades <= 2 else (1.0,)))
+    ax.xaxis.set_major_formatter(FuncFormatter(_seconds_text))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _cdf(ax: Any, quantiles: list[float] | None, label: str, **style: Any) -> None:
     if not quantiles:
         return
@@ -43,22 +63,28 @@ def _cdf(ax: Any, quantiles: list[float] | None, label: str, **style: Any) -> No
 def plot_ttft_cdf(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     dist = report["distributions"]["ttft_s"]
-    fig, (by_tier, by_tenant) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for tier, q in sorted(dist["tier"].items()):
-        _cdf(by_tier, q, tier, color=TIER_COLORS.get(tier))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    # One time scale for both panels: the same calls, read side by side.
+    fig, (by_tier, by_tenant) = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True, sharey=True)
+    for tier in sorted(dist["tier"], key=lambda tier: (list(TIER_COLORS).index(tier) if tier in TIER_COLORS else len(TIER_COLORS), tier)):
+        _cdf(by_tier, dist["tier"][tier], tier, color=TIER_COLORS.get(tier))
+    # Tenants in colours the tiers do not use: blue on the left is a tier, never a tenant.
+    from matplotlib.colors import to_hex
+
+    taken = {to_hex(c) for c in TIER_COLORS.values()}
+    colors = [c for c in plt.rcParams["axes.prop_cycle"].by_key()["color"] if to_hex(c) not in taken]
     for i, t in enumerate(report["tenants"]):
         color = colors[i % len(colors)]
         _cdf(by_tenant, dist["tenant"].get(t["tenant"]), f"{t['tenant']} ({t['tier']})", color=color)
         target = t["sla"]["objectives"].get("ttft_p99", {}).get("target")
         if target is not None:
             by_tenant.axvline(target, color=color, linestyle="--", linewidth=1)
-    for ax, title in ((by_tier, "TTFT by tier"), (by_tenant, "TTFT by tenant (dashed: TTFT p99 objective)")):
-        ax.set_xscale("log")
-        ax.set_xlabel("time to first token (s)")
+    targets = any("ttft_p99" in t["sla"]["objectives"] for t in report["tenants"])
+    for ax, title in ((by_tier, "TTFT by tier"), (by_tenant, "TTFT by tenant" + (" (dashed: TTFT p99 objective)" if targets else ""))):
+        _log_seconds(ax)
+        ax.set_xlabel("time to first token")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-        ax.axhline(0.99, color="grey", linewidth=0.8, linestyle=":")
+        ax.axhline(0.99, color="grey", linewidth=0.8, linestyle=":", label="p99")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="lower right")
     by_tier.set_ylabel("share of calls")
@@ -85,7 +111,8 @@ def plot_throughput(report: dict[str, Any], path: Path) -> None:
     else:
         t, tokens = tl["t"], tl["completion_tokens"]
         rates = [(tokens[i] - tokens[i - 1]) / (t[i] - t[i - 1]) if t[i] > t[i - 1] else 0.0 for i in range(1, len(t))]
-        ax.step(t[1:], rates, where="pre", color="tab:purple", label="generated tokens/s")
+        # A call's tokens count when it ends (the timeline's counts): a bin where calls only ran reads 0.
+        ax.stairs(rates, t, color="tab:purple", label="tokens/s of the calls that ended")
         if report["throughput_tok_s"] is not None:  # None: a run of no duration
             ax.axhline(report["throughput_tok_s"], color="grey", linestyle="--", linewidth=1, label=f"run mean {throughput_text(report)}")
         ax.legend(fontsize=8)
@@ -114,9 +141,9 @@ def plot_queue_depth(report: dict[str, Any], path: Path) -> None:
             if any(values):
                 calls.plot(t, values, label=f"{tier} queued", color=TIER_COLORS.get(tier))
         calls.plot(t, tl["in_flight"], label="in flight", color="black", linewidth=0.8)
-        calls.plot(t, tl["window"], label="window", color="grey", linestyle="--", linewidth=0.8)
+        calls.plot(t, tl["window"], label="window", color="grey", linestyle="--", linewidth=1.2, zorder=3)  # seen where in flight fills it
         for ax in (sessions, calls):
-            ax.legend(fontsize=8, loc="upper right")
+            ax.legend(fontsize=8, loc="best")
     sessions.set_title("Sessions waiting for admission, per tier")
     sessions.set_ylabel("sessions")
     calls.set_title("Model calls waiting for the in-flight window, per tier")
@@ -144,8 +171,8 @@ def plot_memory(report: dict[str, Any], path: Path) -> None:
                 mem.axhline(totals[device] / 1e9, color=line.get_color(), linestyle="--", linewidth=0.8, label=f"{device} total")
         for device, values in tl["fragmentation"].items():
             frag.plot(t, [100 * v for v in values], label=device)
-        mem.legend(fontsize=8, loc="upper right")
-        frag.legend(fontsize=8, loc="upper right")
+        mem.legend(fontsize=8, loc="best")
+        frag.legend(fontsize=8, loc="best")
     mem.set_title("Memory reserved by sessions, per device")
     mem.set_ylabel("GB")
     frag.set_title("Fragmentation per device: (free - largest free) / free")
@@ -162,30 +189,33 @@ def plot_memory(report: dict[str, Any], path: Path) -> None:
 def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     fig, (bars, over_time) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.3]})
-    objectives = list(OBJECTIVES)
     tenants = [t for t in report["tenants"] if t["sla"]["objectives"]]
-    width = 0.8 / len(objectives)
-    for j, objective in enumerate(objectives):
-        xs, ys = [], []
-        for i, t in enumerate(tenants):
-            o = t["sla"]["objectives"].get(objective)
-            if o is not None and o["attainment"] is not None:
-                xs.append(i + (j - (len(objectives) - 1) / 2) * width)
-                ys.append(100 * o["attainment"])
-        if xs:
-            bars.bar(xs, ys, width=width, label=objective)
-    bars.axhline(99, color="grey", linestyle=":", linewidth=0.8)
+    measured = [[o for o in OBJECTIVES if (t["sla"]["objectives"].get(o) or {}).get("attainment") is not None] for t in tenants]
+    objectives = [o for o in OBJECTIVES if any(o in m for m in measured)]
+    colors = dict(zip(objectives, plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(OBJECTIVES)))
+    width = 0.8 / max(1, max(map(len, measured), default=1))
+    labelled: set[str] = set()
+    for i, (t, mine) in enumerate(zip(tenants, measured)):
+        for k, objective in enumerate(mine):  # centred under the tenant's name, whatever it measures
+            label = None if objective in labelled else objective_text(objective)
+            labelled.add(objective)
+            x = i + (k - (len(mine) - 1) / 2) * width
+            bars.bar(x, 100 * t["sla"]["objectives"][objective]["attainment"], width=width, color=colors[objective], label=label)
     bars.set_xticks(range(len(tenants)), [f"{t['tenant']}\n({t['tier']})" for t in tenants], fontsize=8)
-    bars.set_ylim(0, 105)
+    bars.set_ylim(0, 130)  # room above the bars for the legend
+    bars.set_yticks(range(0, 101, 20))
     bars.set_ylabel("attainment (% of events within target)")
     bars.set_title("SLA attainment per tenant, whole run")
     if tenants:
-        bars.legend(fontsize=8, loc="lower right")
+        bars.axhline(99, color="grey", linestyle=":", linewidth=0.8, label="99 %")
+        bars.legend(fontsize=8, loc="upper center", ncol=4)
     else:
         _empty(bars, "no tenant has an SLA")
     tl = _timeline(report)
     if tl is None:
         _empty(over_time)
+    elif not tenants:
+        _empty(over_time, "no tenant has an SLA")
     else:
         for t in tenants:
             values = tl["attainment"].get(t["tenant"])
@@ -194,7 +224,7 @@ def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
             over_time.plot(tl["t"], [None if v is None else 100 * v for v in values], label=t["tenant"])
         over_time.set_ylim(0, 105)
         if over_time.get_legend_handles_labels()[0]:
-            over_time.legend(fontsize=8, loc="lower right")
+            over_time.legend(fontsize=8, loc="best")
     over_time.set_title(f"Rolling attainment (worst objective, {tl['window_s'] if tl else '-'} s window)")
     over_time.set_xlabel("time since start (s)")
     over_time.set_ylabel("%")
@@ -206,8 +236,14 @@ def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
 
 
 def _table(columns: list[str] | tuple[str, ...], rows: list[list[Any]]) -> str:
+    """An HTML table; a row whose verdict is MISSED (the SLA table's) is marked as the terminal marks it."""
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
+    body = "".join(
+        ("<tr class='bad'>" if any(str(v).startswith("MISSED") for v in row) else "<tr>")
+        + "".join(f"<td>{html.escape(str(v))}</td>" for v in row)
+        + "</tr>"
+        for row in rows
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -223,7 +259,7 @@ def render_html(report: dict[str, Any]) -> str:
     ]
     tenant_cols = ["tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"]
     sla = report["sla"]
-    by_reason = [[r, n] for r, n in sla["breaches"]["by_reason"].items()]
+    by_reason = [[REASON_TEXT.get(r, r), n] for r, n in sla["breaches"]["by_reason"].items()]
     feasibility = sla.get("feasibility") or {}
     flagged = "".join(f"<li class='bad'>{html.escape(u['message'])}</li>" for u in feasibility.get("unreachable") or [])
     note = f"<li>{html.escape(feasibility['note'])}</li>" if feasibility.get("note") else ""
@@ -240,7 +276,7 @@ def render_html(report: dict[str, Any]) -> str:
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
 table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
-th {{ background: #f3f3f3; }} td:first-child, td:nth-child(2) {{ text-align: left; }}
+th {{ background: #f3f3f3; }} th:first-child, th:nth-child(2), td:first-child, td:nth-child(2) {{ text-align: left; }}
 img {{ max-width: 100%; }} .bad {{ color: #b00; }}
 </style></head><body>
 <h1>fleetsched: {report['duration_s']:.1f} s on {html.escape(report['backend'])}</h1>
