@@ -302,6 +302,9 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": true}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
+        # Every call reaches vLLM streamed, where it refuses them speaking of a stream=True the
+        # client never sent (the sim ignored them).
+        (b'{"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}', "prompt_logprobs"),
         # Fields that need another (vLLM's ChatCompletionRequest validators): the gateway served them.
         (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs"),
         (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": -2}', "top_logprobs"),
@@ -1200,3 +1203,34 @@ async def test_the_gateway_sizes_its_pool_from_the_kv_cache_as_the_scheduler_doe
     async with gateway.running():
         assert (gateway.scheduler.pool.statistics().total, gateway.scheduler._session_memory) == expected
     assert expected[0] > 0
+
+
+def test_a_text_completion_over_a_chat_backend_is_answered_as_vllm_answers_it(url):
+    """/v1/completions over a chat backend (the sim, the in-process engine): a call naming no
+    max_tokens gets 16 tokens, vLLM's CompletionRequest default (it ran to 256 on the sim);
+    echo puts the prompt first (it was dropped); suffix is refused, as vLLM refuses it (it was
+    ignored); echo with logprobs, which this path cannot serve, is refused naming echo."""
+    with serve_in_thread(gateway_settings(backend={"kind": "sim"})) as (_, sim_url):
+        assert client(sim_url).completions.create(model="m", prompt="Once upon").usage.completion_tokens == 16
+    c = client(url)
+    for stream in (False, True):
+        answer = c.completions.create(model="m", prompt="Once upon", max_tokens=2, echo=True, stream=stream)
+        text = "".join(chunk.choices[0].text for chunk in answer) if stream else answer.choices[0].text
+        assert text == "Once uponok", text
+    for extra, param in (({"suffix": "The end."}, "suffix"), ({"echo": True, "logprobs": 1}, "echo")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.completions.create(model="m", prompt="Once upon", max_tokens=2, **extra)
+        assert refused.value.body["param"] == param or refused.value.body["message"].startswith(f"{param}:"), refused.value.body
+
+
+def test_a_collected_text_completion_keeps_the_stop_reason():
+    """A text completion not streamed is folded from the replica's stream; the fold dropped the
+    stop_reason that vLLM's streamed chunks carried (the chat fold keeps it)."""
+    from fleetsched.gateway.backend import collect_completion
+
+    chunks = [
+        {"id": "cmpl-1", "model": "m", "created": 1, "choices": [{"index": 0, "text": "The", "finish_reason": None}]},
+        {"id": "cmpl-1", "model": "m", "created": 1, "choices": [{"index": 0, "text": " end", "finish_reason": "stop", "stop_reason": "END"}]},
+    ]
+    assert collect_completion(chunks)["choices"][0] == {"index": 0, "text": "The end", "logprobs": None, "finish_reason": "stop", "stop_reason": "END"}
+    assert "stop_reason" not in collect_completion(chunks[:1])["choices"][0]

@@ -444,11 +444,12 @@ async def test_malformed_messages_raise_invalid_request_naming_messages(messages
         assert (await run_one(backend, body(16, 3)))["usage"]["completion_tokens"] == 3
 
 
-# Each refused by vLLM 0.32's server with a 400 (measured), and each served by the sim.
+# Each refused by vLLM 0.32's server with a 400 (measured; prompt_logprobs on a stream, as every
+# call reaches vLLM, read in its check_logprobs), and each served by the sim.
 BAD_SAMPLING = [
     ("temperature", "hot"), ("temperature", -1), ("temperature", 2.5), ("top_p", 0), ("top_p", 2), ("top_k", 2.5),
     ("top_k", -2), ("seed", 1.5), ("seed", 2**70), ("stop", 3), ("stop", [1]), ("presence_penalty", "x"),
-    ("frequency_penalty", 5), ("min_tokens", 10),
+    ("frequency_penalty", 5), ("min_tokens", 10), ("prompt_logprobs", 1),
 ]  # fmt: skip
 
 

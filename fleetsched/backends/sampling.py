@@ -47,6 +47,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "stop": (_is_stop, "a string or a list of strings"),
     "stop_token_ids": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of token IDs (integers)"),
+    # Every call reaches the engine streamed (the dispatcher observes its first token), and vLLM
+    # refuses prompt log probabilities on a stream: its 400 spoke of a stream=True never sent.
+    "prompt_logprobs": (lambda v: v == 0 and _is_int(v), "0 or none: fleetsched streams every call, and vLLM serves no prompt log probabilities on a stream"),
 }
 #: The keys `check_sampling` looks at: those of `RULES`, and those `_check_pairs` does.
 _KEYS = frozenset(RULES) | {"top_logprobs", "tools", "tool_choice"}

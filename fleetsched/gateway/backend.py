@@ -142,6 +142,9 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
     for private in PRIVATE_KEYS:
         body.pop(private, None)
     count = body.pop("logprobs", None)
+    echo = body.pop("echo", None)
+    if echo and count is not None:
+        raise InvalidRequest("echo: the prompt's log probabilities are not served on this backend; ask for echo or logprobs")
     if count is not None:  # a text completion's alternatives a token: chat's top_logprobs
         body["logprobs"], body["top_logprobs"] = True, count
     try:
@@ -159,6 +162,8 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
             choices = []
             for c in chunk.get("choices") or ():
                 text = (c.get("delta") or {}).get("content") or ""
+                if echo:  # the prompt first, as vLLM answers it
+                    text, echo = prompt + text, False
                 logprobs = _text_logprobs(c.get("logprobs"), offset)
                 offset += len(text)
                 choices.append({"index": c.get("index", 0), "text": text, "logprobs": logprobs, "finish_reason": c.get("finish_reason")})
@@ -203,6 +208,7 @@ def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
     cid, model, created = "", "", 0
     text: list[str] = []
     finish: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, as vLLM says
     usage: dict[str, int] | None = None
     logprobs: dict[str, list[Any]] | None = None  # asked for with `logprobs`: vLLM sends them per chunk
     for chunk in chunks:
@@ -213,14 +219,18 @@ def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
         for choice in chunk.get("choices") or ():
             text.append(choice.get("text") or "")
             finish = choice.get("finish_reason") or finish
+            stop_reason = stop_reason if choice.get("stop_reason") is None else choice["stop_reason"]
             logprobs = merge_logprobs(logprobs, choice.get("logprobs"))
     if not cid:
         raise BackendError("the backend returned no completion")
+    choice: dict[str, Any] = {"index": 0, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish or "stop"}
+    if stop_reason is not None:  # as the chat fold (`base._Choice`) keeps it
+        choice["stop_reason"] = stop_reason
     return {
         "id": cid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish or "stop"}],
+        "choices": [choice],
         "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }

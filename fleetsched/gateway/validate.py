@@ -91,7 +91,7 @@ def _common(body: Mapping[str, Any]) -> None:
         raise Invalid("n", "only n=1 is served by this gateway; send n requests instead")
     # Checked here as vLLM refuses them; the rest (top_k...) are left to the engine, whose 400
     # names the replica.
-    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop"):
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "prompt_logprobs"):
         problem = rule_problem(body, key)
         if problem is not None:
             raise Invalid(*problem)
@@ -140,6 +140,10 @@ def _needs(body: Mapping[str, Any]) -> None:
         raise Invalid(*problem)
 
 
+#: The answer's length a text completion gets when it names none, as vLLM's CompletionRequest.
+COMPLETION_MAX_TOKENS = 16
+
+
 def check_completion(body: Any) -> dict[str, Any]:
     """The body of a ``/v1/completions`` request, checked; raises `Invalid`."""
     if not isinstance(body, dict):
@@ -153,6 +157,10 @@ def check_completion(body: Any) -> dict[str, Any]:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise Invalid("prompt", "must be a non-empty string")
+    if body.get("suffix") is not None:  # as vLLM answers it
+        raise Invalid("suffix", "is not supported")
+    if body.get("max_tokens") is None:  # vLLM's CompletionRequest default (a chat call's is the context)
+        body["max_tokens"] = COMPLETION_MAX_TOKENS
     # A stray chat field is ignored, as vLLM's completions endpoint ignores it, and dropped here:
     # left in, it made the prompt estimate count the messages, so a long prompt passed the
     # context check and the tokens-per-minute charge as a short one.
