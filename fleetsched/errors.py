@@ -118,7 +118,12 @@ class BackendError(FleetschedError):
 
 
 class InvalidRequest(BackendError, ValueError):
-    """The engine refuses this request as it stands (vLLM answers HTTP 400). Not retryable."""
+    """The engine refuses this request as it stands (vLLM answers HTTP 400). Not retryable.
+    `param`: the field the engine named as wrong, where it named one apart from its message."""
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextTooLong(InvalidRequest):

@@ -660,3 +660,17 @@ def test_an_http_client_of_another_kind_is_refused_naming_it():
     client (the SDK's own kind, an easy slip) let its raw errors out of every one of them."""
     with pytest.raises(TypeError, match=r"^http_client: expected an httpx.AsyncClient, got httpx2\."):
         VLLMServerBackend("http://vllm.invalid:8000", http_client=httpx2.AsyncClient())
+
+
+@pytest.mark.anyio
+async def test_the_field_vllm_names_in_its_400_reaches_the_client():
+    """vLLM's 400 names the field apart from its message ("param"); the error kept the message
+    only, and the gateway's and ctx.openai's answers had param null."""
+    from fleetsched.agents.transport import response_for
+
+    refusal = {"error": {"object": "error", "message": "top_k must be -1 or at least 1, got 0.", "type": "BadRequestError", "param": "top_k", "code": 400}}
+    backend = _backend([httpx2.Response(400, json=refusal)], [])
+    with pytest.raises(InvalidRequest) as refused:
+        _ = [c async for c in backend.stream_chat({**BODY, "top_k": 0})]
+    assert refused.value.param == "top_k"
+    assert json.loads(response_for(refused.value).content)["error"]["param"] == "top_k"

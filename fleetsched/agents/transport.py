@@ -66,7 +66,7 @@ def response_for(exc: BaseException) -> httpx.Response | None:
         return error_response(408, str(exc), "deadline_exceeded")
     if isinstance(exc, InvalidRequest):  # the engine refused the body: the client's to change
         code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else "invalid_request_error"
-        return error_response(400, str(exc), "invalid_request_error", code=code, param=field_named(str(exc)))
+        return error_response(400, str(exc), "invalid_request_error", code=code, param=exc.param or field_named(str(exc)))
     if isinstance(exc, BackendUnavailable):
         return error_response(502, str(exc), "backend_unavailable")
     if isinstance(exc, BackendError):

@@ -449,9 +449,10 @@ def completion_room(max_model_len: int, prompt_tokens: int, max_tokens: int) -> 
 _CONTEXT_MARKERS = ("maximum context length", "maximum model length", "max_model_len")
 
 
-def invalid_request(message: str) -> InvalidRequest:
+def invalid_request(message: str, param: str | None = None) -> InvalidRequest:
     """The error for a body the engine refused: `ContextTooLong` when `message` (the engine's
-    own words) says the request does not fit the model's context, else `InvalidRequest`."""
+    own words) says the request does not fit the model's context, else `InvalidRequest`;
+    `param`, the field the engine named."""
     if any(marker in message for marker in _CONTEXT_MARKERS):
-        return ContextTooLong(message)
-    return InvalidRequest(message)
+        return ContextTooLong(message, param=param)
+    return InvalidRequest(message, param=param)

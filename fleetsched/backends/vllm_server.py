@@ -247,7 +247,8 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
         if exc.status_code >= 500:
             return BackendUnavailable(f"{where} failed with {exc.status_code}: {exc.message}")
         if exc.status_code in (400, 422):  # the body as it stands: retrying cannot help
-            return invalid_request(f"{where} rejected the call ({exc.status_code}): {exc.message}")
+            param = exc.body.get("param") if isinstance(exc.body, Mapping) else None
+            return invalid_request(f"{where} rejected the call ({exc.status_code}): {exc.message}", param if isinstance(param, str) else None)
         if exc.status_code == 404 and not (isinstance(exc.body, Mapping) and exc.body.get("message")):
             # No route there (vLLM's own 404s, an unknown model, say, carry a message).
             return BackendError(
