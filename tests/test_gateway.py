@@ -192,6 +192,27 @@ def test_a_429_says_when_one_call_asks_more_than_a_minutes_tokens():
     assert "tokens_per_minute (100)" in caught.value.message and "more than a minute's" in caught.value.message
 
 
+def test_a_429_names_the_limit_that_keeps_the_call_out():
+    """A tenant with both limits: the 429 named both, joined by "or", whichever was short."""
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2, "tokens_per_minute": 100_000}})
+    with serve_in_thread(s) as (_, url):
+        c = client(url, GLOBEX)
+        for _ in range(2):
+            c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as caught:
+            c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
+    assert caught.value.body["message"] == "tenant 'globex' is over its requests_per_minute (2)"
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 100, "tokens_per_minute": 100}})
+    with serve_in_thread(s) as (_, url):
+        c = client(url, GLOBEX)
+        c.chat.completions.create(model="m", messages=MSG, max_tokens=90)  # uses 20 of the 94 it was charged
+        with pytest.raises(openai.RateLimitError) as caught:
+            c.chat.completions.create(model="m", messages=MSG, max_tokens=90)  # 94 asked, about 80 left
+    message = caught.value.body["message"]
+    assert message.startswith("tenant 'globex' is over its tokens_per_minute (100): this call asks")
+    assert "requests_per_minute" not in message and "are left" in message
+
+
 def test_shed_is_503_with_retry_after():
     answer = _answer_for(Overloaded("batch call shed", retry_after_s=7.2))
     assert answer.status_code == 503 and answer.headers["retry-after"] == "8"  # rounded up: not before the wait

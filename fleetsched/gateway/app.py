@@ -43,11 +43,11 @@ from ..agents.transport import UsageShape, error_response, response_for
 from ..backends import create_backend
 from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
-from ..resources.ratelimit import RateLimit, Taken, tokens_asked
+from ..resources.ratelimit import RateLimit, Taken, shortfall_text
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
 from ..scheduler.records import Recorder
-from ..settings import Settings, TenantSettings
+from ..settings import Settings
 from .auth import Identity, KeyRing
 from .backend import ENDPOINT_KEY, GatewayBackend, collect_completion
 from .metrics import GatewayMetrics
@@ -380,7 +380,7 @@ class Gateway:
             return await _error(
                 send,
                 error_response(
-                    429, _over_limits(tenant, tenant_settings, tokens), "rate_limit_exceeded", retry_after_s=taken.wait_s, code="rate_limit_exceeded"
+                    429, _over_limits(tenant, taken, tokens), "rate_limit_exceeded", retry_after_s=taken.wait_s, code="rate_limit_exceeded"
                 ),
             )
         if endpoint == "completions":
@@ -560,14 +560,10 @@ class _Outcome:
             self.completion_tokens = usage.get("completion_tokens") or 0
 
 
-def _over_limits(tenant: str, limits: TenantSettings, tokens: int) -> str:
-    """A 429's message: the tenant's per-minute limits, and what the call asks of the tokens one."""
-    named = []
-    if limits.requests_per_minute:
-        named.append(f"requests_per_minute ({limits.requests_per_minute:g})")
-    if limits.tokens_per_minute:
-        named.append(tokens_asked(limits.tokens_per_minute, tokens))
-    return f"tenant {tenant!r} is over its {' or its '.join(named)}"
+def _over_limits(tenant: str, taken: Taken, tokens: int) -> str:
+    """A 429's message: which of the tenant's per-minute limits keeps the call out, as the take
+    read its buckets (it named every limit the tenant has, joined by "or")."""
+    return f"tenant {tenant!r} is over its {shortfall_text(taken.requests, taken.tokens, tokens) or 'rate limits'}"
 
 
 def _check_budget(budget: anyio.CancelScope) -> None:

@@ -119,15 +119,7 @@ class TenantRateLimits:
     def shortfall(self, tenant: str, tokens: float, now: float) -> str:
         """Which of `tenant`'s limits keeps one request of `tokens` tokens from being taken now,
         in words for an error message ("" when none does)."""
-        short = []
-        requests = self._requests.get(tenant)
-        if requests is not None and requests.wait_s(1, now) > 0:
-            short.append(f"requests_per_minute ({requests.capacity:g})")
-        bucket = self._tokens.get(tenant)
-        if bucket is not None and bucket.wait_s(tokens, now) > 0:
-            left = f", {max(0.0, bucket.tokens):.0f} are left" if tokens <= bucket.capacity else ""
-            short.append(tokens_asked(bucket.capacity, tokens) + left)
-        return " and its ".join(short)
+        return shortfall_text(*self.levels(tenant, now), tokens)
 
     def untake(self, tenant: str, tokens: float, now: float) -> None:
         """Give back a whole `try_take`, request and tokens: the call never reached the backend."""
@@ -144,6 +136,24 @@ class TenantRateLimits:
         bucket = self._tokens.get(tenant)
         if bucket is not None and not math.isnan(tokens):
             bucket.give_back(tokens, now)
+
+
+def shortfall_text(requests: Level | None, tokens_level: Level | None, tokens: float) -> str:
+    """Which of these buckets (as `TenantRateLimits.levels` or a gateway's take reads them) keeps
+    one request of `tokens` tokens out, in words for an error message ("" when none does)."""
+    short = []
+    if requests is not None and _short(requests, 1):
+        short.append(f"requests_per_minute ({requests.limit:g})")
+    if tokens_level is not None and _short(tokens_level, tokens):
+        left = f", {max(0.0, tokens_level.left):.0f} are left" if tokens <= tokens_level.limit else ""
+        short.append(tokens_asked(tokens_level.limit, tokens) + left)
+    return " and its ".join(short)
+
+
+def _short(level: Level, amount: float) -> bool:
+    """Whether `amount` cannot be taken from `level`, as `TokenBucket.wait_s` judges it (a
+    take needs at most a full bucket; float rounding is not short)."""
+    return min(amount, level.limit) - level.left > level.limit * 1e-9
 
 
 def tokens_asked(per_minute: float, tokens: float) -> str:
