@@ -191,8 +191,7 @@ def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
     fig, (bars, over_time) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.3]})
     tenants = [t for t in report["tenants"] if t["sla"]["objectives"]]
     measured = [[o for o in OBJECTIVES if (t["sla"]["objectives"].get(o) or {}).get("attainment") is not None] for t in tenants]
-    objectives = [o for o in OBJECTIVES if any(o in m for m in measured)]
-    colors = dict(zip(objectives, plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(OBJECTIVES)))
+    colors = dict(zip(OBJECTIVES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))  # one colour an objective, in every report
     width = 0.8 / max(1, max(map(len, measured), default=1))
     labelled: set[str] = set()
     for i, (t, mine) in enumerate(zip(tenants, measured)):

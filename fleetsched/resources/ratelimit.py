@@ -32,10 +32,7 @@ class TokenBucket:
     def wait_s(self, amount: float, now: float) -> float:
         """Seconds until `amount` could be taken (0: now)."""
         self._refill(now)
-        short = min(amount, self.capacity) - self.tokens
-        # Refilling over a wait returned here comes up short by float rounding (up to about 1e-10
-        # of the capacity with a clock at 1e8 s): a caller that waited it must not be refused again.
-        return 0.0 if short <= self.capacity * 1e-9 else short / self.rate_per_s
+        return _short_by(amount, self.tokens, self.capacity) / self.rate_per_s
 
     def take(self, amount: float, now: float) -> None:
         self._refill(now)
@@ -151,9 +148,17 @@ def shortfall_text(requests: Level | None, tokens_level: Level | None, tokens: f
 
 
 def _short(level: Level, amount: float) -> bool:
-    """Whether `amount` cannot be taken from `level`, as `TokenBucket.wait_s` judges it (a
-    take needs at most a full bucket; float rounding is not short)."""
-    return min(amount, level.limit) - level.left > level.limit * 1e-9
+    """Whether `amount` cannot be taken from `level` now, as `TokenBucket.wait_s` judges it."""
+    return _short_by(amount, level.left, level.limit) > 0
+
+
+def _short_by(amount: float, left: float, capacity: float) -> float:
+    """What a bucket of `capacity` holding `left` lacks for a take of `amount` (0: nothing); a
+    take needs at most a full bucket. Refilling over a wait computed from it comes up short by
+    float rounding (up to about 1e-10 of the capacity with a clock at 1e8 s): a caller that
+    waited it must not be refused again, so that little is not short."""
+    short = min(amount, capacity) - left
+    return 0.0 if short <= capacity * 1e-9 else short
 
 
 def tokens_asked(per_minute: float, tokens: float) -> str:
