@@ -10,7 +10,9 @@ import json
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import httpx
@@ -674,3 +676,83 @@ async def test_the_field_vllm_names_in_its_400_reaches_the_client():
         _ = [c async for c in backend.stream_chat({**BODY, "top_k": 0})]
     assert refused.value.param == "top_k"
     assert json.loads(response_for(refused.value).content)["error"]["param"] == "top_k"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_an_answer_whose_bytes_do_not_decode_is_the_replica_s_failure_and_failed_over(anyio_backend):
+    """A body that says it is gzip and is not (a proxy's fault, say) let httpx's DecodingError out
+    raw: "vLLM replica r0: Error -3 while decompressing data", neither retried nor failed over."""
+    garbled = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\nconnection: close\r\n\r\n" + b"no gzip at all"
+    posts: list[bytes] = []
+    with _http_server(garbled, posts) as url:
+        async with VLLMServerBackend(url, retry_attempts=2, retry_initial_s=0.01, retry_max_s=0.01) as backend:
+            with pytest.raises(BackendUnavailable, match=rf"^vLLM replica r0 \({url}\) sent an answer that cannot be decoded \(.*decompress"):
+                await collect_stream(backend.stream_chat(BODY))
+            assert backend.replicas["r0"].breaker.consecutive_failures == 1
+        assert len(posts) == 2  # retried, as a connection reset is
+        with _http_server(ANSWERED) as live:
+            async with VLLMServerBackend({"r0": url, "r1": live}) as backend:
+                response, _ = await collect_stream(backend.stream_chat(BODY, replica=None))
+    assert response["choices"][0]["message"]["content"] == "Hi"
+
+
+@contextlib.contextmanager
+def _trickling_server(chunks: int, every_s: float) -> Iterator[str]:
+    """A server in a thread that answers each request with a stream of `chunks` chunks, one
+    every `every_s` seconds, then ``[DONE]``: a long answer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer(connection: socket.socket) -> None:
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + ROLE_CHUNK)
+            for _ in range(chunks):
+                time.sleep(every_s)
+                connection.sendall(b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n')
+            connection.sendall(b"data: [DONE]\n\n")
+            connection.shutdown(socket.SHUT_WR)
+            connection.settimeout(1.0)
+            with contextlib.suppress(OSError):  # read the rest of the request: closed unread, it resets
+                while connection.recv(65536):
+                    pass
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_a_call_that_waits_for_a_connection_past_the_timeout_says_so(anyio_backend):
+    """A call that found every connection of the client's pool busy for the whole timeout never
+    left this process; it was worded as a replica that "took the call, then sent nothing"."""
+
+    def one_connection(base_url: str, api_key: str) -> AsyncOpenAI:
+        client = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1))
+        return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=client)
+
+    with _trickling_server(chunks=20, every_s=0.1) as url:
+        async with VLLMServerBackend(url, retry_attempts=1, read_timeout_s=0.5, client_factory=one_connection) as backend:
+            long_answer: list[Any] = []
+
+            async def first() -> None:
+                long_answer.append(await collect_stream(backend.stream_chat(BODY)))
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(first)
+                    await anyio.sleep(0.1)
+                    with pytest.raises(BackendUnavailable, match=r"^cannot reach vLLM replica r0 \(.*\): no free connection to it within the timeout"):
+                        await collect_stream(backend.stream_chat(BODY))
+    assert long_answer[0][0]["choices"][0]["message"]["content"] == "a" * 20  # the call holding the connection is whole

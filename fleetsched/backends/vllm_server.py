@@ -47,13 +47,19 @@ from .metrics import merge_signals, parse_vllm_metrics
 try:  # openai >= 2 speaks httpx2; older releases speak httpx.
     import httpx2
 
-    _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError, httpx2.TransportError)
+    _UNDECODABLE: tuple[type[BaseException], ...] = (httpx.DecodingError, httpx2.DecodingError)
+    _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (httpx.TransportError, httpx2.TransportError, *_UNDECODABLE)
     _TIMEOUTS: tuple[type[BaseException], ...] = (openai.APITimeoutError, httpx.TimeoutException, httpx2.TimeoutException)
     _CONNECT_TIMEOUTS: tuple[type[BaseException], ...] = (httpx.ConnectTimeout, httpx2.ConnectTimeout)
+    _WRITE_TIMEOUTS: tuple[type[BaseException], ...] = (httpx.WriteTimeout, httpx2.WriteTimeout)
+    _POOL_TIMEOUTS: tuple[type[BaseException], ...] = (httpx.PoolTimeout, httpx2.PoolTimeout)
 except ImportError:  # pragma: no cover - depends on the installed openai
-    _TRANSPORT_ERRORS = (httpx.TransportError,)
+    _UNDECODABLE = (httpx.DecodingError,)
+    _TRANSPORT_ERRORS = (httpx.TransportError, *_UNDECODABLE)
     _TIMEOUTS = (openai.APITimeoutError, httpx.TimeoutException)
     _CONNECT_TIMEOUTS = (httpx.ConnectTimeout,)
+    _WRITE_TIMEOUTS = (httpx.WriteTimeout,)
+    _POOL_TIMEOUTS = (httpx.PoolTimeout,)
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +212,8 @@ def _retryable_answer(exc: BaseException) -> bool:
 
 
 def _unreachable(exc: BaseException) -> bool:
-    """A failure to talk to the server at all (refused, reset, timed out), not an answer."""
+    """A failure to talk to the server at all (refused, reset, timed out, bytes that do not
+    decode: a body broken on the way), not an answer."""
     return isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS))
 
 
@@ -259,9 +266,12 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
     if isinstance(exc, json.JSONDecodeError):  # the SDK's parse of an event (the completions path)
         return BackendError(f"{where}: sent an event that is not JSON: {exc}")
     if _unreachable(exc):
-        if _reason(exc) == TIMED_OUT:  # it took the call: reached, then silent
+        reason = _reason(exc)
+        if reason == TIMED_OUT:  # it took the call: reached, then silent
             return BackendUnavailable(f"{where} took the call, then sent nothing: {TIMED_OUT}")
-        return BackendUnavailable(f"cannot reach {where}: {_reason(exc)}")
+        if reason.startswith(UNDECODABLE):  # it answered, in bytes that do not decode
+            return BackendUnavailable(f"{where} sent {reason}")
+        return BackendUnavailable(f"cannot reach {where}: {reason}")
     return BackendError(f"{where}: {exc}")
 
 
@@ -271,6 +281,10 @@ CONNECT_TIMEOUT_S = 5.0
 #: A transport error's reason when the server was silent past `backend.read_timeout_s`.
 TIMED_OUT = "no answer within the read timeout (backend.read_timeout_s)"
 
+#: How a transport error's reason begins when the answer's bytes do not decode (a body that
+#: says it is gzip and is not, from a proxy in front of the server, say).
+UNDECODABLE = "an answer that cannot be decoded"
+
 
 def _reason(exc: BaseException) -> str:
     """What the innermost cause of a transport error says ("Connection error." says nothing);
@@ -279,8 +293,15 @@ def _reason(exc: BaseException) -> str:
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
         chain.append(exc)
+    undecodable = next((e for e in chain if isinstance(e, _UNDECODABLE)), None)
+    if undecodable is not None:
+        return f"{UNDECODABLE} ({undecodable})"
     if any(isinstance(e, _CONNECT_TIMEOUTS) for e in chain):
         return f"no connection within the connect timeout ({CONNECT_TIMEOUT_S:g} s)"
+    if any(isinstance(e, _WRITE_TIMEOUTS) for e in chain):  # the call never went out whole
+        return "the call could not be sent within the timeout (backend.read_timeout_s): the server does not read"
+    if any(isinstance(e, _POOL_TIMEOUTS) for e in chain):  # the call never left this process
+        return "no free connection to it within the timeout (backend.read_timeout_s): the client's connections are all busy"
     if any(isinstance(e, _TIMEOUTS) for e in chain):
         return TIMED_OUT
     if isinstance(exc, ConnectionRefusedError):
