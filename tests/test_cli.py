@@ -223,10 +223,17 @@ def test_serve_answers_and_stops_cleanly(tmp_path, stop):
     assert "Traceback" not in err and "ERROR" not in err, err[-2000:]
 
 
+def _interruptible() -> None:
+    """Ctrl-C's default in the child: started from a shell's background job (``make test &``),
+    this process ignores SIGINT, and so does every child; Python then leaves it ignored, and
+    the run or simulation went on to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_a_run_with_one_line_and_status_130():
     run = subprocess.Popen(
         [sys.executable, "-m", "fleetsched.cli", "run", "examples/quickstart.toml", "--no-live"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
     )
     time.sleep(3)  # the quick start runs for about 18 s
     run.send_signal(signal.SIGINT)
@@ -239,7 +246,7 @@ def test_ctrl_c_stops_a_simulation_with_one_line_and_status_130(loop):
     """Before, on trio: a traceback of the KeyboardInterrupt in an exception group, status 1."""
     run = subprocess.Popen(
         [sys.executable, "-m", "fleetsched.cli", "simulate", "examples/tenant_slas.toml", "--duration", "1h", "--loop", loop],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
     )
     time.sleep(3)  # an hour takes minutes
     run.send_signal(signal.SIGINT)
