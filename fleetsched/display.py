@@ -14,6 +14,7 @@ from rich.text import Text
 
 from .observability.sla import SlaTracker
 from .policies.tiers import Tier
+from .report import count_text, tenant_cell
 from .scheduler import Scheduler
 
 GB = 10**9
@@ -43,8 +44,8 @@ def _tenant_rows(scheduler: Scheduler, tracker: SlaTracker | None) -> list[list[
         running = sum(n for (t, _), n in stats.running.items() if t == name)
         attained = tracker.tenant_attainment(name) if tracker is not None else None
         rows.append(
-            [name, str(tenant.tier), str(queued), str(running), str(done_by.get(name, 0)), str(failed_by.get(name, 0)),
-             _pct(attained), str(breaches.get(name, 0)), str(refused.get(name, 0))]
+            [name, str(tenant.tier), count_text(queued), count_text(running), count_text(done_by.get(name, 0)),
+             count_text(failed_by.get(name, 0)), _pct(attained), count_text(breaches.get(name, 0)), count_text(refused.get(name, 0))]
         )
     return rows
 
@@ -58,20 +59,22 @@ def _view(scheduler: Scheduler, total: int, tracker: SlaTracker | None = None) -
     table = Table(expand=False)
     for column in ("tenant", "tier", "queued", "running", "done", "failed", f"SLA{window}", "breaches", "refused"):
         table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
-    for row in _tenant_rows(scheduler, tracker):
-        table.add_row(Text(row[0]), *row[1:])  # a tenant's name is plain text, not markup
+    rows = _tenant_rows(scheduler, tracker)
+    names = [row[0] for row in rows]
+    for row in rows:
+        table.add_row(tenant_cell(row[0], names), *row[1:])  # one line, shortened as in the final tables
     d = stats.dispatcher
     queues = "   ".join(
-        f"{t}: {sum(n for (_, tier), n in stats.queued.items() if tier == str(t))} sessions, {d.queued_by_tier.get(int(t), 0)} calls"
+        f"{t}: {sum(n for (_, tier), n in stats.queued.items() if tier == str(t)):,} sessions, {d.queued_by_tier.get(int(t), 0):,} calls"
         for t in Tier
     )
     devices = "   ".join(
         f"{x.name} {x.allocated / GB:,.1f}/{x.total / GB:,.1f} GB frag {x.fragmentation:.0%}" for x in stats.memory.devices
     )
     summary = Text(
-        f"sessions {finished}/{total}   slots {stats.slots_in_use}/{stats.slots_total}   "
-        f"calls in flight {d.in_flight}/{d.window}, queued {d.queued}\n"
-        f"queues  {queues}\nmemory  {devices}   fragmentation failures {stats.memory.fragmentation_failures}"
+        f"sessions {finished:,}/{total:,}   slots {stats.slots_in_use:,}/{stats.slots_total:,}   "
+        f"calls in flight {d.in_flight:,}/{d.window:,}, queued {d.queued:,}\n"
+        f"queues  {queues}\nmemory  {devices}   fragmentation failures {stats.memory.fragmentation_failures:,}"
     )
     # In a grid row, the bar ends its line: alone, it ran into the summary's first line, which a
     # 120-column terminal then cut short.
@@ -92,8 +95,8 @@ def _line(scheduler: Scheduler, total: int, tracker: SlaTracker | None) -> str:
         parts = [f"{name} {_pct(tracker.tenant_attainment(name))}" for name in scheduler.settings.tenants if tracker.goals.get(name)]
         attained = f" sla {', '.join(parts)}" if parts else ""
     return (
-        f"[{pct:5.1f}%] finished {finished}/{total} queued {stats.queued_total} running {stats.running_total} "
-        f"calls in flight {stats.dispatcher.in_flight}/{stats.dispatcher.window} queued {stats.dispatcher.queued} "
+        f"[{pct:5.1f}%] finished {finished:,}/{total:,} queued {stats.queued_total:,} running {stats.running_total:,} "
+        f"calls in flight {stats.dispatcher.in_flight:,}/{stats.dispatcher.window:,} queued {stats.dispatcher.queued:,} "
         f"memory {stats.memory.allocated / GB:,.1f}/{stats.memory.total / GB:,.1f} GB frag {frag:.0%}{attained}"
     )
 

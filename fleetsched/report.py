@@ -9,6 +9,7 @@ missing or of the wrong type, with `ReportSchemaError`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -241,51 +242,158 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a number a report holds (it writes null for what it did not measure)")
 
 
+def is_simulated(report: dict[str, Any]) -> bool:
+    """Whether `report` comes from ``fleetsched simulate`` (virtual time, the sim engine's
+    figures, not measured): only it writes the ``sim`` section."""
+    return isinstance(report.get("sim"), dict)
+
+
 def throughput_text(report: dict[str, Any]) -> str:
-    """The run's throughput as shown: ``"1234.5 tok/s"``, or ``"- tok/s"`` when not measured."""
+    """The run's throughput as shown: ``"1,234.5 tok/s"``, or ``"- tok/s"`` when not measured."""
     value = report.get("throughput_tok_s")
-    return "- tok/s" if value is None else f"{value} tok/s"
+    return "- tok/s" if value is None else f"{value:,.1f} tok/s"
+
+
+def count_text(value: int | None) -> str:
+    """A count as tables and pages show it, with thousands separators (``12,345``); ``-`` for none."""
+    return "-" if value is None else f"{value:,}"
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:,.0f}"
 
 
-def _fold(column: str) -> dict[str, str]:
-    """The tenant column's cells wrap onto more lines rather than end in an ellipsis: two long
-    names that differ at their ends were cut to the same text, and the rows (one met, one
-    MISSED) could not be told apart."""
-    return {"overflow": "fold"} if column == "tenant" else {}
+def _cut(name: str, head: int, width: int) -> str:
+    """`name` whole if it fits in `width`, else its first `head` characters, "…" and its end."""
+    return name if len(name) <= width else name[:head] + "…" + name[len(name) - (width - 1 - head) :]
 
 
-def tenant_table(report: dict[str, Any]) -> Any:
-    """A rich Table of the report's per-tenant rows (a tenant's name as plain text, not markup:
-    ``team[/]`` failed the run's end with a MarkupError, before its report was written)."""
-    from rich.table import Table
-    from rich.text import Text
+@functools.lru_cache(maxsize=256)
+def short_names(names: tuple[str, ...], width: int) -> dict[str, str]:
+    """Each of `names` in at most `width` characters: whole, or a start and an end around an
+    ellipsis (``customer…duction``), cut at one place for all, the nearest the middle where no
+    two read the same (``...-eu`` and ``...-us`` keep their ends, ``eu-...-prod`` and
+    ``us-...-prod`` their starts); whole, to be folded, where no place tells them apart."""
+    for head in sorted(range(1, width - 1), key=lambda head: abs(head - width // 2)):
+        short = {name: _cut(name, head, width) for name in names}
+        if len(set(short.values())) == len(short):
+            return short
+    return {name: name for name in names}
 
-    table = Table(title=f"fleetsched: {report['duration_s']:.1f} s on {report['backend']}, {throughput_text(report)}")
-    columns = ("tenant", "tier", "done", "failed", "cancelled", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("tenant", "tier") else "right", **_fold(column))
-    for t in report["tenants"]:
-        table.add_row(
-            Text(t["tenant"]),
+
+class _TenantName:
+    """A tenant's name in a table cell, on one line: `short_names` at the column's width as
+    rendered, as plain text (as markup, ``team[/]`` failed the run's end with a MarkupError).
+    Folded, a long name broke its row over several lines (the table of an 80-120 column
+    terminal); cut at its end, names that differ there read the same."""
+
+    def __init__(self, name: str, names: tuple[str, ...]) -> None:
+        self.name, self.names = name, names
+
+    def __rich_measure__(self, console: Any, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        return Measurement(1, len(self.name))
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.text import Text
+
+        yield Text(short_names(self.names, options.max_width)[self.name], overflow="fold")
+
+
+def tenant_cell(name: str, names: list[str]) -> Any:
+    """A tenant's name as the terminal tables show it (the final tables and the live dashboard):
+    one line, shortened in its middle where the column is narrow; `names` are the table's."""
+    return _TenantName(name, tuple(names))
+
+
+#: The fewest characters of a tenant's name the tenant table keeps where the terminal is narrow.
+NAME_MIN = 12
+
+#: The per-tenant table's columns, in the terminal and on the HTML page.
+TENANT_COLUMNS = ("tenant", "tier", "done", "failed", "cancelled", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out")
+
+
+def tenant_rows(report: dict[str, Any]) -> list[list[str]]:
+    """The per-tenant table as text cells, in `TENANT_COLUMNS` order."""
+    return [
+        [
+            t["tenant"],
             t["tier"],
-            str(t["sessions_done"]),
-            str(t["sessions_failed"]),
+            count_text(t["sessions_done"]),
+            count_text(t["sessions_failed"]),
             # Sessions still under way when a run ends (its drain grace over) are cancelled:
             # without the column they were in no table. Absent from older reports.
-            str(t.get("sessions_cancelled", "-")),
-            str(t["calls"]),
+            count_text(t.get("sessions_cancelled")),
+            count_text(t["calls"]),
             _ms(t["ttft_s"]["p50"]),
             _ms(t["ttft_s"]["p99"]),
             _ms(t["latency_s"]["p50"]),
             _ms(t["latency_s"]["p99"]),
-            f"{t['prompt_tokens']:,}",
-            f"{t['completion_tokens']:,}",
-        )
-    return table
+            count_text(t["prompt_tokens"]),
+            count_text(t["completion_tokens"]),
+        ]
+        for t in report["tenants"]
+    ]
+
+
+def run_title(report: dict[str, Any]) -> str:
+    """The run in a few words: ``fleetsched: 18.8 s on sim``, or for a simulation
+    ``fleetsched simulated run: 314.0 s of virtual time on sim``."""
+    if is_simulated(report):
+        return f"fleetsched simulated run: {report['duration_s']:,.1f} s of virtual time on {report['backend']}"
+    return f"fleetsched: {report['duration_s']:,.1f} s on {report['backend']}"
+
+
+#: Where the terminal is too narrow for the whole tenant table, it is printed as two: the
+#: sessions and calls, then the times and tokens (indices of `TENANT_COLUMNS`).
+_TENANT_PARTS = ((0, 1, 2, 3, 4, 5), (0, 6, 7, 8, 9, 10, 11))
+
+
+def _tenant_grid(title: str | None, rows: list[list[str]], indices: Any, width: int) -> tuple[Any, bool]:
+    """A rich Table of `rows`' cells at `indices` (of `TENANT_COLUMNS`), and whether it fits in
+    `width`. Each column is as wide as its heading, or where the names would not fit whole, as
+    its figures (the heading wraps over more lines); the names (the first column) take the room
+    left, from `NAME_MIN` characters to the longest."""
+    from rich.table import Table
+
+    for heading in (lambda text: [text], str.split):
+        widths = [max(len(text) for text in [*heading(TENANT_COLUMNS[i]), *(row[i] for row in rows)]) for i in indices]
+        room = width - sum(widths[1:]) - 3 * len(widths) - 1  # a column's padding (2) and border
+        if room >= widths[0]:
+            break
+    longest, widths[0] = widths[0], min(widths[0], max(room, NAME_MIN))
+    table = Table(title=title)
+    for i, column_width in zip(indices, widths):
+        table.add_column(TENANT_COLUMNS[i], justify="left" if i < 2 else "right", width=column_width)
+    names = [row[0] for row in rows]
+    for row in rows:
+        table.add_row(tenant_cell(row[0], names), *(row[i] for i in indices[1:]))
+    return table, room >= min(longest, NAME_MIN)
+
+
+class _TenantTable:
+    """The tenant table, laid out as the terminal it is printed on allows: whole, or in the two
+    parts of `_TENANT_PARTS` where it would not fit with names of `NAME_MIN` characters. Squeezed
+    by rich, its figures were cut (``5,254,6…``) and its names folded over several lines."""
+
+    def __init__(self, title: str, rows: list[list[str]]) -> None:
+        self.title, self.rows = title, rows
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        table, fits = _tenant_grid(self.title, self.rows, range(len(TENANT_COLUMNS)), options.max_width)
+        if fits:
+            yield table
+            return
+        for n, part in enumerate(_TENANT_PARTS):
+            yield _tenant_grid(None if n else self.title, self.rows, part, options.max_width)[0]
+
+
+def tenant_table(report: dict[str, Any]) -> Any:
+    """A rich renderable of the report's per-tenant rows (`_TenantTable`): one line a tenant,
+    its name shortened in the middle where the terminal is narrow (`tenant_cell`), and its
+    figures whole and aligned."""
+    return _TenantTable(f"{run_title(report)}, {throughput_text(report)}", tenant_rows(report))
 
 
 _OBJECTIVE_TEXT = {
@@ -310,7 +418,7 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
     for t in report["tenants"]:
         sla = t["sla"]
         refused = sla["refused"]
-        refused_text = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in refused.items() if n)
+        refused_text = ", ".join(f"{n:,} {k.replace('_', '-')}" for k, n in refused.items() if n)
         if not sla["objectives"]:
             rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", "-", "-", "-", "-", "no SLA", refused_text])
             continue
@@ -319,7 +427,7 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
             if o is None:
                 continue
             if objective == "min_tokens_per_s":
-                target, value = f"{o['target']:g}", "-" if o["value"] is None else f"{o['value']:,.1f}"
+                target, value = f"{o['target']:,.10g}", "-" if o["value"] is None else f"{o['value']:,.1f}"
             else:
                 target, value = f"{o['target'] * 1e3:,.0f} ms", "-" if o["value"] is None else f"{o['value'] * 1e3:,.0f} ms"
                 if o.get("value_at_least"):  # the longest session was cut at its deadline, unfinished
@@ -328,7 +436,7 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
             verdict = "not measured" if o["met"] is None else "met" if o["met"] else "MISSED"
             if t["tenant"] in unreachable and objective == "ttft_p99":
                 verdict += " (unreachable)"
-            breaches = ", ".join(f"{n} {REASON_TEXT.get(r, r)}" for r, n in sorted(o["breaches"].items(), key=lambda kv: -kv[1]))
+            breaches = ", ".join(f"{n:,} {REASON_TEXT.get(r, r)}" for r, n in sorted(o["breaches"].items(), key=lambda kv: -kv[1]))
             rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", objective_text(objective), target, value, attainment, verdict, breaches or refused_text])
     return rows
 
@@ -339,10 +447,10 @@ SLA_COLUMNS = ("tenant", "tier", "weight", "objective", "target", "measured", "a
 def sla_table(report: dict[str, Any]) -> Any:
     """A rich Table of every tenant's SLA objectives: target, measured, attainment, breaches by reason."""
     from rich.table import Table
-    from rich.text import Text
 
     rows = sla_rows(report)
-    title = f"SLA: {report['sla']['breaches']['total']} breaches"
+    names = [t["tenant"] for t in report["tenants"]]
+    title = f"SLA: {report['sla']['breaches']['total']:,} breaches"
     # The breaches are events (calls, refused calls, sessions); a missed min_tokens_per_s rate
     # is none, and the title read "0 breaches" above a MISSED row.
     missed = sum(row[7].startswith("MISSED") for row in rows)
@@ -350,8 +458,8 @@ def sla_table(report: dict[str, Any]) -> Any:
         title += f", {missed} objective{'s' if missed > 1 else ''} missed"
     table = Table(title=title)
     for column in SLA_COLUMNS:
-        table.add_column(column, justify="right" if column in ("weight", "target", "measured", "attained") else "left", **_fold(column))
+        table.add_column(column, justify="right" if column in ("weight", "target", "measured", "attained") else "left")
     for row in rows:
         style = "red" if row[7].startswith("MISSED") else None
-        table.add_row(Text(row[0]), *row[1:], style=style)  # the tenant's name as plain text, as in tenant_table
+        table.add_row(tenant_cell(row[0], names), *row[1:], style=style)
     return table

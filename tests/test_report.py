@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -357,3 +358,106 @@ def test_the_sla_chart_names_objectives_as_the_tables_do_and_only_those_measured
         mine = [x for x, _ in bars if abs(x - i) < 0.5]
         assert len(mine) == sum(o["attainment"] is not None for o in tenant["sla"]["objectives"].values())
         assert sum(mine) / len(mine) == pytest.approx(i)  # centred under its name
+
+
+# -- what the HTML page and the terminal tables show ----------------------------------------------
+
+
+def _printed(renderable, width: int) -> list[str]:
+    """`renderable` as a terminal `width` columns wide prints it."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, record=True, color_system=None, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text().splitlines()
+
+
+def test_a_simulated_report_says_so_in_its_title_and_heading(report):
+    """The page of a `fleetsched simulate` report (virtual time, the sim engine's model) was
+    titled "fleetsched run report", as a measured run's: its figures read as measured ones."""
+    from fleetsched.observability.render import render_html
+
+    page = render_html(report)
+    assert "<title>fleetsched simulated run report</title>" in page
+    heading = page[page.index("<h1>") : page.index("</h1>")]
+    assert "simulated" in heading and "virtual time" in heading
+    run = {k: v for k, v in report.items() if k not in ("sim", "wall_s")}  # as `fleetsched run` writes it
+    page = render_html(run)
+    assert "<title>fleetsched run report</title>" in page and "simulated" not in page
+
+
+def test_counts_show_thousands_separators_in_every_table(report):
+    """Tokens read 5,254,686 beside 18834 calls and 6278 sessions done, in the same row."""
+    from fleetsched.observability.render import render_html
+    from fleetsched.report import sla_table, tenant_table
+
+    def edit(r):
+        t = r["tenants"][0]
+        t.update(sessions_done=12345, sessions_failed=2345, sessions_cancelled=3456, calls=123456, prompt_tokens=4567890)
+        t["sla"]["objectives"]["ttft_p99"]["breaches"] = {"queued": 5678}
+        t["sla"]["refused"]["shed"] = 6789
+        r["sessions"] = {"done": 12345, "failed": 2345}
+        r["sla"]["breaches"] = {"total": 5678, "by_reason": {**r["sla"]["breaches"]["by_reason"], "queued": 5678}}
+
+    edited = _edited(report, edit)
+    page = render_html(edited)
+    assert re.findall(r"<td>\d{4,}</td>", page) == []
+    assert all(n in page for n in ("12,345", "2,345", "3,456", "123,456", "4,567,890", "5,678", "14,690 sessions"))
+    text = "\n".join(_printed(tenant_table(edited), 200) + _printed(sla_table(edited), 200))
+    assert re.findall(r"(?<![\d,.])\d{4,}", text) == [], text
+    assert all(n in text for n in ("12,345", "2,345", "3,456", "123,456", "4,567,890", "5,678"))
+
+
+LONG_NAMES = {"pager": "customer-support-bot-production-eu", "product": "customer-support-bot-production-us", "batch": "nightly"}
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_the_tenant_table_fits_the_terminal_one_line_a_tenant(report, width):
+    """120 columns wide with short names, the table folded long names over several lines and
+    cut figures (5,254,6…) to fit a terminal of 80 to 120 columns: now each tenant is one line,
+    its name shortened where need be (still told apart), its figures whole."""
+    from fleetsched.report import tenant_table
+
+    def edit(r):
+        for t in r["tenants"]:
+            t.update(tenant=LONG_NAMES[t["tenant"]], calls=t["calls"] * 1000, prompt_tokens=t["prompt_tokens"] * 1000)
+
+    edited = _edited(report, edit)
+    lines = _printed(tenant_table(edited), width)
+    assert all(len(line) <= width for line in lines), lines
+    tables = sum(line.startswith("┏") for line in lines)
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert len(rows) == tables * len(edited["tenants"]), lines  # one line a tenant in each table
+    assert all("…" not in cell for row in rows for cell in row[1:]), lines
+    figures = {cell for row in rows for cell in row[1:]}
+    assert all(f"{t['calls']:,}" in figures and f"{t['prompt_tokens']:,}" in figures for t in edited["tenants"]), lines
+    for n in range(tables):
+        names = [row[0] for row in rows[n * 3 : n * 3 + 3]]
+        assert len(set(names)) == 3 and names[2] == "nightly", names
+        assert [name[-2:] for name in names[:2]] == ["eu", "us"], names
+
+
+@pytest.mark.parametrize(("width", "headings"), [(140, 3), (200, 1)])
+def test_the_tenant_table_shows_whole_names_where_the_terminal_has_room(report, width, headings):
+    """Whole names first, then headings on one line, where the terminal has room for them."""
+    from fleetsched.report import tenant_table
+
+    edited = _edited(report, lambda r: [t.update(tenant=LONG_NAMES[t["tenant"]]) for t in r["tenants"]])
+    lines = _printed(tenant_table(edited), width)
+    assert sum(line.startswith("┏") for line in lines) == 1
+    assert all(any(f"│ {name} " in line for line in lines) for name in LONG_NAMES.values()), lines
+    assert sum(line.startswith("┃") for line in lines) == headings, lines
+
+
+def test_shortened_names_are_cut_where_they_differ():
+    """Names alike at both ends keep the part that tells them apart; none is cut that fits."""
+    from fleetsched.report import short_names
+
+    names = ("team-eu-west-prod", "team-us-east-prod", "batch")
+    assert short_names(names, 20) == {name: name for name in names}
+    short = short_names(names, 10)
+    assert all(len(s) <= 10 for s in short.values()) and len(set(short.values())) == 3, short
+    assert short["team-eu-west-prod"].startswith("team-e") and short["batch"] == "batch", short
+    assert short_names(("abcdef", "abcxef"), 3) == {"abcdef": "abcdef", "abcxef": "abcxef"}  # no cut tells them apart: whole

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ReportSchemaError
-from ..report import SLA_COLUMNS, load_report, objective_text, sla_rows, throughput_text
+from ..report import SLA_COLUMNS, TENANT_COLUMNS, count_text, is_simulated, load_report, objective_text, run_title, sla_rows, tenant_rows, throughput_text
 from .sla import OBJECTIVES, REASON_TEXT
 
 PLOTS = ("ttft_cdf.png", "throughput.png", "queue_depth.png", "memory.png", "sla_attainment.png")
@@ -246,19 +246,9 @@ def _table(columns: list[str] | tuple[str, ...], rows: list[list[Any]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:,.0f}"
-
-
 def render_html(report: dict[str, Any]) -> str:
-    tenants = [
-        [t["tenant"], t["tier"], t["sessions_done"], t["sessions_failed"], t["calls"], _ms(t["ttft_s"]["p50"]), _ms(t["ttft_s"]["p99"]),
-         _ms(t["latency_s"]["p50"]), _ms(t["latency_s"]["p99"]), f"{t['prompt_tokens']:,}", f"{t['completion_tokens']:,}"]
-        for t in report["tenants"]
-    ]
-    tenant_cols = ["tenant", "tier", "done", "failed", "calls", "TTFT p50 ms", "TTFT p99 ms", "call p50 ms", "call p99 ms", "tokens in", "tokens out"]
     sla = report["sla"]
-    by_reason = [[REASON_TEXT.get(r, r), n] for r, n in sla["breaches"]["by_reason"].items()]
+    by_reason = [[REASON_TEXT.get(r, r), count_text(n)] for r, n in sla["breaches"]["by_reason"].items()]
     feasibility = sla.get("feasibility") or {}
     flagged = "".join(f"<li class='bad'>{html.escape(u['message'])}</li>" for u in feasibility.get("unreachable") or [])
     note = f"<li>{html.escape(feasibility['note'])}</li>" if feasibility.get("note") else ""
@@ -269,22 +259,30 @@ def render_html(report: dict[str, Any]) -> str:
         else "<p>not checked</p>"
     )
     images = "".join(f"<figure><img src='{name}' alt='{name}'></figure>" for name in PLOTS)
+    title, simulated = "fleetsched run report", ""
+    if is_simulated(report):  # modelled figures, which must not read as measured ones
+        profile = report["sim"].get("profile")
+        title = "fleetsched simulated run report"
+        simulated = (
+            "<p class='sim'>Simulated by <code>fleetsched simulate</code> in virtual time, on the sim engine model"
+            f"{f' (profile {html.escape(str(profile))})' if profile else ''}: the figures are modelled, not measured.</p>"
+        )
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>fleetsched run report</title>
+<html><head><meta charset="utf-8"><title>{title}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
 table {{ border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
 th {{ background: #f3f3f3; }} th:first-child, th:nth-child(2), td:first-child, td:nth-child(2) {{ text-align: left; }}
-img {{ max-width: 100%; }} .bad {{ color: #b00; }}
+img {{ max-width: 100%; }} .bad {{ color: #b00; }} .sim {{ background: #fff4d6; padding: 0.5em; }}
 </style></head><body>
-<h1>fleetsched: {report['duration_s']:.1f} s on {html.escape(report['backend'])}</h1>
-<p>{sum(report['sessions'].values())} sessions ({html.escape(', '.join(f'{k} {v}' for k, v in report['sessions'].items()))}),
+<h1>{html.escape(run_title(report))}</h1>{simulated}
+<p>{sum(report['sessions'].values()):,} sessions ({html.escape(', '.join(f'{k} {v:,}' for k, v in report['sessions'].items()))}),
 {report['calls']:,} calls, {report.get('refused_calls', 0):,} refused, {report['completion_tokens']:,} tokens generated,
 {throughput_text(report)}. Schema {html.escape(report['schema'])}.</p>
-<h2>Tenants</h2>{_table(tenant_cols, tenants)}
+<h2>Tenants</h2>{_table(TENANT_COLUMNS, tenant_rows(report))}
 <h2>SLA</h2>{_table(SLA_COLUMNS, sla_rows(report))}
-<h3>Breaches by reason ({sla['breaches']['total']})</h3>{_table(["reason", "breaches"], by_reason)}
+<h3>Breaches by reason ({sla['breaches']['total']:,})</h3>{_table(["reason", "breaches"], by_reason)}
 <h3>Feasibility at start</h3>{feasibility_html}
 <h2>Plots</h2>{images}
 </body></html>
