@@ -538,7 +538,9 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
 
             from .report import sla_table, tenant_table
 
-            console = Console(width=160)
+            console = Console()  # as `run` prints: a terminal's width, else 160 (logs, CI)
+            if not console.is_terminal:
+                console = Console(width=160)
             for flagged in report["sla"]["feasibility"]["unreachable"]:
                 print(f"fleetsched simulate: warning: {flagged['message']}", file=sys.stderr)
             if report["sla"]["feasibility"]["note"]:  # as `run` prints it (an agent whose calls cannot fit, say)
@@ -552,6 +554,6 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
                 simulated += f" (the fleet for {duration:g} s, then up to {grace:g} s for the sessions under way to finish)"
             console.print(
                 f"{simulated} in {report['wall_s']:.1f} s wall; {s['engine_steps']:,} engine steps, "
-                f"busy {s['engine_busy_frac']:.0%}, {s['preemptions']} preemptions, stream_interval {s['stream_interval']}"
+                f"busy {s['engine_busy_frac']:.0%}, {s['preemptions']:,} preemptions, stream_interval {s['stream_interval']}"
             )
     return text
