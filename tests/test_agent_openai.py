@@ -337,3 +337,19 @@ async def test_stream_options_are_refused_where_vllm_refuses_them():
     async with Scheduler(settings()) as scheduler:
         assert await scheduler.run(agent, tenant="acme") == [16]  # the instant backend's answer
     check_released(scheduler)
+
+
+async def test_the_sdks_parse_and_stream_helpers_get_a_whole_answer_on_the_sim():
+    # The sim ended every answer with finish_reason "length", also where the call named no
+    # max_tokens: the SDK's `.parse()` and `.stream(...).get_final_completion()` raised
+    # LengthFinishReasonError ("the length limit was reached") on every call.
+    async def agent(ctx):
+        parsed = await ctx.openai.chat.completions.parse(model=ctx.model, messages=[{"role": "user", "content": "hi"}])
+        async with ctx.openai.chat.completions.stream(model=ctx.model, messages=[{"role": "user", "content": "hi"}]) as stream:
+            final = await stream.get_final_completion()
+        limited = await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        return parsed.choices[0].finish_reason, final.choices[0].finish_reason, limited.choices[0].finish_reason
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        assert await scheduler.run(agent, tenant="acme") == ("stop", "stop", "length")
+    check_released(scheduler)

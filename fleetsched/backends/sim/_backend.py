@@ -134,7 +134,8 @@ class SimBackend(Backend):
     Use as ``async with SimBackend(settings) as backend:``; entering starts the engine loop,
     leaving stops it and fails streams still open with `BackendUnavailable`. `stream_chat`
     checks the body at once (`InvalidRequest`, `ContextTooLong`) and streams exactly
-    ``max_tokens`` tokens (vLLM with ``ignore_eos``), the last with ``finish_reason "length"``,
+    ``max_tokens`` tokens (vLLM with ``ignore_eos``), the last with ``finish_reason "length"``
+    (``"stop"`` where the body named no max_tokens and the sim's default length was not cut),
     then a chunk with ``usage`` and no choices, as vLLM ends a stream. Leaving the stream early
     aborts the request in the engine.
     """
@@ -375,12 +376,18 @@ class SimBackend(Backend):
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
         # max_completion_tokens wins over max_tokens, as in vLLM; 5.0 is 5 there (not 5.5), and
         # here as the dispatcher and the gateway read it (it was refused on the sim alone).
-        max_tokens = requested_max_tokens(body, default=0) or max(1, min(DEFAULT_MAX_TOKENS, self._max_model_len - prompt))
+        requested = requested_max_tokens(body, default=0)
+        max_tokens = requested or max(1, min(DEFAULT_MAX_TOKENS, self._max_model_len - prompt))
         # Cut to the context, as vLLM does (`check_request_fits`).
         max_tokens = fit_request(self._max_model_len, engine.capacity, prompt, max_tokens)
         check_sampling(body, max_tokens)
         hashes = block_hashes(text, engine.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
+        if not requested and max_tokens == DEFAULT_MAX_TOKENS:
+            # No limit named, none reached: the answer's length is the sim's stand-in for the
+            # model's own end (EOS), which vLLM reports as "stop". The SDK's `.parse()` and
+            # `.stream(...).get_final_completion()` raise LengthFinishReasonError on "length".
+            request.finish_reason = "stop"
         request.text = text
         interval = checked_stream_interval(body.get("stream_interval", self._stream_interval))  # per request, as vLLM takes it
         interval = max(interval, self._stream_interval)  # vLLM clamps it to the server's: never smaller
@@ -436,7 +443,7 @@ class SimBackend(Backend):
         message = {"role": "assistant", "content": TOKEN_TEXT * output}
         usage = usage_dict(request.prompt_tokens, output)
         created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
-        response = chat_completion(new_completion_id(), model, created, message, "length", usage)
+        response = chat_completion(new_completion_id(), model, created, message, request.finish_reason, usage)
         if request.top_logprobs is not None:
             response["choices"][0]["logprobs"] = token_logprobs(output, request.top_logprobs)
         return response, request.first_token_at
@@ -498,7 +505,7 @@ class SimBackend(Backend):
                 request.delivered = request.num_output
                 usage = usage_dict(request.prompt_tokens, request.num_output) if request.continuous_usage else None
                 # As vLLM: the finish reason with the last tokens, then the usage with no choices.
-                finish = "length" if request.status == FINISHED else None
+                finish = request.finish_reason if request.status == FINISHED else None
                 chunk = make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, finish_reason=finish, usage=usage)
                 if request.top_logprobs is not None:
                     chunk["choices"][0]["logprobs"] = token_logprobs(count, request.top_logprobs)

@@ -58,7 +58,7 @@ class SimRequest:
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
         "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
         "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage",
-        "text", "top_logprobs",
+        "text", "top_logprobs", "finish_reason",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -84,6 +84,9 @@ class SimRequest:
         self.continuous_usage = False  # usage on every chunk (`stream_options.continuous_usage_stats`)
         self.text: str | None = None  # the prompt as `prompt_text`: its answer's blocks are hashed from it
         self.top_logprobs: int | None = None  # with ``logprobs``: the alternatives listed a token
+        #: How its answer ends: "length" (cut at a max_tokens the call named, or at the context), or
+        #: "stop" where the sim chose the answer's length itself (the model ended it, as at an EOS).
+        self.finish_reason = "length"
 
     @property
     def num_computed(self) -> int:
