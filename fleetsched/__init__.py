@@ -26,6 +26,7 @@ from .errors import (
     SessionEnded,
     SessionFailed,
     SessionRejected,
+    UnknownModel,
     UnknownTenant,
     WouldBlock,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "SessionState",
     "Settings",
     "Tier",
+    "UnknownModel",
     "UnknownTenant",
     "WouldBlock",
     "__version__",

@@ -17,7 +17,8 @@ Every error the library raises on purpose derives from `FleetschedError`::
     ├── SessionEnded(RuntimeError)         a session's context used after the session ended
     └── BackendError                       a model call failed
         ├── InvalidRequest(ValueError)     the engine refuses the body as it stands (HTTP 400)
-        │   └── ContextTooLong             the prompt fills the model's context, or max_tokens alone exceeds it
+        │   ├── ContextTooLong             the prompt fills the model's context, or max_tokens alone exceeds it
+        │   └── UnknownModel               the call names a model the engine does not serve (HTTP 404)
         ├── BackendUnavailable             connection refused, circuit open, server gone
         ├── Overloaded                     shed: its wait would exceed its SLA; carries retry_after_s
         │   └── RateLimited                the tenant's requests or tokens per minute are used up
@@ -131,6 +132,11 @@ class ContextTooLong(InvalidRequest):
     its ``max_tokens`` alone exceeds it (a ``max_tokens`` longer than the prompt leaves is cut,
     as vLLM's server does), or it needs more than the whole KV cache can hold. OpenAI clients
     see it as a 400 with code ``context_length_exceeded``."""
+
+
+class UnknownModel(InvalidRequest):
+    """The call names a model the engine does not serve (vLLM answers 404, param "model"). OpenAI
+    clients see it as a 404 (``openai.NotFoundError``) with code ``model_not_found``."""
 
 
 class BackendUnavailable(BackendError):

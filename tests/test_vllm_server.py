@@ -18,7 +18,7 @@ import pytest
 from fleetsched.backends.base import collect_chat
 from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
 from fleetsched.backends.vllm_server import VLLMServerBackend
-from fleetsched.errors import BackendError, BackendUnavailable, ContextTooLong, InvalidRequest
+from fleetsched.errors import BackendError, BackendUnavailable, ContextTooLong, InvalidRequest, UnknownModel
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import Dispatcher
 from fleetsched.testing.fixtures import SESSION_SERVER_OPTIONS
@@ -208,6 +208,22 @@ async def test_client_errors_are_not_retried(vllm_server, caplog):
             _ = [c async for c in backend.stream_chat({**body(4), "top_k": "many"})]
     assert "400" in str(info.value) and not isinstance(bad.value, ContextTooLong)
     assert "retrying" not in caplog.text
+
+
+@pytest.mark.vllm
+async def test_a_model_the_server_does_not_serve_is_a_404_naming_the_model(vllm_server):
+    """vLLM answers a model it does not serve with a 404 naming the field; it became a
+    BackendError, which agents and gateway clients got as a 500 that the SDK retries."""
+    from fleetsched.agents.transport import response_for
+
+    async with VLLMServerBackend(vllm_server.url, retry_attempts=5) as backend:
+        with pytest.raises(UnknownModel, match=r"does not serve the model the call names: .*The model `gpt-4o-mini` does not exist") as info:
+            _ = [c async for c in backend.stream_chat({**body(4), "model": "gpt-4o-mini"})]
+        assert backend.replicas["r0"].breaker.consecutive_failures == 0
+    answer = response_for(info.value)
+    assert answer.status_code == 404 and answer.json()["error"] | {"message": ""} == {
+        "message": "", "type": "invalid_request_error", "param": "model", "code": "model_not_found"
+    }
 
 
 async def test_circuit_breaker_opens_against_a_dead_port():

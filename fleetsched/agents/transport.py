@@ -23,7 +23,7 @@ import anyio
 import httpx
 
 from ..backends.base import Chunk, model_list
-from ..errors import BackendError, BackendUnavailable, ContextTooLong, DeadlineExceeded, InvalidRequest, Overloaded, RateLimited
+from ..errors import BackendError, BackendUnavailable, ContextTooLong, DeadlineExceeded, InvalidRequest, Overloaded, RateLimited, UnknownModel
 
 if TYPE_CHECKING:
     from .context import SessionContext
@@ -64,6 +64,8 @@ def response_for(exc: BaseException) -> httpx.Response | None:
         return error_response(503, str(exc), "overloaded", retry_after_s=exc.retry_after_s)
     if isinstance(exc, DeadlineExceeded):
         return error_response(408, str(exc), "deadline_exceeded")
+    if isinstance(exc, UnknownModel):  # as vLLM and OpenAI answer it: a 404, not retried by the SDK
+        return error_response(404, str(exc), "invalid_request_error", code="model_not_found", param="model")
     if isinstance(exc, InvalidRequest):  # the engine refused the body: the client's to change
         code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else "invalid_request_error"
         return error_response(400, str(exc), "invalid_request_error", code=code, param=exc.param or field_named(str(exc)))

@@ -39,7 +39,7 @@ import openai
 from openai import AsyncOpenAI
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
-from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
+from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded, UnknownModel
 from ..resources.kv_sizing import KVCacheCapacity, read_vllm_kv_capacity
 from .base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
@@ -256,6 +256,9 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
         if exc.status_code in (400, 422):  # the body as it stands: retrying cannot help
             param = exc.body.get("param") if isinstance(exc.body, Mapping) else None
             return invalid_request(f"{where} rejected the call ({exc.status_code}): {exc.message}", param if isinstance(param, str) else None)
+        if exc.status_code == 404 and isinstance(exc.body, Mapping) and exc.body.get("param") == "model":
+            # vLLM's `check_model`: the call names a model this server does not serve.
+            return UnknownModel(f"{where} does not serve the model the call names: {exc.message}", param="model")
         if exc.status_code == 404 and not (isinstance(exc.body, Mapping) and exc.body.get("message")):
             # No route there (vLLM's own 404s, an unknown model, say, carry a message).
             return BackendError(
