@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import anyio
 import pytest
@@ -450,6 +451,9 @@ BAD_SAMPLING = [
     ("temperature", "hot"), ("temperature", -1), ("temperature", 2.5), ("top_p", 0), ("top_p", 2), ("top_k", 2.5),
     ("top_k", -2), ("seed", 1.5), ("seed", 2**70), ("stop", 3), ("stop", [1]), ("presence_penalty", "x"),
     ("frequency_penalty", 5), ("min_tokens", 10), ("prompt_logprobs", 1),
+    # Measured against vLLM 0.32's server as well: "stop cannot contain an empty string", at most
+    # 4 stop strings (VLLM_MAX_STOP_STRINGS), and a negative stop token ID is out of vocabulary.
+    ("stop", ""), ("stop", ["a", ""]), ("stop", ["a", "b", "c", "d", "e"]), ("stop_token_ids", [-1]),
 ]  # fmt: skip
 
 
@@ -490,6 +494,64 @@ async def test_fields_that_need_another_are_refused_naming_the_field(extra, fiel
         assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+OBJECT_SCHEMA = {"type": "object"}
+
+# Each refused by vLLM 0.32's server, measured against it (streamed, as fleetsched sends every
+# call: a 400, or an error event with code 400 before any token; a structured_outputs that is no
+# object was a 500 there), and each served by the sim.
+BAD_CONSTRAINTS = [
+    ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"1.5": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": [50]}, "logit_bias"), ({"logit_bias": {"50": "x"}}, "logit_bias.50"), ({"logit_bias": {"50": None}}, "logit_bias.50"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": OBJECT_SCHEMA}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_object", "json_schema": {"schema": OBJECT_SCHEMA}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": OBJECT_SCHEMA, "strict": "maybe"}}}, "response_format.json_schema.strict"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"), ({"response_format": {}}, "response_format.type"),
+    ({"response_format": "json_object"}, "response_format"), ({"response_format": {"type": "structural_tag"}}, "response_format.format"),
+    ({"structured_outputs": "x"}, "structured_outputs"), ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"), ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"), ({"structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    ({"structured_outputs": {"grammar": " "}}, "structured_outputs.grammar"), ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+    ({"structured_outputs": {"regex": "a\x00"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["a"], "whitespace_pattern": 5}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"disable_any_whitespace": True}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["a"]}, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "search"}}}, "structured_outputs"),
+    ({"bad_words": [""]}, "bad_words"), ({"bad_words": None}, "bad_words"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"logprob_token_ids": [1]}, "logprob_token_ids"), ({"logprobs": True, "logprob_token_ids": [-1]}, "logprob_token_ids"),
+    ({"logprobs": True, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "field"), BAD_CONSTRAINTS)
+async def test_constraints_vllm_refuses_are_refused_naming_the_field(extra, field):
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match=f"^{re.escape(field)}: "):
+            backend.stream_chat({**body(16, 4), **extra})
+        assert not backend.engine.has_work
+
+
+# Each taken by vLLM 0.32's server, measured against it: the sim must not refuse them. (A token ID
+# past the end of the vocabulary, which vLLM refuses, is served too: the sim knows no vocabulary.)
+GOOD_CONSTRAINTS = [
+    {"logit_bias": {"50": -100, " 7": "2", "+8": True, "9": 1000, "10": "inf"}},
+    {"response_format": {"type": "text"}}, {"response_format": {"type": "json_object", "extra": 1}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": OBJECT_SCHEMA, "strict": "yes"}}},
+    {"response_format": {"type": "json_object", "json_schema": {"name": "x"}}},
+    {"response_format": {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}},
+    {"structured_outputs": {"choice": ["a", "b"], "foo": 1}}, {"structured_outputs": {"regex": ""}},
+    {"structured_outputs": {"json_object": "yes"}}, {"structured_outputs": {"json": '{"type": "object"}', "disable_any_whitespace": True}},
+    {"structured_outputs": {"json": OBJECT_SCHEMA}, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": OBJECT_SCHEMA}}},
+    {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
+    {"guided_json": 5, "guided_choice": "x", "best_of": "x"},  # vLLM ignores the removed guided fields
+    {"stop": ["a", "b", "c", " "], "stop_token_ids": [0], "bad_words": [], "allowed_token_ids": [5, True]},
+    {"logprobs": True, "logprob_token_ids": list(range(128))}, {"logprob_token_ids": []},
+]  # fmt: skip
+
+
 async def test_a_tool_choice_naming_one_of_the_tools_is_served():
     named = {"tools": [{"type": "function", "function": {"name": "fetch"}}, TOOL], "tool_choice": {"type": "function", "function": {"name": "search"}}}
     async with SimBackend(flat()) as backend:
@@ -501,8 +563,9 @@ async def test_a_tool_choice_naming_one_of_the_tools_is_served():
 async def test_sampling_parameters_vllm_takes_are_taken():
     good = {"temperature": 0, "top_p": 1, "top_k": -1, "seed": -5, "stop": "x", "min_tokens": 4, "presence_penalty": None}
     async with SimBackend(flat()) as backend:
-        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **good})]
-    assert chunks[-1]["usage"]["completion_tokens"] == 4
+        for extra in (good, *GOOD_CONSTRAINTS):
+            chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **extra})]
+            assert chunks[-1]["usage"]["completion_tokens"] == 4, extra
 
 
 async def test_a_bad_max_completion_tokens_is_named_in_the_error():

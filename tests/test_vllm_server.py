@@ -7,6 +7,7 @@ and starts the shared server (same port) while a call is being retried.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import aclosing
@@ -462,3 +463,33 @@ async def test_engine_waiting_counts_only_what_a_step_left_waiting(vllm_server):
         seen = await waiting_under_a_full_batch(chat, signals, clients=SESSION_SERVER_OPTIONS["max_num_seqs"], seconds=4, model=MODEL)
     assert sum(running == SESSION_SERVER_OPTIONS["max_num_seqs"] for running, _ in seen) > len(seen) / 4  # the batch was full
     assert {waiting for _, waiting in seen} == {0}
+
+
+@pytest.mark.vllm
+async def test_the_bodies_the_sim_refuses_are_those_vllm_refuses(vllm_server):
+    """The sim's checks (`fleetsched.backends.sampling`) against the server they copy: each body
+    of the sim tests' refused lists is refused by vLLM (a 400, or an error event with code 400
+    before any token: SamplingParams and the grammar engine refuse in the stream), and each of
+    the taken lists is served. A vLLM upgrade that changes what it refuses fails here."""
+    from .test_sim import BAD_CONSTRAINTS, BAD_SAMPLING, GOOD_CONSTRAINTS
+
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": True}
+
+    async def refused(client: httpx.AsyncClient, extra: dict) -> bool:
+        async with client.stream("POST", "/v1/chat/completions", json={**base, **extra}) as response:
+            if response.status_code != 200:
+                # vLLM 0.32 answers a structured_outputs that is no object with a 500 (its bug).
+                assert response.status_code == 400 or "structured_outputs" in extra, (extra, response.status_code, await response.aread())
+                return True
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    return event.get("error", {}).get("code") == 400
+        return False
+
+    bad = [{field: value} for field, value in BAD_SAMPLING if field != "min_tokens"]  # min_tokens: over max_tokens 4
+    bad += [{"min_tokens": 10}]
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as client:
+        served = [extra for extra in bad + [extra for extra, _ in BAD_CONSTRAINTS] if not await refused(client, extra)]
+        refused_good = [extra for extra in GOOD_CONSTRAINTS if await refused(client, extra)]
+    assert served == [] and refused_good == []

@@ -24,8 +24,15 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: The most stop strings vLLM 0.32 takes (its default VLLM_MAX_STOP_STRINGS).
+MAX_STOP_STRINGS = 4
+
+
 def _is_stop(value: object) -> bool:
-    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    """A ``stop`` vLLM takes: a non-empty string, or a list of at most `MAX_STOP_STRINGS` of them."""
+    if isinstance(value, str):
+        return value != ""
+    return isinstance(value, list) and len(value) <= MAX_STOP_STRINGS and all(isinstance(v, str) and v for v in value)
 
 
 def _between(low: float, high: float) -> Callable[[object], bool]:
@@ -45,14 +52,18 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (_is_int, "a 64-bit integer"),
     "min_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
-    "stop": (_is_stop, "a string or a list of strings"),
-    "stop_token_ids": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of token IDs (integers)"),
+    "stop": (_is_stop, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them"),
+    # A negative ID is out of every vocabulary; one past the model's end is left to vLLM.
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v), "a list of token IDs (integers >= 0)"),
     # Every call reaches the engine streamed (the dispatcher observes its first token), and vLLM
     # refuses prompt log probabilities on a stream: its 400 spoke of a stream=True never sent.
     "prompt_logprobs": (lambda v: v == 0 and _is_int(v), "0 or none: fleetsched streams every call, and vLLM serves no prompt log probabilities on a stream"),
 }
-#: The keys `check_sampling` looks at: those of `RULES`, and those `_check_pairs` does.
-_KEYS = frozenset(RULES) | {"top_logprobs", "tools", "tool_choice"}
+#: The keys `check_sampling` looks at: those of `RULES`, and those `pairs_problem` and
+#: `constraints_problem` do.
+_KEYS = frozenset(RULES) | {"top_logprobs", "tools", "tool_choice"} | {
+    "logit_bias", "bad_words", "allowed_token_ids", "logprob_token_ids", "response_format", "structured_outputs",
+}  # fmt: skip
 
 
 def rule_problem(body: Mapping[str, Any], key: str) -> tuple[str, str] | None:
@@ -67,7 +78,8 @@ def rule_problem(body: Mapping[str, Any], key: str) -> tuple[str, str] | None:
 def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
     """Raise `InvalidRequest` naming the first sampling parameter of `body` that vLLM would
     refuse (of the wrong type or out of range; ``min_tokens`` over `max_tokens`, the completion
-    length the call gets). A body with none of them costs one set test."""
+    length the call gets; then `pairs_problem` and `constraints_problem`). A body with none of
+    them costs one set test."""
     if _KEYS.isdisjoint(body):
         return
     for key in RULES:
@@ -77,11 +89,7 @@ def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
     min_tokens = body.get("min_tokens")
     if min_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens: expected at most max_tokens ({max_tokens}), got {min_tokens}")
-    _check_pairs(body)
-
-
-def _check_pairs(body: Mapping[str, Any]) -> None:
-    problem = pairs_problem(body)
+    problem = pairs_problem(body) or constraints_problem(body)
     if problem is not None:
         raise InvalidRequest(f"{problem[0]}: {problem[1]}")
 
@@ -146,3 +154,202 @@ def _named_tool_problem(choice: Mapping[str, Any], tools: object) -> tuple[str, 
         if isinstance(given, Mapping) and given.get("name") == name:
             return None
     return "tool_choice", f"names the tool {name!r:.80}, which is none of the tools given"
+
+
+def constraints_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What vLLM refuses in the fields that bias, ban, restrict or constrain the answer's tokens
+    (`logit_bias`, `bad_words`, `allowed_token_ids`, `logprob_token_ids`, `response_format`,
+    `structured_outputs`), as (the field, what is wrong), or None."""
+    return (
+        _logit_bias_problem(body.get("logit_bias"))
+        or _token_lists_problem(body)
+        or _response_format_problem(body.get("response_format"))
+        or _structured_outputs_problem(body)
+    )
+
+
+#: The strings vLLM's request model reads as true or false (pydantic's lax booleans).
+_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_BOOL_WORDS = _TRUE_WORDS | {"0", "off", "f", "false", "n", "no"}
+#: The most ``logprob_token_ids`` vLLM 0.32 takes (its MAX_LOGPROB_TOKEN_IDS).
+MAX_LOGPROB_TOKEN_IDS = 128
+
+
+def _is_flag(value: object) -> bool:
+    """A value vLLM's request model takes for a boolean: true, false, 0, 1 or a word for them."""
+    if isinstance(value, str):
+        return value.lower() in _BOOL_WORDS
+    return isinstance(value, (bool, int, float)) and value in (0, 1)
+
+
+def _is_true(value: object) -> bool:
+    """A value vLLM's request model reads as true (of those `_is_flag` takes)."""
+    return value.lower() in _TRUE_WORDS if isinstance(value, str) else value == 1
+
+
+def _is_bias(value: object) -> bool:
+    """A ``logit_bias`` value vLLM takes: any number (it clamps it to [-100, 100]; NaN and
+    infinities too), true or false, or a string that reads as a number ("2", "inf")."""
+    if isinstance(value, (int, float)):
+        return True
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return False
+
+
+def _token_id(key: object) -> int | None:
+    """The token ID a ``logit_bias`` key names, read as vLLM reads it (``int(key)``: " 50",
+    "+50" and "1_0" name one; a key travels as a JSON string, so an integer key is its own ID),
+    or None if it names none."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
+    return None
+
+
+def _logit_bias_problem(bias: object) -> tuple[str, str] | None:
+    """What vLLM refuses in `logit_bias` (null: nothing): not an object, a key that is no
+    integer token ID or a negative one (out of every vocabulary), a value that is no number.
+    An ID at or past the end of the model's vocabulary is refused by vLLM but served here:
+    the sim knows no vocabulary size."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        return "logit_bias", f'expected an object of token IDs to biases ({{"50": -100}}), got {bias!r:.80}'
+    for key, value in bias.items():
+        token = _token_id(key)
+        if token is None:
+            return "logit_bias", f"expected integer token IDs as keys, got {key!r:.80}"
+        if token < 0:
+            return "logit_bias", f"token ID {token} is out of the vocabulary"
+        if not _is_bias(value):
+            return f"logit_bias.{key}", f"expected a number, got {value!r:.80}"
+    return None
+
+
+def _is_id(value: object) -> bool:
+    """A token ID in a list vLLM takes: an integer >= 0 (true and false are 1 and 0 there)."""
+    return isinstance(value, int) and value >= 0
+
+
+def _token_lists_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What vLLM refuses in `bad_words` (not a list of non-empty strings: null too),
+    `allowed_token_ids` (not a non-empty list of token IDs) and `logprob_token_ids` (not a list
+    of at most `MAX_LOGPROB_TOKEN_IDS` token IDs, or some without `logprobs`). IDs past the end
+    of the vocabulary, and bad words that make no token, are left to vLLM, as in `logit_bias`."""
+    if "bad_words" in body:
+        words = body["bad_words"]
+        if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+            return "bad_words", f"expected a list of non-empty strings, got {words!r:.80}"
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None and not (isinstance(allowed, list) and allowed and all(map(_is_id, allowed))):
+        return "allowed_token_ids", f"expected a non-empty list of token IDs (integers >= 0), got {allowed!r:.80}"
+    ids = body.get("logprob_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(map(_is_id, ids)):
+            return "logprob_token_ids", f"expected a list of token IDs (integers >= 0), got {ids!r:.80}"
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            return "logprob_token_ids", f"expected at most {MAX_LOGPROB_TOKEN_IDS} token IDs, got {len(ids)}"
+        if ids and not body.get("logprobs"):
+            return "logprob_token_ids", "needs logprobs set to true"
+    return None
+
+
+#: The ``response_format`` types vLLM takes.
+_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
+
+
+def _response_format_problem(form: object) -> tuple[str, str] | None:
+    """What vLLM refuses in `response_format` (null: nothing): not an object, a type of none of
+    `_FORMATS`, a ``json_schema`` type without ``json_schema`` or its ``schema``, a
+    ``json_schema`` (with any type) without a ``name`` or of the wrong shape, a structural tag
+    whose ``format`` is no object (without the older ``structures``). What a structural tag
+    holds is left to vLLM's grammar engine, as whether a schema compiles."""
+    if form is None:
+        return None
+    if not isinstance(form, Mapping):
+        return "response_format", f'expected an object ({{"type": "json_object"}}, say), got {form!r:.80}'
+    kind = form.get("type")
+    if kind not in _FORMATS:
+        return "response_format.type", f'expected "text", "json_object", "json_schema" or "structural_tag", got {kind!r:.80}'
+    if kind == "structural_tag":
+        if form.get("structures") is None and not isinstance(form.get("format"), Mapping):
+            return "response_format.format", f'expected a structural tag (an object, or "structures" and "triggers"), got {form.get("format")!r:.80}'
+        return None
+    spec = form.get("json_schema")
+    if spec is None:
+        return ("response_format.json_schema", 'needed with type "json_schema": {"name": ..., "schema": {...}}') if kind == "json_schema" else None
+    if not isinstance(spec, Mapping):
+        return "response_format.json_schema", f'expected an object ({{"name": ..., "schema": {{...}}}}), got {spec!r:.80}'
+    if not isinstance(spec.get("name"), str):
+        return "response_format.json_schema.name", f"expected the schema's name (a string), got {spec.get('name')!r:.80}"
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, Mapping):
+        return "response_format.json_schema.schema", f"expected a JSON schema (an object), got {schema!r:.80}"
+    if spec.get("strict") is not None and not _is_flag(spec["strict"]):
+        return "response_format.json_schema.strict", f"expected true or false, got {spec['strict']!r:.80}"
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        return "response_format.json_schema.description", f"expected a string, got {spec['description']!r:.80}"
+    if schema is None and kind == "json_schema":
+        return "response_format.json_schema.schema", 'needed with type "json_schema": the JSON schema the answer must follow'
+    return None
+
+
+#: The constraints of ``structured_outputs`` (one, exactly), each with whether a value is one
+#: vLLM's StructuredOutputsParams takes and what it takes in words; then its options.
+_CONSTRAINTS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "json": (lambda v: isinstance(v, (str, Mapping)), "a JSON schema (an object or its text)"),
+    "regex": (lambda v: isinstance(v, str), "a string"),
+    "choice": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(c, str) for c in v), "a list of strings"),
+    "grammar": (lambda v: isinstance(v, str), "a string"),
+    "json_object": (_is_flag, "true"),
+    "structural_tag": (lambda v: isinstance(v, str), "a string"),
+}
+_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "disable_any_whitespace": (_is_flag, "true or false"),
+    "disable_additional_properties": (_is_flag, "true or false"),
+    "whitespace_pattern": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _structured_outputs_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """What vLLM refuses in `structured_outputs` (null: nothing): not an object (a 500 there), a
+    field of the wrong type, not exactly one constraint, another one than a json_object or
+    json_schema `response_format` sets, an empty one (no choices, a blank grammar, schema or
+    tag, json_object false, a NUL in a regex), or a json, regex or choice with a named
+    `tool_choice`. Whether a schema, regex or grammar compiles is left to vLLM's grammar engine."""
+    given = body.get("structured_outputs")
+    if given is None:
+        return None
+    if not isinstance(given, Mapping):
+        return "structured_outputs", f'expected an object ({{"choice": ["yes", "no"]}}, say), got {given!r:.80}'
+    for key, (ok, expected) in (*_CONSTRAINTS.items(), *_OPTIONS.items()):
+        value = given.get(key)
+        if value is not None and not ok(value):
+            return f"structured_outputs.{key}", f"expected {expected}, got {value!r:.80}"
+    kinds = [key for key in _CONSTRAINTS if given.get(key) is not None]
+    if len(kinds) != 1:
+        return "structured_outputs", f"expected one constraint of {', '.join(_CONSTRAINTS)}, got {', '.join(kinds) or 'none'}"
+    (kind,) = kinds
+    form = body.get("response_format")
+    overrides = {"json_object": "json_object", "json_schema": "json"}.get(form.get("type") if isinstance(form, Mapping) else None)
+    if overrides is not None and overrides != kind:
+        return "structured_outputs", f"expected no {kind} with a response_format that sets {overrides} (one constraint only)"
+    value = given[kind]
+    if overrides is None and (
+        (kind == "choice" and not value) or (kind == "json_object" and not _is_true(value)) or (kind != "regex" and isinstance(value, str) and not value.strip())
+    ):
+        return f"structured_outputs.{kind}", f"expected a constraint that is not empty, got {value!r:.80}"
+    if kind == "regex" and "\x00" in value:
+        return "structured_outputs.regex", "contains a NUL character"
+    if kind in ("json", "regex", "choice") and isinstance(body.get("tool_choice"), Mapping):
+        return "structured_outputs", "cannot be used with a named tool_choice (the constraint or the tool, not both)"
+    return None
