@@ -260,7 +260,7 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
             # vLLM's `check_model`: the call names a model this server does not serve.
             return UnknownModel(f"{where} does not serve the model the call names: {exc.message}", param="model")
         if exc.status_code == 404 and not (isinstance(exc.body, Mapping) and exc.body.get("message")):
-            # No route there (vLLM's own 404s, an unknown model, say, carry a message).
+            # No route there (vLLM's own 404s carry a message, as the unknown model's above).
             return BackendError(
                 f"{where}: POST {exc.request.url} answered 404 Not Found; the URL must be the root "
                 "URL of a vLLM server (http://host:port, without /v1 or another path)"
