@@ -309,6 +309,9 @@ async def test_the_sdk_lists_the_model_as_vllm_s_clients_begin(anyio_backend):
         models = await ctx.openai.models.list()
         model = models.data[0].id
         retrieved = await ctx.openai.models.retrieve(model)
+        # It said "GET /v1/models/gpt-4o is not served to agents (chat completions and models are)".
+        with pytest.raises(openai.NotFoundError, match=rf"The model `gpt-4o` does not exist: this session's model is `{model}`"):
+            await ctx.openai.models.retrieve("gpt-4o")
         response = await ctx.openai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         with pytest.raises(openai.NotFoundError, match=r"is not served to agents \(chat completions and models are\)"):
             await ctx.openai.completions.create(model=model, prompt="hi")

@@ -270,6 +270,10 @@ class SessionTransport(httpx.AsyncBaseTransport):
             return httpx.Response(200, json=model_list(self._ctx.model))
         if request.method == "GET" and path.endswith(f"/models/{self._ctx.model}"):
             return httpx.Response(200, json=model_list(self._ctx.model)["data"][0])
+        if request.method == "GET" and "/models/" in path:  # another model, answered as vLLM answers it
+            name = path.split("/models/", 1)[1]
+            said = f"The model `{name}` does not exist: this session's model is `{self._ctx.model}`"
+            return error_response(404, said, "invalid_request_error", code="model_not_found", param="model")
         if request.method != "POST" or not path.endswith("/chat/completions"):
             return error_response(404, f"{request.method} {path} is not served to agents (chat completions and models are)", "not_found")
         try:
