@@ -91,6 +91,10 @@ async def test_async_sdk_streaming(url, anyio_backend):
 def test_models_and_health(url):
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     assert [m.id for m in client(url).models.list()] == ["fleetsched-tiny"]
+    # The SDK's models.retrieve got "no such endpoint: /v1/models/fleetsched-tiny", a 404.
+    assert client(url).models.retrieve("fleetsched-tiny").id == "fleetsched-tiny"
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4o` does not exist: this gateway serves `fleetsched-tiny`"):
+        client(url).models.retrieve("gpt-4o")
     head = httpx.head(url + "/health")
     assert head.status_code == 200 and head.content == b""
 
@@ -729,6 +733,18 @@ def test_a_session_past_its_deadline_ends_its_call_and_refuses_its_id():
         assert time.monotonic() - start < 5
         refused = post("s1")
         assert refused.status_code == 408 and "needs a new X-Session-ID" in refused.json()["error"]["message"]
+        # A retry cannot succeed: the SDK, which retries a 408 twice by default (each retry one of
+        # the tenant's requests, and the first message lost), is told not to.
+        assert late.headers["x-should-retry"] == refused.headers["x-should-retry"] == "false"
+        def answered_408() -> float:
+            text = httpx.get(url + "/metrics", headers=headers).text
+            return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("fleetsched_gateway_requests_total{") and 'code="408"' in line)
+
+        before = answered_408()
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key=ACME)  # the SDK's default retries (2)
+        with pytest.raises(openai.APIStatusError, match="needs a new X-Session-ID") as refusal:
+            sdk.chat.completions.create(model="m", messages=MSG, extra_headers={"x-session-id": "s1"})
+        assert refusal.value.status_code == 408 and answered_408() == before + 1
         streamed = post("s2", stream=True)
         events = [line for line in streamed.text.splitlines() if line]
         assert streamed.status_code == 200 and json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 408
@@ -1249,3 +1265,23 @@ def test_a_collected_text_completion_keeps_the_stop_reason():
     ]
     assert collect_completion(chunks)["choices"][0] == {"index": 0, "text": "The end", "logprobs": None, "finish_reason": "stop", "stop_reason": "END"}
     assert "stop_reason" not in collect_completion(chunks[:1])["choices"][0]
+
+
+class OverloadedBackend(Backend):
+    """A backend every call of which is refused as overloaded (a vLLM replica's 503, say)."""
+
+    name = "overloaded"
+
+    async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        raise Overloaded("vLLM replica r0 is overloaded", retry_after_s=2)
+        yield  # an async generator
+
+
+def test_a_refusal_for_overload_is_not_logged_once_a_call(caplog):
+    """A 503 with Retry-After is a refusal, as a 429 is: under the load that causes them, each
+    was logged as a warning, "call of tenant 'acme' failed: Overloaded(...)" (120 lines in a
+    probe's run of 50 clients)."""
+    with serve_in_thread(gateway_settings(), backend=OverloadedBackend()) as (_, url):
+        answers = [httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers={"authorization": f"Bearer {ACME}"}) for _ in range(3)]
+    assert [a.status_code for a in answers] == [503] * 3 and answers[0].headers["retry-after"] == "2"
+    assert "failed" not in caplog.text

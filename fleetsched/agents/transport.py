@@ -46,8 +46,14 @@ def error_response(
     OpenAI's name for the error where it has one, else the status; `param`: the field of the
     request at fault, where one is). Retry-After is `retry_after_s` rounded up to whole seconds:
     a client that waits that long is not refused again for being early. It is at most a day
-    (`MAX_RETRY_AFTER_S`): under a tokens_per_minute of 1e-300 the wait is infinite."""
+    (`MAX_RETRY_AFTER_S`): under a tokens_per_minute of 1e-300 the wait is infinite. A 408
+    tells the client not to retry (``x-should-retry: false``)."""
     headers = {}
+    if status == 408:
+        # Past a deadline: a retry cannot succeed (a gateway session's id stays refused). OpenAI's
+        # SDKs retry a 408 twice by default, each retry one of the tenant's requests and the first
+        # message lost; ``x-should-retry: false`` tells them not to.
+        headers["x-should-retry"] = "false"
     if retry_after_s is not None:
         if not retry_after_s <= MAX_RETRY_AFTER_S:  # nan too
             retry_after_s = MAX_RETRY_AFTER_S

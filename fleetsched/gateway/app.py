@@ -42,7 +42,7 @@ import httpx
 from ..agents.transport import UsageShape, error_response, response_for
 from ..backends import create_backend
 from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
-from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, SchedulerClosed, SessionRejected
+from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, Overloaded, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, Taken, shortfall_text
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
@@ -77,6 +77,9 @@ _ROUTES = {
 #: ``DELETE /v1/sessions/{X-Session-ID}`` ends a session (`Gateway._end_session`).
 _SESSIONS_PATH = "/v1/sessions/"
 _SESSION_ROUTE = ("DELETE", "session")
+#: ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the served model, else a 404.
+_MODELS_PATH = "/v1/models/"
+_MODEL_ROUTE = ("GET", "model")
 
 
 class _SessionRecorder(Recorder):
@@ -241,7 +244,9 @@ class Gateway:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
-        route = _ROUTES.get(path) or (_SESSION_ROUTE if path.startswith(_SESSIONS_PATH) else None)
+        route = _ROUTES.get(path) or (
+            _SESSION_ROUTE if path.startswith(_SESSIONS_PATH) else _MODEL_ROUTE if path.startswith(_MODELS_PATH) else None
+        )
         if route is None:
             await _error(send, error_response(404, f"no such endpoint: {scope['path']}", "not_found"))
             return
@@ -278,6 +283,8 @@ class Gateway:
             return
         if endpoint == "models":
             await _send(send, 200, self._models)
+        elif endpoint == "model":
+            await self._model(path.removeprefix(_MODELS_PATH), send)
         elif endpoint == "session":
             await self._end_session(identity, path.removeprefix(_SESSIONS_PATH), send)
         elif endpoint == "metrics":
@@ -299,6 +306,16 @@ class Gateway:
             await _error(send, error_response(404, f"no session {session_id!r} of tenant {identity.tenant!r} is open here", "not_found"))
             return
         await _send(send, 200, _dumps({"id": session_id, "object": "session", "deleted": True}))
+
+    async def _model(self, name: str, send: Send) -> None:
+        """``GET /v1/models/{model}``: the model object where `name` is the served model, else
+        a 404 as OpenAI and vLLM answer a call naming another model."""
+        served = json.loads(self._models)["data"][0]
+        if name != served["id"]:
+            said = f"The model `{name}` does not exist: this gateway serves `{served['id']}`"
+            await _error(send, error_response(404, said, "invalid_request_error", code="model_not_found", param="model"))
+            return
+        await _send(send, 200, _dumps(served))
 
     async def _metrics(self, identity: Identity, send: Send) -> None:
         extra: list[str] = []
@@ -401,7 +418,11 @@ class Gateway:
                     done.status, done.failed_mid_stream = 200, True
                 else:
                     done.status = await _error(send, _answer_for(exc))
-                if not isinstance(exc, FleetschedError) or isinstance(exc, BackendError) and done.status >= 500:
+                # A shed call (503 with Retry-After) is a refusal, as a 429 is: counted in the
+                # dispatcher's shed_total, not logged once per call under the very load that sheds.
+                if not isinstance(exc, FleetschedError) or (
+                    isinstance(exc, BackendError) and not isinstance(exc, Overloaded) and done.status >= 500
+                ):
                     logger.warning("call of tenant %r failed: %r", tenant, exc)
             finally:
                 tg.cancel_scope.cancel()
@@ -606,8 +627,8 @@ async def _send(send: Send, status: int, payload: bytes, *, content_type: bytes 
 
 
 async def _error(send: Send, response: httpx.Response) -> int:
-    extra = [(b"retry-after", response.headers["retry-after"].encode())] if "retry-after" in response.headers else None
-    return await _send(send, response.status_code, response.content, headers=extra)
+    extra = [(name.encode(), response.headers[name].encode()) for name in ("retry-after", "x-should-retry") if name in response.headers]
+    return await _send(send, response.status_code, response.content, headers=extra or None)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | httpx.Response | None:
