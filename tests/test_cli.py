@@ -354,3 +354,36 @@ def test_tenant_names_are_printed_and_plotted_as_written(tmp_path):
     assert "team[/]" in done.stdout and report.exists()
     plotted = fleetsched("report", str(report), "--out", str(tmp_path / "plots"))
     assert plotted.returncode == 0, plotted.stderr
+
+
+def test_simulate_prints_its_tables_at_the_terminal_s_width():
+    """On a terminal 80 columns wide, simulate printed its tables 160 wide: the terminal folded
+    every line of them. Off a terminal (logs, CI) they stay 160 wide, as run's do."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fleetsched.cli", "simulate", "examples/quickstart.toml", "--duration", "20s"],
+        cwd=ROOT, stdout=follower, stderr=subprocess.DEVNULL, env=env,
+    )
+    os.close(follower)
+    printed = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        printed += chunk
+    os.close(leader)
+    assert run.wait(timeout=60) == 0
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in printed.decode().splitlines()]
+    assert any(line.startswith("┏") for line in lines), lines
+    assert max(len(line) for line in lines) <= 80, lines
