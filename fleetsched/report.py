@@ -444,22 +444,55 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
 SLA_COLUMNS = ("tenant", "tier", "weight", "objective", "target", "measured", "attained", "verdict", "breaches (reason)")
 
 
-def sla_table(report: dict[str, Any]) -> Any:
-    """A rich Table of every tenant's SLA objectives: target, measured, attainment, breaches by reason."""
-    from rich.table import Table
+#: The SLA table's columns left out where the terminal is too narrow for every column with no
+#: word cut (the tenant table shows the tier).
+_SLA_SPARED = ("tier", "weight")
 
+
+class _SlaTable:
+    """The SLA table, laid out as the terminal it is printed on allows: every column, or without
+    `_SLA_SPARED`, so that no word or figure is cut (squeezed by rich into 80 columns, they
+    read "criti…" and "100.…"); cells wrap between words."""
+
+    def __init__(self, title: str, rows: list[list[str]], names: list[str]) -> None:
+        self.title, self.rows, self.names = title, rows, names
+
+    def _narrowest(self, column: str) -> int:
+        """The narrowest `column` can be with no word of its heading and cells cut; a name is cut
+        in its middle (`tenant_cell`) to `NAME_MIN` characters."""
+        i = SLA_COLUMNS.index(column)
+        longest = max(len(word) for text in [column, *(row[i] for row in self.rows)] for word in text.split())
+        return min(longest, NAME_MIN) if column == "tenant" else longest
+
+    def _table(self, columns: tuple[str, ...]) -> Any:
+        from rich.table import Table
+
+        table = Table(title=self.title)
+        for column in columns:
+            justify = "right" if column in ("weight", "target", "measured", "attained") else "left"
+            table.add_column(column, justify=justify, min_width=self._narrowest(column))
+        indices = [SLA_COLUMNS.index(column) for column in columns[1:]]
+        for row in self.rows:
+            style = "red" if row[7].startswith("MISSED") else None
+            table.add_row(tenant_cell(row[0], self.names), *(row[i] for i in indices), style=style)
+        return table
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        columns = SLA_COLUMNS
+        borders = 3 * len(columns) + 1  # a column's padding (2) and border, and the last border
+        if borders + sum(map(self._narrowest, columns)) > options.max_width:
+            columns = tuple(c for c in SLA_COLUMNS if c not in _SLA_SPARED)
+        yield self._table(columns)
+
+
+def sla_table(report: dict[str, Any]) -> Any:
+    """A rich renderable of every tenant's SLA objectives (`_SlaTable`): target, measured,
+    attainment, breaches by reason."""
     rows = sla_rows(report)
-    names = [t["tenant"] for t in report["tenants"]]
     title = f"SLA: {report['sla']['breaches']['total']:,} breaches"
     # The breaches are events (calls, refused calls, sessions); a missed min_tokens_per_s rate
     # is none, and the title read "0 breaches" above a MISSED row.
     missed = sum(row[7].startswith("MISSED") for row in rows)
     if missed:
         title += f", {missed} objective{'s' if missed > 1 else ''} missed"
-    table = Table(title=title)
-    for column in SLA_COLUMNS:
-        table.add_column(column, justify="right" if column in ("weight", "target", "measured", "attained") else "left")
-    for row in rows:
-        style = "red" if row[7].startswith("MISSED") else None
-        table.add_row(tenant_cell(row[0], names), *row[1:], style=style)
-    return table
+    return _SlaTable(title, rows, [t["tenant"] for t in report["tenants"]])

@@ -461,3 +461,18 @@ def test_shortened_names_are_cut_where_they_differ():
     assert all(len(s) <= 10 for s in short.values()) and len(set(short.values())) == 3, short
     assert short["team-eu-west-prod"].startswith("team-e") and short["batch"] == "batch", short
     assert short_names(("abcdef", "abcxef"), 3) == {"abcdef": "abcdef", "abcxef": "abcxef"}  # no cut tells them apart: whole
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_the_sla_table_cuts_no_word_or_figure_to_fit_the_terminal(report, width):
+    """Squeezed into 80 columns by rich, the SLA table read "criti…" for the tier and "100.…" for
+    an attainment. Where every column cannot fit whole, tier and weight are left out (the
+    tenant table shows the tier); cells wrap between words."""
+    from fleetsched.report import sla_rows, sla_table
+
+    lines = _printed(sla_table(report), width)
+    assert all(len(line) <= width for line in lines), lines
+    assert not any("…" in line for line in lines), lines
+    text = " ".join(lines)
+    assert all(row[6] in text for row in sla_rows(report)), lines  # each attainment whole
+    assert ("┃ tier" in "\n".join(lines)) == (width > 80), lines
