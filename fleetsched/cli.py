@@ -24,6 +24,7 @@ from . import bench
 from ._args import positive_float, tcp_port, writable_file
 from .errors import BackendUnavailable, ConfigError
 from .gc_tuning import SERVING, gc_thresholds
+from .report import table_console
 from .settings import Settings, load_settings
 
 
@@ -160,9 +161,7 @@ def _main(argv: list[str] | None) -> int:
 
         return importlib.import_module(delegated[argv[0]][0]).main(argv[1:])
     args = parser.parse_args(argv)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)  # logs and CI: do not squeeze the tables to 80 columns
+    console = table_console()
     if args.command == "bench":
         if not args.name:
             for name, text in bench.BENCHMARKS.items():

@@ -242,6 +242,21 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a number a report holds (it writes null for what it did not measure)")
 
 
+def table_console() -> Any:
+    """The console `run` and `simulate` print their tables on: a terminal's width, else 160
+    columns (logs and CI: the tables are not squeezed to 80)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def table_borders(columns: int) -> int:
+    """The characters a rich Table's box takes in a row beside its cells: each column's
+    padding (2) and border, and the last border."""
+    return 3 * columns + 1
+
+
 def is_simulated(report: dict[str, Any]) -> bool:
     """Whether `report` comes from ``fleetsched simulate`` (virtual time, the sim engine's
     figures, not measured): only it writes the ``sim`` section."""
@@ -359,7 +374,7 @@ def _tenant_grid(title: str | None, rows: list[list[str]], indices: Any, width: 
 
     for heading in (lambda text: [text], str.split):
         widths = [max(len(text) for text in [*heading(TENANT_COLUMNS[i]), *(row[i] for row in rows)]) for i in indices]
-        room = width - sum(widths[1:]) - 3 * len(widths) - 1  # a column's padding (2) and border
+        room = width - sum(widths[1:]) - table_borders(len(widths))
         if room >= widths[0]:
             break
     longest, widths[0] = widths[0], min(widths[0], max(room, NAME_MIN))
@@ -479,8 +494,7 @@ class _SlaTable:
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         columns = SLA_COLUMNS
-        borders = 3 * len(columns) + 1  # a column's padding (2) and border, and the last border
-        if borders + sum(map(self._narrowest, columns)) > options.max_width:
+        if table_borders(len(columns)) + sum(map(self._narrowest, columns)) > options.max_width:
             columns = tuple(c for c in SLA_COLUMNS if c not in _SLA_SPARED)
         yield self._table(columns)
 

@@ -534,13 +534,9 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
         if args.json:
             print(text)
         else:
-            from rich.console import Console
+            from .report import sla_table, table_console, tenant_table
 
-            from .report import sla_table, tenant_table
-
-            console = Console()  # as `run` prints: a terminal's width, else 160 (logs, CI)
-            if not console.is_terminal:
-                console = Console(width=160)
+            console = table_console()
             for flagged in report["sla"]["feasibility"]["unreachable"]:
                 print(f"fleetsched simulate: warning: {flagged['message']}", file=sys.stderr)
             if report["sla"]["feasibility"]["note"]:  # as `run` prints it (an agent whose calls cannot fit, say)

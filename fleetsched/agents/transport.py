@@ -62,6 +62,12 @@ def error_response(
     return httpx.Response(status, json=body, headers=headers)
 
 
+def model_not_found(message: str) -> httpx.Response:
+    """The 404 for a call or a lookup naming a model that is not served, as vLLM and OpenAI
+    answer it (the SDK's ``NotFoundError``, not retried)."""
+    return error_response(404, message, "invalid_request_error", code="model_not_found", param="model")
+
+
 def response_for(exc: BaseException) -> httpx.Response | None:
     """The HTTP answer for one of our errors (None: not ours to answer)."""
     if isinstance(exc, RateLimited):
@@ -70,8 +76,8 @@ def response_for(exc: BaseException) -> httpx.Response | None:
         return error_response(503, str(exc), "overloaded", retry_after_s=exc.retry_after_s)
     if isinstance(exc, DeadlineExceeded):
         return error_response(408, str(exc), "deadline_exceeded")
-    if isinstance(exc, UnknownModel):  # as vLLM and OpenAI answer it: a 404, not retried by the SDK
-        return error_response(404, str(exc), "invalid_request_error", code="model_not_found", param="model")
+    if isinstance(exc, UnknownModel):
+        return model_not_found(str(exc))
     if isinstance(exc, InvalidRequest):  # the engine refused the body: the client's to change
         code = "context_length_exceeded" if isinstance(exc, ContextTooLong) else "invalid_request_error"
         return error_response(400, str(exc), "invalid_request_error", code=code, param=exc.param or field_named(str(exc)))
@@ -278,8 +284,7 @@ class SessionTransport(httpx.AsyncBaseTransport):
             return httpx.Response(200, json=model_list(self._ctx.model)["data"][0])
         if request.method == "GET" and "/models/" in path:  # another model, answered as vLLM answers it
             name = path.split("/models/", 1)[1]
-            said = f"The model `{name}` does not exist: this session's model is `{self._ctx.model}`"
-            return error_response(404, said, "invalid_request_error", code="model_not_found", param="model")
+            return model_not_found(f"The model `{name}` does not exist: this session's model is `{self._ctx.model}`")
         if request.method != "POST" or not path.endswith("/chat/completions"):
             return error_response(404, f"{request.method} {path} is not served to agents (chat completions and models are)", "not_found")
         try:

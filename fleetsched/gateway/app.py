@@ -39,7 +39,7 @@ from typing import Any
 import anyio
 import httpx
 
-from ..agents.transport import UsageShape, error_response, response_for
+from ..agents.transport import UsageShape, error_response, model_not_found, response_for
 from ..backends import create_backend
 from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, Overloaded, SchedulerClosed, SessionRejected
@@ -137,7 +137,7 @@ class Gateway:
         self.max_context = context_limit(settings)
         self.scheduler: Scheduler | None = None
         self.sessions: SessionTable | None = None
-        self._models = _dumps(model_list(settings.backend.model))
+        self.model = settings.backend.model  # the model served: the settings', else the server's (`running`)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -154,7 +154,7 @@ class Gateway:
                 anyio.create_task_group() as tg,
             ):
                 self.scheduler = scheduler
-                self._models = _dumps(model_list(scheduler.model))  # a vLLM server's own, where the settings name none
+                self.model = scheduler.model  # a vLLM server's own, where the settings name none
                 self.sessions = SessionTable(
                     scheduler,
                     self.state,
@@ -282,7 +282,7 @@ class Gateway:
             )
             return
         if endpoint == "models":
-            await _send(send, 200, self._models)
+            await _send(send, 200, _dumps(model_list(self.model)))
         elif endpoint == "model":
             await self._model(path.removeprefix(_MODELS_PATH), send)
         elif endpoint == "session":
@@ -310,12 +310,10 @@ class Gateway:
     async def _model(self, name: str, send: Send) -> None:
         """``GET /v1/models/{model}``: the model object where `name` is the served model, else
         a 404 as OpenAI and vLLM answer a call naming another model."""
-        served = json.loads(self._models)["data"][0]
-        if name != served["id"]:
-            said = f"The model `{name}` does not exist: this gateway serves `{served['id']}`"
-            await _error(send, error_response(404, said, "invalid_request_error", code="model_not_found", param="model"))
+        if name != self.model:
+            await _error(send, model_not_found(f"The model `{name}` does not exist: this gateway serves `{self.model}`"))
             return
-        await _send(send, 200, _dumps(served))
+        await _send(send, 200, _dumps(model_list(self.model)["data"][0]))
 
     async def _metrics(self, identity: Identity, send: Send) -> None:
         extra: list[str] = []
