@@ -7,6 +7,7 @@ whole numbers of steps.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 
@@ -15,6 +16,7 @@ import pytest
 
 from fleetsched.backends.base import collect_chat
 from fleetsched.backends.instant import InstantBackend
+from fleetsched.backends.sampling import constraint_params
 from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, SimEngine
 from fleetsched.errors import BackendError, BackendUnavailable
 from fleetsched.settings import SimSettings
@@ -566,6 +568,24 @@ async def test_sampling_parameters_vllm_takes_are_taken():
         for extra in (good, *GOOD_CONSTRAINTS):
             chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **extra})]
             assert chunks[-1]["usage"]["completion_tokens"] == 4, extra
+
+
+def test_constraints_are_read_as_vllms_server_reads_them():
+    """What the in-process engine backend hands vLLM's SamplingParams (`constraint_params`): the
+    lax values of vLLM's request model read as it reads them, a response_format's constraint
+    over structured_outputs' own, and every body vLLM takes read without an error."""
+    for extra in GOOD_CONSTRAINTS:
+        constraint_params(extra)
+    assert constraint_params(GOOD_CONSTRAINTS[0]) == {"logit_bias": {50: -100.0, 7: 2.0, 8: 1.0, 9: 100.0, 10: 100.0}}
+    assert constraint_params({"allowed_token_ids": [5, True], "bad_words": []}) == {"allowed_token_ids": [5, 1]}
+    assert constraint_params({"response_format": {"type": "text"}}) == {}
+    so = {"json_object": "yes", "disable_any_whitespace": "no", "foo": 1}
+    assert constraint_params({"structured_outputs": so}) == {"structured_outputs": {"json_object": True, "disable_any_whitespace": False}}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": OBJECT_SCHEMA}}
+    merged = {"structured_outputs": {"json": '{"type": "string"}', "whitespace_pattern": " "}, "response_format": schema}
+    assert constraint_params(merged)["structured_outputs"] == {"json": OBJECT_SCHEMA, "whitespace_pattern": " "}
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
+    assert json.loads(constraint_params({"response_format": tag})["structured_outputs"]["structural_tag"]) == tag
 
 
 async def test_a_bad_max_completion_tokens_is_named_in_the_error():

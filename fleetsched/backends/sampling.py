@@ -8,6 +8,7 @@ thread, and every later call of every session hung.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -353,3 +354,65 @@ def _structured_outputs_problem(body: Mapping[str, Any]) -> tuple[str, str] | No
     if kind in ("json", "regex", "choice") and isinstance(body.get("tool_choice"), Mapping):
         return "structured_outputs", "cannot be used with a named tool_choice (the constraint or the tool, not both)"
     return None
+
+
+# -- the constraints as the engine takes them -------------------------------------------------------
+#
+# vLLM's server reads a request with pydantic (lax: "2" is 2.0, "yes" is true) and hands the engine
+# a SamplingParams built from what it read. The in-process engine backend gets the raw body, checked
+# by `constraints_problem`; these read it as the server does.
+
+
+def _clamped_bias(value: object) -> float:
+    """A ``logit_bias`` value as vLLM applies it: a float within [-100, 100] (NaN reads as -100
+    there: ``max(-100.0, nan)`` is -100.0)."""
+    return min(100.0, max(-100.0, float(value)))  # type: ignore[arg-type]
+
+
+def constraint_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``SamplingParams`` for the fields of `body` that bias, ban,
+    restrict or constrain the answer's tokens, as vLLM's server builds them from the same body:
+    ``logit_bias`` (token ID to bias), ``bad_words``, ``allowed_token_ids``, and
+    ``structured_outputs`` as the keyword arguments of a ``StructuredOutputsParams``
+    (`structured_outputs_kwargs`). Fields left out or null are absent. `body` must have passed
+    `constraints_problem`."""
+    params: dict[str, Any] = {}
+    bias = body.get("logit_bias")
+    if bias is not None:
+        params["logit_bias"] = {_token_id(key): _clamped_bias(value) for key, value in bias.items()}
+    if body.get("bad_words"):
+        params["bad_words"] = list(body["bad_words"])
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        params["allowed_token_ids"] = [int(token) for token in allowed]  # true and false are 1 and 0
+    structured = structured_outputs_kwargs(body)
+    if structured is not None:
+        params["structured_outputs"] = structured
+    return params
+
+
+def structured_outputs_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The keyword arguments of vLLM's ``StructuredOutputsParams`` that `body`'s
+    ``structured_outputs`` and ``response_format`` make, as vLLM's server merges them (a
+    ``json_object`` or ``json_schema`` format sets its constraint over the other's; a
+    ``structural_tag`` format goes as its JSON text), or None for no constraint."""
+    given = body.get("structured_outputs")
+    kwargs: dict[str, Any] = {}
+    if given is not None:
+        for key in _CONSTRAINTS.keys() | _OPTIONS.keys():  # vLLM's request model drops other keys
+            value = given.get(key)
+            if value is not None:
+                kwargs[key] = _is_true(value) if key in _FLAGS else value
+    form = body.get("response_format")
+    kind = form.get("type") if form is not None else None
+    if kind == "json_object":
+        kwargs["json_object"] = True
+    elif kind == "json_schema":
+        kwargs["json"] = form["json_schema"]["schema"]
+    elif kind == "structural_tag":
+        kwargs["structural_tag"] = json.dumps(form)
+    return kwargs or None
+
+
+#: The fields of ``structured_outputs`` that are booleans (read laxly, as vLLM's request model does).
+_FLAGS = frozenset({"json_object", "disable_any_whitespace", "disable_additional_properties"})

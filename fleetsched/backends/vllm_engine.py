@@ -39,7 +39,7 @@ from .base import (
     usage_dict,
     wants_continuous_usage,
 )
-from .sampling import RULES as SAMPLING_RULES, check_sampling
+from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params
 
 _request_ids = itertools.count(1)
 
@@ -260,6 +260,17 @@ class VLLMEngineBackend(Backend):
         # Tokens a streamed chunk, as the dispatcher asks per tier: it was dropped unread.
         if body.get("stream_interval") is not None:
             options["stream_interval"] = checked_stream_interval(body["stream_interval"])
+        # Biases, banned words, allowed tokens and structured outputs, applied as the server
+        # applies them (they were checked, then dropped: a JSON schema asked for was not kept).
+        constraints = constraint_params(body)
+        if "structured_outputs" in constraints:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            try:
+                constraints["structured_outputs"] = StructuredOutputsParams(**constraints["structured_outputs"])
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequest(f"structured_outputs: {exc}") from exc
+        options.update(constraints)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,

@@ -8,7 +8,8 @@ engine's signals under a load larger than its batch, leaves a call early and che
 nothing is left in flight, then that a prompt over the context, or max_tokens past it, is
 refused with `ContextTooLong` (a call naming no max_tokens, or more than the prompt leaves,
 fills the context's rest), and one with bad sampling parameters (of the wrong type or out of
-range) with `InvalidRequest`, the engine serving calls after them. Then: messages parsed as
+range) with `InvalidRequest`, the engine serving calls after them; that logit biases, banned
+words, allowed tokens and structured outputs shape the answer. Then: messages parsed as
 vLLM's server parses them, the model's sampling defaults applied, and closing with a call in
 flight. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
 is not installed in the main virtualenv.
@@ -17,6 +18,7 @@ is not installed in the main virtualenv.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from contextlib import aclosing
 
@@ -152,6 +154,7 @@ async def check(model_dir: str) -> dict:
             assert "tool_choice" in str(exc), exc
         else:
             raise AssertionError("a forced tool call was not refused")
+        await check_constraints(backend, request, model_dir)
         with anyio.fail_after(30):
             after = [c async for c in backend.stream_chat(request)][-1]["usage"]
         assert after["completion_tokens"] == 12, after
@@ -194,6 +197,40 @@ async def check(model_dir: str) -> dict:
             raise AssertionError("a closed backend served a call")
     loaded_signals = {"max_waiting": max(w or 0 for _, w, _ in seen), "max_kv_cache_usage": max(k or 0 for _, _, k in seen)}
     return {"ok": True, "engine_start_s": round(started_s, 1), "start_ticks": ticks, "signals": loaded_signals, "usage": folded["usage"]}
+
+
+async def check_constraints(backend: VLLMEngineBackend, request: dict, model_dir: str) -> None:
+    """Biases, banned words, allowed tokens and structured outputs shape the answer, as on vLLM's
+    server (they were checked, then dropped: the answers came out as if none were asked), with
+    the lax values the server's request model reads ("100" a number, "yes" true); an ID out of
+    the vocabulary is refused naming its field."""
+    from transformers import AutoTokenizer
+
+    a, b, x = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(["a", "b", "x"])
+
+    async def answer(extra: dict) -> str:
+        with anyio.fail_after(60):
+            chunks = [c async for c in backend.stream_chat({**request, **extra})]
+        return collect_chat(chunks)["choices"][0]["message"]["content"]
+
+    assert await answer({"logit_bias": {str(x): "100"}}) == "x" * 12
+    allowed = await answer({"allowed_token_ids": [a, b]})
+    assert len(allowed) == 12 and set(allowed) <= {"a", "b"}, allowed
+    assert "x" not in await answer({"logit_bias": {str(x): 100}, "bad_words": ["x"]})
+    free = {key: value for key, value in request.items() if key != "ignore_eos"} | {"max_tokens": 64}
+    assert await answer({**free, "structured_outputs": {"choice": ["yes", "no"]}}) in ("yes", "no")
+    colours = {"type": "string", "enum": ["red", "blue"]}
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "colour", "schema": colours, "strict": "yes"}}}
+    assert json.loads(await answer({**free, **schema})) in ("red", "blue")
+    code = await answer({**free, "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", code), code
+    for field, value in (("allowed_token_ids", [5000]), ("logit_bias", {"5000": 1})):
+        try:
+            await answer({field: value})
+        except InvalidRequest as exc:
+            assert field in str(exc), exc
+        else:
+            raise AssertionError(f"{field}={value!r} (out of the vocabulary) was not refused")
 
 
 async def read_to_end(backend: VLLMEngineBackend, body: dict) -> None:
