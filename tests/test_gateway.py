@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from unittest.mock import ANY
@@ -359,10 +360,28 @@ def test_malformed_bodies_are_400(url, body, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_every_answer_names_its_request(url):
+    """`x-request-id` on every answer, as OpenAI's API sends it (the SDK shows it as
+    `request_id`, on errors too): the client's own where it sent one, else the gateway's. It
+    had none, and the gateway's logs named no call."""
+    c = client(url)
+    raw = c.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=1)
+    assert re.fullmatch("req_[0-9a-f]{32}", raw.request_id or ""), raw.headers
+    raw = c.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=1, stream=True, extra_headers={"X-Request-Id": "trace:7"})
+    assert raw.request_id == "trace:7"
+    with pytest.raises(openai.AuthenticationError) as refused:
+        client(url, key="nope").chat.completions.create(model="m", messages=MSG, max_tokens=1, extra_headers={"X-Request-Id": "t1"})
+    assert refused.value.request_id == "t1"
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model="m", messages=MSG, max_tokens=1, extra_headers={"X-Request-Id": "no spaces"})
+    assert refused.value.body["param"] == "X-Request-Id" and refused.value.request_id.startswith("req_")
+    assert httpx.get(url + "/v1/nothing").headers["x-request-id"].startswith("req_")
+
+
 def test_a_key_or_session_header_sent_twice_is_refused(url):
     # The last one won: "bad key, then good key" was served, "good, then bad" a 401.
     chat = {"messages": MSG, "max_tokens": 1}
-    for name, values in [("Authorization", ["Bearer nope", f"Bearer {ACME}"]), ("X-Session-ID", ["a", "b"])]:
+    for name, values in [("Authorization", ["Bearer nope", f"Bearer {ACME}"]), ("X-Session-ID", ["a", "b"]), ("X-Request-Id", ["a", "b"])]:
         headers = [("authorization", f"Bearer {ACME}")] if name != "Authorization" else []
         headers += [(name, value) for value in values]
         response = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers)

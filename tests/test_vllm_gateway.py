@@ -66,6 +66,21 @@ async def test_async_streaming_chat_with_usage(gateway_url):
     assert chunks[-1].usage.completion_tokens == 8
 
 
+def test_the_request_id_reaches_the_engine(gateway_url):
+    """The client's X-Request-Id, or the gateway's own, is the ID the vLLM server gives the call
+    (its logs, and the answer's id: chatcmpl-<ID>, cmpl-<ID>), streamed or not, chat or text."""
+    c = client(gateway_url)
+    for stream in (False, True):
+        raw = c.chat.completions.with_raw_response.create(
+            model="fleetsched-tiny", messages=MSG, max_tokens=2, stream=stream, extra_headers={"X-Request-Id": f"trace-{stream}"}
+        )
+        answer = raw.parse()
+        ids = {chunk.id for chunk in answer} if stream else {answer.id}
+        assert raw.headers["x-request-id"] == f"trace-{stream}" and ids == {f"chatcmpl-trace-{stream}"}, ids
+    raw = c.completions.with_raw_response.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=2)
+    assert raw.headers["x-request-id"].startswith("req_") and raw.parse().id == "cmpl-" + raw.headers["x-request-id"]
+
+
 def test_completions_streaming_and_not(gateway_url):
     c = client(gateway_url)
     reply = c.completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=5, extra_body={"ignore_eos": True})

@@ -38,7 +38,11 @@ unreachable replica is then given up at once instead of after backing off (remov
 AVOID_KEY = "fleetsched_avoid"
 """Body key naming a replica that a call routed by load goes to only when no other can take it:
 the one a session's call just failed on, which the dispatcher falls back from (removed too)."""
-PRIVATE_KEYS = (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY)
+REQUEST_ID_KEY = "fleetsched_request_id"
+"""Body key carrying the ID the gateway gave the call (its client's ``X-Request-Id``, or one of its
+own): a vLLM server gets it as its ``X-Request-Id`` header, which names the request in the
+server's logs and in its answer's ``id`` (removed too)."""
+PRIVATE_KEYS = (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY, REQUEST_ID_KEY)
 """The body keys above: fleetsched's own, never a client's (the gateway strips them)."""
 
 

@@ -41,7 +41,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded, UnknownModel
 from ..resources.kv_sizing import KVCacheCapacity, read_vllm_kv_capacity
-from .base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
+from .base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, REPLICA_KEY, REQUEST_ID_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
 
 try:  # openai >= 2 speaks httpx2; older releases speak httpx.
@@ -627,12 +627,14 @@ class VLLMServerBackend(Backend):
         # the SDK walks them against its message types on every call (`maybe_transform`), about
         # 135 us a message on this project's machine, which cost this process 2.4 ms of CPU a
         # call for a 20-message conversation. The bodies here are JSON as sent already.
+        request_id = request.pop(REQUEST_ID_KEY, None)
         return dict(
             model=model,
             messages=[],
             stream=True,
             stream_options=stream_options,
             extra_body={**request, "messages": messages},
+            extra_headers=request_id_header(request_id),
             timeout=self.timeout,
         )
 
@@ -821,3 +823,8 @@ class VLLMServerBackend(Backend):
         if self._own_http:
             await self._http.aclose()
 
+
+def request_id_header(request_id: str | None) -> dict[str, str] | None:
+    """The ``X-Request-Id`` header that names a call to vLLM's server (its logs and the answer's
+    ``id``, ``chatcmpl-<ID>``), for a call the gateway gave `request_id` (`REQUEST_ID_KEY`)."""
+    return None if request_id is None else {"X-Request-Id": request_id}

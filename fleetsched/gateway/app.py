@@ -41,7 +41,7 @@ import httpx
 
 from ..agents.transport import UsageShape, error_response, model_not_found, response_for
 from ..backends import create_backend
-from ..backends.base import PRIVATE_KEYS, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
+from ..backends.base import PRIVATE_KEYS, REQUEST_ID_KEY, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, Overloaded, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, Taken, shortfall_text
 from ..scheduler import Scheduler
@@ -62,6 +62,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 SESSION_HEADER = b"x-session-id"
+REQUEST_ID_HEADER = b"x-request-id"
 #: How often an instance with shared state counts its peers' service into its fair-share counters.
 FAIR_SHARE_SYNC_S = 0.5
 
@@ -247,6 +248,17 @@ class Gateway:
         route = _ROUTES.get(path) or (
             _SESSION_ROUTE if path.startswith(_SESSIONS_PATH) else _MODEL_ROUTE if path.startswith(_MODELS_PATH) else None
         )
+        # Every answer names its request, as OpenAI's and vLLM's do (`x-request-id`): the
+        # client's own ID where it sent one, and a vLLM server gets the same ID for the call.
+        headers = dict(scope["headers"])
+        given = headers.get(REQUEST_ID_HEADER)
+        request_id = given.decode("latin-1") if given is not None else f"req_{uuid.uuid4().hex}"
+        if given is not None and not SESSION_ID.fullmatch(request_id):
+            request_id = f"req_{uuid.uuid4().hex}"
+            send = _with_headers(send, [(REQUEST_ID_HEADER, request_id.encode())])
+            await _error(send, _invalid("X-Request-Id: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Request-Id"))
+            return
+        send = _with_headers(send, [(REQUEST_ID_HEADER, request_id.encode())])
         if route is None:
             await _error(send, error_response(404, f"no such endpoint: {scope['path']}", "not_found"))
             return
@@ -262,10 +274,9 @@ class Gateway:
             ok = self.scheduler is not None
             await _send(send, 200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"starting"}')
             return
-        headers = dict(scope["headers"])
         if len(headers) < len(scope["headers"]):  # a header sent twice: the last would win unseen
             names = [name for name, _ in scope["headers"]]
-            for name, param in ((b"authorization", "Authorization"), (SESSION_HEADER, "X-Session-ID")):
+            for name, param in ((b"authorization", "Authorization"), (SESSION_HEADER, "X-Session-ID"), (REQUEST_ID_HEADER, "X-Request-Id")):
                 if names.count(name) > 1:
                     await _error(send, _invalid(f"{param}: sent more than once; send it once", param))
                     return
@@ -290,7 +301,7 @@ class Gateway:
         elif endpoint == "metrics":
             await self._metrics(identity, send)
         else:
-            await self._call(endpoint, identity, headers, receive, send)
+            await self._call(endpoint, identity, headers, request_id, receive, send)
 
     async def _end_session(self, identity: Identity, session_id: str, send: Send) -> None:
         """``DELETE /v1/sessions/{id}``: the tenant's session ends once the calls already waiting
@@ -334,21 +345,30 @@ class Gateway:
 
     # -- model calls -----------------------------------------------------------------------------
 
-    async def _call(self, endpoint: str, identity: Identity, headers: dict[bytes, bytes], receive: Receive, send: Send) -> None:
+    async def _call(
+        self, endpoint: str, identity: Identity, headers: dict[bytes, bytes], request_id: str, receive: Receive, send: Send
+    ) -> None:
         start = anyio.current_time()
         tenant = identity.tenant
         if tenant is None or identity.settings is None:
             await _error(send, error_response(403, "the admin key makes no model calls; use a tenant's key", "permission_denied"))
             return
         done = _Outcome()
-        status = await self._answer(endpoint, identity, headers, receive, send, done)
+        status = await self._answer(endpoint, identity, headers, request_id, receive, send, done)
         if not status or done.client_left and not done.answered:  # as nginx counts it: not served, nor uncounted
             status = CLIENT_CLOSED_REQUEST
         seconds = anyio.current_time() - start
         self.metrics.record(tenant, endpoint, status, seconds, failed_mid_stream=done.failed_mid_stream)
 
     async def _answer(
-        self, endpoint: str, identity: Identity, headers: dict[bytes, bytes], receive: Receive, send: Send, done: _Outcome
+        self,
+        endpoint: str,
+        identity: Identity,
+        headers: dict[bytes, bytes],
+        request_id: str,
+        receive: Receive,
+        send: Send,
+        done: _Outcome,
     ) -> int:
         """Serve one model call, noting its outcome in `done`; returns the status sent (0: the
         client went away)."""
@@ -375,6 +395,7 @@ class Gateway:
         streaming = bool(body.pop("stream", False))
         for private in (*PRIVATE_KEYS, ENDPOINT_KEY, "priority"):
             body.pop(private, None)
+        body[REQUEST_ID_KEY] = request_id
         prompt = estimate_prompt_tokens(body)
         max_tokens = requested_max_tokens(body, default=0)
         if self.max_context is not None:
@@ -402,7 +423,7 @@ class Gateway:
             body[ENDPOINT_KEY] = "completions"
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, done)
-            send = _bounded(send, self.settings.gateway.send_timeout_s, tg.cancel_scope, tenant, done)
+            send = _bounded(send, self.settings.gateway.send_timeout_s, tg.cancel_scope, tenant, request_id, done)
             try:
                 if session_id is None:
                     tier = int(tenant_settings.tier)
@@ -421,7 +442,7 @@ class Gateway:
                 if not isinstance(exc, FleetschedError) or (
                     isinstance(exc, BackendError) and not isinstance(exc, Overloaded) and done.status >= 500
                 ):
-                    logger.warning("call of tenant %r failed: %r", tenant, exc)
+                    logger.warning("call %s of tenant %r failed: %r", request_id, tenant, exc)
             finally:
                 tg.cancel_scope.cancel()
         await self._settle(tenant, prompt, max_tokens or requested_max_tokens(body), done)
@@ -516,7 +537,7 @@ class Gateway:
                     last = usage.end()
                     tail = (b"" if last is None else b"data: " + _dumps(last) + b"\n\n") + b"data: [DONE]\n\n"
                 except Exception as exc:  # mid-stream: the error travels as an event, the stream ends
-                    logger.warning("stream of tenant %r failed: %r", tenant, exc)
+                    logger.warning("stream %s of tenant %r failed: %r", body.get(REQUEST_ID_KEY), tenant, exc)
                     done.failed_mid_stream = True
                     error = json.loads(_answer_for(exc).content)
                     tail = b"data: " + _dumps(error) + b"\n\ndata: [DONE]\n\n"  # [DONE] after it, as vLLM ends one
@@ -690,7 +711,7 @@ def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
     return with_headers
 
 
-def _bounded(send: Send, timeout_s: float, gone: anyio.CancelScope, tenant: str, done: _Outcome) -> Send:
+def _bounded(send: Send, timeout_s: float, gone: anyio.CancelScope, tenant: str, request_id: str, done: _Outcome) -> Send:
     """`send`, each message taken by the client within `timeout_s`, else the call is cancelled
     (`gone`) as if the client had left (`GatewaySettings.send_timeout_s`)."""
 
@@ -700,7 +721,7 @@ def _bounded(send: Send, timeout_s: float, gone: anyio.CancelScope, tenant: str,
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 done.answered = True
         if writing.cancelled_caught:
-            logger.warning("a client of tenant %r took nothing for %g s: its call is ended", tenant, timeout_s)
+            logger.warning("a client of tenant %r took nothing of call %s for %g s: the call is ended", tenant, request_id, timeout_s)
             done.client_left = True
             gone.cancel()
             await anyio.sleep(0)  # the cancellation, here

@@ -15,8 +15,8 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
-from ..backends.vllm_server import VLLMServerBackend, translate_error
+from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, REQUEST_ID_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
+from ..backends.vllm_server import VLLMServerBackend, request_id_header, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
 from ..resources.kv_sizing import KVCacheCapacity
 
@@ -95,6 +95,7 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
     named = body.pop(REPLICA_KEY, None)
     body.pop(FALLBACK_KEY, None)  # no retries here to skip: a failure is the caller's at once
     avoid = body.pop(AVOID_KEY, None)
+    headers = request_id_header(body.pop(REQUEST_ID_KEY, None))
     target = backend.pick_replica(named, avoid=avoid)
     body.pop("stream", None)
     stream_options = {**(body.pop("stream_options", None) or {}), "include_usage": True}
@@ -108,7 +109,8 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
         try:
             try:
                 stream = await target.client.completions.create(
-                    model=model, prompt=prompt, stream=True, stream_options=stream_options, extra_body=body, timeout=backend.timeout
+                    model=model, prompt=prompt, stream=True, stream_options=stream_options, extra_body=body, extra_headers=headers,
+                    timeout=backend.timeout,
                 )
                 async for chunk in stream:
                     streamed = True
