@@ -53,9 +53,9 @@ async def test_rate_limit_reaches_the_sdk_as_429_with_retry_after():
     s = settings({"acme": {"requests_per_minute": 1}})
 
     async def agent(ctx):
-        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "a"}])
         try:
-            await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
+            await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "b"}])
         except openai.RateLimitError as exc:
             return exc.status_code, exc.response.headers["retry-after"]
 
@@ -72,7 +72,7 @@ async def test_a_call_retried_after_its_retry_after_goes_through():
 
     async def agent(ctx):
         def call():
-            return ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+            return ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "a"}])
 
         for _ in range(11):
             await call()
@@ -91,7 +91,7 @@ async def test_a_call_retried_after_its_retry_after_goes_through():
 async def test_malformed_request_is_a_400_not_a_crash():
     async def agent(ctx):
         try:
-            await ctx.openai.chat.completions.create(model="m", messages="not a list")  # type: ignore[arg-type]
+            await ctx.openai.chat.completions.create(model=ctx.model, messages="not a list")  # type: ignore[arg-type]
         except openai.BadRequestError as exc:
             return exc.status_code
 
@@ -103,7 +103,7 @@ async def test_a_call_over_the_context_is_openais_context_length_400():
     # Agent loops written for OpenAI catch this error to trim their history; it was a 500.
     async def agent(ctx):
         try:
-            await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=10**6)
+            await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=10**6)
         except openai.BadRequestError as exc:
             return exc.status_code, exc.code, exc.type
 
@@ -119,15 +119,15 @@ async def test_a_timeout_set_on_the_sdk_ends_the_call_and_frees_its_place():
     async def agent(ctx):
         # A client's first call asks a worker thread for platform headers, and virtual time jumps
         # meanwhile: time a later call (`with_options` would make a new client).
-        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
         start = anyio.current_time()
         try:
             await ctx.openai.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, timeout=0.5
+                model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2000, timeout=0.5
             )
         except openai.APITimeoutError:
             timed_out = anyio.current_time() - start
-        short = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, timeout=60)
+        short = await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, timeout=60)
         return timed_out, short.usage.completion_tokens
 
     async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
@@ -138,7 +138,7 @@ async def test_a_timeout_set_on_the_sdk_ends_the_call_and_frees_its_place():
 async def test_a_timeout_set_on_the_sdk_bounds_each_streamed_chunk():
     async def agent(ctx):
         stream = await ctx.openai.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True, timeout=0.5
+            model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True, timeout=0.5
         )
         chunks = 0
         async for _ in stream:  # chunks come far more often than every 0.5 s: no timeout
@@ -153,7 +153,7 @@ async def test_a_timeout_set_on_the_sdk_bounds_each_streamed_chunk():
 async def test_no_timeout_unless_the_agent_sets_one():
     # The SDK's default of 600 s does not apply: a call may wait its turn longer in a simulated run.
     async def agent(ctx):
-        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
         return ctx.openai.timeout
 
     async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
@@ -170,7 +170,7 @@ async def test_streamed_usage_comes_as_openai_sends_it(backend):
         for options in (None, {"include_usage": True}):
             extra = {"stream_options": options} if options else {}
             stream = await ctx.openai.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, **extra
+                model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, **extra
             )
             seen[bool(options)] = [(len(chunk.choices), chunk.usage and chunk.usage.completion_tokens) async for chunk in stream]
         return seen
@@ -202,7 +202,7 @@ async def test_a_backends_usage_chunk_is_no_chunk_without_choices_to_the_sdk():
         for options in (None, {"include_usage": True}):
             extra = {"stream_options": options} if options else {}
             stream = await ctx.openai.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True, **extra
+                model=ctx.model, messages=[{"role": "user", "content": "hi"}], stream=True, **extra
             )
             seen[bool(options)] = [(len(chunk.choices), chunk.usage and chunk.usage.completion_tokens) async for chunk in stream]
         return seen
@@ -236,7 +236,7 @@ async def test_a_streamed_call_that_fails_reaches_the_sdk_as_an_openai_error(aft
     # A failure at the stream's first read was the raw ContextTooLong, and one after a chunk the
     # raw BackendUnavailable: an agent catching openai's errors (to trim its history) missed both.
     async def agent(ctx):
-        stream = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], stream=True)
         async for _ in stream:
             pass
 
@@ -252,7 +252,7 @@ async def test_a_streamed_call_that_fails_reaches_the_sdk_as_an_openai_error(aft
 async def test_a_stream_that_fails_midway_is_recorded_as_failed():
     # Its call record said no error: reports, metrics and the SLA table counted the call as served.
     async def agent(ctx):
-        stream = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], stream=True)
         with pytest.raises(openai.APIError):
             async for _ in stream:
                 pass
@@ -267,12 +267,12 @@ async def test_a_stream_the_agent_gives_up_on_is_recorded_as_an_unstreamed_one_i
     # Given up on midway (a cancel scope of the agent's), the unstreamed call's record said
     # CancelledError and the streamed one's no error: reports counted it as served.
     async def agent(ctx):
-        await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=1)  # see above
+        await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)  # see above
         with anyio.move_on_after(0.5):
-            await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000)
+            await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2000)
         with anyio.move_on_after(0.5):
             stream = await ctx.openai.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True
+                model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2000, stream=True
             )
             async for _ in stream:
                 pass
@@ -291,8 +291,8 @@ async def test_a_client_the_agent_closed_is_replaced_at_its_next_use():
 
     async def agent(ctx):
         async with ctx.openai as client:
-            first = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}], max_tokens=2)
-        second = await ctx.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}], max_tokens=2)
+            first = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "a"}], max_tokens=2)
+        second = await ctx.openai.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "b"}], max_tokens=2)
         return first.usage.completion_tokens, second.usage.completion_tokens
 
     async with Scheduler(settings()) as scheduler:
@@ -332,9 +332,9 @@ async def test_stream_options_are_refused_where_vllm_refuses_them():
     async def agent(ctx):
         for stream, options, said in ((False, {"include_usage": True}, "set only with stream=true"), (True, "yes", "an object")):
             with pytest.raises(openai.BadRequestError, match=f"stream_options: {said}") as info:
-                await ctx.openai.chat.completions.create(model="m", messages=messages, stream=stream, extra_body={"stream_options": options})
+                await ctx.openai.chat.completions.create(model=ctx.model, messages=messages, stream=stream, extra_body={"stream_options": options})
             assert info.value.body["param"] == "stream_options"
-        stream = await ctx.openai.chat.completions.create(model="m", messages=messages, stream=True, stream_options={"include_usage": True})
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=messages, stream=True, stream_options={"include_usage": True})
         return [chunk.usage.completion_tokens async for chunk in stream if chunk.usage]
 
     async with Scheduler(settings()) as scheduler:

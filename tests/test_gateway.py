@@ -33,6 +33,8 @@ def gateway_settings(tenants: dict | None = None, **sections) -> Settings:
         "globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 3},
     }
     sections.setdefault("backend", {"kind": "instant"})
+    if sections["backend"].get("kind") == "sim":  # it serves the model the tests' calls name, as vLLM serves one
+        sections["backend"] = {"model": "m", **sections["backend"]}
     sections.setdefault("resources", {"strategy": "counting", "devices": [{"name": "gpu0", "memory": "80GB"}]})
     gateway = {"admin_api_keys": [hash_key(ADMIN)], "max_context_tokens": 1000, **sections.pop("gateway", {})}
     return Settings(tenants=tenants, gateway=gateway, **sections)

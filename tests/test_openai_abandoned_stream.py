@@ -25,7 +25,7 @@ def _fixed_window(size: int) -> dict:
 
 async def _leave_a_stream(ctx, max_tokens: int = 64):
     """Read the first chunk of a streamed answer, then leave the stream as it is."""
-    stream = await ctx.openai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=max_tokens, stream=True)
+    stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=max_tokens, stream=True)
     async for _ in stream:
         break
     return stream
@@ -37,7 +37,7 @@ def test_a_session_makes_its_next_call_after_leaving_a_stream_with_a_window_of_o
         stream = await _leave_a_stream(ctx)
         await anyio.sleep(5)  # the engine has long finished that answer
         in_flight = scheduler.statistics().dispatcher.in_flight
-        answer = await ctx.openai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8)
+        answer = await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=8)
         del stream
         return in_flight, answer.usage.completion_tokens
 
@@ -86,7 +86,7 @@ def test_sessions_that_left_streams_and_sit_in_tools_do_not_block_another_tenant
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_stream_left_unread_keeps_the_rest_of_its_answer_for_the_agent(loop):
     async def agent(ctx):
-        stream = await ctx.openai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16, stream=True)
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=16, stream=True)
         parts = []
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -148,7 +148,7 @@ def test_a_backend_stream_that_fails_as_it_is_closed_fails_no_other_session(loop
                 raise RuntimeError("the connection broke as it was closed")
 
     async def closes_early(ctx):
-        stream = await ctx.openai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1000, stream=True)
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=1000, stream=True)
         async for _ in stream:
             break
         await stream.close()

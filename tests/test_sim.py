@@ -18,7 +18,7 @@ from fleetsched.backends.base import collect_chat
 from fleetsched.backends.instant import InstantBackend
 from fleetsched.backends.sampling import constraint_params
 from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, SimEngine
-from fleetsched.errors import BackendError, BackendUnavailable
+from fleetsched.errors import BackendError, BackendUnavailable, UnknownModel
 from fleetsched.settings import SimSettings
 
 from .helpers import waiting_under_a_full_batch
@@ -44,7 +44,7 @@ def body(prompt_tokens: int, max_tokens: int, *, priority: int | None = None, te
     if text is None:
         text = f"{next(_tags):08d}"
     content = (text * (4 * prompt_tokens))[: 4 * prompt_tokens - 16]
-    b: dict = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    b: dict = {"model": "fleetsched-sim", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
     if priority is not None:
         b["priority"] = priority
     return b
@@ -67,11 +67,11 @@ async def test_stream_shape_and_exact_times():
         t0 = anyio.current_time()
         chunks = []
         times = []
-        async for chunk in backend.stream_chat(body(32, 5)):
+        async for chunk in backend.stream_chat({**body(32, 5), "model": "sim-model"}):
             chunks.append(chunk)
             times.append(anyio.current_time() - t0)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": " tok"}
-    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "m" for c in chunks)
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "sim-model" for c in chunks)
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"] == {"prompt_tokens": 32, "completion_tokens": 5, "total_tokens": 37}
     assert collect_chat(chunks)["choices"][0]["message"]["content"] == " tok" * 5
@@ -203,7 +203,7 @@ async def test_leaving_the_stream_aborts_and_frees_blocks():
 async def test_bad_inputs_raise_at_once():
     async with SimBackend(flat(max_model_len=256, kv_cache_tokens=160)) as backend:
         with pytest.raises(ValueError, match="messages"):
-            backend.stream_chat({"model": "m", "messages": []})
+            backend.stream_chat({"model": "fleetsched-sim", "messages": []})
         with pytest.raises(BackendError, match="n=1"):
             backend.stream_chat({**body(10, 5), "n": 2})
         with pytest.raises(InvalidRequest, match="max_tokens"):
@@ -350,6 +350,21 @@ async def test_a_collected_answer_wakes_its_consumer_for_the_first_token_and_the
     assert collected_times == pytest.approx(streamed_times)  # the same first-token and end times
 
 
+async def test_a_model_the_sim_does_not_serve_is_refused_as_vllm_refuses_it():
+    """A call naming another model than the sim's is a 404 (`UnknownModel`, param "model"), as on
+    vLLM's server: it was served, so an agent developed on the sim with a wrong name failed on
+    its first call to vLLM. A call naming none gets the sim's own, as on vLLM."""
+    async with SimBackend(flat(), model="served") as backend:
+        for call in (backend.stream_chat, backend.complete_chat):
+            with pytest.raises(UnknownModel, match="The model `gpt-4o` does not exist. Valid aliases: served.") as refused:
+                await call({**body(16, 2), "model": "gpt-4o"})
+            assert refused.value.param == "model"
+        nameless = {key: value for key, value in body(16, 2).items() if key != "model"}
+        response, _ = await backend.complete_chat(nameless)
+        assert response["model"] == "served" and response["usage"]["completion_tokens"] == 2
+        assert not backend.engine.has_work
+
+
 async def test_complete_chat_gives_the_streamed_answer_and_its_first_token_time():
     async with SimBackend(flat(stream_interval=4)) as backend:
         start = anyio.current_time()
@@ -362,7 +377,7 @@ async def test_complete_chat_gives_the_streamed_answer_and_its_first_token_time(
         assert first_token_at is not None
         assert (first_token_at - start, end) == pytest.approx(streamed_times)
         assert response["choices"] == expected["choices"] and response["usage"] == expected["usage"]
-        assert response["object"] == "chat.completion" and response["model"] == "m"
+        assert response["object"] == "chat.completion" and response["model"] == "fleetsched-sim"
 
         with anyio.move_on_after(3.5 * STEP):  # cancelled on the way: aborted in the engine
             await backend.complete_chat(body(64, 1000))
@@ -440,9 +455,9 @@ async def test_malformed_messages_raise_invalid_request_naming_messages(messages
     TypeError from deep inside, and nothing reaches the engine."""
     async with SimBackend(flat()) as backend:
         with pytest.raises(InvalidRequest, match="messages"):
-            backend.stream_chat({"model": "m", "messages": messages})
+            backend.stream_chat({"model": "fleetsched-sim", "messages": messages})
         with pytest.raises(InvalidRequest, match="messages"):
-            await backend.complete_chat({"model": "m", "messages": messages})
+            await backend.complete_chat({"model": "fleetsched-sim", "messages": messages})
         assert not backend.engine.has_work
         assert (await run_one(backend, body(16, 3)))["usage"]["completion_tokens"] == 3
 
@@ -590,7 +605,7 @@ def test_constraints_are_read_as_vllms_server_reads_them():
 
 async def test_a_bad_max_completion_tokens_is_named_in_the_error():
     async with SimBackend(flat()) as backend:
-        b = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        b = {"model": "fleetsched-sim", "messages": [{"role": "user", "content": "hi"}]}
         # 5.0 is 5, as vLLM's request model and the dispatcher read it (the sim alone refused it).
         chunks = [chunk async for chunk in backend.stream_chat({**b, "max_tokens": 5.0})]
         assert chunks[-1]["usage"]["completion_tokens"] == 5
@@ -636,8 +651,8 @@ async def test_a_bare_string_content_part_counts_as_its_text():
     from fleetsched.backends.base import estimate_prompt_tokens
 
     text = "x" * 400
-    as_string = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
-    as_parts = {"model": "m", "messages": [{"role": "user", "content": [text[:100], {"type": "text", "text": text[100:]}]}], "max_tokens": 1}
+    as_string = {"model": "fleetsched-sim", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    as_parts = {"model": "fleetsched-sim", "messages": [{"role": "user", "content": [text[:100], {"type": "text", "text": text[100:]}]}], "max_tokens": 1}
     assert estimate_prompt_tokens(as_parts) == estimate_prompt_tokens(as_string) == 104
     async with SimBackend(flat()) as backend:
         usages = [(await backend.complete_chat(b))[0]["usage"]["prompt_tokens"] for b in (as_string, as_parts)]
@@ -651,10 +666,10 @@ async def test_the_next_turn_hits_the_blocks_of_the_answer_as_in_vllm():
     blocks, where the prompt alone holds 2."""
     async with SimBackend(flat(block_size=128)) as backend:
         messages = [{"role": "user", "content": "x" * (4 * 298 - 16)}]  # 298 tokens, as `body` counts
-        answer = await run_one(backend, {"model": "m", "messages": messages, "max_tokens": 128})
+        answer = await run_one(backend, {"model": "fleetsched-sim", "messages": messages, "max_tokens": 128})
         messages += [answer["choices"][0]["message"], {"role": "user", "content": "tool result: " + "y" * 100}]
         before = (await backend.signals()).prefix_cache_hits_total
-        await run_one(backend, {"model": "m", "messages": messages, "max_tokens": 1})
+        await run_one(backend, {"model": "fleetsched-sim", "messages": messages, "max_tokens": 1})
         after = (await backend.signals()).prefix_cache_hits_total
         backend.engine.pool.check()
     assert after - before == 3 * 128
@@ -709,6 +724,6 @@ async def test_engine_waiting_counts_only_what_a_step_left_waiting():
         async def chat(request: dict) -> None:
             await backend.complete_chat(request)
 
-        seen = await waiting_under_a_full_batch(chat, backend.signals, clients=4, seconds=4, model="fleetsched-tiny")
+        seen = await waiting_under_a_full_batch(chat, backend.signals, clients=4, seconds=4, model="fleetsched-sim")
     assert sum(running == 4 for running, _ in seen) > len(seen) / 4  # the batch was full
     assert {waiting for _, waiting in seen} == {0}

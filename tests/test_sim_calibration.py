@@ -27,7 +27,7 @@ async def closed_loop_throughput(settings: SimSettings, concurrency: int, rounds
             nonlocal tokens
             for r in range(rounds):
                 content = f"client {i} request {r} ".ljust(4 * 64 - 16, "x")  # 64 prompt tokens, unique
-                body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 128}
+                body = {"model": "fleetsched-sim", "messages": [{"role": "user", "content": content}], "max_tokens": 128}
                 async for chunk in backend.stream_chat(body):
                     if chunk.get("usage"):
                         tokens += chunk["usage"]["completion_tokens"]

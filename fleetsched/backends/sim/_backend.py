@@ -40,7 +40,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from fleetsched.errors import BackendUnavailable, ContextTooLong, InvalidRequest
+from fleetsched.errors import BackendUnavailable, ContextTooLong, InvalidRequest, UnknownModel
 from fleetsched.resources.kv_sizing import KVCacheCapacity
 from fleetsched.settings import SimSettings
 
@@ -358,6 +358,9 @@ class SimBackend(Backend):
         messages = body.get("messages")
         if not messages or not isinstance(messages, (list, tuple)):
             raise InvalidRequest("messages: a chat request needs a non-empty list of messages")
+        named = body.get("model")
+        if named and named != self.model:  # as vLLM's server refuses it (no model named: its own)
+            raise UnknownModel(f"The model `{named!s:.200}` does not exist. Valid aliases: {self.model}.", param="model")
         n = body.get("n")
         if n not in (None, 1):
             raise InvalidRequest(f"n: the sim backend produces one choice per request (n=1), got n={n!r}")
