@@ -16,6 +16,7 @@ import pytest
 
 from fleetsched.backends.base import collect_chat
 from fleetsched.backends.instant import InstantBackend
+from fleetsched.backends.chat_options import echoed, output_params, response_role, template_kwargs
 from fleetsched.backends.sampling import constraint_params
 from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, SimEngine
 from fleetsched.errors import BackendError, BackendUnavailable, UnknownModel
@@ -601,6 +602,86 @@ def test_constraints_are_read_as_vllms_server_reads_them():
     assert constraint_params(merged)["structured_outputs"] == {"json": OBJECT_SCHEMA, "whitespace_pattern": " "}
     tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
     assert json.loads(constraint_params({"response_format": tag})["structured_outputs"]["structural_tag"]) == tag
+
+
+# Each refused by vLLM 0.32's server as fleetsched's tests start it (no --trust-request-* flags),
+# and each served by the sim before: the chat template's options, the prompt's tokenisation and
+# the answer's text options of the wrong type or out of range.
+BAD_CHAT_OPTIONS = [
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"continue_final_message": "yes"}, "continue_final_message"),  # add_generation_prompt is true unless set false
+    ({"continue_final_message": True, "add_generation_prompt": "no"}, "continue_final_message"),  # "no" is true to vLLM's first check
+    ({"echo": "maybe"}, "echo"), ({"skip_special_tokens": 2}, "skip_special_tokens"), ({"use_beam_search": "x"}, "use_beam_search"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"), ({"chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs.chat_template"),
+    ({"chat_template_kwargs": "x"}, "chat_template_kwargs"), ({"mm_processor_kwargs": {"num_crops": 2}}, "mm_processor_kwargs"),
+    ({"documents": [{"title": 1}]}, "documents"), ({"documents": "text"}, "documents"), ({"reasoning_effort": "huge"}, "reasoning_effort"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+    ({"truncation_side": "middle"}, "truncation_side"),
+    ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": "a/b"}, "cache_salt"), ({"cache_salt": "s" * 129}, "cache_salt"),
+    ({"thinking_token_budget": -2}, "thinking_token_budget"), ({"thinking_token_budget": 1.5}, "thinking_token_budget"),
+    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "repetition_detection.min_count"),
+    ({"repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}}, "repetition_detection.min_pattern_size"),
+    ({"vllm_xargs": {"a": {"b": 1}}}, "vllm_xargs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "field"), BAD_CHAT_OPTIONS)
+async def test_chat_options_vllm_refuses_are_refused_naming_the_field(extra, field):
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match=f"^{re.escape(field)}: "):
+            backend.stream_chat({**body(16, 4), **extra})
+        assert not backend.engine.has_work
+    with pytest.raises(InvalidRequest, match=f"^{re.escape(field)}: "):
+        _ = [chunk async for chunk in InstantBackend().stream_chat({**body(16, 4), **extra})]
+
+
+# Each taken by vLLM 0.32's server: the sim must not refuse them. (Echo of a message of the
+# answer's role is left out: the tiny model's template reads content parts, on which vLLM's stream
+# fails; the engine backend echoes their text.)
+GOOD_CHAT_OPTIONS = [
+    {"add_generation_prompt": False, "continue_final_message": "yes"}, {"add_generation_prompt": "no"}, {"echo": True},
+    {"chat_template_kwargs": {"enable_thinking": False, "chat_template": None}, "reasoning_effort": "low", "documents": [{"title": "a", "text": "b"}]},
+    {"truncate_prompt_tokens": -1, "truncation_side": "left", "add_special_tokens": "false", "cache_salt": "s" * 128},
+    {"include_stop_str_in_output": 1, "skip_special_tokens": False, "spaces_between_special_tokens": "off", "watermarking": False},
+    {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}, "thinking_token_budget": -1, "vllm_xargs": {"a": 1, "b": ["x", 2.5]}},
+]  # fmt: skip
+
+
+async def test_chat_options_vllm_takes_are_taken():
+    async with SimBackend(flat()) as backend:
+        for extra in GOOD_CHAT_OPTIONS:
+            chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **extra})]
+            assert chunks[-1]["usage"]["completion_tokens"] == 4, extra
+
+
+def test_chat_options_are_read_as_vllms_server_reads_them():
+    """What the in-process engine backend hands vLLM's renderer and SamplingParams: the template's
+    arguments merged as the server merges them (the call's own over tools, under the fields that
+    set the template's options; null and "auto" set nothing), the answer's text options read
+    laxly, and the role and echo of an answer that continues the last message."""
+    tools = [TOOL]
+    assert template_kwargs({}) == {"add_generation_prompt": True, "continue_final_message": False}
+    given = {"tools": None, "add_generation_prompt": True, "custom": "auto", "flavour": 1}
+    merged = template_kwargs({"tools": tools, "add_generation_prompt": "no", "chat_template_kwargs": given, "reasoning_effort": "none"})
+    assert merged == {
+        "tools": tools, "flavour": 1, "add_generation_prompt": False, "continue_final_message": False,
+        "reasoning_effort": "none", "enable_thinking": False,
+    }  # fmt: skip
+    assert template_kwargs({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}})["enable_thinking"] is False
+    assert template_kwargs({"chat_template_kwargs": {"tools": tools}})["tools"] == tools
+    assert output_params({}) == {}
+    text_options, extras = GOOD_CHAT_OPTIONS[-2:]
+    read = output_params({**text_options, **extras})
+    assert read == {
+        "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False, "watermarking": False,
+        "thinking_token_budget": -1, "repetition_detection": {"max_pattern_size": 4, "min_count": 3}, "extra_args": {"a": 1, "b": ["x", 2.5]},
+    }  # fmt: skip
+    turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}], "echo": True}
+    parsed = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "The "}, {"type": "text", "text": "answer is"}]}]
+    assert response_role(turn) == "assistant" and echoed(turn, parsed, "assistant") == "The answer is"
+    assert echoed({**turn, "echo": "no"}, parsed, "assistant") == "" and echoed(turn, parsed[:1], "assistant") == ""
+    question = {**turn, "messages": turn["messages"][:1], "add_generation_prompt": False}
+    assert response_role(question) == "user" and echoed(question, parsed[:1], "user") == "hi"
 
 
 async def test_a_bad_max_completion_tokens_is_named_in_the_error():

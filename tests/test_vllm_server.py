@@ -467,11 +467,12 @@ async def test_engine_waiting_counts_only_what_a_step_left_waiting(vllm_server):
 
 @pytest.mark.vllm
 async def test_the_bodies_the_sim_refuses_are_those_vllm_refuses(vllm_server):
-    """The sim's checks (`fleetsched.backends.sampling`) against the server they copy: each body
-    of the sim tests' refused lists is refused by vLLM (a 400, or an error event with code 400
-    before any token: SamplingParams and the grammar engine refuse in the stream), and each of
-    the taken lists is served. A vLLM upgrade that changes what it refuses fails here."""
-    from .test_sim import BAD_CONSTRAINTS, BAD_SAMPLING, GOOD_CONSTRAINTS
+    """The sim's checks (`fleetsched.backends.sampling` and `chat_options`) against the server
+    they copy: each body of the sim tests' refused lists is refused by vLLM (a 400, or an error
+    event with code 400 before any token: SamplingParams and the grammar engine refuse in the
+    stream), and each of the taken lists is served. A vLLM upgrade that changes what it refuses
+    fails here."""
+    from .test_sim import BAD_CHAT_OPTIONS, BAD_CONSTRAINTS, BAD_SAMPLING, GOOD_CHAT_OPTIONS, GOOD_CONSTRAINTS
 
     base = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": True}
 
@@ -489,6 +490,7 @@ async def test_the_bodies_the_sim_refuses_are_those_vllm_refuses(vllm_server):
 
     bad = [{field: value} for field, value in BAD_SAMPLING]  # min_tokens 10: over the max_tokens of 4
     async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as client:
-        served = [extra for extra in bad + [extra for extra, _ in BAD_CONSTRAINTS] if not await refused(client, extra)]
-        refused_good = [extra for extra in GOOD_CONSTRAINTS if await refused(client, extra)]
+        bad += [extra for extra, _ in BAD_CONSTRAINTS + BAD_CHAT_OPTIONS]
+        served = [extra for extra in bad if not await refused(client, extra)]
+        refused_good = [extra for extra in GOOD_CONSTRAINTS + GOOD_CHAT_OPTIONS if await refused(client, extra)]
     assert served == [] and refused_good == []

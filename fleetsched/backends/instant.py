@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from ..errors import InvalidRequest
 from .base import Backend, ChatBody, Chunk, estimate_prompt_tokens, make_chunk, new_completion_id, requested_max_tokens, usage_dict
+from .chat_options import check_chat_options
 from .sampling import check_sampling
 
 
@@ -33,6 +34,7 @@ class InstantBackend(Backend):
         if body.get("n") not in (None, 1):
             raise InvalidRequest(f"n: the instant backend produces one choice per request (n=1), got n={body['n']!r}")
         check_sampling(body, max_tokens)
+        check_chat_options(body)
         n = min(self.completion_tokens, max_tokens)
         yield make_chunk(cid, model, 0, role="assistant", content=self.text, finish_reason="stop")
         yield make_chunk(cid, model, 0, usage=usage_dict(prompt, n))  # as vLLM: no choices

@@ -8,10 +8,12 @@ importing this module costs nothing.
         async for chunk in backend.stream_chat(body): ...
 
 As on vLLM's OpenAI server, the engine's renderer parses ``messages`` and applies the model's
-chat template (with ``tools``), and the model's ``generation_config.json`` fills the sampling
-parameters a call leaves out. The body's ``priority`` goes to `AsyncLLM.generate` (honoured under
-the priority scheduling policy, the default here). Leaving the iteration early or being cancelled
-aborts the request in the engine; closing the backend fails the calls in flight.
+chat template (with ``tools`` and the call's template options, `chat_options`), and the model's
+``generation_config.json`` fills the sampling parameters a call leaves out; what the backend does
+not do (log probabilities, beam search, a forced tool call...) is refused, not dropped. The body's
+``priority`` goes to `AsyncLLM.generate` (honoured under the priority scheduling policy, the
+default here). Leaving the iteration early or being cancelled aborts the request in the engine;
+closing the backend fails the calls in flight.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .base import (
     usage_dict,
     wants_continuous_usage,
 )
+from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, response_role, template_kwargs
 from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params
 
 _request_ids = itertools.count(1)
@@ -46,6 +49,16 @@ _request_ids = itertools.count(1)
 # Body keys that map one to one onto vLLM SamplingParams (`check_sampling` checks them; a str
 # `stop` becomes a list).
 _SAMPLING_KEYS = tuple(key for key in SAMPLING_RULES if key != "stop")
+
+#: Fields that ask for what this backend does not do, refused when set (they were dropped: the
+#: answer came without what was asked for), with what it lacks.
+_NOT_SERVED = {
+    "use_beam_search": "runs no beam search",
+    "return_token_ids": "returns no token IDs",
+    "return_prompt_text": "returns no prompt text",
+    "kv_transfer_params": "transfers no KV cache (disaggregated serving)",
+    "ec_transfer_params": "transfers no encoder cache (disaggregated serving)",
+}
 
 
 def _request_refused() -> type[Exception]:
@@ -211,24 +224,62 @@ class VLLMEngineBackend(Backend):
         await self.start()
         return self
 
-    async def _prompt(self, engine: Any, body: ChatBody) -> list[int]:
+    async def _prompt(self, engine: Any, body: ChatBody) -> tuple[list[Any], dict[str, Any]]:
         """The messages rendered and tokenised by the engine's renderer, as vLLM's OpenAI server
         does: its parser first flattens content parts (bare strings among them) and reads a
         tool call's JSON arguments, then the model's chat template runs on what it made (given
-        raw, the template dropped a bare-string part and got arguments as a string)."""
+        raw, the template dropped a bare-string part and got arguments as a string), with the
+        call's template options (`template_kwargs`), and its text is tokenised with the call's
+        (`_tokenize_params`). Returns the parsed messages and the engine's prompt."""
         from vllm.renderers.params import ChatParams
+        from vllm.utils.mistral import is_mistral_tokenizer
 
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest(f"messages: expected a non-empty list of messages, got {messages!r:.80}")
-        params = ChatParams(chat_template_kwargs={"add_generation_prompt": True, "tools": body.get("tools")})
+        check_chat_options(body)
+        renderer = engine.renderer
+        # As the server: the template gives text, tokenised below (a Mistral tokenizer, or
+        # prompt embeddings, give tokens, which the options below then cut).
+        tokenize = is_mistral_tokenizer(renderer.tokenizer) or engine.model_config.enable_prompt_embeds
+        params = ChatParams(chat_template_kwargs={"tokenize": tokenize, **template_kwargs(body)})
         try:
-            _, prompt = await engine.renderer.render_messages_async(messages, params)
+            conversation, rendered = await renderer.render_messages_async(messages, params)
         except Exception as exc:  # a malformed message, or one the model's template cannot render
             if self._closed:  # the renderer went with the engine
                 raise BackendUnavailable(f"the vLLM engine backend for {self.model!r} was closed during the call") from exc
             raise InvalidRequest(f"messages: the chat template of {self.model!r} cannot render them: {exc}") from exc
-        return list(prompt["prompt_token_ids"])
+        options = self._tokenize_params(body)
+        try:
+            tokens = await renderer.tokenize_prompt_async(rendered, options)
+        except (ValueError, _request_refused()) as exc:  # a prompt past the context
+            raise invalid_request(f"vLLM engine rejected the call: {exc}") from exc
+        prompt: dict[str, Any] = {"prompt_token_ids": list(tokens["prompt_token_ids"])}
+        if body.get("cache_salt") is not None:  # its own prefix cache, as on the server
+            prompt["cache_salt"] = body["cache_salt"]
+        return conversation, prompt
+
+    def _tokenize_params(self, body: ChatBody) -> Any:
+        """vLLM's tokenisation options for `body`'s prompt, as its server builds them: no special
+        tokens added (the template has them) unless ``add_special_tokens``, the prompt cut to
+        ``truncate_prompt_tokens`` on the ``truncation_side`` (else the tokenizer's), and a prompt
+        past the context refused."""
+        from vllm.renderers.params import TokenizeParams
+
+        truncate = body.get("truncate_prompt_tokens")
+        if truncate is not None and truncate > self._max_model_len:  # vLLM's words for it read as a prompt too long
+            raise InvalidRequest(f"truncate_prompt_tokens: expected at most the model's context ({self._max_model_len} tokens), got {truncate}")
+        return TokenizeParams(
+            max_total_tokens=self._max_model_len,
+            # A length asked for keeps a token of the context for the answer when the prompt is
+            # cut to it (truncate_prompt_tokens -1); one past the context is refused by
+            # `completion_room`, in its words.
+            max_output_tokens=min(requested_max_tokens(body, default=0), self._max_model_len),
+            truncate_prompt_tokens=truncate,
+            truncation_side=body.get("truncation_side"),
+            add_special_tokens=flag(body, "add_special_tokens"),
+            max_total_tokens_param="max_model_len",
+        )
 
     def _sampling_params(self, body: ChatBody, prompt_tokens: int) -> Any:
         from vllm import SamplingParams
@@ -247,6 +298,9 @@ class VLLMEngineBackend(Backend):
         # probabilities, and a tool call asked for came as text (it parses none).
         if body.get("logprobs"):
             raise InvalidRequest("logprobs: the in-process vLLM engine backend returns none; the vllm-server backend does")
+        for field, lacking in _NOT_SERVED.items():
+            if flag(body, field) if field in FLAGS else body.get(field):
+                raise InvalidRequest(f"{field}: the in-process vLLM engine backend {lacking}; the vllm-server backend does")
         if body.get("tool_choice") not in (None, "none", "auto"):
             raise InvalidRequest(
                 f"tool_choice: the in-process vLLM engine backend parses no tool calls, so it cannot force one, got {body['tool_choice']!r:.80}"
@@ -271,6 +325,16 @@ class VLLMEngineBackend(Backend):
             except (TypeError, ValueError) as exc:
                 raise InvalidRequest(f"structured_outputs: {exc}") from exc
         options.update(constraints)
+        # How the answer's text is made and ended (a stop string kept, special tokens shown...),
+        # as the server passes it: these were dropped.
+        options.update(output_params(body))
+        if "repetition_detection" in options:
+            from vllm.sampling_params import RepetitionDetectionParams
+
+            try:
+                options["repetition_detection"] = RepetitionDetectionParams(**options["repetition_detection"])
+            except (TypeError, ValueError, _request_refused()) as exc:
+                raise InvalidRequest(f"repetition_detection: {exc}") from exc
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -291,15 +355,17 @@ class VLLMEngineBackend(Backend):
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         RequestRefused = _request_refused()  # noqa: N806
-        prompt = await self._prompt(engine, body)
-        params = self._sampling_params(body, len(prompt))
+        conversation, prompt = await self._prompt(engine, body)
+        params = self._sampling_params(body, len(prompt["prompt_token_ids"]))
         priority = _priority(body)
         request_id = f"fs-engine-{next(_request_ids)}"
         model = body.get("model") or self.served_model_name
         # The role comes on the first output's chunk, as vLLM's server sends it: sent before the
         # request reached the engine, it counted as the first token (every call's TTFT read
         # about 0) and made a refusal of the engine's an error inside a stream begun with 200.
-        role: str | None = "assistant"
+        # With echo, the last message's text goes first (the prefix the answer continues).
+        role: str | None = response_role(body)
+        echo = echoed(body, conversation, role)
         continuous = wants_continuous_usage(body)
         prompt_tokens = completion_tokens = 0
         finish_reason: str | None = None
@@ -308,7 +374,7 @@ class VLLMEngineBackend(Backend):
         try:
             if self._closed:  # closed while the messages were rendered
                 raise EngineDeadError("closed")
-            outputs = engine.generate({"prompt_token_ids": prompt}, params, request_id, priority=priority)
+            outputs = engine.generate(prompt, params, request_id, priority=priority)
             async with aclosing(outputs):
                 async for output in outputs:
                     prompt_tokens = len(output.prompt_token_ids or ()) or prompt_tokens
@@ -317,11 +383,11 @@ class VLLMEngineBackend(Backend):
                     finish_reason = completion.finish_reason
                     if finish_reason == "error":  # vLLM's server answers it with a 500 (retryable)
                         raise BackendUnavailable(f"vLLM engine for {self.model!r} failed the call while generating")
-                    if completion.text or finish_reason or role:
+                    text = echo + completion.text if role else completion.text
+                    if text or finish_reason or role:
                         usage = usage_dict(prompt_tokens, completion_tokens) if continuous else None
-                        chunk = make_chunk(
-                            request_id, model, 0, role=role, content=completion.text or ("" if role else None), finish_reason=finish_reason, usage=usage
-                        )
+                        content = text or ("" if role else None)
+                        chunk = make_chunk(request_id, model, 0, role=role, content=content, finish_reason=finish_reason, usage=usage)
                         if finish_reason and completion.stop_reason is not None:  # as the server's final choice has it
                             chunk["choices"][0]["stop_reason"] = completion.stop_reason
                         role = None

@@ -9,7 +9,8 @@ nothing is left in flight, then that a prompt over the context, or max_tokens pa
 refused with `ContextTooLong` (a call naming no max_tokens, or more than the prompt leaves,
 fills the context's rest), and one with bad sampling parameters (of the wrong type or out of
 range) with `InvalidRequest`, the engine serving calls after them; that logit biases, banned
-words, allowed tokens and structured outputs shape the answer. Then: messages parsed as
+words, allowed tokens and structured outputs shape the answer, and the chat template's options,
+echo, truncation and the answer's text options reach the engine. Then: messages parsed as
 vLLM's server parses them, the model's sampling defaults applied, and closing with a call in
 flight. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
 is not installed in the main virtualenv.
@@ -155,6 +156,7 @@ async def check(model_dir: str) -> dict:
         else:
             raise AssertionError("a forced tool call was not refused")
         await check_constraints(backend, request, model_dir)
+        await check_chat_fields(backend, request, model_dir)
         with anyio.fail_after(30):
             after = [c async for c in backend.stream_chat(request)][-1]["usage"]
         assert after["completion_tokens"] == 12, after
@@ -231,6 +233,63 @@ async def check_constraints(backend: VLLMEngineBackend, request: dict, model_dir
             assert field in str(exc), exc
         else:
             raise AssertionError(f"{field}={value!r} (out of the vocabulary) was not refused")
+
+
+async def check_chat_fields(backend: VLLMEngineBackend, request: dict, model_dir: str) -> None:
+    """The fields that shape the prompt and the answer's text reach vLLM as its server passes
+    them (each was dropped: the prompt and the answer came out as if none were sent): the
+    template's options, a prefix continued and echoed, the prompt cut, a stop string kept,
+    special tokens shown, a repetition ended; what vLLM's server refuses, or this backend does
+    not do, is refused naming the field."""
+    from transformers import AutoTokenizer
+
+    x, header = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(["x", "<|start_header|>"])
+
+    async def answer(extra: dict) -> list[dict]:
+        with anyio.fail_after(60):
+            return [c async for c in backend.stream_chat({**request, **extra})]
+
+    def text(chunks: list[dict]) -> str:
+        return collect_chat(chunks)["choices"][0]["message"]["content"]
+
+    xs = {"logit_bias": {str(x): 100}, "stop": "xxx"}
+    assert text(await answer(xs)) == "" and text(await answer({**xs, "include_stop_str_in_output": "yes"})) == "xxx"
+    special = {"logit_bias": {str(header): 100}, "max_tokens": 2}
+    assert text(await answer(special)) == "" and "<|start_header|>" in text(await answer({**special, "skip_special_tokens": False}))
+    # A prefix to continue: with no generation prompt the template ends with the assistant's
+    # message closed; continued, it ends open (one token less), and echo puts it first (vLLM's
+    # own stream fails there: this template reads content parts, which its echo cannot send).
+    prefix = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]}
+    forms = ({}, {"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True})
+    counted = [(await answer({**prefix, **form}))[-1]["usage"]["prompt_tokens"] for form in forms]
+    assert counted[0] > counted[1] == counted[2] + 1, counted
+    echoed = await answer({**prefix, **forms[2], "echo": True})
+    assert echoed[0]["choices"][0]["delta"]["role"] == "assistant" and text(echoed).startswith("The answer is"), echoed[0]
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
+    forms = ({}, {"chat_template_kwargs": {"tools": tools}}, {"truncate_prompt_tokens": 3})
+    plain, with_tools, cut = [(await answer(form))[-1]["usage"]["prompt_tokens"] for form in forms]
+    assert with_tools > plain > cut == 3, (plain, with_tools, cut)
+    # The rest reach the engine as the server passes them, and the call is served.
+    rest = {"cache_salt": "tenant-a", "vllm_xargs": {"k": 1}, "documents": [{"title": "t", "text": "x"}], "reasoning_effort": "low"}
+    served = await answer({**rest, "watermarking": False, "spaces_between_special_tokens": False, "add_special_tokens": True})
+    assert served[-1]["usage"]["completion_tokens"] == 12, served[-1]
+    # Answers of one token repeated end once the repeat is seen, not at max_tokens.
+    repeated = await answer({"logit_bias": {str(x): 100}, "repetition_detection": {"max_pattern_size": 2, "min_count": 3}})
+    assert repeated[-1]["usage"]["completion_tokens"] < 12, repeated[-1]
+    refused = (
+        ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+        ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true unless set false
+        ({"echo": "maybe"}, "echo"), ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"), ({"use_beam_search": True}, "use_beam_search"),
+        ({"thinking_token_budget": 10}, "thinking_token_budget"),  # served by an engine started with a reasoning parser
+    )  # fmt: skip
+    for extra, field in refused:
+        try:
+            await answer(extra)
+        except InvalidRequest as exc:
+            assert field in str(exc), (extra, exc)
+        else:
+            raise AssertionError(f"{extra} was not refused")
 
 
 async def read_to_end(backend: VLLMEngineBackend, body: dict) -> None:

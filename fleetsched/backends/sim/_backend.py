@@ -58,6 +58,7 @@ from ..base import (
     usage_dict,
     wants_continuous_usage,
 )
+from ..chat_options import check_chat_options
 from ..sampling import check_sampling
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
 from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, block_hashes, prompt_text
@@ -384,6 +385,7 @@ class SimBackend(Backend):
         # Cut to the context, as vLLM does (`check_request_fits`).
         max_tokens = fit_request(self._max_model_len, engine.capacity, prompt, max_tokens)
         check_sampling(body, max_tokens)
+        check_chat_options(body)
         hashes = block_hashes(text, engine.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
         if not requested and max_tokens == DEFAULT_MAX_TOKENS:
