@@ -406,7 +406,7 @@ async def test_the_next_turn_hits_the_blocks_of_the_answer_on_vllm_and_the_sim(v
     assert hits == (prompt + answer_tokens - 1) // block * block > prompt // block * block
 
     settings = SimSettings(profile="tiny-cpu-vllm")
-    async with SimBackend(settings) as sim:
+    async with SimBackend(settings, model=MODEL) as sim:
 
         async def sim_hits() -> float:
             return (await sim.signals()).prefix_cache_hits_total
@@ -439,7 +439,7 @@ async def test_logprobs_have_the_same_shape_on_vllm_and_the_sim(vllm_server):
         real = (await client.post("/v1/chat/completions", json=asked)).json()["choices"][0]
         refused = await client.post("/v1/chat/completions", json=asked | {"top_logprobs": 21})
     assert refused.status_code == 400 and "21" in refused.text
-    async with SimBackend() as sim:
+    async with SimBackend(model=MODEL) as sim:
         simulated = (await sim.complete_chat(asked))[0]["choices"][0]
         with pytest.raises(InvalidRequest, match="top_logprobs: at most 20"):
             sim.stream_chat(asked | {"top_logprobs": 21})
