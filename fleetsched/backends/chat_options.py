@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidRequest
-from .sampling import _is_flag, _is_int, _is_true
+from .sampling import is_flag, is_int, is_true
 
 #: The boolean fields, each with its default on vLLM's server (they are read laxly, as its
 #: request model reads them: "yes" is true).
@@ -48,7 +48,7 @@ def flag(body: Mapping[str, Any], key: str) -> bool:
     """`body`'s boolean field `key` (one of `FLAGS`) as vLLM's server reads it: absent or null,
     its default. `body` must have passed `check_chat_options`."""
     value = body.get(key)
-    return FLAGS[key] if value is None else _is_true(value)
+    return FLAGS[key] if value is None else is_true(value)
 
 
 def check_chat_options(body: Mapping[str, Any]) -> None:
@@ -68,7 +68,7 @@ def chat_options_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     `_template_problem`, `_tokenize_problem` and `_extras_problem`."""
     for key in (*FLAGS, "watermarking"):
         value = body.get(key)
-        if value is not None and not _is_flag(value):
+        if value is not None and not is_flag(value):
             return key, f"expected true or false, got {value!r:.80}"
     # vLLM refuses the two true together as sent ("no" is true there), then its template refuses
     # them as read (add_generation_prompt left out is true).
@@ -111,7 +111,7 @@ def _tokenize_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     ``cache_salt`` that is no string of 1 to `MAX_CACHE_SALT_LENGTH` characters without @, /, \\
     or NUL."""
     truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and not (_is_int(truncate) and truncate >= -1):
+    if truncate is not None and not (is_int(truncate) and truncate >= -1):
         return "truncate_prompt_tokens", f"expected an integer >= -1 (the prompt tokens kept; -1 for the model's context), got {truncate!r:.80}"
     side = body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
@@ -128,7 +128,7 @@ def _extras_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     set) and ``vllm_xargs`` (no object of strings, numbers and lists of them). Whether the
     engine was started to serve a thinking budget (a reasoning parser) is left to the engine."""
     budget = body.get("thinking_token_budget")
-    if budget is not None and not (_is_int(budget) and budget >= -1):
+    if budget is not None and not (is_int(budget) and budget >= -1):
         return "thinking_token_budget", f"expected an integer >= 0, or -1 for none, got {budget!r:.80}"
     detection = body.get("repetition_detection")
     if detection is not None:
@@ -136,7 +136,7 @@ def _extras_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
             return "repetition_detection", f'expected an object ({{"max_pattern_size": ..., "min_count": ...}}), got {detection!r:.80}'
         sizes = {key: detection.get(key, 0) for key in _DETECTION_FIELDS}
         for key, value in sizes.items():
-            if not (_is_int(value) and value >= 0):
+            if not (is_int(value) and value >= 0):
                 return f"repetition_detection.{key}", f"expected an integer >= 0, got {value!r:.80}"
         if sizes["min_pattern_size"] > sizes["max_pattern_size"]:
             maximum, minimum = sizes["max_pattern_size"], sizes["min_pattern_size"]
@@ -191,7 +191,7 @@ def output_params(body: Mapping[str, Any]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for key in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "watermarking"):
         if body.get(key) is not None:
-            params[key] = _is_true(body[key])
+            params[key] = is_true(body[key])
     if body.get("thinking_token_budget") is not None:
         params["thinking_token_budget"] = body["thinking_token_budget"]
     detection = body.get("repetition_detection")

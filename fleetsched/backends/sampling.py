@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import InvalidRequest
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     """An integer the engine takes: 64-bit (a larger seed was vLLM's EngineGenerateError)."""
     return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
@@ -49,16 +49,16 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (_between(-2.0, 2.0), "a number from -2 to 2"),
     "frequency_penalty": (_between(-2.0, 2.0), "a number from -2 to 2"),
     "repetition_penalty": (lambda v: _is_number(v) and v > 0.0, "a number over 0"),
-    "top_k": (lambda v: _is_int(v) and v >= -1, "an integer, 0 (or -1) for none or at least 1"),
-    "seed": (_is_int, "a 64-bit integer"),
-    "min_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "top_k": (lambda v: is_int(v) and v >= -1, "an integer, 0 (or -1) for none or at least 1"),
+    "seed": (is_int, "a 64-bit integer"),
+    "min_tokens": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
     "stop": (_is_stop, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them"),
     # A negative ID is out of every vocabulary; one past the model's end is left to vLLM.
-    "stop_token_ids": (lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v), "a list of token IDs (integers >= 0)"),
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(is_int(i) and i >= 0 for i in v), "a list of token IDs (integers >= 0)"),
     # Every call reaches the engine streamed (the dispatcher observes its first token), and vLLM
     # refuses prompt log probabilities on a stream: its 400 spoke of a stream=True never sent.
-    "prompt_logprobs": (lambda v: v == 0 and _is_int(v), "0 or none: fleetsched streams every call, and vLLM serves no prompt log probabilities on a stream"),
+    "prompt_logprobs": (lambda v: v == 0 and is_int(v), "0 or none: fleetsched streams every call, and vLLM serves no prompt log probabilities on a stream"),
 }
 #: The keys `check_sampling` looks at: those of `RULES`, and those `pairs_problem` and
 #: `constraints_problem` do.
@@ -101,7 +101,7 @@ def pairs_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     kind or naming none of them, `tools` empty or of the wrong shape."""
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None:
-        if not _is_int(top_logprobs) or top_logprobs < -1:
+        if not is_int(top_logprobs) or top_logprobs < -1:
             return "top_logprobs", f"expected an integer >= 0 (or -1 for all), got {top_logprobs!r:.80}"
         if top_logprobs != 0 and not body.get("logprobs"):
             return "top_logprobs", "needs logprobs set to true"
@@ -176,15 +176,15 @@ _BOOL_WORDS = _TRUE_WORDS | {"0", "off", "f", "false", "n", "no"}
 MAX_LOGPROB_TOKEN_IDS = 128
 
 
-def _is_flag(value: object) -> bool:
+def is_flag(value: object) -> bool:
     """A value vLLM's request model takes for a boolean: true, false, 0, 1 or a word for them."""
     if isinstance(value, str):
         return value.lower() in _BOOL_WORDS
     return isinstance(value, (bool, int, float)) and value in (0, 1)
 
 
-def _is_true(value: object) -> bool:
-    """A value vLLM's request model reads as true (of those `_is_flag` takes)."""
+def is_true(value: object) -> bool:
+    """A value vLLM's request model reads as true (of those `is_flag` takes)."""
     return value.lower() in _TRUE_WORDS if isinstance(value, str) else value == 1
 
 
@@ -295,7 +295,7 @@ def _response_format_problem(form: object) -> tuple[str, str] | None:
     schema = spec.get("schema")
     if schema is not None and not isinstance(schema, Mapping):
         return "response_format.json_schema.schema", f"expected a JSON schema (an object), got {schema!r:.80}"
-    if spec.get("strict") is not None and not _is_flag(spec["strict"]):
+    if spec.get("strict") is not None and not is_flag(spec["strict"]):
         return "response_format.json_schema.strict", f"expected true or false, got {spec['strict']!r:.80}"
     if spec.get("description") is not None and not isinstance(spec["description"], str):
         return "response_format.json_schema.description", f"expected a string, got {spec['description']!r:.80}"
@@ -311,12 +311,12 @@ _CONSTRAINTS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "regex": (lambda v: isinstance(v, str), "a string"),
     "choice": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(c, str) for c in v), "a list of strings"),
     "grammar": (lambda v: isinstance(v, str), "a string"),
-    "json_object": (_is_flag, "true"),
+    "json_object": (is_flag, "true"),
     "structural_tag": (lambda v: isinstance(v, str), "a string"),
 }
 _OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "disable_any_whitespace": (_is_flag, "true or false"),
-    "disable_additional_properties": (_is_flag, "true or false"),
+    "disable_any_whitespace": (is_flag, "true or false"),
+    "disable_additional_properties": (is_flag, "true or false"),
     "whitespace_pattern": (lambda v: isinstance(v, str), "a string"),
 }
 
@@ -346,7 +346,7 @@ def _structured_outputs_problem(body: Mapping[str, Any]) -> tuple[str, str] | No
         return "structured_outputs", f"expected no {kind} with a response_format that sets {overrides} (one constraint only)"
     value = given[kind]
     if overrides is None and (
-        (kind == "choice" and not value) or (kind == "json_object" and not _is_true(value)) or (kind != "regex" and isinstance(value, str) and not value.strip())
+        (kind == "choice" and not value) or (kind == "json_object" and not is_true(value)) or (kind != "regex" and isinstance(value, str) and not value.strip())
     ):
         return f"structured_outputs.{kind}", f"expected a constraint that is not empty, got {value!r:.80}"
     if kind == "regex" and "\x00" in value:
@@ -402,7 +402,7 @@ def structured_outputs_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
         for key in _CONSTRAINTS.keys() | _OPTIONS.keys():  # vLLM's request model drops other keys
             value = given.get(key)
             if value is not None:
-                kwargs[key] = _is_true(value) if key in _FLAGS else value
+                kwargs[key] = is_true(value) if key in _FLAGS else value
     form = body.get("response_format")
     kind = form.get("type") if form is not None else None
     if kind == "json_object":
