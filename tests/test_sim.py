@@ -567,6 +567,8 @@ GOOD_CONSTRAINTS = [
     {"guided_json": 5, "guided_choice": "x", "best_of": "x"},  # vLLM ignores the removed guided fields
     {"stop": ["a", "b", "c", " "], "stop_token_ids": [0], "bad_words": [], "allowed_token_ids": [5, True]},
     {"logprobs": True, "logprob_token_ids": list(range(128))}, {"logprob_token_ids": []},
+    # Read laxly, as vLLM's request model reads them: "yes" and 1 are true, 0 and "no" false, 2.0 is 2.
+    {"logprobs": "yes", "top_logprobs": 2.0}, {"logprobs": 1, "top_logprobs": True}, {"logprobs": 0}, {"logprobs": "no"},
 ]  # fmt: skip
 
 
@@ -684,6 +686,18 @@ def test_chat_options_are_read_as_vllms_server_reads_them():
     assert response_role(question) == "user" and echoed(question, parsed[:1], "user") == "hi"
 
 
+async def test_log_probabilities_asked_for_laxly_are_served_as_vllm_serves_them():
+    """logprobs "yes" or 1 and top_logprobs 2.0 or true, which vLLM's request model reads as true,
+    2 and 1 (the sim refused them); logprobs "no" or 0 asks for none. "maybe" is refused."""
+    async with SimBackend(flat()) as backend:
+        for extra, top in (({"logprobs": "yes", "top_logprobs": 2.0}, 2), ({"logprobs": 1, "top_logprobs": True}, 1), ({"logprobs": "no"}, None)):
+            response, _ = await backend.complete_chat({**body(16, 2), **extra})
+            logprobs = response["choices"][0].get("logprobs")
+            assert (None if logprobs is None else len(logprobs["content"][0]["top_logprobs"])) == top, extra
+        with pytest.raises(InvalidRequest, match="^logprobs: expected true or false"):
+            backend.stream_chat({**body(16, 2), "logprobs": "maybe"})
+
+
 async def test_a_bad_max_completion_tokens_is_named_in_the_error():
     async with SimBackend(flat()) as backend:
         b = {"model": "fleetsched-sim", "messages": [{"role": "user", "content": "hi"}]}
@@ -787,7 +801,7 @@ async def test_logprobs_asked_beyond_what_vllm_allows_are_refused_naming_the_fie
             with pytest.raises(InvalidRequest, match=match):
                 backend.stream_chat(body(10, 5) | {"logprobs": True, "top_logprobs": top})
         with pytest.raises(InvalidRequest, match="logprobs: expected true or false"):
-            backend.stream_chat(body(10, 5) | {"logprobs": "yes"})
+            backend.stream_chat(body(10, 5) | {"logprobs": "maybe"})
         with pytest.raises(InvalidRequest, match="top_logprobs: needs logprobs"):
             backend.stream_chat(body(10, 5) | {"top_logprobs": 2})
         assert backend.engine.queue.peek() is None

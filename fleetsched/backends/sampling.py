@@ -101,7 +101,9 @@ def pairs_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     kind or naming none of them, `tools` empty or of the wrong shape."""
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None:
-        if not is_int(top_logprobs) or top_logprobs < -1:
+        # As vLLM's request model reads an integer: 2.0 is 2 and true is 1 there.
+        whole = isinstance(top_logprobs, (int, float)) and math.isfinite(top_logprobs) and top_logprobs == int(top_logprobs)
+        if not whole or top_logprobs < -1:
             return "top_logprobs", f"expected an integer >= 0 (or -1 for all), got {top_logprobs!r:.80}"
         if top_logprobs != 0 and not body.get("logprobs"):
             return "top_logprobs", "needs logprobs set to true"

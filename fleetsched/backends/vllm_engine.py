@@ -42,7 +42,7 @@ from .base import (
     wants_continuous_usage,
 )
 from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, response_role, template_kwargs
-from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params
+from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params, is_flag, is_true
 
 _request_ids = itertools.count(1)
 
@@ -296,7 +296,10 @@ class VLLMEngineBackend(Backend):
         check_sampling(body, max_tokens)
         # What this backend does not do is refused, not dropped: the answer carried no log
         # probabilities, and a tool call asked for came as text (it parses none).
-        if body.get("logprobs"):
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not is_flag(logprobs):
+            raise InvalidRequest(f"logprobs: expected true or false, got {logprobs!r:.80}")
+        if logprobs is not None and is_true(logprobs):  # "no" and 0 ask for none
             raise InvalidRequest("logprobs: the in-process vLLM engine backend returns none; the vllm-server backend does")
         for field, lacking in _NOT_SERVED.items():
             if flag(body, field) if field in FLAGS else body.get(field):

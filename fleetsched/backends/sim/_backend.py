@@ -59,7 +59,7 @@ from ..base import (
     wants_continuous_usage,
 )
 from ..chat_options import check_chat_options
-from ..sampling import check_sampling
+from ..sampling import check_sampling, is_flag, is_true
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
 from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, block_hashes, prompt_text
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
@@ -400,10 +400,10 @@ class SimBackend(Backend):
         request.continuous_usage = wants_continuous_usage(body)
         logprobs = body.get("logprobs")
         if logprobs is not None:
-            if not isinstance(logprobs, bool):
+            if not is_flag(logprobs):  # "yes", 1 and 0 too, as vLLM's request model reads them
                 raise InvalidRequest(f"logprobs: expected true or false, got {logprobs!r:.80}")
-            if logprobs:
-                top = body.get("top_logprobs") or 0  # checked by `check_sampling`: an int >= -1
+            if is_true(logprobs):
+                top = int(body.get("top_logprobs") or 0)  # checked by `check_sampling`: an integer >= -1 (2.0 and true too)
                 if top == -1 or top > MAX_LOGPROBS:
                     raise InvalidRequest(
                         f"top_logprobs: at most {MAX_LOGPROBS} (vLLM's default --max-logprobs), got {top}"
