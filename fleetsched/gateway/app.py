@@ -249,16 +249,16 @@ class Gateway:
             _SESSION_ROUTE if path.startswith(_SESSIONS_PATH) else _MODEL_ROUTE if path.startswith(_MODELS_PATH) else None
         )
         # Every answer names its request, as OpenAI's and vLLM's do (`x-request-id`): the
-        # client's own ID where it sent one, and a vLLM server gets the same ID for the call.
+        # client's own ID where it sent one (of the characters a session ID may have), else one
+        # of the gateway's; a vLLM server gets the same ID for the call.
         headers = dict(scope["headers"])
         given = headers.get(REQUEST_ID_HEADER)
-        request_id = given.decode("latin-1") if given is not None else f"req_{uuid.uuid4().hex}"
-        if given is not None and not SESSION_ID.fullmatch(request_id):
-            request_id = f"req_{uuid.uuid4().hex}"
-            send = _with_headers(send, [(REQUEST_ID_HEADER, request_id.encode())])
+        client_id = None if given is None else given.decode("latin-1")
+        request_id = client_id if client_id is not None and SESSION_ID.fullmatch(client_id) else f"req_{uuid.uuid4().hex}"
+        send = _with_headers(send, [(REQUEST_ID_HEADER, request_id.encode())])
+        if client_id is not None and request_id != client_id:
             await _error(send, _invalid("X-Request-Id: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Request-Id"))
             return
-        send = _with_headers(send, [(REQUEST_ID_HEADER, request_id.encode())])
         if route is None:
             await _error(send, error_response(404, f"no such endpoint: {scope['path']}", "not_found"))
             return
