@@ -62,7 +62,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 #: The keys `check_sampling` looks at: those of `RULES`, and those `pairs_problem` and
 #: `constraints_problem` do.
-_KEYS = frozenset(RULES) | {"top_logprobs", "tools", "tool_choice"} | {
+_KEYS = frozenset(RULES) | {"logprobs", "top_logprobs", "tools", "tool_choice"} | {
     "logit_bias", "bad_words", "allowed_token_ids", "logprob_token_ids", "response_format", "structured_outputs",
 }  # fmt: skip
 
@@ -97,8 +97,12 @@ def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
 
 def pairs_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     """What vLLM's chat request validators refuse across fields, as (the field, what is wrong),
-    or None: `top_logprobs` without `logprobs`, `tool_choice` without `tools`, of an unknown
-    kind or naming none of them, `tools` empty or of the wrong shape."""
+    or None: a `logprobs` that is no boolean ("yes", 1 and 0 are, as vLLM's request model reads
+    them), `top_logprobs` without `logprobs`, `tool_choice` without `tools`, of an unknown kind
+    or naming none of them, `tools` empty or of the wrong shape."""
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not is_flag(logprobs):
+        return "logprobs", f"expected true or false, got {logprobs!r:.80}"
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None:
         # As vLLM's request model reads an integer: 2.0 is 2 and true is 1 there.

@@ -42,7 +42,7 @@ from .base import (
     wants_continuous_usage,
 )
 from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, response_role, template_kwargs
-from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params, is_flag, is_true
+from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params, is_true
 
 _request_ids = itertools.count(1)
 
@@ -296,9 +296,7 @@ class VLLMEngineBackend(Backend):
         check_sampling(body, max_tokens)
         # What this backend does not do is refused, not dropped: the answer carried no log
         # probabilities, and a tool call asked for came as text (it parses none).
-        logprobs = body.get("logprobs")
-        if logprobs is not None and not is_flag(logprobs):
-            raise InvalidRequest(f"logprobs: expected true or false, got {logprobs!r:.80}")
+        logprobs = body.get("logprobs")  # a boolean (`check_sampling`)
         if logprobs is not None and is_true(logprobs):  # "no" and 0 ask for none
             raise InvalidRequest("logprobs: the in-process vLLM engine backend returns none; the vllm-server backend does")
         for field, lacking in _NOT_SERVED.items():

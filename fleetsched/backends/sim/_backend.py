@@ -59,7 +59,7 @@ from ..base import (
     wants_continuous_usage,
 )
 from ..chat_options import check_chat_options
-from ..sampling import check_sampling, is_flag, is_true
+from ..sampling import check_sampling, is_true
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
 from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, block_hashes, prompt_text
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
@@ -398,18 +398,15 @@ class SimBackend(Backend):
         interval = max(interval, self._stream_interval)  # vLLM clamps it to the server's: never smaller
         request.wake_every = max_tokens if body.get("stream") is False else interval
         request.continuous_usage = wants_continuous_usage(body)
-        logprobs = body.get("logprobs")
-        if logprobs is not None:
-            if not is_flag(logprobs):  # "yes", 1 and 0 too, as vLLM's request model reads them
-                raise InvalidRequest(f"logprobs: expected true or false, got {logprobs!r:.80}")
-            if is_true(logprobs):
-                top = int(body.get("top_logprobs") or 0)  # checked by `check_sampling`: an integer >= -1 (2.0 and true too)
-                if top == -1 or top > MAX_LOGPROBS:
-                    raise InvalidRequest(
-                        f"top_logprobs: at most {MAX_LOGPROBS} (vLLM's default --max-logprobs), got {top}"
-                        + (" (all of the vocabulary)" if top == -1 else "")
-                    )
-                request.top_logprobs = top
+        logprobs = body.get("logprobs")  # a boolean (`check_sampling`): "yes", 1 and 0 too
+        if logprobs is not None and is_true(logprobs):
+            top = int(body.get("top_logprobs") or 0)  # checked by `check_sampling`: an integer >= -1 (2.0 and true too)
+            if top == -1 or top > MAX_LOGPROBS:
+                raise InvalidRequest(
+                    f"top_logprobs: at most {MAX_LOGPROBS} (vLLM's default --max-logprobs), got {top}"
+                    + (" (all of the vocabulary)" if top == -1 else "")
+                )
+            request.top_logprobs = top
         return request
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
