@@ -8,7 +8,11 @@ BIN := $(VENV)/bin
 
 .PHONY: run test setup setup-vllm setup-redis bench clean
 
-$(BIN)/fleetsched: pyproject.toml
+# setup.py compiles these with mypyc (the list is fleetsched/_native.py's COMPILED): after a
+# change to one, `make setup` builds them again.
+COMPILED_SOURCES := fleetsched/backends/sim/_engine.py fleetsched/backends/sim/_kv_cache.py fleetsched/policies/fair_queue.py
+
+$(BIN)/fleetsched: pyproject.toml setup.py $(COMPILED_SOURCES)
 	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'

@@ -7,6 +7,10 @@ The public names live here; the code lives in the subpackages::
         result = await handle
 """
 
+from ._native import use_sources_if_stale
+
+use_sources_if_stale()  # before anything imports a module that setup.py compiles
+
 from .errors import (
     BackendError,
     BackendUnavailable,

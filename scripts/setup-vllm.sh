@@ -47,11 +47,13 @@ fi
 
 # The in-process backend (kind "vllm-engine") runs fleetsched inside vLLM's environment; install
 # it there (editable, so the checkout is what runs). Cheap to check, so checked every time.
+# FLEETSCHED_COMPILE=0: the modules that `make setup` compiled in the checkout serve this Python
+# too (where it is another version, it runs their sources).
 if "$VENV/bin/python" -c 'import fleetsched.backends.vllm_engine, fleetsched.backends.vllm_server' 2>/dev/null; then
     log "fleetsched importable in $VENV"
 else
     log "installing fleetsched (editable) into $VENV"
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT"
+    FLEETSCHED_COMPILE=0 "$VENV/bin/python" -m pip install --quiet -e "$ROOT"
 fi
 
 step=$SECONDS

@@ -18,7 +18,8 @@
   counting its own tokens) on a fleet of multi-turn agents, on the server and on the sim.
 - ``speed``: wall time of ``fleetsched simulate`` for one virtual hour of 1,000 concurrent sessions
   (the whole stack: scheduler, dispatcher, sim engine), run in full, not extrapolated, with the
-  process's CPU time beside it (on a shared machine the wall time also counts other work).
+  process's CPU time beside it (on a shared machine the wall time also counts other work), and
+  whether the modules that setup.py compiles ran compiled (``compiled``: see `fleetsched._native`).
   ``--no-speed`` skips it.
 """
 
@@ -314,6 +315,7 @@ def speed(sessions: int = 1000, duration_s: float = 3600.0, loop: Loop = "asynci
     """Simulate `speed_settings(sessions)` for `duration_s` of virtual time; wall and CPU seconds."""
     import time
 
+    from fleetsched._native import running_compiled
     from fleetsched.simulate import simulate
 
     cpu = time.process_time()
@@ -331,6 +333,7 @@ def speed(sessions: int = 1000, duration_s: float = 3600.0, loop: Loop = "asynci
         "throughput_tok_s": report["throughput_tok_s"],
         "engine_steps": report["sim"]["engine_steps"],
         "stream_interval": report["sim"]["stream_interval"],
+        "compiled": running_compiled(),  # the modules setup.py compiles (fleetsched/_native.py)
     }
 
 
@@ -481,6 +484,7 @@ def main(argv: list[str]) -> int:
         out(
             f"speed: {s['sessions']} sessions, {s['simulated_s']:.0f} s simulated in {s['wall_s']:.1f} s wall "
             f"({s['wall_s_per_sim_hour']} s per simulated hour, {s['cpu_s']} s CPU, {s['speedup']}x), "
-            f"{s['calls']:,} calls, {s['engine_steps']:,} steps, stream_interval {s['stream_interval']}\n"
+            f"{s['calls']:,} calls, {s['engine_steps']:,} steps, stream_interval {s['stream_interval']}, "
+            f"{'compiled' if s['compiled'] else 'not compiled'}\n"
         )
     return 0

@@ -225,8 +225,9 @@ class FairQueue:
             top = queue.heap[0]
             head = top[2]
             if not head.queued or top[1] != head.seq:
-                head = queue.head()
-                assert head is not None
+                live = queue.head()
+                assert live is not None
+                head = live
             band = tier
             if aging_s is not None and tier and now - head.arrival >= aging_s:
                 band = self._band(head, now)

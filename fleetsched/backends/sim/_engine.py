@@ -73,7 +73,7 @@ class SimRequest:
         self.num_hashed = 0
         self.blocks: list[int] = []
         self.num_preemptions = 0
-        self.waiter = None  # the consumer's wake-up handle while it waits for tokens
+        self.waiter: object = None  # the consumer's wake-up handle while it waits for tokens
         self.delivered = 0  # tokens the consumer has already been handed
         self.wake_every = 1  # new tokens that wake a waiting consumer (besides the first and the end)
         self.engine: SimEngine | None = None
