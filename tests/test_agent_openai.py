@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import openai
 import pytest
 
 from fleetsched import BackendUnavailable, ContextTooLong, Scheduler, SessionFailed
-from fleetsched.backends.base import make_chunk, usage_dict
+from fleetsched.backends.base import REQUEST_ID_KEY, make_chunk, usage_dict
 from fleetsched.backends.instant import InstantBackend
 
 from .helpers import check_released, settings
@@ -355,4 +357,48 @@ async def test_the_sdks_parse_and_stream_helpers_get_a_whole_answer_on_the_sim()
 
     async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
         assert await scheduler.run(agent, tenant="acme") == ("stop", "stop", "length")
+    check_released(scheduler)
+
+
+class RequestIds(InstantBackend):
+    """Keeps the request ID each call reached the backend with (vllm-server sends it to vLLM)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str | None] = []
+
+    def stream_chat(self, body):
+        self.seen.append(body.get(REQUEST_ID_KEY))
+        return super().stream_chat(body)
+
+
+async def test_every_answer_names_its_request_and_the_backend_gets_the_id():
+    """As the gateway's: the agent's X-Request-Id, else a new req_ ID, on the answer (streamed or
+    not, refused or not) and on the call to the backend; a malformed one is a 400 naming it."""
+
+    async def agent(ctx):
+        chat = ctx.openai.chat.completions.with_raw_response
+        msg = [{"role": "user", "content": "hi"}]
+        given = await chat.create(model=ctx.model, messages=msg, extra_headers={"X-Request-Id": "trace-1"})
+        streamed = await chat.create(model=ctx.model, messages=msg, stream=True)
+        async for _ in streamed.parse():
+            pass
+        try:
+            await chat.create(model=ctx.model, messages=msg, extra_headers={"X-Request-Id": "has space"})
+        except openai.BadRequestError as exc:
+            refused = exc
+        try:
+            await chat.create(model=ctx.model, messages=msg, max_tokens=-1)
+        except openai.BadRequestError as exc:
+            invalid = exc
+        return given.headers["x-request-id"], streamed.headers["x-request-id"], refused, invalid
+
+    backend = RequestIds()
+    async with Scheduler(settings(), backend=backend) as scheduler:
+        given, streamed, refused, invalid = await (await scheduler.submit(agent, tenant="acme"))
+    assert given == "trace-1" and re.fullmatch(r"req_[0-9a-f]{32}", streamed)
+    assert backend.seen == ["trace-1", streamed]
+    assert refused.status_code == 400 and refused.param == "X-Request-Id" and "X-Request-Id: 1 to 128 characters" in refused.message
+    assert re.fullmatch(r"req_[0-9a-f]{32}", refused.response.headers["x-request-id"])
+    assert invalid.status_code == 400 and invalid.response.headers["x-request-id"].startswith("req_")
     check_released(scheduler)

@@ -20,12 +20,13 @@ from fleetsched.backends.base import collect_chat
 from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
 from fleetsched.backends.vllm_server import VLLMServerBackend
 from fleetsched.errors import BackendError, BackendUnavailable, ContextTooLong, InvalidRequest, UnknownModel
+from fleetsched import Scheduler
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import Dispatcher
 from fleetsched.testing.fixtures import SESSION_SERVER_OPTIONS
 from fleetsched.testing.vllm_server import VLLMServer, free_port
 
-from .helpers import EngineLoad, waiting_under_a_full_batch
+from .helpers import EngineLoad, settings, waiting_under_a_full_batch
 
 pytestmark = pytest.mark.anyio
 
@@ -158,6 +159,25 @@ async def test_priority_reaches_the_engine(vllm_server):
     assert chunks[-1]["usage"]["completion_tokens"] == 16
     assert len(load.finished) == 20
     assert finished_after_high >= 4, f"only {finished_after_high} normal calls finished after the priority call"
+
+
+@pytest.mark.vllm
+async def test_an_agents_request_id_reaches_the_engine(vllm_server):
+    """ctx.openai's X-Request-Id, or the ID it made itself, is the one vLLM gives the call: the
+    answer's id is chatcmpl-<ID>, as through the gateway."""
+
+    async def agent(ctx):
+        chat = ctx.openai.chat.completions.with_raw_response
+        answers = []
+        for headers in ({"X-Request-Id": f"agent-trace-{time.time_ns()}"}, {}):
+            raw = await chat.create(model=ctx.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers=headers)
+            answers.append((headers.get("X-Request-Id"), raw.headers["x-request-id"], raw.parse().id))
+        return answers
+
+    async with Scheduler(settings(backend={"kind": "vllm-server", "urls": [vllm_server.url]})) as scheduler:
+        (given, named, answer_id), (_, made, made_answer_id) = await (await scheduler.submit(agent, tenant="acme"))
+    assert named == given and answer_id == f"chatcmpl-{given}"
+    assert made.startswith("req_") and made_answer_id == f"chatcmpl-{made}"
 
 
 @pytest.mark.vllm

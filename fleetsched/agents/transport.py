@@ -8,6 +8,9 @@ HTTP errors the SDK knows (429 rate-limited, 503 shed, both with ``Retry-After``
 answered once its first chunk came, so a failure up to it is such an HTTP error too; a failure
 after it ends the stream with an error event, which the SDK raises as ``openai.APIError``. The
 SDK's `timeout` is its read timeout: the longest wait for the answer, or for each streamed chunk.
+Every answer names its request (``x-request-id``), as the gateway's do: the agent's own
+``X-Request-Id`` where it sent one, else a new ``req_`` ID; a vLLM server gets the same ID for the
+call (its logs, and the answer's ``id``: ``chatcmpl-<ID>``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
@@ -22,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from ..backends.base import Chunk, model_list
+from ..backends.base import REQUEST_ID_KEY, Chunk, model_list
 from ..errors import BackendError, BackendUnavailable, ContextTooLong, DeadlineExceeded, InvalidRequest, Overloaded, RateLimited, UnknownModel
 
 if TYPE_CHECKING:
@@ -31,6 +35,18 @@ if TYPE_CHECKING:
 
 #: The longest Retry-After an error response says, in seconds.
 MAX_RETRY_AFTER_S = 86_400
+
+#: An ID a client chooses: a request's (X-Request-Id) or a gateway session's (X-Session-ID).
+CLIENT_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+CLIENT_ID_FORM = "1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -"
+
+
+def request_id(given: str | None) -> str | None:
+    """The ID a request goes by: the client's `given` one, or a new ``req_`` + 32 hex digits where
+    it gave none. None: `given` is not of the form `CLIENT_ID`."""
+    if given is None:
+        return f"req_{uuid.uuid4().hex}"
+    return given if CLIENT_ID.fullmatch(given) else None
 
 
 def error_response(
@@ -277,6 +293,18 @@ class SessionTransport(httpx.AsyncBaseTransport):
         self._ctx = ctx
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        given = request.headers.get("x-request-id")
+        named = request_id(given)
+        if named is None:
+            answer = error_response(400, f"X-Request-Id: {CLIENT_ID_FORM}", "invalid_request_error", param="X-Request-Id")
+            named = request_id(None)
+        else:
+            answer = await self._answer(request, named)
+        answer.headers["x-request-id"] = named
+        return answer
+
+    async def _answer(self, request: httpx.Request, named: str) -> httpx.Response:
+        """The answer to `request`, which goes by the ID `named`."""
         path = request.url.path
         if request.method == "GET" and path.endswith("/models"):  # as vLLM's clients begin: the model's name
             return httpx.Response(200, json=model_list(self._ctx.model))
@@ -300,6 +328,7 @@ class SessionTransport(httpx.AsyncBaseTransport):
             return error_response(400, f"stream_options: {said}, got {options!r:.80}", "invalid_request_error", param="stream_options")
         # Continuous usage is not offered to agents: their streams carry it at the end alone.
         usage = UsageShape(isinstance(options, dict) and bool(options.get("include_usage")))
+        body[REQUEST_ID_KEY] = named
         try:
             with _read_timeout(request):
                 if not streaming:

@@ -39,7 +39,7 @@ from typing import Any
 import anyio
 import httpx
 
-from ..agents.transport import UsageShape, error_response, model_not_found, response_for
+from ..agents.transport import CLIENT_ID, CLIENT_ID_FORM, UsageShape, error_response, model_not_found, request_id, response_for
 from ..backends import create_backend
 from ..backends.base import PRIVATE_KEYS, REQUEST_ID_KEY, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, Overloaded, SchedulerClosed, SessionRejected
@@ -51,7 +51,7 @@ from ..settings import Settings
 from .auth import Identity, KeyRing
 from .backend import ENDPOINT_KEY, GatewayBackend, collect_completion
 from .metrics import GatewayMetrics
-from .sessions import SESSION_ID, SessionTable
+from .sessions import SessionTable
 from .state import SharedState, StateUnavailable, create_state
 from .validate import Invalid, check_chat, check_completion, check_text
 
@@ -249,15 +249,14 @@ class Gateway:
             _SESSION_ROUTE if path.startswith(_SESSIONS_PATH) else _MODEL_ROUTE if path.startswith(_MODELS_PATH) else None
         )
         # Every answer names its request, as OpenAI's and vLLM's do (`x-request-id`): the
-        # client's own ID where it sent one (of the characters a session ID may have), else one
-        # of the gateway's; a vLLM server gets the same ID for the call.
+        # client's own ID where it sent one (of the form `CLIENT_ID`), else one of the gateway's;
+        # a vLLM server gets the same ID for the call.
         headers = dict(scope["headers"])
         given = headers.get(REQUEST_ID_HEADER)
-        client_id = None if given is None else given.decode("latin-1")
-        request_id = client_id if client_id is not None and SESSION_ID.fullmatch(client_id) else f"req_{uuid.uuid4().hex}"
-        send = _with_headers(send, [(REQUEST_ID_HEADER, request_id.encode())])
-        if client_id is not None and request_id != client_id:
-            await _error(send, _invalid("X-Request-Id: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Request-Id"))
+        named = request_id(None if given is None else given.decode("latin-1"))
+        send = _with_headers(send, [(REQUEST_ID_HEADER, (named or request_id(None)).encode())])
+        if named is None:
+            await _error(send, _invalid(f"X-Request-Id: {CLIENT_ID_FORM}", "X-Request-Id"))
             return
         if route is None:
             await _error(send, error_response(404, f"no such endpoint: {scope['path']}", "not_found"))
@@ -301,7 +300,7 @@ class Gateway:
         elif endpoint == "metrics":
             await self._metrics(identity, send)
         else:
-            await self._call(endpoint, identity, headers, request_id, receive, send)
+            await self._call(endpoint, identity, headers, named, receive, send)
 
     async def _end_session(self, identity: Identity, session_id: str, send: Send) -> None:
         """``DELETE /v1/sessions/{id}``: the tenant's session ends once the calls already waiting
@@ -310,8 +309,8 @@ class Gateway:
         if identity.tenant is None:
             await _error(send, error_response(403, "the admin key has no sessions; use a tenant's key", "permission_denied"))
             return
-        if not SESSION_ID.fullmatch(session_id):
-            await _error(send, _invalid("the session id: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "session_id"))
+        if not CLIENT_ID.fullmatch(session_id):
+            await _error(send, _invalid(f"the session id: {CLIENT_ID_FORM}", "session_id"))
             return
         if self.sessions is None or not self.sessions.end(identity.tenant, session_id):
             await _error(send, error_response(404, f"no session {session_id!r} of tenant {identity.tenant!r} is open here", "not_found"))
@@ -390,8 +389,8 @@ class Gateway:
         # refused for it must not use up one of the tenant's requests per minute.
         raw_id = headers.get(SESSION_HEADER)
         session_id = None if raw_id is None else raw_id.decode("latin-1")
-        if session_id is not None and not SESSION_ID.fullmatch(session_id):
-            return await _error(send, _invalid("X-Session-ID: 1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -", "X-Session-ID"))
+        if session_id is not None and not CLIENT_ID.fullmatch(session_id):
+            return await _error(send, _invalid(f"X-Session-ID: {CLIENT_ID_FORM}", "X-Session-ID"))
         streaming = bool(body.pop("stream", False))
         for private in (*PRIVATE_KEYS, ENDPOINT_KEY, "priority"):
             body.pop(private, None)

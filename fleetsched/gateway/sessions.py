@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,8 +34,6 @@ from ..scheduler.session import SessionHandle
 from .state import Placement, SharedState, StateUnavailable
 
 logger = logging.getLogger(__name__)
-
-SESSION_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
 
 def session_key(tenant: str, session_id: str) -> str:
