@@ -81,8 +81,6 @@ class _FromSources(importlib.abc.MetaPathFinder):
 def use_sources_if_stale() -> None:
     """Import the modules of `COMPILED` from their sources if any changed since the build, or
     if ``FLEETSCHED_COMPILE=0``. Called once, by ``fleetsched/__init__.py``, before any is imported."""
-    if any(isinstance(finder, _FromSources) for finder in sys.meta_path):
-        return
     changed = stale()
     if changed:
         warnings.warn(

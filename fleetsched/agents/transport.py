@@ -41,12 +41,13 @@ CLIENT_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 CLIENT_ID_FORM = "1 to 128 characters of A-Z a-z 0-9 . _ : @ / + = -"
 
 
-def request_id(given: str | None) -> str | None:
-    """The ID a request goes by: the client's `given` one, or a new ``req_`` + 32 hex digits where
-    it gave none. None: `given` is not of the form `CLIENT_ID`."""
-    if given is None:
-        return f"req_{uuid.uuid4().hex}"
-    return given if CLIENT_ID.fullmatch(given) else None
+def request_id(given: str | None) -> tuple[str, bool]:
+    """The ID a request goes by, and whether the client's `given` one may be used (none given, or
+    one of the form `CLIENT_ID`): `given` where it is of that form, else a new ``req_`` + 32 hex
+    digits (which names the refusal of a malformed one)."""
+    if given is not None and CLIENT_ID.fullmatch(given):
+        return given, True
+    return f"req_{uuid.uuid4().hex}", given is None
 
 
 def error_response(
@@ -293,13 +294,11 @@ class SessionTransport(httpx.AsyncBaseTransport):
         self._ctx = ctx
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        given = request.headers.get("x-request-id")
-        named = request_id(given)
-        if named is None:
-            answer = error_response(400, f"X-Request-Id: {CLIENT_ID_FORM}", "invalid_request_error", param="X-Request-Id")
-            named = request_id(None)
-        else:
+        named, usable = request_id(request.headers.get("x-request-id"))
+        if usable:
             answer = await self._answer(request, named)
+        else:
+            answer = error_response(400, f"X-Request-Id: {CLIENT_ID_FORM}", "invalid_request_error", param="X-Request-Id")
         answer.headers["x-request-id"] = named
         return answer
 

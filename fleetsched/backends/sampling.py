@@ -190,7 +190,7 @@ def is_flag(value: object) -> bool:
 
 
 def is_true(value: object) -> bool:
-    """A value vLLM's request model reads as true (of those `is_flag` takes)."""
+    """A value vLLM's request model reads as true (of those `is_flag` takes; None, absent, is not)."""
     return value.lower() in _TRUE_WORDS if isinstance(value, str) else value == 1
 
 

@@ -296,8 +296,7 @@ class VLLMEngineBackend(Backend):
         check_sampling(body, max_tokens)
         # What this backend does not do is refused, not dropped: the answer carried no log
         # probabilities, and a tool call asked for came as text (it parses none).
-        logprobs = body.get("logprobs")  # a boolean (`check_sampling`)
-        if logprobs is not None and is_true(logprobs):  # "no" and 0 ask for none
+        if is_true(body.get("logprobs")):  # a boolean (`check_sampling`); "no" and 0 ask for none
             raise InvalidRequest("logprobs: the in-process vLLM engine backend returns none; the vllm-server backend does")
         for field, lacking in _NOT_SERVED.items():
             if flag(body, field) if field in FLAGS else body.get(field):

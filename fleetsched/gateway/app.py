@@ -253,9 +253,9 @@ class Gateway:
         # a vLLM server gets the same ID for the call.
         headers = dict(scope["headers"])
         given = headers.get(REQUEST_ID_HEADER)
-        named = request_id(None if given is None else given.decode("latin-1"))
-        send = _with_headers(send, [(REQUEST_ID_HEADER, (named or request_id(None)).encode())])
-        if named is None:
+        named, usable = request_id(None if given is None else given.decode("latin-1"))
+        send = _with_headers(send, [(REQUEST_ID_HEADER, named.encode())])
+        if not usable:
             await _error(send, _invalid(f"X-Request-Id: {CLIENT_ID_FORM}", "X-Request-Id"))
             return
         if route is None:

@@ -398,8 +398,7 @@ class SimBackend(Backend):
         interval = max(interval, self._stream_interval)  # vLLM clamps it to the server's: never smaller
         request.wake_every = max_tokens if body.get("stream") is False else interval
         request.continuous_usage = wants_continuous_usage(body)
-        logprobs = body.get("logprobs")  # a boolean (`check_sampling`): "yes", 1 and 0 too
-        if logprobs is not None and is_true(logprobs):
+        if is_true(body.get("logprobs")):  # a boolean (`check_sampling`): "yes", 1 and 0 too
             top = int(body.get("top_logprobs") or 0)  # checked by `check_sampling`: an integer >= -1 (2.0 and true too)
             if top == -1 or top > MAX_LOGPROBS:
                 raise InvalidRequest(
