@@ -16,6 +16,7 @@ import pytest
 from fleetsched.backends.base import Backend, estimate_prompt_tokens, make_chunk, usage_dict
 from fleetsched.errors import DeadlineExceeded
 from fleetsched.policies.tiers import Tier
+from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits
 from fleetsched.scheduler import Dispatcher
 
 from .helpers import virtual_loop
@@ -588,3 +589,38 @@ async def test_until_a_call_waits_while_no_call_is_made():
         with anyio.fail_after(1):
             await dispatcher.until_a_call()  # a call in flight: at once
         assert anyio.current_time() == start
+
+
+async def test_a_collected_call_cut_short_is_charged_the_output_it_received():
+    """A call collected whole (`chat`) and cancelled mid-answer was charged its prompt alone:
+    nothing of the output the engine had made for it counted in its tenant's counter or rate
+    limit, so a tenant whose calls time out got that service free. It is charged as a stream
+    left early is: the engine's count on every chunk, else a token a chunk with content."""
+
+    class Steady(SlowBackend):
+        def __init__(self, continuous: bool) -> None:
+            super().__init__()
+            self.continuous = continuous
+
+        async def stream_chat(self, body):
+            self.options = body.get("stream_options")
+            for n in range(1, 6):
+                await anyio.sleep(1.0)
+                usage = usage_dict(10, 4 * n) if self.continuous else None
+                yield make_chunk("c", "m", 0, content="x" * 4, usage=usage)
+            yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(10, 20))
+
+    for continuous, output in ((True, 12), (False, 3)):
+        limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=120)})  # 2 tokens a second
+        backend = Steady(continuous)
+        dispatcher = Dispatcher(backend, window=1, rate_limits=limits)
+        queue = dispatcher._queue
+        request = body("x", max_tokens=100)
+        estimate = estimate_prompt_tokens(request)
+        with anyio.move_on_after(3.5):  # three chunks in
+            await dispatcher.chat(request, tenant="a", tier=Tier.BATCH)
+        assert queue.counter("a") == estimate + output * 2.0
+        # Taken: the estimate and 100 at the start; 7 flowed in over 3.5 s; given back: the
+        # output not made.
+        assert limits._tokens["a"].tokens == pytest.approx(120 - estimate + 7 - output)
+        assert backend.options == {"continuous_usage_stats": True, "include_usage": True}

@@ -14,7 +14,7 @@ import re
 import anyio
 import pytest
 
-from fleetsched.backends.base import collect_chat
+from fleetsched.backends.base import Received, collect_chat
 from fleetsched.backends.instant import InstantBackend
 from fleetsched.backends.chat_options import echoed, output_params, response_role, template_kwargs
 from fleetsched.backends.sampling import constraint_params
@@ -380,8 +380,13 @@ async def test_complete_chat_gives_the_streamed_answer_and_its_first_token_time(
         assert response["choices"] == expected["choices"] and response["usage"] == expected["usage"]
         assert response["object"] == "chat.completion" and response["model"] == "fleetsched-sim"
 
+        received = Received()
+        await backend.complete_chat(body(16, 10, text="c"), received)
+        assert received.output_tokens == 10
+        received = Received()
         with anyio.move_on_after(3.5 * STEP):  # cancelled on the way: aborted in the engine
-            await backend.complete_chat(body(64, 1000))
+            await backend.complete_chat(body(64, 1000), received)
+        assert received.output_tokens == 3  # the steps done by then: the prefill's token and two
         await anyio.sleep(STEP)
         signals = await backend.signals()
         assert signals.running == 0 and signals.kv_cache_usage == 0.0

@@ -292,8 +292,8 @@ class ToolCallsBackend(InstantBackend):
         self.tool_calls = tool_calls
         self.answered = 0
 
-    async def complete_chat(self, body):
-        response, first_token_at = await super().complete_chat(body)
+    async def complete_chat(self, body, received=None):
+        response, first_token_at = await super().complete_chat(body, received)
         if not self.answered:
             response["choices"][0]["message"].update(content=None, tool_calls=self.tool_calls)
         self.answered += 1

@@ -16,7 +16,7 @@ import anyio
 import httpx
 import pytest
 
-from fleetsched.backends.base import collect_chat
+from fleetsched.backends.base import Received, collect_chat
 from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
 from fleetsched.backends.vllm_server import VLLMServerBackend
 from fleetsched.errors import BackendError, BackendUnavailable, ContextTooLong, InvalidRequest, UnknownModel
@@ -121,6 +121,43 @@ async def test_the_dispatcher_charges_what_the_engine_counts(vllm_server):
     assert len(counts) < 40  # several tokens a chunk
     assert charged == [2.0 * n for n in counts]
     assert queue.counter("a") == usage["prompt_tokens"] + 2.0 * 40
+
+
+@pytest.mark.vllm
+async def test_a_collected_call_counts_its_output_as_it_comes(vllm_server):
+    """A call collected whole (the dispatcher's `chat`) asks for the engine's count on every
+    chunk too, and `received` follows it as the chunks come: a call cut short is charged what
+    it had received. (Cutting one short here is a race: on 2 shared cores the engine often
+    finishes a call before its first chunk is read.)"""
+
+    class Counted(Received):
+        __slots__ = ("seen",)
+
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+            super().__init__()
+
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == "output_tokens":
+                self.seen.append(value)
+            super().__setattr__(name, value)
+
+    async with VLLMServerBackend(vllm_server.url) as backend:
+        dispatcher = Dispatcher(backend, window=1)
+        spied: list[Received] = []
+        complete_chat = backend.complete_chat
+
+        async def spy(request, received=None):
+            spied.append(counted := Counted())
+            return await complete_chat(request, counted)
+
+        backend.complete_chat = spy
+        response = await dispatcher.chat(body(40, stream_interval=8), tenant="a", tier=Tier.BATCH)
+    assert response["usage"]["completion_tokens"] == 40
+    # Up to 8 tokens a chunk: the engine's counts grow by several a chunk, where a count of the
+    # chunks (no usage on them) grows by one (1, 2, ..., 5, then the usage's 40 at the end).
+    counts = sorted(set(spied[0].seen) - {0})
+    assert counts[0] == 1 and counts[-1] == 40 and counts[-2] > len(counts), counts
 
 
 @pytest.mark.vllm

@@ -46,6 +46,17 @@ PRIVATE_KEYS = (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY, REQUEST_ID_KEY)
 """The body keys above: fleetsched's own, never a client's (the gateway strips them)."""
 
 
+class Received:
+    """The output a call collected whole has received so far, counted by its backend as the
+    tokens come (`Backend.complete_chat`): a call cut short (cancelled, failed) is then charged
+    the output the engine made for it, as a stream left early is."""
+
+    __slots__ = ("output_tokens",)
+
+    def __init__(self) -> None:
+        self.output_tokens = 0
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSignals:
     """What an engine says about its own load; None where the backend cannot tell."""
@@ -75,13 +86,14 @@ class Backend(ABC):
         first in fewer chunks. Without it, stream as the engine produces.
         """
 
-    async def complete_chat(self, body: ChatBody) -> tuple[dict[str, Any], float | None]:
+    async def complete_chat(self, body: ChatBody, received: Received | None = None) -> tuple[dict[str, Any], float | None]:
         """One chat completion collected whole (`body` says ``"stream": False``): the
         ``chat.completion`` response dict and the time on the anyio clock its first token came
         (None if none did). The dispatcher's `chat` calls this. By default `stream_chat`, read
         to its end (`collect_stream`); a backend may do it more cheaply. Cancelling it aborts
-        the request, as leaving a stream does."""
-        return await collect_stream(self.stream_chat(body))
+        the request, as leaving a stream does; `received` then holds the output the call had
+        received (at least when it ends, however it ends)."""
+        return await collect_stream(self.stream_chat(body), received)
 
     async def signals(self) -> EngineSignals:
         """The engine's current load signals (used to size the in-flight window)."""
@@ -279,9 +291,12 @@ def chat_completion(
     }
 
 
-async def collect_stream(stream: AsyncIterator[Chunk]) -> tuple[dict[str, Any], float | None]:
+async def collect_stream(stream: AsyncIterator[Chunk], received: Received | None = None) -> tuple[dict[str, Any], float | None]:
     """Read a chat stream to its end: (the ``chat.completion`` response dict, the time on the
-    anyio clock its first token came, or None). Leaving early closes the stream (`abort_stream`)."""
+    anyio clock its first token came, or None). Leaving early closes the stream (`abort_stream`).
+
+    `received` counts the output as it comes: the engine's count where a chunk carries usage
+    (``stream_options.continuous_usage_stats``), else one token for each chunk with content."""
     chunks: list[Chunk] = []
     first: float | None = None
     try:
@@ -289,10 +304,26 @@ async def collect_stream(stream: AsyncIterator[Chunk]) -> tuple[dict[str, Any], 
             if first is None and chunk.get("choices"):
                 first = anyio.current_time()
             chunks.append(chunk)
+            if received is not None:
+                received.output_tokens = output_so_far(chunk, received.output_tokens)
     except BaseException:
         await abort_stream(stream)
         raise
     return collect_chat(chunks), first
+
+
+def output_so_far(chunk: Chunk, before: int, tokens_per_chunk: int = 1) -> int:
+    """The output a call has received with `chunk`, `before` it: the engine's count where the
+    chunk carries usage, else `tokens_per_chunk` more for a chunk with content (an estimate,
+    which the usage at the end corrects). Never less than `before`."""
+    usage = chunk.get("usage")
+    if usage:
+        return max(before, usage.get("completion_tokens") or 0)
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("tool_calls"):
+            return before + tokens_per_chunk
+    return before
 
 
 async def abort_stream(stream: AsyncIterator[Chunk]) -> None:

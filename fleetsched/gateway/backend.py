@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, REQUEST_ID_KEY, Backend, ChatBody, Chunk, EngineSignals, merge_logprobs
+from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, REQUEST_ID_KEY, Backend, ChatBody, Chunk, EngineSignals, Received, merge_logprobs
 from ..backends.vllm_server import VLLMServerBackend, request_id_header, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
 from ..resources.kv_sizing import KVCacheCapacity
@@ -40,10 +40,10 @@ class GatewayBackend(Backend):
             return _completions_over_chat(self.inner, request)
         return self.inner.stream_chat(body)
 
-    async def complete_chat(self, body: ChatBody) -> tuple[dict[str, Any], float | None]:
+    async def complete_chat(self, body: ChatBody, received: Received | None = None) -> tuple[dict[str, Any], float | None]:
         if body.get(ENDPOINT_KEY) == "completions":
-            return await super().complete_chat(body)  # the text-completion chunks, collected
-        return await self.inner.complete_chat(body)
+            return await super().complete_chat(body, received)  # the text-completion chunks, collected
+        return await self.inner.complete_chat(body, received)
 
     @property
     def replicas(self) -> Mapping[str, Any]:

@@ -30,9 +30,11 @@ from ..backends.base import (
     Backend,
     ChatBody,
     Chunk,
+    Received,
     abort_stream,
     collect_stream,
     estimate_prompt_tokens,
+    output_so_far,
     requested_max_tokens,
 )
 from .._parking import Park, Unpark, parking_for_current_library
@@ -174,15 +176,20 @@ class Dispatcher:
         """
         _check_call(body, tenant, tier, due, due_in, deadline)
         record, estimate = await self._begin(body, tenant, tier, session, due, due_in, deadline)
-        # "stream": False: only the first token's time and the whole answer matter here.
+        # "stream": False: only the first token's time and the whole answer matter here. The
+        # engine's count on every chunk, as for a stream: a call cut short is charged its output.
         request = {**body, "priority": tier, "stream": False}
+        given_options = body.get("stream_options") or {}
+        if isinstance(given_options, Mapping):  # else the backend refuses it, naming it
+            request["stream_options"] = {**given_options, "continuous_usage_stats": True, "include_usage": True}
+        received = Received()
         try:
             # Inside the try: a backend refuses a body (ContextTooLong) when the call is made,
             # and that call must still give its place in the window back.
             if self._routes_to(replica):
-                response, first_token = await collect_stream(self._routed(request, replica))
+                response, first_token = await collect_stream(self._routed(request, replica), received)
             else:
-                response, first_token = await self.backend.complete_chat(request)
+                response, first_token = await self.backend.complete_chat(request, received)
             if first_token is not None:
                 record.first_token = first_token
             usage = response.get("usage") or {}
@@ -190,6 +197,7 @@ class Dispatcher:
             record.completion_tokens = usage.get("completion_tokens", 0)
         except BaseException as exc:
             record.error = type(exc).__name__
+            self._charge_received(record, received.output_tokens)  # what the engine made before the cut
             raise
         finally:
             self._end(record, estimate)
@@ -252,14 +260,7 @@ class Dispatcher:
                     record.error = type(exc).__name__  # read (caught) leaves the block normally
                     raise
                 _note(chunk, record)
-                received = _tokens_so_far(chunk, record.streamed, tokens_per_chunk)
-                if received > record.streamed:
-                    # Output beyond the prediction is charged as it streams, not when the call
-                    # ends: a tenant's counter then counts what its calls in flight received.
-                    before = max(record.predicted_output, record.streamed)
-                    record.streamed = received
-                    if received > before:
-                        self._queue.charge(record.tenant, (received - before) * OUTPUT_WEIGHT, record.tier)
+                self._charge_received(record, output_so_far(chunk, record.streamed, tokens_per_chunk))
                 yield chunk
 
         try:
@@ -385,6 +386,16 @@ class Dispatcher:
         # full, or a tenant whose call just ended looks cheaper than it is and wins the place.
         self._release(record.tier, now)
         self.recorder.add_call(record)
+
+    def _charge_received(self, record: CallRecord, received: int) -> None:
+        """The call has received `received` output tokens so far. Output beyond the prediction
+        is charged as it streams, not when the call ends: a tenant's counter then counts what
+        its calls in flight received (`_end` corrects it to the usage)."""
+        if received > record.streamed:
+            before = max(record.predicted_output, record.streamed)
+            record.streamed = received
+            if received > before:
+                self._queue.charge(record.tenant, (received - before) * OUTPUT_WEIGHT, record.tier)
 
     def _predict_output(self, tenant: str, max_tokens: int) -> int:
         """The output a call of `tenant` is charged up front: the share of `max_tokens` its
@@ -640,20 +651,6 @@ def _is_number(value: object) -> TypeGuard[float]:
 def _running_mean(mean: float | None, value: float) -> float:
     """An output share's running mean after `value` (the recent calls weigh most)."""
     return value if mean is None else 0.8 * mean + 0.2 * value
-
-
-def _tokens_so_far(chunk: Chunk, streamed: int, tokens_per_chunk: int) -> int:
-    """The output a call has received with `chunk`: the engine's count where the chunk carries
-    usage, else `tokens_per_chunk` more for a chunk with content (an estimate, corrected when
-    the call ends). Never less than `streamed`, the output charged so far."""
-    usage = chunk.get("usage")
-    if usage:
-        return max(streamed, usage.get("completion_tokens") or 0)
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("tool_calls"):
-            return streamed + tokens_per_chunk
-    return streamed
 
 
 def _note(chunk: Chunk, record: CallRecord) -> None:

@@ -49,6 +49,7 @@ from ..base import (
     ChatBody,
     Chunk,
     EngineSignals,
+    Received,
     chat_completion,
     checked_stream_interval,
     invalid_messages,
@@ -419,9 +420,9 @@ class SimBackend(Backend):
         self._check_running()
         return self._stream(request, str(body.get("model") or self.model))
 
-    async def complete_chat(self, body: ChatBody) -> tuple[dict[str, Any], float | None]:
+    async def complete_chat(self, body: ChatBody, received: Received | None = None) -> tuple[dict[str, Any], float | None]:
         """One chat completion collected whole, without chunks: the consumer waits once, for the
-        end (`Backend.complete_chat`)."""
+        end (`Backend.complete_chat`); `received` gets the engine's count when the call ends."""
         request = self._validate(body)
         request.collect, request.wake_every = True, request.max_tokens
         self._check_running()
@@ -439,7 +440,9 @@ class SimBackend(Backend):
                     self._cut(until)
                 await park(request)
         finally:
-            self._drop(request)
+            self._drop(request)  # settles a call cut short: its count is the engine's then
+            if received is not None:
+                received.output_tokens = request.num_output
         output = request.delivered = request.num_output
         message = {"role": "assistant", "content": TOKEN_TEXT * output}
         usage = usage_dict(request.prompt_tokens, output)
