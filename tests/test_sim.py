@@ -397,6 +397,39 @@ async def test_complete_chat_gives_the_streamed_answer_and_its_first_token_time(
         await backend.complete_chat(body(10, 5))
 
 
+async def test_truncate_prompt_tokens_cuts_the_prompt_as_vllm_does():
+    """As vLLM's server (measured on the CPU build): the prompt is cut to its last N tokens, or
+    its first with truncation_side "right"; -1 cuts it to the context, less a token for the
+    answer when the call asks for a length (none asked: the prompt fills the context, refused);
+    a size over the context is refused naming it. The sim served none of these prompts longer
+    than its context, and counted a cut prompt whole."""
+    async with SimBackend(flat(max_model_len=256)) as backend:
+
+        async def usage(prompt_tokens: int, **extra: object) -> tuple[int, int]:
+            response, _ = await backend.complete_chat({**body(prompt_tokens, 10, text="abcdefgh"), **extra})
+            return response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"]
+
+        assert await usage(1000, truncate_prompt_tokens=100) == (100, 10)
+        assert await usage(1000, truncate_prompt_tokens=100, max_tokens=200) == (100, 156)  # cut to the context
+        assert await usage(50, truncate_prompt_tokens=100) == (50, 10)  # shorter: whole
+        assert await usage(1000, truncate_prompt_tokens=-1) == (255, 1)
+        with pytest.raises(ContextTooLong):
+            await usage(1000, truncate_prompt_tokens=-1, max_tokens=None)
+        with pytest.raises(ContextTooLong):
+            await usage(1000, truncate_prompt_tokens=256)  # the context, no room left
+        with pytest.raises(InvalidRequest, match=r"^truncate_prompt_tokens: expected at most the model's context \(256 tokens\), got 257"):
+            await usage(10, truncate_prompt_tokens=257)
+
+        # Which end is kept: a prompt cut to its first 64 tokens shares its blocks with the same
+        # text's start, sent next; cut to its last 64, it shares none.
+        for side, shared in (("left", False), ("right", True)):
+            text = "".join(f"{side:>5}{i:03d}" for i in range(500))
+            await backend.complete_chat({"messages": [{"role": "user", "content": text}], "max_tokens": 1, "truncate_prompt_tokens": 64, "truncation_side": side})
+            hits = backend.statistics().prefix_cache_hits
+            await backend.complete_chat({"messages": [{"role": "user", "content": text[: 4 * 64]}], "max_tokens": 1})
+            assert (backend.statistics().prefix_cache_hits > hits) == shared, side
+
+
 async def test_a_request_cancelled_in_the_front_end_never_reaches_the_engine():
     """Requests on their way through the API server (`request_overhead_s`) are the engine loop's
     to queue when they arrive; one whose caller gives up first leaves no trace, and the others
@@ -623,6 +656,7 @@ BAD_CHAT_OPTIONS = [
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs"), ({"mm_processor_kwargs": {"num_crops": 2}}, "mm_processor_kwargs"),
     ({"documents": [{"title": 1}]}, "documents"), ({"documents": "text"}, "documents"), ({"reasoning_effort": "huge"}, "reasoning_effort"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),  # an empty prompt
     ({"truncation_side": "middle"}, "truncation_side"),
     ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": "a/b"}, "cache_salt"), ({"cache_salt": "s" * 129}, "cache_salt"),
     ({"thinking_token_budget": -2}, "thinking_token_budget"), ({"thinking_token_budget": 1.5}, "thinking_token_budget"),

@@ -504,6 +504,30 @@ async def test_logprobs_have_the_same_shape_on_vllm_and_the_sim(vllm_server):
 
 
 @pytest.mark.vllm
+async def test_a_truncated_prompt_counts_the_same_on_vllm_and_the_sim(vllm_server):
+    """``truncate_prompt_tokens`` cuts a prompt longer than the context to what vLLM keeps, on
+    the sim as on the server: N tokens, or the context less one (-1, with a length asked), the
+    answer's length cut to the room left; a size over the context is refused by both."""
+    from fleetsched.backends.sim import SimBackend
+    from fleetsched.settings import SimSettings
+
+    context = SESSION_SERVER_OPTIONS["max_model_len"]
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "word " * (2 * context)}], "ignore_eos": True}
+    cases = [{"truncate_prompt_tokens": 100, "max_tokens": 4}, {"truncate_prompt_tokens": -1, "max_tokens": 4}]
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as client:
+        real = [(await client.post("/v1/chat/completions", json=long | case)).json()["usage"] for case in cases]
+        refused = await client.post("/v1/chat/completions", json=long | {"truncate_prompt_tokens": context + 1, "max_tokens": 4})
+    assert refused.status_code == 400 and "truncate_prompt_tokens" in refused.text
+    async with SimBackend(SimSettings(max_model_len=context), model=MODEL) as sim:
+        simulated = [(await sim.complete_chat(long | case))[0]["usage"] for case in cases]
+        with pytest.raises(InvalidRequest, match="^truncate_prompt_tokens: expected at most"):
+            sim.stream_chat(long | {"truncate_prompt_tokens": context + 1})
+    counts = [(u["prompt_tokens"], u["completion_tokens"]) for u in real]
+    assert counts == [(100, 4), (context - 1, 1)]
+    assert [(u["prompt_tokens"], u["completion_tokens"]) for u in simulated] == counts
+
+
+@pytest.mark.vllm
 async def test_engine_waiting_counts_only_what_a_step_left_waiting(vllm_server):
     """vLLM's num_requests_waiting is what its scheduler left waiting at its last step. A call that
     arrives while a step runs waits in the engine core's input queue and is not counted, so with

@@ -106,13 +106,14 @@ def _template_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
 
 def _tokenize_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     """What vLLM's server refuses in the fields that tokenise the prompt: a
-    ``truncate_prompt_tokens`` that is no integer >= -1 (one past the model's context is left to
-    the engine backend, which knows it), a ``truncation_side`` other than left or right, a
+    ``truncate_prompt_tokens`` that is neither -1 nor an integer >= 1 (one past the model's
+    context is left to the backend, which knows it), a ``truncation_side`` other than left or right, a
     ``cache_salt`` that is no string of 1 to `MAX_CACHE_SALT_LENGTH` characters without @, /, \\
     or NUL."""
     truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and not (is_int(truncate) and truncate >= -1):
-        return "truncate_prompt_tokens", f"expected an integer >= -1 (the prompt tokens kept; -1 for the model's context), got {truncate!r:.80}"
+    if truncate is not None and not (is_int(truncate) and (truncate >= 1 or truncate == -1)):
+        # 0 passes vLLM's type check, then leaves an empty prompt, which it refuses.
+        return "truncate_prompt_tokens", f"expected an integer >= 1 (the prompt tokens kept), or -1 for the model's context, got {truncate!r:.80}"
     side = body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
         return "truncation_side", f'expected "left" or "right", got {side!r:.80}'

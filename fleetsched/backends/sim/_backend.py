@@ -373,6 +373,7 @@ class SimBackend(Backend):
             raise InvalidRequest(f"priority: expected an integer (lower is sooner), got {priority!r}")
         if self._fcfs:
             priority = 0  # vLLM ignores it under fcfs
+        check_chat_options(body)  # the options' types first, as vLLM's request model checks them
         engine = self.engine
         try:
             text = prompt_text(messages)
@@ -382,11 +383,12 @@ class SimBackend(Backend):
         # max_completion_tokens wins over max_tokens, as in vLLM; 5.0 is 5 there (not 5.5), and
         # here as the dispatcher and the gateway read it (it was refused on the sim alone).
         requested = requested_max_tokens(body, default=0)
+        if body.get("truncate_prompt_tokens") is not None:
+            prompt, text = self._truncated(body, prompt, text, requested)
         max_tokens = requested or max(1, min(DEFAULT_MAX_TOKENS, self._max_model_len - prompt))
         # Cut to the context, as vLLM does (`check_request_fits`).
         max_tokens = fit_request(self._max_model_len, engine.capacity, prompt, max_tokens)
         check_sampling(body, max_tokens)
-        check_chat_options(body)
         hashes = block_hashes(text, engine.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
         if not requested and max_tokens == DEFAULT_MAX_TOKENS:
@@ -408,6 +410,22 @@ class SimBackend(Backend):
                 )
             request.top_logprobs = top
         return request
+
+    def _truncated(self, body: ChatBody, prompt: int, text: str, requested: int) -> tuple[int, str]:
+        """The prompt (its tokens, its text) cut to ``truncate_prompt_tokens`` as vLLM cuts it:
+        the last tokens kept (``truncation_side`` "left", a generating model's default), or the
+        first ("right"); -1 is the model's context, less a token for the answer when the call
+        asks for a length. A size over the context is refused."""
+        size = body["truncate_prompt_tokens"]  # -1 or an integer >= 1 (`check_chat_options`)
+        context = self._max_model_len
+        if size > context:
+            raise InvalidRequest(f"truncate_prompt_tokens: expected at most the model's context ({context} tokens), got {size}", param="truncate_prompt_tokens")
+        if size == -1:
+            size = context - 1 if requested else context
+        if size >= prompt:
+            return prompt, text
+        kept = size * CHARS_PER_TOKEN
+        return size, (text[:kept] if body.get("truncation_side") == "right" else text[-kept:])
 
     def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
         """Stream one chat completion. Checks `body` now; the engine sees it on first iteration.
