@@ -315,6 +315,23 @@ async def test_a_prompt_the_engine_counts_longer_than_its_estimate_is_charged_th
     assert limits._tokens["a"].tokens == pytest.approx(10_000 - 1200 - 1, abs=1)
 
 
+@pytest.mark.anyio
+async def test_a_prompt_cut_by_truncate_prompt_tokens_is_charged_as_cut():
+    # 20,000 characters (5,000 tokens by the estimate) that the engine cuts to its last 100: the
+    # call took 5,010 tokens of a 1,000-token minute up front, and a second call made while it
+    # ran was refused for four minutes, though each costs 110.
+    limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=1000)})
+    dispatcher = Dispatcher(SlowBackend(1.0), window=2, rate_limits=limits)
+    request = {**body("x" * 20_000, max_tokens=10), "truncate_prompt_tokens": 100}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, request, tenant="a", tier=Tier.STANDARD))
+        await anyio.sleep(0.5)
+        await dispatcher.chat(request, tenant="a", tier=Tier.STANDARD)
+    assert estimate_prompt_tokens(request) == 100
+    assert estimate_prompt_tokens({"prompt": "x" * 20_000, "truncate_prompt_tokens": 100}) == 100
+    assert estimate_prompt_tokens({**request, "truncate_prompt_tokens": -1}) == 5004  # the context: the engine's to cut
+
+
 def test_a_short_retry_after_does_not_read_as_zero():
     """A wait of 0.01 s read "retry after 0.0 s": rounded up to the tenth shown now."""
     assert str(RateLimited("tenant 'a' is over its requests_per_minute (60)", retry_after_s=0.01)).endswith("(retry after 0.1 s)")

@@ -352,15 +352,16 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
 
     A body with ``messages`` is a chat body, counted by its messages whatever else it holds: a
     stray ``prompt`` beside them (the engine ignores it) must not make a long chat call look
-    short to the rate limits and the fair share.
+    short to the rate limits and the fair share. A prompt cut by ``truncate_prompt_tokens`` (N
+    tokens kept) counts at most N.
     """
     messages = body.get("messages")
     if messages is None:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return max(1, len(prompt) // 4)
+            return _truncated(body, max(1, len(prompt) // 4))
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            return max(1, len(prompt[0]) // 4)
+            return _truncated(body, max(1, len(prompt[0]) // 4))
         messages = ()
     chars = 0
     try:
@@ -377,7 +378,16 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
             chars += 16  # role and chat-template framing
     except (AttributeError, TypeError):  # checked here, where they are read anyway: no cost when right
         raise invalid_messages(messages) from None
-    return max(1, chars // 4)
+    return _truncated(body, max(1, chars // 4))
+
+
+def _truncated(body: ChatBody, tokens: int) -> int:
+    """`tokens`, or the ``truncate_prompt_tokens`` that `body` cuts its prompt to, if fewer (-1,
+    the model's context, is left to the engine; a size that is no count, to the checks)."""
+    size = body.get("truncate_prompt_tokens")
+    if type(size) is int and 0 < size < tokens:
+        return size
+    return tokens
 
 
 def content_part_texts(parts: list[Any]) -> Iterator[str]:
