@@ -274,6 +274,28 @@ def test_a_call_refused_as_invalid_does_not_use_up_a_request_per_minute():
         for status in (200, 200, 429):  # and the limit still holds
             assert httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}, headers=headers).status_code == status
 
+def test_a_refusal_gives_its_request_back_before_its_answer_reaches_the_client():
+    """The request a refused call gave back was returned after its answer had gone out: a
+    client that made its next call at once was refused with 429 for it, now and then (2 and 3
+    in 40 with an unknown model and a field the engine refuses, 1 a minute). With the shared
+    state taking 0.3 s to answer (a far Redis), every next call was refused."""
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 1}}, backend={"kind": "sim"})
+    headers = {"authorization": f"Bearer {GLOBEX}"}
+    with serve_in_thread(s) as (gw, url):
+        refund = gw.state.refund
+
+        async def slow_refund(*args, **kwargs):
+            await anyio.sleep(0.3)
+            await refund(*args, **kwargs)
+
+        gw.state.refund = slow_refund
+        with httpx.Client(base_url=url, headers=headers) as c:
+            for bad in ({"model": "nope"}, {"top_k": "x"}, {"model": "nope", "stream": True}):
+                refused = c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 1, **bad})
+                assert refused.status_code in (400, 404), refused.text
+            assert c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}).status_code == 200
+
+
 class CharTokenizer(InstantBackend):
     """Counts a prompt a token a character, as a real tokenizer counts Chinese text: four times
     what the gateway's estimate (four characters a token) says before the call."""
@@ -304,11 +326,15 @@ def test_a_prompt_longer_than_its_estimate_is_charged_in_full():
 def test_too_large_400_names_the_limit(url):
     """Refused as vLLM 0.32 refuses: a prompt that fills the context, or a max_tokens over it;
     a max_tokens the prompt leaves no room for is the engine's to cut (it was refused here)."""
-    for content, max_tokens, param in [("x" * 4000, 10, "messages"), ("x" * 40, 1001, "max_tokens")]:
+    cases = [("x" * 4000, "max_tokens", 10, "messages"), ("x" * 40, "max_tokens", 1001, "max_tokens")]
+    cases += [("x" * 40, "max_completion_tokens", 1001, "max_completion_tokens")]  # named as sent (it read max_tokens)
+    for content, field, max_tokens, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:
-            client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": content}], max_tokens=max_tokens)
+            client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": content}], **{field: max_tokens})
         error = caught.value.body
         assert error["code"] == "context_length_exceeded" and "1000" in error["message"] and error["param"] == param
+        assert param != "messages" or "max_tokens" not in error["message"]
+        assert param == "messages" or error["message"].startswith(f"{param}=1001 ")
     reply = client(url).chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 3000}], max_tokens=500)
     assert reply.choices
 
@@ -378,6 +404,21 @@ def test_every_answer_names_its_request(url):
         c.chat.completions.create(model="m", messages=MSG, max_tokens=1, extra_headers={"X-Request-Id": "no spaces"})
     assert refused.value.body["param"] == "X-Request-Id" and refused.value.request_id.startswith("req_")
     assert httpx.get(url + "/v1/nothing").headers["x-request-id"].startswith("req_")
+
+
+@pytest.mark.parametrize("kind", ["instant", "sim"])
+def test_an_answer_is_named_after_its_request_on_every_backend(kind):
+    """The answer's id is ``chatcmpl-`` and its request ID (``cmpl-`` for a text completion), as
+    vLLM names it: on the sim and the instant backends it was a number that started again at 1
+    with each process (``chatcmpl-fs1``)."""
+    with serve_in_thread(gateway_settings(backend={"kind": kind})) as (_, url):
+        c = client(url)
+        raw = c.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=2)
+        assert raw.parse().id == f"chatcmpl-{raw.request_id}"
+        named = {"X-Request-Id": "trace:7"}
+        chunks = c.chat.completions.create(model="m", messages=MSG, max_tokens=2, stream=True, extra_headers=named)
+        assert {chunk.id for chunk in chunks} == {"chatcmpl-trace:7"}
+        assert c.completions.create(model="m", prompt="once", max_tokens=2, extra_headers=named).id == "cmpl-trace:7"
 
 
 def test_a_key_or_session_header_sent_twice_is_refused(url):

@@ -419,6 +419,11 @@ async def test_truncate_prompt_tokens_cuts_the_prompt_as_vllm_does():
             await usage(1000, truncate_prompt_tokens=256)  # the context, no room left
         with pytest.raises(InvalidRequest, match=r"^truncate_prompt_tokens: expected at most the model's context \(256 tokens\), got 257"):
             await usage(10, truncate_prompt_tokens=257)
+        # The length over the context is named as the call sent it (it read max_tokens).
+        for field in ("max_tokens", "max_completion_tokens"):
+            with pytest.raises(ContextTooLong, match=f"^{field}=300 cannot be greater") as caught:
+                await usage(10, **{"max_tokens": None, field: 300})
+            assert caught.value.param == field
 
         # Which end is kept: a prompt cut to its first 64 tokens shares its blocks with the same
         # text's start, sent next; cut to its last 64, it shares none.

@@ -126,7 +126,13 @@ DEFAULT_MODEL = "fleetsched-tiny"
 _ids = itertools.count(1)
 
 
-def new_completion_id() -> str:
+def new_completion_id(body: ChatBody | None = None) -> str:
+    """The answer's ``id``: ``chatcmpl-`` and the call's request ID where it has one (`body`'s
+    `REQUEST_ID_KEY`: the ``X-Request-Id`` it came with), as vLLM's server names it; else one
+    numbered in this process."""
+    request_id = None if body is None else body.get(REQUEST_ID_KEY)
+    if isinstance(request_id, str) and request_id:
+        return f"chatcmpl-{request_id}"
     return f"chatcmpl-fs{next(_ids)}"
 
 
@@ -449,11 +455,8 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     """The completion tokens `body` asks for (``max_completion_tokens``, else ``max_tokens``), or
     `default` where it names none (absent or null); raises `InvalidRequest` for a value that is
     not a count from 1 to `MAX_TOKENS_LIMIT` (vLLM's server refuses 0 too)."""
-    field = "max_completion_tokens"
+    field = max_tokens_field(body)
     value = body.get(field)
-    if value is None:
-        field = "max_tokens"
-        value = body.get(field)
     if value is None:
         return default
     try:
@@ -467,6 +470,12 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     return count
 
 
+def max_tokens_field(body: ChatBody) -> str:
+    """The field that limits the completion in `body`: ``max_completion_tokens`` where given (it
+    wins, as in vLLM), else ``max_tokens``."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
 def checked_stream_interval(value: object) -> int:
     """`value` as a request's ``stream_interval`` (tokens a streamed chunk): an integer >= 1, as
     vLLM takes it; raises `InvalidRequest` naming the field otherwise."""
@@ -475,18 +484,19 @@ def checked_stream_interval(value: object) -> int:
     return value
 
 
-def completion_room(max_model_len: int, prompt_tokens: int, max_tokens: int) -> int:
+def completion_room(max_model_len: int, prompt_tokens: int, max_tokens: int, field: str = "max_tokens") -> int:
     """The completion tokens a call gets in a context of `max_model_len`, as vLLM's OpenAI
     server (0.32) decides: `max_tokens` cut to what the prompt leaves of the context (the answer
     then ends with ``finish_reason "length"``). Raises `ContextTooLong` where the server refuses
-    the call: a prompt that fills the context, or a `max_tokens` larger than the whole context."""
+    the call: a prompt that fills the context, or a `max_tokens` larger than the whole context
+    (named as `field`, the one the call sent: `max_tokens_field`)."""
     if prompt_tokens >= max_model_len:
         raise ContextTooLong(
             f"this model's maximum context length is {max_model_len} tokens, but the prompt takes "
             f"{prompt_tokens}, which leaves no room for the completion; shorten the prompt"
         )
     if max_tokens > max_model_len:
-        raise ContextTooLong(f"max_tokens={max_tokens} cannot be greater than the model's maximum context length ({max_model_len})")
+        raise ContextTooLong(f"{field}={max_tokens} cannot be greater than the model's maximum context length ({max_model_len})", param=field)
     return min(max_tokens, max_model_len - prompt_tokens)
 
 

@@ -25,7 +25,7 @@ class InstantBackend(Backend):
     async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
         """Refuses what the sim refuses of a body (`InvalidRequest`, naming the field): a call
         that runs here must not be refused by a real engine for its form."""
-        cid = new_completion_id()
+        cid = new_completion_id(body)
         model = body.get("model") or "instant"
         max_tokens = requested_max_tokens(body)
         prompt = estimate_prompt_tokens(body)

@@ -37,6 +37,7 @@ from .base import (
     completion_room,
     invalid_request,
     make_chunk,
+    max_tokens_field,
     requested_max_tokens,
     usage_dict,
     wants_continuous_usage,
@@ -292,7 +293,7 @@ class VLLMEngineBackend(Backend):
         # rest of the context.
         room = self._max_model_len - prompt_tokens
         max_tokens = requested_max_tokens(body, default=max(1, min(room, defaults.get("max_tokens", room))))
-        max_tokens = completion_room(self._max_model_len, prompt_tokens, max_tokens)  # cut to the context, as the server does
+        max_tokens = completion_room(self._max_model_len, prompt_tokens, max_tokens, max_tokens_field(body))  # cut to the context, as the server does
         check_sampling(body, max_tokens)
         # What this backend does not do is refused, not dropped: the answer carried no log
         # probabilities, and a tool call asked for came as text (it parses none).

@@ -41,7 +41,7 @@ import httpx
 
 from ..agents.transport import CLIENT_ID, CLIENT_ID_FORM, UsageShape, error_response, model_not_found, request_id, response_for
 from ..backends import create_backend
-from ..backends.base import PRIVATE_KEYS, REQUEST_ID_KEY, Backend, completion_room, estimate_prompt_tokens, model_list, requested_max_tokens
+from ..backends.base import PRIVATE_KEYS, REQUEST_ID_KEY, Backend, completion_room, estimate_prompt_tokens, max_tokens_field, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, Overloaded, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, Taken, shortfall_text
 from ..scheduler import Scheduler
@@ -399,10 +399,10 @@ class Gateway:
         max_tokens = requested_max_tokens(body, default=0)
         if self.max_context is not None:
             try:  # refused as vLLM refuses it; a max_tokens the prompt leaves no room for is cut there
-                completion_room(self.max_context, prompt, max_tokens)
+                completion_room(self.max_context, prompt, max_tokens, max_tokens_field(body))
             except ContextTooLong as exc:
                 message = f"{exc} (gateway.max_context_tokens; the prompt is about {prompt} tokens)"
-                param = "max_tokens" if prompt < self.max_context else "messages" if endpoint == "chat" else "prompt"
+                param = exc.param if prompt < self.max_context else "messages" if endpoint == "chat" else "prompt"
                 return await _error(send, _invalid(message, param, code="context_length_exceeded"))
         tokens = prompt + requested_max_tokens(body)
         try:
@@ -420,9 +420,18 @@ class Gateway:
             )
         if endpoint == "completions":
             body[ENDPOINT_KEY] = "completions"
+        settled = False
+
+        async def settle(status: int) -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                await self._settle(tenant, prompt, max_tokens or requested_max_tokens(body), done, status)
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, done)
             send = _bounded(send, self.settings.gateway.send_timeout_s, tg.cancel_scope, tenant, request_id, done)
+            send = _settling_first(send, settle)
             try:
                 if session_id is None:
                     tier = int(tenant_settings.tier)
@@ -444,7 +453,7 @@ class Gateway:
                     logger.warning("call %s of tenant %r failed: %r", request_id, tenant, exc)
             finally:
                 tg.cancel_scope.cancel()
-        await self._settle(tenant, prompt, max_tokens or requested_max_tokens(body), done)
+        await settle(done.status)  # where no answer was sent in full (the client left)
         return done.status
 
     async def _session_call(
@@ -544,19 +553,19 @@ class Gateway:
         finally:
             in_flight[tenant] -= 1
 
-    async def _settle(self, tenant: str, prompt: int, max_tokens: int, done: _Outcome) -> None:
-        """After a call: refund the tokens it did not use to the tenant's tokens per minute
-        (whatever its outcome: a call refused or failed gets its prompt back too; one whose
-        prompt the engine counted longer than the estimate `prompt` is charged the difference),
-        and count a served call's tokens and fair-share service."""
-        used_prompt = 0 if done.status >= 400 else (done.prompt_tokens or prompt)
+    async def _settle(self, tenant: str, prompt: int, max_tokens: int, done: _Outcome, status: int) -> None:
+        """After a call answered `status`: refund the tokens it did not use to the tenant's
+        tokens per minute (whatever its outcome: a call refused or failed gets its prompt back
+        too; one whose prompt the engine counted longer than the estimate `prompt` is charged
+        the difference), and count a served call's tokens and fair-share service."""
+        used_prompt = 0 if status >= 400 else (done.prompt_tokens or prompt)
         unused = prompt + max_tokens - used_prompt - done.completion_tokens
-        served = done.status == 200
+        served = status == 200
         # A call refused as invalid (a session that can never run, a field the engine refuses)
         # gets its request back too, as one refused for its X-Session-ID never takes it: else
         # a tenant's bad field locked it out for up to a minute. Refusals for load or time (429,
         # 503, 408) keep theirs: they were made, and retried at once they would hammer.
-        invalid = done.status in _REFUSED_AS_INVALID
+        invalid = status in _REFUSED_AS_INVALID
         if served:
             self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
         with anyio.CancelScope(shield=True):
@@ -708,6 +717,24 @@ def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
         await send(message)
 
     return with_headers
+
+
+def _settling_first(send: Send, settle: Callable[[int], Awaitable[None]]) -> Send:
+    """`send`, settling the call (`settle`, with the status answered) before the last bytes of
+    its answer go out: a client that makes its next call as soon as it has this answer finds
+    the tokens and the request this one gave back (it was refused with 429 for the request
+    that a refusal had not yet given back)."""
+    status = 0
+
+    async def settling_first(message: MutableMapping[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            await settle(status)
+        await send(message)
+
+    return settling_first
 
 
 def _bounded(send: Send, timeout_s: float, gone: anyio.CancelScope, tenant: str, request_id: str, done: _Outcome) -> Send:

@@ -142,7 +142,8 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
     if isinstance(prompt, list):
         prompt = "".join(str(p) for p in prompt)
     for private in PRIVATE_KEYS:
-        body.pop(private, None)
+        if private != REQUEST_ID_KEY:  # the answer is named after it, as vLLM names it
+            body.pop(private, None)
     count = body.pop("logprobs", None)
     echo = body.pop("echo", None)
     if echo and count is not None:

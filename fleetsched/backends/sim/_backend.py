@@ -54,6 +54,7 @@ from ..base import (
     checked_stream_interval,
     invalid_messages,
     make_chunk,
+    max_tokens_field,
     new_completion_id,
     requested_max_tokens,
     usage_dict,
@@ -387,7 +388,7 @@ class SimBackend(Backend):
             prompt, text = self._truncated(body, prompt, text, requested)
         max_tokens = requested or max(1, min(DEFAULT_MAX_TOKENS, self._max_model_len - prompt))
         # Cut to the context, as vLLM does (`check_request_fits`).
-        max_tokens = fit_request(self._max_model_len, engine.capacity, prompt, max_tokens)
+        max_tokens = fit_request(self._max_model_len, engine.capacity, prompt, max_tokens, field=max_tokens_field(body))
         check_sampling(body, max_tokens)
         hashes = block_hashes(text, engine.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
@@ -436,7 +437,7 @@ class SimBackend(Backend):
         """
         request = self._validate(body)
         self._check_running()
-        return self._stream(request, str(body.get("model") or self.model))
+        return self._stream(request, str(body.get("model") or self.model), new_completion_id(body))
 
     async def complete_chat(self, body: ChatBody, received: Received | None = None) -> tuple[dict[str, Any], float | None]:
         """One chat completion collected whole, without chunks: the consumer waits once, for the
@@ -465,7 +466,7 @@ class SimBackend(Backend):
         message = {"role": "assistant", "content": TOKEN_TEXT * output}
         usage = usage_dict(request.prompt_tokens, output)
         created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
-        response = chat_completion(new_completion_id(), model, created, message, request.finish_reason, usage)
+        response = chat_completion(new_completion_id(body), model, created, message, request.finish_reason, usage)
         if request.top_logprobs is not None:
             response["choices"][0]["logprobs"] = token_logprobs(output, request.top_logprobs)
         return response, request.first_token_at
@@ -506,10 +507,10 @@ class SimBackend(Backend):
             self.engine.abort(request)
             self._kick()
 
-    async def _stream(self, request: SimRequest, model: str) -> AsyncIterator[Chunk]:
+    async def _stream(self, request: SimRequest, model: str, cid: str) -> AsyncIterator[Chunk]:
         engine, park = self.engine, self._park
         self._send(request)
-        cid, created = new_completion_id(), int(time.time())  # wall-clock ok: the Unix timestamp of the response
+        created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
         try:
             while True:
                 if self._gliding is not None:

@@ -180,10 +180,11 @@ def check_request_fits(settings: SimSettings, prompt_tokens: int, max_tokens: in
     return fit_request(settings.max_model_len, capacity, prompt_tokens, max_tokens, whole=whole)
 
 
-def fit_request(max_model_len: int, capacity: int, prompt_tokens: int, max_tokens: int, *, whole: bool = False) -> int:
+def fit_request(max_model_len: int, capacity: int, prompt_tokens: int, max_tokens: int, *, whole: bool = False, field: str = "max_tokens") -> int:
     """`check_request_fits` for a model context of `max_model_len` and a KV cache of `capacity`
-    tokens (whole blocks), given as numbers: a call's hot path reads them once per engine."""
-    room = completion_room(max_model_len, prompt_tokens, max_tokens)
+    tokens (whole blocks), given as numbers: a call's hot path reads them once per engine.
+    `field`: the name the call gave `max_tokens` (`completion_room`)."""
+    room = completion_room(max_model_len, prompt_tokens, max_tokens, field)
     if whole and room < max_tokens:
         raise ContextTooLong(
             f"{prompt_tokens} prompt + {max_tokens} completion tokens exceed the model's maximum context "
