@@ -84,6 +84,8 @@ def http_url(text: str) -> str:
 def writable_file(text: str) -> str:
     """A file path that can be written: checked before a run, not after it (the results would
     be lost)."""
+    if not text.strip():  # Path("") is the current directory
+        raise argparse.ArgumentTypeError("expected a file name, got an empty one")
     path = Path(text)
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():

@@ -181,9 +181,11 @@ def _main(argv: list[str] | None) -> int:
             print(f"fleetsched: config error: {exc}", file=sys.stderr)
             return 2
         except BackendUnavailable as exc:
+            # The advice of the backend's kind: the in-process engine has no server to start.
+            remedy = "start the server, fix backend.urls" if settings.backend.kind == "vllm-server" else "fix what it says"
             print(
                 f"fleetsched run: the {settings.backend.kind} backend cannot be reached: {exc} "
-                "(start the server, fix backend.urls, or run on the embedded engine: --backend sim)",
+                f"({remedy}, or run on the embedded engine: --backend sim)",
                 file=sys.stderr,
             )
             return 1

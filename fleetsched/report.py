@@ -452,7 +452,9 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
             if t["tenant"] in unreachable and objective == "ttft_p99":
                 verdict += " (unreachable)"
             breaches = ", ".join(f"{n:,} {REASON_TEXT.get(r, r)}" for r, n in sorted(o["breaches"].items(), key=lambda kv: -kv[1]))
-            rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", objective_text(objective), target, value, attainment, verdict, breaches or refused_text])
+            # An objective's own breaches only: the tenant's refusals were shown on every row
+            # without any, as breaches of objectives met.
+            rows.append([t["tenant"], t["tier"], f"{t['weight']:g}", objective_text(objective), target, value, attainment, verdict, breaches])
     return rows
 
 

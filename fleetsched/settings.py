@@ -743,8 +743,13 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
         raise ConfigError(key, f"{message} (got {error.get('input')!r})" if got else message) from None
     except SettingsError as exc:  # an environment variable whose value is not JSON where JSON is needed
         section = re.search(r'field "(\w+)"', str(exc))  # pydantic-settings names the section so
+        variable = "environment"
+        if section:  # the section's own variable (the whole section as JSON), or one of its keys'
+            variable = f"FLEETSCHED_{section[1].upper()}"
+            if not any(name.upper() == variable for name in os.environ):
+                variable += "__..."
         raise ConfigError(
-            f"FLEETSCHED_{section[1].upper()}__..." if section else "environment",
+            variable,
             f"an environment variable of this section does not parse: {exc.__cause__ or exc} "
             "(lists and tables are written as JSON: FLEETSCHED_BACKEND__URLS='[\"http://host:8000\"]')",
         ) from None

@@ -125,6 +125,23 @@ def test_an_environment_list_that_is_not_json_names_the_variable():
     done = fleetsched("run", "examples/quickstart.toml", env={"FLEETSCHED_BACKEND__URLS": "http://host:8000"})
     assert done.returncode == 2
     assert "config error: FLEETSCHED_BACKEND__...: an environment variable of this section does not parse" in done.stderr
+    # A whole section as JSON is named as set (it read FLEETSCHED_SCHEDULER__...).
+    done = fleetsched("run", "examples/quickstart.toml", env={"FLEETSCHED_SCHEDULER": "notjson"})
+    assert done.returncode == 2 and "config error: FLEETSCHED_SCHEDULER: an environment variable" in done.stderr
+
+
+def test_the_in_process_engine_missing_is_not_told_to_start_a_server():
+    """Without vLLM installed, --backend vllm-engine said so, then advised starting the server
+    and fixing backend.urls, which the in-process engine has neither of."""
+    try:  # the test environment has no vLLM (it is in .venv-vllm)
+        import vllm  # noqa: F401
+
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    done = fleetsched("run", "examples/quickstart.toml", "--backend", "vllm-engine")
+    assert done.returncode == 1 and "needs vLLM installed" in done.stderr, done.stderr
+    assert "start the server" not in done.stderr and "--backend sim" in done.stderr
 
 
 def test_unknown_workload_tenant_and_missing_file(tmp_path):
@@ -280,6 +297,9 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(command,
     with pytest.raises(SystemExit) as exit_:
         cli_main([*command, "--report", "/nonexistent/run.json"])
     assert exit_.value.code == 2 and "no directory '/nonexistent' to write it in" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # it said "'' is a directory"
+        cli_main([*command, "--report", ""])
+    assert exit_.value.code == 2 and "--report: expected a file name, got an empty one" in capsys.readouterr().err
 
 
 def test_a_tool_s_max_without_a_uniform_tool_time_is_refused():

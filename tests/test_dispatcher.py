@@ -610,7 +610,7 @@ async def test_a_collected_call_cut_short_is_charged_the_output_it_received():
                 yield make_chunk("c", "m", 0, content="x" * 4, usage=usage)
             yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(10, 20))
 
-    for continuous, output in ((True, 12), (False, 3)):
+    for continuous, output in ((True, 12), (False, 3)):  # the engine's count, or a token a chunk
         limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=120)})  # 2 tokens a second
         backend = Steady(continuous)
         dispatcher = Dispatcher(backend, window=1, rate_limits=limits)
@@ -619,8 +619,12 @@ async def test_a_collected_call_cut_short_is_charged_the_output_it_received():
         estimate = estimate_prompt_tokens(request)
         with anyio.move_on_after(3.5):  # three chunks in
             await dispatcher.chat(request, tenant="a", tier=Tier.BATCH)
-        assert queue.counter("a") == estimate + output * 2.0
+        prompt = 10 if continuous else estimate  # the engine's count where one came
+        assert queue.counter("a") == prompt + output * 2.0
         # Taken: the estimate and 100 at the start; 7 flowed in over 3.5 s; given back: the
-        # output not made.
-        assert limits._tokens["a"].tokens == pytest.approx(120 - estimate + 7 - output)
+        # output not made (and the estimate corrected to the engine's count).
+        assert limits._tokens["a"].tokens == pytest.approx(120 - prompt + 7 - output)
         assert backend.options == {"continuous_usage_stats": True, "include_usage": True}
+        # Reported as a stream cut short is: the engine's counts where they came.
+        record = dispatcher.recorder.calls[-1]
+        assert (record.prompt_tokens, record.completion_tokens) == ((10, 12) if continuous else (0, 0))

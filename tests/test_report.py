@@ -60,6 +60,18 @@ def test_report_has_the_v2_sections(report):
     assert len(report["distributions"]["ttft_s"]["tier"]["critical"]) == 101
 
 
+def test_the_sla_table_shows_an_objectives_own_breaches_only(report):
+    """A tenant's refusals were shown on every objective of its that had no breach of its own,
+    an objective met among them ("admission p99 ... met | 5 rate-limited")."""
+    from fleetsched.report import OBJECTIVES
+
+    objectives = [t["sla"]["objectives"][name] for t in report["tenants"] for name in OBJECTIVES if name in t["sla"]["objectives"]]
+    rows = sla_rows(report)
+    assert len(rows) == len(objectives)
+    assert [bool(row[8]) for row in rows] == [bool(o["breaches"]) for o in objectives]
+    assert any(row[8] for row in rows) and any(t["sla"]["refused"]["rate_limited"] for t in report["tenants"])
+
+
 def test_report_renders_plots_and_html(report, tmp_path):
     path = tmp_path / "run.json"
     write_report(report, path)

@@ -408,6 +408,9 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
         # dict()'s own errors: "dictionary update sequence element #0 has length 1; 2 is required".
         ({"body": "x"}, "body: expected a chat-completions request (a dict), got 'x'"),
         ({"body": [("messages", MESSAGES)]}, "body: expected a chat-completions request (a dict), got [('messages'"),
+        # No messages at all was a bare ValueError, outside the library's errors.
+        ({}, "messages: a chat call needs a list of messages"),
+        ({"messages": None}, "messages: a chat call needs a list of messages"),
         # The instant backend served these; the sim and vLLM refuse them.
         ({"messages": []}, "messages: a chat request needs a non-empty list of messages"),
         ({"messages": MESSAGES, "n": 0}, "produces one choice per request (n=1), got n=0"),
@@ -572,4 +575,27 @@ async def test_the_end_hint_is_learned_from_the_kinds_finished_sessions(learn):
         assert hints == [(0.0, None), (10.0, 20.0), (30.0, 42.0), (35.0, None), (39.0, 42.0)]
     else:
         assert [hint for _, hint in hints] == [None] * 5
+    check_released(scheduler)
+
+
+async def test_a_call_cut_short_reports_the_tokens_it_received_collected_or_streamed():
+    """A collected call (`ctx.chat`) cut short was recorded with 0 tokens out, where the same
+    call streamed (`ctx.stream`) and cut at the same time had the engine's count: the report's
+    tokens out and throughput left out every collected call cancelled (a simulation's last
+    calls, a deadline's)."""
+    long = [{"role": "user", "content": "hello " * 50}]
+
+    async def agent(ctx):
+        with anyio.move_on_after(0.5):
+            await ctx.chat(long, max_tokens=2000)
+        with anyio.move_on_after(0.5):
+            async with ctx.stream(long, max_tokens=2000) as chunks:
+                async for _ in chunks:
+                    pass
+
+    async with Scheduler(settings(backend={"kind": "sim", "sim": {"stream_interval": 1}})) as scheduler:
+        await (await scheduler.submit(agent, tenant="acme"))
+    collected, streamed = [(c.prompt_tokens, c.completion_tokens) for c in scheduler.recorder.calls]
+    assert collected[1] > 10 and collected[0] == streamed[0] > 0
+    assert abs(collected[1] - streamed[1]) <= 1, (collected, streamed)
     check_released(scheduler)

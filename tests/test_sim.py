@@ -386,7 +386,7 @@ async def test_complete_chat_gives_the_streamed_answer_and_its_first_token_time(
         received = Received()
         with anyio.move_on_after(3.5 * STEP):  # cancelled on the way: aborted in the engine
             await backend.complete_chat(body(64, 1000), received)
-        assert received.output_tokens == 3  # the steps done by then: the prefill's token and two
+        assert (received.output_tokens, received.prompt_tokens) == (3, 64)  # the steps done by then: the prefill's token and two
         await anyio.sleep(STEP)
         signals = await backend.signals()
         assert signals.running == 0 and signals.kv_cache_usage == 0.0

@@ -147,8 +147,8 @@ class SessionContext:
             out["messages"] = list(messages)
         out.update(kwargs)
         out.setdefault("model", self.model)
-        if "messages" not in out:
-            raise ValueError("a chat call needs `messages`")
+        if "messages" not in out:  # an InvalidRequest (a ValueError), as for messages of the wrong form
+            raise InvalidRequest("messages: a chat call needs a list of messages")
         return out
 
     async def chat(

@@ -47,14 +47,16 @@ PRIVATE_KEYS = (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY, REQUEST_ID_KEY)
 
 
 class Received:
-    """The output a call collected whole has received so far, counted by its backend as the
-    tokens come (`Backend.complete_chat`): a call cut short (cancelled, failed) is then charged
-    the output the engine made for it, as a stream left early is."""
+    """What a call collected whole has received so far, counted by its backend as the tokens
+    come (`Backend.complete_chat`): a call cut short (cancelled, failed) is then charged and
+    reported with the output the engine made for it, as a stream left early is.
+    `prompt_tokens` is the engine's count of the prompt, 0 until one came."""
 
-    __slots__ = ("output_tokens",)
+    __slots__ = ("output_tokens", "prompt_tokens")
 
     def __init__(self) -> None:
         self.output_tokens = 0
+        self.prompt_tokens = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +304,8 @@ async def collect_stream(stream: AsyncIterator[Chunk], received: Received | None
     anyio clock its first token came, or None). Leaving early closes the stream (`abort_stream`).
 
     `received` counts the output as it comes: the engine's count where a chunk carries usage
-    (``stream_options.continuous_usage_stats``), else one token for each chunk with content."""
+    (``stream_options.continuous_usage_stats``, with the prompt's count), else one token for
+    each chunk with content."""
     chunks: list[Chunk] = []
     first: float | None = None
     try:
@@ -312,6 +315,8 @@ async def collect_stream(stream: AsyncIterator[Chunk], received: Received | None
             chunks.append(chunk)
             if received is not None:
                 received.output_tokens = output_so_far(chunk, received.output_tokens)
+                if chunk.get("usage"):
+                    received.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
     except BaseException:
         await abort_stream(stream)
         raise

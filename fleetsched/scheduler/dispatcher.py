@@ -198,6 +198,8 @@ class Dispatcher:
         except BaseException as exc:
             record.error = type(exc).__name__
             self._charge_received(record, received.output_tokens)  # what the engine made before the cut
+            if received.prompt_tokens:  # the engine's counts, as a stream's chunks give them (`_note`)
+                record.prompt_tokens, record.completion_tokens = received.prompt_tokens, received.output_tokens
             raise
         finally:
             self._end(record, estimate)

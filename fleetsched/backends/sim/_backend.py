@@ -461,7 +461,7 @@ class SimBackend(Backend):
         finally:
             self._drop(request)  # settles a call cut short: its count is the engine's then
             if received is not None:
-                received.output_tokens = request.num_output
+                received.output_tokens, received.prompt_tokens = request.num_output, request.prompt_tokens
         output = request.delivered = request.num_output
         message = {"role": "assistant", "content": TOKEN_TEXT * output}
         usage = usage_dict(request.prompt_tokens, output)
