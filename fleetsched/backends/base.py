@@ -315,8 +315,9 @@ async def collect_stream(stream: AsyncIterator[Chunk], received: Received | None
             chunks.append(chunk)
             if received is not None:
                 received.output_tokens = output_so_far(chunk, received.output_tokens)
-                if chunk.get("usage"):
-                    received.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
+                usage = chunk.get("usage")
+                if usage:
+                    received.prompt_tokens = usage.get("prompt_tokens") or 0
     except BaseException:
         await abort_stream(stream)
         raise

@@ -181,7 +181,7 @@ class Dispatcher:
         request = {**body, "priority": tier, "stream": False}
         given_options = body.get("stream_options") or {}
         if isinstance(given_options, Mapping):  # else the backend refuses it, naming it
-            request["stream_options"] = {**given_options, "continuous_usage_stats": True, "include_usage": True}
+            request["stream_options"] = {**given_options, **_USAGE_ON_EVERY_CHUNK}
         received = Received()
         try:
             # Inside the try: a backend refuses a body (ContextTooLong) when the call is made,
@@ -239,7 +239,7 @@ class Dispatcher:
         # when the reader falls behind). Whatever the caller asked: what it gets of them is shaped
         # on the way out (`agents.transport.UsageShape`), and a caller that turned them off here
         # was charged nothing for a stream it left early.
-        request["stream_options"] = {**given_options, "continuous_usage_stats": True, "include_usage": True}
+        request["stream_options"] = {**given_options, **_USAGE_ON_EVERY_CHUNK}
         # Coarser streaming for lower tiers: fewer chunks for the engine's API server and for this
         # process to handle, so the calls that need every token at once get it sooner.
         tokens_per_chunk = self._stream_interval.get(tier, 1)
@@ -601,6 +601,8 @@ class Dispatcher:
 
 
 _TIERS = frozenset(Tier)
+#: The stream options every call is sent with: the engine's count of its tokens on every chunk.
+_USAGE_ON_EVERY_CHUNK = {"continuous_usage_stats": True, "include_usage": True}
 #: The types of a due or a due_in that the fast path of `_check_call` takes; others go the long way.
 _TIMES = frozenset({float, int})
 
