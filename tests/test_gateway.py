@@ -421,6 +421,22 @@ def test_an_answer_is_named_after_its_request_on_every_backend(kind):
         assert c.completions.create(model="m", prompt="once", max_tokens=2, extra_headers=named).id == "cmpl-trace:7"
 
 
+@pytest.mark.parametrize("kind", ["instant", "sim"])
+def test_a_text_prompt_is_counted_without_a_chat_template(kind):
+    """vLLM's ``/v1/completions`` counts the prompt's tokens alone (no chat template), and so do
+    the sim and instant backends now: they counted the prompt as a chat message, with its role's
+    framing (104 tokens for 400 characters, where the estimate and the chat call say 100 and 104)."""
+    with serve_in_thread(gateway_settings(backend={"kind": kind})) as (_, url):
+        c = client(url)
+        text = "y" * 400
+        assert c.completions.create(model="m", prompt=text, max_tokens=2).usage.prompt_tokens == 100
+        assert c.completions.create(model="m", prompt=[text], max_tokens=2).usage.prompt_tokens == 100
+        chunks = list(c.completions.create(model="m", prompt=text, max_tokens=2, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens == 100
+        chat = c.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], max_tokens=2)
+        assert chat.usage.prompt_tokens == 104
+
+
 def test_a_key_or_session_header_sent_twice_is_refused(url):
     # The last one won: "bad key, then good key" was served, "good, then bad" a 401.
     chat = {"messages": MSG, "max_tokens": 1}

@@ -42,7 +42,11 @@ REQUEST_ID_KEY = "fleetsched_request_id"
 """Body key carrying the ID the gateway gave the call (its client's ``X-Request-Id``, or one of its
 own): a vLLM server gets it as its ``X-Request-Id`` header, which names the request in the
 server's logs and in its answer's ``id`` (removed too)."""
-PRIVATE_KEYS = (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY, REQUEST_ID_KEY)
+TEXT_PROMPT_KEY = "fleetsched_text_prompt"
+"""Body key set on a text completion served as a chat call (the gateway's ``/v1/completions`` on
+the sim and instant backends): its one message is the prompt, counted without the role and
+chat-template framing of a chat message, as vLLM counts a text prompt (removed too)."""
+PRIVATE_KEYS = (REPLICA_KEY, FALLBACK_KEY, AVOID_KEY, REQUEST_ID_KEY, TEXT_PROMPT_KEY)
 """The body keys above: fleetsched's own, never a client's (the gateway strips them)."""
 
 
@@ -376,6 +380,7 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
             return _truncated(body, max(1, len(prompt[0]) // 4))
         messages = ()
     chars = 0
+    framing = 0 if body.get(TEXT_PROMPT_KEY) else 16  # role and chat-template tokens, a message
     try:
         for message in messages:
             content = message.get("content")
@@ -387,7 +392,7 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
                 raise TypeError
             if not isinstance(message.get("role"), str):
                 raise TypeError
-            chars += 16  # role and chat-template framing
+            chars += framing
     except (AttributeError, TypeError):  # checked here, where they are read anyway: no cost when right
         raise invalid_messages(messages) from None
     return _truncated(body, max(1, chars // 4))

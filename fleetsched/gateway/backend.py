@@ -4,7 +4,8 @@ The backend seam speaks chat completions only. Text completions travel through t
 dispatcher (same window, order, limits and abort) as chat bodies marked with `ENDPOINT_KEY`;
 this wrapper turns them into ``text_completion`` chunks: forwarded as they are to a vLLM server's
 ``/v1/completions``, or, for the other backends (sim, instant), served by their chat stream with
-the prompt as one user message and each delta rewritten as completion text.
+the prompt as one user message (counted without a chat template's framing, as vLLM counts a
+text prompt: `TEXT_PROMPT_KEY`) and each delta rewritten as completion text.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, REQUEST_ID_KEY, Backend, ChatBody, Chunk, EngineSignals, Received, merge_logprobs
+from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, REQUEST_ID_KEY, TEXT_PROMPT_KEY, Backend, ChatBody, Chunk, EngineSignals, Received, merge_logprobs
 from ..backends.vllm_server import VLLMServerBackend, request_id_header, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
 from ..resources.kv_sizing import KVCacheCapacity
@@ -151,7 +152,7 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
     if count is not None:  # a text completion's alternatives a token: chat's top_logprobs
         body["logprobs"], body["top_logprobs"] = True, count
     try:
-        upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}]})
+        upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}], TEXT_PROMPT_KEY: True})
     except InvalidRequest as exc:  # named as the client sent it: logprobs, prompt
         message = str(exc)
         for chat_field, field in (("top_logprobs:", "logprobs:"), ("messages:", "prompt:"), ("messages.0.content:", "prompt:")):

@@ -50,6 +50,7 @@ from ..base import (
     Chunk,
     EngineSignals,
     Received,
+    TEXT_PROMPT_KEY,
     chat_completion,
     checked_stream_interval,
     invalid_messages,
@@ -377,7 +378,7 @@ class SimBackend(Backend):
         check_chat_options(body)  # the options' types first, as vLLM's request model checks them
         engine = self.engine
         try:
-            text = prompt_text(messages)
+            text = prompt_text(messages, framed=not body.get(TEXT_PROMPT_KEY))
         except (AttributeError, TypeError):  # caught where they are read anyway: no cost when right
             raise invalid_messages(messages) from None
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts

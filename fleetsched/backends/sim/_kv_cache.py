@@ -33,11 +33,12 @@ TOKEN_TEXT = " tok"
 _FRAMES: dict[str, str] = {}
 
 
-def prompt_text(messages: Sequence[Any]) -> str:
+def prompt_text(messages: Sequence[Any], framed: bool = True) -> str:
     """The prompt as one string whose length is what `estimate_prompt_tokens` counts.
 
     Each message is framed by 16 characters standing for role and chat-template tokens, so that
-    the same conversation always yields the same text and therefore the same block hashes.
+    the same conversation always yields the same text and therefore the same block hashes
+    (`framed` False: none, for a text completion's prompt, which has no template).
     Raises `TypeError` (or `AttributeError`) for a message vLLM's server refuses: one that is
     not a mapping, a role that is not a string, content of another type (`invalid_messages`
     names which).
@@ -50,7 +51,8 @@ def prompt_text(messages: Sequence[Any]) -> str:
             if not isinstance(role, str):
                 raise TypeError
             frame = _FRAMES[role] = _frame(role)
-        parts.append(frame)
+        if framed:
+            parts.append(frame)
         content = message.get("content")
         if isinstance(content, str):
             parts.append(content)
