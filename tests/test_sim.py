@@ -14,7 +14,7 @@ import re
 import anyio
 import pytest
 
-from fleetsched.backends.base import Received, collect_chat
+from fleetsched.backends.base import Received, collect_chat, estimate_prompt_tokens
 from fleetsched.backends.instant import InstantBackend
 from fleetsched.backends.chat_options import echoed, output_params, response_role, template_kwargs
 from fleetsched.backends.sampling import constraint_params
@@ -615,12 +615,86 @@ GOOD_CONSTRAINTS = [
 ]  # fmt: skip
 
 
-async def test_a_tool_choice_naming_one_of_the_tools_is_served():
+async def test_a_forced_tool_choice_is_answered_with_a_call_of_the_tool():
+    """vLLM constrains the answer to a call of the tool that ``tool_choice`` names (or, for
+    "required", of one of the tools) and answers it as ``tool_calls``: "stop" for a named tool,
+    "tool_calls" for "required". The sim answered text, so an agent loop that forces a call got
+    none. With "auto" the model may answer in text, and the sim's does."""
     named = {"tools": [{"type": "function", "function": {"name": "fetch"}}, TOOL], "tool_choice": {"type": "function", "function": {"name": "search"}}}
     async with SimBackend(flat()) as backend:
-        for choice in (named["tool_choice"], "required", "auto"):
-            chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **named, "tool_choice": choice})]
-            assert chunks[-1]["usage"]["completion_tokens"] == 4
+        for choice, name, finish in ((named["tool_choice"], "search", "stop"), ("required", "fetch", "tool_calls")):
+            request = {**body(16, 4), **named, "tool_choice": choice}
+            response, _ = await backend.complete_chat(request)
+            (answer,) = response["choices"]
+            assert answer["finish_reason"] == finish
+            assert answer["message"]["content"] == ""
+            (call,) = answer["message"]["tool_calls"]
+            assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+            assert call["function"] == {"name": name, "arguments": "{}"}
+            assert response["usage"]["completion_tokens"] == 1  # "{}": one token at 4 characters a token
+            chunks = [chunk async for chunk in backend.stream_chat(request)]
+            assert collect_chat(chunks)["choices"][0]["message"]["tool_calls"][0]["function"] == call["function"]
+            assert chunks[-1]["usage"]["completion_tokens"] == 1
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **named, "tool_choice": "auto"})]
+        assert "tool_calls" not in collect_chat(chunks)["choices"][0]["message"]
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_a_forced_call_fills_the_required_arguments_and_streams_them():
+    """The arguments fill the schema's required properties with the first value it allows; the
+    answer is as long as they are (4 characters a token), streamed as vLLM streams a call (the
+    first delta names it, the others add arguments), and cut at max_tokens ("length")."""
+    parameters = {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"}, "top": {"type": "integer", "default": 5}, "mode": {"enum": ["fast", "deep"]},
+            "where": {"type": "object", "properties": {"site": {"type": "string", "const": "docs"}}, "required": ["site"]},
+            "tags": {"type": ["array", "null"]}, "skip": {"type": "boolean"},
+        },
+        "required": ["query", "top", "mode", "where", "tags"],
+    }  # fmt: skip
+    tool = {"type": "function", "function": {"name": "search", "parameters": parameters}}
+    expected = {"query": "", "top": 5, "mode": "fast", "where": {"site": "docs"}, "tags": []}
+    arguments = json.dumps(expected)
+    tokens = -(-len(arguments) // 4)
+    async with SimBackend(flat()) as backend:
+        request = {**body(16, 100), "tools": [tool], "tool_choice": "required", "stream_interval": 3}
+        response, _ = await backend.complete_chat(request)
+        assert json.loads(response["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == expected
+        assert response["usage"]["completion_tokens"] == tokens
+        chunks = [chunk async for chunk in backend.stream_chat(request)]
+        deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"]]
+        assert len(deltas) > 2 and deltas[0]["function"]["name"] == "search" and deltas[0]["id"]
+        assert all("name" not in d["function"] and "id" not in d for d in deltas[1:])
+        assert "".join(d["function"]["arguments"] for d in deltas) == arguments
+        cut, _ = await backend.complete_chat({**request, "max_tokens": 5})
+        assert cut["choices"][0]["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == 5
+        assert cut["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == arguments[:20]
+
+
+async def test_an_assistants_tool_calls_count_in_the_next_prompt():
+    """A chat template writes an assistant's tool calls into the prompt: their names and arguments
+    count, on the sim and in the estimate, and the next turn hits the blocks of a call the sim
+    answered, as it hits those of an answer in text. They counted nothing."""
+    arguments = json.dumps({"query": "q" * 200})
+    call = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": arguments}}
+    messages = [{"role": "user", "content": "x" * 100}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    request = {"model": "fleetsched-sim", "messages": messages, "max_tokens": 1}
+    expected = (16 + 100 + 16 + len("search") + len(arguments)) // 4
+    assert estimate_prompt_tokens(request) == expected
+    async with SimBackend(flat()) as backend:
+        assert (await backend.complete_chat(request))[0]["usage"]["prompt_tokens"] == expected
+    tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"default": "y" * 600}}, "required": ["q"]}}}
+    async with SimBackend(flat(block_size=16)) as backend:
+        messages = [{"role": "user", "content": "x" * (4 * 40 - 16)}]  # 40 tokens
+        first = {"model": "fleetsched-sim", "messages": messages, "tools": [tool], "tool_choice": "required"}
+        answer, _ = await backend.complete_chat(first)
+        output = answer["usage"]["completion_tokens"]
+        messages += [answer["choices"][0]["message"], {"role": "tool", "tool_call_id": "c1", "content": "y" * 100}]
+        before = (await backend.signals()).prefix_cache_hits_total
+        await backend.complete_chat({"model": "fleetsched-sim", "messages": messages, "max_tokens": 1})
+        hit = (await backend.signals()).prefix_cache_hits_total - before
+    assert hit == (40 + 4 + output) // 16 * 16  # the prompt, the assistant's frame and the call's blocks
 
 
 async def test_sampling_parameters_vllm_takes_are_taken():

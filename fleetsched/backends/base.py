@@ -393,6 +393,9 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
             if not isinstance(message.get("role"), str):
                 raise TypeError
             chars += framing
+            calls = message.get("tool_calls")
+            if calls:  # an assistant's calls of tools: the chat template writes them out
+                chars += sum(map(len, tool_call_texts(calls)))
     except (AttributeError, TypeError):  # checked here, where they are read anyway: no cost when right
         raise invalid_messages(messages) from None
     return _truncated(body, max(1, chars // 4))
@@ -405,6 +408,20 @@ def _truncated(body: ChatBody, tokens: int) -> int:
     if type(size) is int and 0 < size < tokens:
         return size
     return tokens
+
+
+def tool_call_texts(calls: Any) -> Iterator[str]:
+    """The text of an assistant message's ``tool_calls`` that its prompt holds: each call's
+    function name and arguments (a chat template writes them out; what else it adds of its own
+    is not counted). Parts that are not text count nothing: vLLM's server checks them."""
+    if not isinstance(calls, list):
+        return
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping):
+            for key in ("name", "arguments"):
+                if isinstance(function.get(key), str):
+                    yield function[key]
 
 
 def content_part_texts(parts: list[Any]) -> Iterator[str]:

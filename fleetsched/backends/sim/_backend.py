@@ -65,6 +65,7 @@ from ..chat_options import check_chat_options
 from ..sampling import check_sampling, is_true
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
 from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, block_hashes, prompt_text
+from ._tools import forced_tool_call
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
 
 #: Completion length when the body names none (as `requested_max_tokens`).
@@ -391,9 +392,17 @@ class SimBackend(Backend):
         # Cut to the context, as vLLM does (`check_request_fits`).
         max_tokens = fit_request(self._max_model_len, engine.capacity, prompt, max_tokens, field=max_tokens_field(body))
         check_sampling(body, max_tokens)
+        forced = None if body.get("tool_choice") is None else forced_tool_call(body)
+        if forced is not None:  # the answer is the call's arguments, cut at max_tokens
+            whole = forced.tokens <= max_tokens
+            max_tokens = min(max_tokens, forced.tokens)
         hashes = block_hashes(text, engine.block_size, prompt)
         request = SimRequest(0, prompt, max_tokens, hashes, priority)
-        if not requested and max_tokens == DEFAULT_MAX_TOKENS:
+        if forced is not None:
+            request.tool_call = forced
+            if whole:  # as vLLM ends it: "stop" for a named tool, "tool_calls" for "required"
+                request.finish_reason = "stop" if forced.named else "tool_calls"
+        elif not requested and max_tokens == DEFAULT_MAX_TOKENS:
             # No limit named, none reached: the answer's length is the sim's stand-in for the
             # model's own end (EOS), which vLLM reports as "stop". The SDK's `.parse()` and
             # `.stream(...).get_final_completion()` raise LengthFinishReasonError on "length".
@@ -464,7 +473,10 @@ class SimBackend(Backend):
             if received is not None:
                 received.output_tokens, received.prompt_tokens = request.num_output, request.prompt_tokens
         output = request.delivered = request.num_output
-        message = {"role": "assistant", "content": TOKEN_TEXT * output}
+        if request.tool_call is None:
+            message = {"role": "assistant", "content": TOKEN_TEXT * output}
+        else:  # content "", as vLLM answers a forced call
+            message = {"role": "assistant", "content": "", "tool_calls": request.tool_call.message_calls(output)}
         usage = usage_dict(request.prompt_tokens, output)
         created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
         response = chat_completion(new_completion_id(body), model, created, message, request.finish_reason, usage)
@@ -530,7 +542,11 @@ class SimBackend(Backend):
                 usage = usage_dict(request.prompt_tokens, request.num_output) if request.continuous_usage else None
                 # As vLLM: the finish reason with the last tokens, then the usage with no choices.
                 finish = request.finish_reason if request.status == FINISHED else None
-                chunk = make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, finish_reason=finish, usage=usage)
+                if request.tool_call is None:
+                    chunk = make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, finish_reason=finish, usage=usage)
+                else:
+                    calls = request.tool_call.delta(request.delivered - count, request.delivered)
+                    chunk = make_chunk(cid, model, created, role=role, tool_calls=calls, finish_reason=finish, usage=usage)
                 if request.top_logprobs is not None:
                     chunk["choices"][0]["logprobs"] = token_logprobs(count, request.top_logprobs)
                 yield chunk

@@ -43,8 +43,9 @@ from fleetsched.errors import ContextTooLong
 from fleetsched.settings import SimSettings
 
 from ..base import completion_room
-from ._kv_cache import BlockPool, extend_hashes
+from ._kv_cache import TOKEN_TEXT, BlockPool, extend_hashes
 from ._queues import make_queue
+from ._tools import ForcedToolCall
 
 WAITING, RUNNING, FINISHED, ABORTED = range(4)
 #: Made but not yet queued: on its way through the API server (see `SimEngine.arrive`).
@@ -58,7 +59,7 @@ class SimRequest:
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
         "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
         "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage",
-        "text", "top_logprobs", "finish_reason",
+        "text", "top_logprobs", "finish_reason", "tool_call",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -87,6 +88,9 @@ class SimRequest:
         #: How its answer ends: "length" (cut at a max_tokens the call named, or at the context), or
         #: "stop" where the sim chose the answer's length itself (the model ended it, as at an EOS).
         self.finish_reason = "length"
+        #: The tool call its answer is (a `ForcedToolCall`: the request's ``tool_choice`` forced
+        #: one), else None: an answer in text.
+        self.tool_call: ForcedToolCall | None = None
 
     @property
     def num_computed(self) -> int:
@@ -396,7 +400,9 @@ class SimEngine:
             hashes = request.hashes
             done = len(hashes)
             full = min(request.num_computed // self.block_size, len(request.blocks))
-            extend_hashes(hashes, request.text, request.num_output, self.block_size, full)
+            tool_call, output = request.tool_call, request.num_output
+            answer = TOKEN_TEXT * output if tool_call is None else tool_call.prompt_text(output)
+            extend_hashes(hashes, request.text, answer, self.block_size, full)
             blocks, cache = request.blocks, self.pool.cache
             for i in range(done, len(hashes)):
                 cache(blocks[i], hashes[i])

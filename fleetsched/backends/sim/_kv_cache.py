@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ..base import content_part_texts
+from ..base import content_part_texts, tool_call_texts
 
 #: Characters per simulated token: matches `estimate_prompt_tokens` (about 4 a token).
 CHARS_PER_TOKEN = 4
@@ -38,7 +38,8 @@ def prompt_text(messages: Sequence[Any], framed: bool = True) -> str:
 
     Each message is framed by 16 characters standing for role and chat-template tokens, so that
     the same conversation always yields the same text and therefore the same block hashes
-    (`framed` False: none, for a text completion's prompt, which has no template).
+    (`framed` False: none, for a text completion's prompt, which has no template). An
+    assistant's tool calls count their names and arguments (`tool_call_texts`).
     Raises `TypeError` (or `AttributeError`) for a message vLLM's server refuses: one that is
     not a mapping, a role that is not a string, content of another type (`invalid_messages`
     names which).
@@ -60,6 +61,9 @@ def prompt_text(messages: Sequence[Any], framed: bool = True) -> str:
             parts.extend(content_part_texts(content))
         elif content is not None:
             raise TypeError
+        calls = message.get("tool_calls")
+        if calls:
+            parts.extend(tool_call_texts(calls))
     return "".join(parts)
 
 
@@ -78,12 +82,13 @@ def block_hashes(text: str, block_size: int, num_tokens: int) -> list[int]:
     return hashes
 
 
-def extend_hashes(hashes: list[int], text: str, num_output: int, block_size: int, num_blocks: int) -> None:
+def extend_hashes(hashes: list[int], text: str, answer: str, block_size: int, num_blocks: int) -> None:
     """Extend a prompt's hash chain (`hashes`, from `block_hashes` of its `text`) over its
-    answer of `num_output` tokens, to `num_blocks` blocks at most.
+    `answer` (its text as the next turn's prompt holds it), to `num_blocks` blocks at most.
 
     The answer's blocks are hashed as the next turn's prompt will hold them: `prompt_text` of the
-    conversation with the answer as the assistant's message (the sim answers `TOKEN_TEXT` a token).
+    conversation with the answer as the assistant's message (the sim answers `TOKEN_TEXT` a token,
+    or a tool call, which that prompt holds as its name and arguments).
     So that turn hits them, as it hits vLLM's, which hashes every block once full, generated
     tokens included (measured on the tiny CPU model, 128-token blocks: a 298-token prompt and a
     128-token answer, then the next turn's prompt hit 384 tokens, one block more than the prompt's).
@@ -91,7 +96,7 @@ def extend_hashes(hashes: list[int], text: str, num_output: int, block_size: int
     if num_blocks <= len(hashes):
         return
     span = block_size * CHARS_PER_TOKEN
-    text = text + _frame("assistant") + TOKEN_TEXT * num_output
+    text = text + _frame("assistant") + answer
     parent = hashes[-1] if hashes else 0
     for i in range(len(hashes), min(num_blocks, len(text) // span)):
         parent = hash((parent, text[i * span : (i + 1) * span]))
