@@ -81,11 +81,12 @@ class SessionRejected(FleetschedError):
 class RequestTooLarge(SessionRejected, ValueError):
     """A reservation larger than the largest device could ever hold."""
 
-    def __init__(self, requested: int, largest: int) -> None:
-        super().__init__(
-            f"asked for {requested:,} bytes but the largest device holds {largest:,} bytes; "
-            "lower the session's memory (context budget) or add a larger device"
-        )
+    def __init__(self, requested: int, largest: int, device: str | None = None) -> None:
+        if device is None:
+            held = f"the largest device holds {largest:,} bytes"
+        else:  # a reservation growing: it stays on its device
+            held = f"its device {device!r} holds {largest:,} bytes (a reservation grows on its own device)"
+        super().__init__(f"asked for {requested:,} bytes but {held}; lower the session's memory (context budget) or add a larger device")
         self.requested = requested
         self.largest = largest
 

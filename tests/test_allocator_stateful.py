@@ -63,9 +63,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.pool = ExtentPool([DeviceSpec(n, p * PAGE) for n, p in DEVICES], strategy=self.strategy, page_size=PAGE)
         self.pool.set_move_callback(self.moved)
         self.moves = 0
+        self.growing = None  # the reservation being resized: it moves where it cannot grow in place
 
     def moved(self, r, move):
-        assert r.movable and not r.released, f"moved {r!r}, which may not move"
+        assert (r.movable or r is self.growing) and not r.released, f"moved {r!r}, which may not move"
         assert r.offset == move.src * PAGE and r.size == move.length * PAGE
         self.moves += 1
 
@@ -86,11 +87,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         if r is None or r.released:
             return
         before = (r.offset, r.size, r.nbytes)
+        self.growing = r
         try:
             self.pool.resize_nowait(r, nbytes)
         except WouldBlock:
             assert (r.offset, r.size, r.nbytes) == before
             return
+        finally:
+            self.growing = None
         assert r.nbytes == nbytes and r.size >= nbytes
 
     @rule(r=held, movable=st.booleans())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from fleetsched.errors import QuotaExceeded
+from fleetsched.errors import QuotaExceeded, RequestTooLarge
 from fleetsched.resources import CountingPool, DeviceSpec, ExtentPool
 
 MB = 1 << 20
@@ -180,3 +180,124 @@ def test_what_is_not_a_reservation_or_a_listener_is_refused_naming_it(kind):
         pool.remove_release_listener(print)
     held.release()  # nothing was taken by the refusals: releases go on as before
     assert pool.statistics().allocated == 0
+
+
+class _Memory:
+    """A device's bytes, which the move callback copies ``memmove``-style as an owner would."""
+
+    def __init__(self, pages: int) -> None:
+        self.bytes = bytearray(pages)
+
+    def write(self, r, data: bytes) -> None:
+        self.bytes[r.offset : r.offset + len(data)] = data
+
+    def read(self, r, n: int) -> bytes:
+        return bytes(self.bytes[r.offset : r.offset + n])
+
+    def move(self, r, move) -> None:
+        self.bytes[move.dst : move.dst + move.length] = self.bytes[move.src : move.src + move.length]
+
+
+@pytest.mark.parametrize("settle", [True, False])
+def test_a_grow_that_moves_copies_its_data_before_its_old_pages_are_reused(settle):
+    """A grow that cannot grow in place moves through the move callback, as every move does,
+    before the pages it leaves can go to anyone else. It freed them first, and the same call
+    settled an idle neighbour into them: the caller, told to copy after the call, copied the
+    neighbour's bytes. With the callback copying, its data now follows it."""
+    pool = ExtentPool([DeviceSpec("g", 16)], page_size=1, strategy="first-fit", settle=settle)
+    memory = _Memory(16)
+    pool.set_move_callback(memory.move)
+    r, m = pool.reserve_nowait(2, owner="R"), pool.reserve_nowait(2, owner="M")
+    memory.write(r, b"RR")
+    memory.write(m, b"MM")
+    m.movable = True
+    assert r.resize_nowait(6) is True
+    assert (memory.read(r, 2), memory.read(m, 2)) == (b"RR", b"MM")
+    accounts_agree(pool)
+
+
+def test_a_grow_whose_move_callback_fails_stays_where_it_was():
+    pool = ExtentPool([DeviceSpec("g", 16)], page_size=1, strategy="first-fit")
+    r, _ = pool.reserve_nowait(2, owner="R"), pool.reserve_nowait(2, owner="M")
+
+    def refuse(reservation, move):
+        raise OSError("copy failed")
+
+    pool.set_move_callback(refuse)
+    with pytest.raises(OSError, match="copy failed"):
+        r.resize_nowait(6)
+    assert (r.offset, r.size, r.nbytes) == (0, 2, 2)
+    assert pool.statistics().allocated == 4
+    accounts_agree(pool)
+    pool.set_move_callback(None)
+    assert r.resize_nowait(6) is True and r.size == 6
+    accounts_agree(pool)
+
+
+def test_a_resize_says_it_moved_when_the_compaction_it_set_off_moved_it():
+    """A shrink that frees memory may set off a compaction that moves the reservation itself:
+    resize_nowait said False ("not moved") where its offset had changed."""
+    pool = ExtentPool([DeviceSpec("g", 16)], page_size=1, strategy="first-fit", settle=False, compact_threshold=0.0)
+    moves = []
+    pool.set_move_callback(lambda r, move: moves.append((r.owner, move.src, move.dst)))
+    x, r = pool.reserve_nowait(2, owner="X"), pool.reserve_nowait(4, owner="R")
+    x.release()
+    r.movable = True
+    assert r.resize_nowait(3) is True
+    assert moves == [("R", 2, 0)] and r.offset == 0
+
+
+async def test_a_waiter_that_gives_up_gets_its_cancellation_when_a_move_fails_meanwhile(caplog):
+    """A waiter that gives up has the pool serve the waiters behind it, which may settle idle
+    reservations; a move callback failing there replaced the waiter's cancellation, escaped its
+    cancel scope and failed the task group. The failure is logged instead."""
+    pool = ExtentPool([DeviceSpec("g", 16)], page_size=1, strategy="first-fit", settle_moves=1)
+    x = pool.reserve_nowait(2, owner="X")
+    a, b = pool.reserve_nowait(2, owner="A"), pool.reserve_nowait(2, owner="B")
+    a.movable = b.movable = True
+    x.release()  # a hole at 0: one move made (A), the other hole queued
+
+    def fail(reservation, move):
+        raise OSError(f"copy of {reservation.owner} failed")
+
+    pool.set_move_callback(fail)
+    seen = []
+
+    async def waiter():
+        try:
+            await pool.acquire(13, owner="W")
+        except BaseException as exc:
+            seen.append(exc)
+            raise
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    assert len(seen) == 1 and isinstance(seen[0], anyio.get_cancelled_exc_class())
+    assert "copy of B failed" in caplog.text
+    assert pool.statistics().waiting == 0
+    accounts_agree(pool)
+
+
+def test_a_reservation_of_another_pool_or_a_tenant_that_is_no_name_is_refused():
+    """Releasing another pool's reservation did nothing (the other pool kept the memory); a
+    tenant that is no name was taken (5 keyed the statistics) or failed unnamed (a list)."""
+    one, two = (ExtentPool([DeviceSpec("g", 8 * MB)], page_size=MB) for _ in range(2))
+    r = one.reserve_nowait(MB)
+    with pytest.raises(ValueError, match="another pool"):
+        two.release(r)
+    assert not r.released and one.statistics().allocated == MB
+    for tenant in (5, ["x"], b"acme"):
+        with pytest.raises(TypeError, match="tenant: expected a tenant's name"):
+            one.reserve_nowait(MB, tenant=tenant)
+        with pytest.raises(TypeError, match="tenant: expected a tenant's name"):
+            anyio.run(lambda: one.acquire(MB, tenant=tenant))
+    assert one.statistics().allocated == MB and not one.statistics().by_tenant
+
+
+def test_a_grow_past_its_own_device_names_that_device():
+    pool = ExtentPool([DeviceSpec("big", 80 * MB), DeviceSpec("small", 8 * MB)], page_size=MB)
+    r = pool.reserve_nowait(4 * MB, device="small")
+    with pytest.raises(RequestTooLarge, match="its device 'small' holds 8,388,608 bytes"):
+        r.resize_nowait(16 * MB)

@@ -30,7 +30,8 @@ Compaction, over reservations flagged `Reservation.movable` only, in four ways:
 - by hand: `plan_compaction()` returns a plan, `apply_plan()` carries it out.
 
 Every move calls the move callback (`set_move_callback`) before the reservation's offset changes,
-so its owner can copy the data; `statistics()` counts compactions, moves and bytes moved.
+so its owner can copy the data: those above, and a grow that must move (`resize_nowait`);
+`statistics()` counts the compactions' and settling's moves and bytes moved.
 """
 
 from __future__ import annotations
@@ -132,11 +133,12 @@ class ExtentPool(MemoryPool):
         return self._largest_device
 
     def set_move_callback(self, callback: Callable[[Reservation, Move], None] | None) -> None:
-        """Call ``callback(reservation, move)`` before the pool moves a movable reservation.
+        """Call ``callback(reservation, move)`` before the pool moves a reservation: a movable
+        one (settling, compaction), or one growing where it cannot grow in place (`resize_nowait`).
 
         `move` gives pages (multiply by `page_size`); the reservation still has its old `offset`
         during the call and the new one after. If the callback raises, that move is undone and the
-        exception propagates out of the call that compacted (a reserve or a release).
+        exception propagates out of the call that moved it (a reserve, a release or a resize).
         """
         self._move_callback = callback
 
@@ -516,6 +518,13 @@ class ExtentPool(MemoryPool):
                 space.allocate(start, old)  # the freed run is still free: restore exactly
                 return None
             space.allocate(found, n)
+            if self._move_callback is not None:  # the data moves before the pages left can be reused
+                try:
+                    self._call_back(self._move_callback, reservation, Move(reservation, reservation.device, start, found, old))
+                except BaseException:
+                    space.release(found)
+                    space.allocate(start, old)
+                    raise
             offset = found
             self._holes.append((reservation.device, start))  # the extent left is a hole to settle
         size = n * self.page_size

@@ -31,6 +31,7 @@ address space, no fragmentation); the fragmentation-aware allocators live beside
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import operator
 from collections import Counter, OrderedDict
@@ -43,6 +44,8 @@ from typing import AsyncIterator
 import anyio
 
 from ..errors import QuotaExceeded, QuotaWouldBlock, RequestTooLarge, WouldBlock
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +333,8 @@ class MemoryPool(ABC):
         """Raise at once if `nbytes` could never be granted: not a whole number of bytes, too
         large, or over the whole quota. Returns it as an int."""
         nbytes = _whole_bytes(nbytes, "ask for")
+        if tenant is not None and not isinstance(tenant, str):  # it keys the quotas and statistics
+            raise TypeError(f"tenant: expected a tenant's name, got {tenant!r:.80}")
         if nbytes > self.largest_device:
             raise RequestTooLarge(nbytes, self.largest_device)
         quota = self._quotas.get(tenant) if tenant is not None else None
@@ -411,10 +416,14 @@ class MemoryPool(ABC):
         """Make `reservation` hold `nbytes` on its device; return True if it moved (new offset).
 
         Grows in place when the memory after it is free, else moves it to a new extent on the
-        same device (the caller copies the data, ``memmove``-style: the new extent may overlap
-        the old). Shrinking frees the tail and hands it to waiters. Raises `WouldBlock` when the
-        device has no room, `QuotaWouldBlock` when the tenant's quota is full, `RequestTooLarge`
-        / `QuotaExceeded` when `nbytes` could never fit, ValueError for a released reservation.
+        same device. A move, as every move the pool makes, calls the move callback first
+        (`ExtentPool.set_move_callback`), which copies the data ``memmove``-style (the new extent
+        may overlap the old) before the pages left can go to anyone else; if it raises, the
+        reservation stays as it was and the error propagates. Shrinking frees the tail and hands
+        it to waiters; the memory that comes free may have the pool move idle reservations, this
+        one among them. Raises `WouldBlock` when the device has no room, `QuotaWouldBlock` when
+        the tenant's quota is full, `RequestTooLarge` / `QuotaExceeded` when `nbytes` could never
+        fit, ValueError for a released reservation or one of another pool.
         """
         _check_reservation(reservation)
         if reservation.pool is not self or reservation._released:
@@ -423,7 +432,7 @@ class MemoryPool(ABC):
         nbytes = _whole_bytes(nbytes, "hold")
         capacity = self._device_capacity(reservation.device)
         if nbytes > capacity:
-            raise RequestTooLarge(nbytes, capacity)
+            raise RequestTooLarge(nbytes, capacity, reservation.device)
         tenant = reservation.tenant
         quota = self._quotas.get(tenant) if tenant is not None else None
         if quota is not None and nbytes > quota:
@@ -434,7 +443,7 @@ class MemoryPool(ABC):
                 f"tenant {tenant!r} holds {self._by_tenant.get(tenant or '', 0):,} of its "
                 f"{quota or 0:,} byte quota; growing by {delta:,} does not fit"
             )
-        old_size = reservation.size
+        old_size, old_offset = reservation.size, reservation.offset
         placed = self._resize(reservation, nbytes)
         if placed is None:
             if self._free_bytes(reservation.device) + old_size >= nbytes:
@@ -453,7 +462,7 @@ class MemoryPool(ABC):
         # may join a free neighbour into a run a waiter fits in.
         if size < old_size or delta < 0 or moved:
             self._released_memory()
-        return moved
+        return reservation.offset != old_offset  # settling may have moved it too
 
     async def acquire(
         self,
@@ -479,14 +488,17 @@ class MemoryPool(ABC):
         try:
             await waiter.event.wait()
         except BaseException:
-            if waiter.result is not None:
-                waiter.result.release()
-            elif waiter.error is None:  # still in the line (set_quota takes out those it refuses)
-                self._waiters.remove(waiter)
-                self._refused.pop(waiter, None)
-                # Serve the waiters behind it, and tell the listeners: a waiter ahead holds back
-                # `reserve_nowait` (a scheduler's admission), which may get in now.
-                self._released_memory()
+            try:
+                if waiter.result is not None:
+                    waiter.result.release()
+                elif waiter.error is None:  # still in the line (set_quota takes out those it refuses)
+                    self._waiters.remove(waiter)
+                    self._refused.pop(waiter, None)
+                    # Serve the waiters behind it, and tell the listeners: a waiter ahead holds back
+                    # `reserve_nowait` (a scheduler's admission), which may get in now.
+                    self._released_memory()
+            except Exception:  # a move callback or listener failed: not this waiter's to raise
+                logger.exception("memory pool: serving the waiters after %r gave up failed", waiter.owner)
             raise
         if waiter.error is not None:
             raise waiter.error
@@ -512,9 +524,12 @@ class MemoryPool(ABC):
             reservation.release()
 
     def release(self, reservation: Reservation) -> None:
-        """Give a reservation back and hand the memory to waiters. Idempotent."""
+        """Give a reservation back and hand the memory to waiters. Idempotent. ValueError for a
+        reservation of another pool (this one's memory is not its to give back)."""
         _check_reservation(reservation)
-        if reservation._released or reservation.pool is not self:
+        if reservation.pool is not self:
+            raise ValueError(f"cannot release {reservation!r}: a reservation of another pool")
+        if reservation._released:
             return
         self._check_not_moving("releasing a reservation")
         reservation._released = True
