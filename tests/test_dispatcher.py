@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from fleetsched.backends.base import Backend, estimate_prompt_tokens, make_chunk, usage_dict
-from fleetsched.errors import DeadlineExceeded
+from fleetsched.errors import DeadlineExceeded, InvalidRequest
 from fleetsched.policies.tiers import Tier
 from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits
 from fleetsched.scheduler import Dispatcher
@@ -628,3 +628,23 @@ async def test_a_collected_call_cut_short_is_charged_the_output_it_received():
         # Reported as a stream cut short is: the engine's counts where they came.
         record = dispatcher.recorder.calls[-1]
         assert (record.prompt_tokens, record.completion_tokens) == ((10, 12) if continuous else (0, 0))
+
+
+@pytest.mark.parametrize("kind", ["instant", "sim"])
+async def test_stream_options_that_are_no_object_are_refused_collected_as_streamed(kind):
+    """vLLM refuses them (400), and so did a stream here; a collected call took them on the sim
+    and instant backends, and went without the engine's count it is charged by."""
+    from fleetsched.backends import create_backend
+    from fleetsched.settings import BackendSettings
+
+    async with create_backend(BackendSettings(kind=kind)) as backend:
+        dispatcher = Dispatcher(backend, window=2)
+        request = {**body("x", max_tokens=4), "stream_options": 5}
+        with pytest.raises(InvalidRequest, match="stream_options: expected an object, got 5"):
+            await dispatcher.chat(request, tenant="a", tier=Tier.STANDARD)
+        with pytest.raises(InvalidRequest, match="stream_options: expected an object, got 5"):
+            async with dispatcher.stream(request, tenant="a", tier=Tier.STANDARD):
+                pass
+        stats = dispatcher.statistics()
+        assert (stats.in_flight, stats.calls_started) == (0, 0)
+        assert (await dispatcher.chat({**request, "stream_options": None}, tenant="a", tier=Tier.STANDARD))["usage"]["completion_tokens"] > 0

@@ -356,6 +356,8 @@ async def multiply(a: float, b: float) -> str:
         ({"messages": "go"}, TypeError, "messages: expected a list of {role, content} objects, got 'go'"),
         # A turn given as one call, not a list of them: AttributeError ('str' object has no attribute 'get').
         ({"script": [{"name": "add"}]}, ValueError, "script turn 0: expected a list of tool calls, got {'name': 'add'}"),
+        # Refused only when the loop reached that turn, its model calls made and paid for.
+        ({"script": [[{"name": "add"}], [{"arguments": {}}]]}, ValueError, "script turn 1: a tool call needs a 'name'"),
     ],
 )
 async def test_bad_arguments_to_the_loop_name_what_was_wrong(arguments, error, message):
@@ -370,6 +372,27 @@ async def test_bad_arguments_to_the_loop_name_what_was_wrong(arguments, error, m
     check_released(scheduler)
     assert isinstance(failed.value.__cause__, error) and message in str(failed.value.__cause__)
     assert scheduler.statistics().dispatcher.calls_started == 0  # refused before its first model call
+
+
+async def test_tools_and_messages_given_as_generators_are_read_once():
+    """The checks used them up: the loop then ran without them ("tools: expected at least one
+    tool", or "messages: a chat request needs a non-empty list of messages")."""
+    loop, _ = await run(
+        [[{"name": "add", "arguments": {"a": 2, "b": 3}}]],
+    )
+    results = {}
+
+    async def agent(ctx):
+        messages = (m for m in [{"role": "user", "content": "go"}])
+        results["loop"] = await run_tool_loop(ctx, messages, (t for t in TOOLS), script=[[{"name": "add", "arguments": {"a": 2, "b": 3}}]])
+
+    async with Scheduler(settings()) as scheduler:
+        await (await scheduler.submit(agent, tenant="acme"))
+    check_released(scheduler)
+    generated = results["loop"]
+    assert generated.stopped == loop.stopped == "answer"
+    assert [m["role"] for m in generated.messages] == [m["role"] for m in loop.messages]
+    assert generated.messages[2]["content"] == "5"
 
 
 async def test_a_loop_without_tools_is_served_by_the_sim():

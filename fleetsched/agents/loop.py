@@ -19,7 +19,7 @@ import functools
 import inspect
 import itertools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -103,7 +103,7 @@ async def run_tool_loop(
     `retry_after_s`, up to `max_refusals` times a call; the refusal after those, or one whose
     wait would pass the session's deadline, is raised. (Each failed the session at once, the
     turns done lost, though it said when the call would go through.)"""
-    _check_arguments(messages, tools, max_turns, script)
+    messages, tools, script = _check_arguments(messages, tools, max_turns, script)
     if isinstance(max_refusals, bool) or not isinstance(max_refusals, int) or max_refusals < 0:
         raise ValueError(f"max_refusals must be >= 0 (an integer), got {max_refusals!r}")
     by_name = {tool.name: tool for tool in tools}
@@ -118,7 +118,7 @@ async def run_tool_loop(
         message = response["choices"][0]["message"]
         calls = list(message.get("tool_calls") or ())
         if script is not None:
-            calls = [_scripted_call(turn, c) for c in script[turn]] if turn < len(script) else []
+            calls = [_scripted_call(c) for c in script[turn]] if turn < len(script) else []
         if not calls:
             answer = message.get("content") or ""
             if answer.strip():
@@ -137,14 +137,19 @@ async def run_tool_loop(
     return LoopResult(None, "turn_limit", max_turns, conversation, errors)
 
 
-def _check_arguments(messages: Any, tools: Any, max_turns: Any, script: Any) -> None:
+def _check_arguments(messages: Any, tools: Any, max_turns: Any, script: Any) -> tuple[list[Any], list[Tool], list[list[Any]] | None]:
     """Refuse what the loop cannot run, naming it, before its first model call (a misshapen
     argument failed later with an error about something else, and two tools of one name ran the
-    second for both)."""
-    if isinstance(messages, (str, bytes, Mapping)) or not all(isinstance(m, Mapping) for m in messages):
+    second for both). Returns the messages, tools and script as lists: read once, so that a
+    generator given for one is not used up by these checks."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
         raise TypeError(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}")
-    if isinstance(tools, (str, bytes, Mapping, Tool)):
+    messages = list(messages)
+    if not all(isinstance(m, Mapping) for m in messages):
+        raise TypeError(f"messages: expected a list of {{role, content}} objects, got {messages!r:.80}")
+    if isinstance(tools, (str, bytes, Mapping, Tool)) or not isinstance(tools, Iterable):
         raise TypeError(f"tools: expected a list of Tool, got {tools!r:.80}")
+    tools = list(tools)
     names: set[str] = set()
     for tool in tools:
         if not isinstance(tool, Tool):
@@ -154,9 +159,22 @@ def _check_arguments(messages: Any, tools: Any, max_turns: Any, script: Any) -> 
         names.add(tool.name)
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 (an integer), got {max_turns!r}")
-    for turn, steps in enumerate(script or ()):
-        if isinstance(steps, (str, bytes, Mapping)) or not all(isinstance(step, Mapping) for step in steps):
+    if script is None:
+        return messages, tools, None
+    if isinstance(script, (str, bytes, Mapping)) or not isinstance(script, Iterable):
+        raise ValueError(f"script: expected a list of turns (each a list of tool calls), got {script!r:.80}")
+    turns = []
+    for turn, steps in enumerate(script):
+        if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Iterable):
             raise ValueError(f"script turn {turn}: expected a list of tool calls, got {steps!r:.80}")
+        steps = list(steps)
+        for step in steps:
+            if not isinstance(step, Mapping):
+                raise ValueError(f"script turn {turn}: expected a list of tool calls, got {step!r:.80} in it")
+            if "name" not in step:
+                raise ValueError(f"script turn {turn}: a tool call needs a 'name', got {step!r:.80}")
+        turns.append(steps)
+    return messages, tools, turns
 
 
 async def _chat(ctx: SessionContext, conversation: list[dict[str, Any]], max_refusals: int, **options: Any) -> dict[str, Any]:
@@ -172,9 +190,7 @@ async def _chat(ctx: SessionContext, conversation: list[dict[str, Any]], max_ref
             await anyio.sleep(exc.retry_after_s)
 
 
-def _scripted_call(turn: int, step: Mapping[str, Any]) -> dict[str, Any]:
-    if "name" not in step:
-        raise ValueError(f"script turn {turn}: a tool call needs a 'name', got {step!r:.80}")
+def _scripted_call(step: Mapping[str, Any]) -> dict[str, Any]:
     arguments = step.get("arguments", {})
     raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return {"id": f"call_fs{next(_call_ids)}", "type": "function", "function": {"name": step["name"], "arguments": raw}}

@@ -175,13 +175,11 @@ class Dispatcher:
         (`Backend.complete_chat`).
         """
         _check_call(body, tenant, tier, due, due_in, deadline)
+        given_options = _stream_options(body)
         record, estimate = await self._begin(body, tenant, tier, session, due, due_in, deadline)
         # "stream": False: only the first token's time and the whole answer matter here. The
         # engine's count on every chunk, as for a stream: a call cut short is charged its output.
-        request = {**body, "priority": tier, "stream": False}
-        given_options = body.get("stream_options") or {}
-        if isinstance(given_options, Mapping):  # else the backend refuses it, naming it
-            request["stream_options"] = {**given_options, **_USAGE_ON_EVERY_CHUNK}
+        request = {**body, "priority": tier, "stream": False, "stream_options": {**given_options, **_USAGE_ON_EVERY_CHUNK}}
         received = Received()
         try:
             # Inside the try: a backend refuses a body (ContextTooLong) when the call is made,
@@ -228,9 +226,7 @@ class Dispatcher:
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
         _check_call(body, tenant, tier, due, due_in, deadline)
-        given_options = body.get("stream_options") or {}
-        if not isinstance(given_options, Mapping):
-            raise InvalidRequest(f"stream_options: expected an object, got {given_options!r:.80}")
+        given_options = _stream_options(body)
         record, estimate = await self._begin(body, tenant, tier, session, due, due_in, deadline)
         request = {**body, "priority": tier}
         # Every chunk carries the engine's count of the tokens so far (vLLM's continuous usage
@@ -645,6 +641,16 @@ def _check_call(body: object, tenant: object, tier: object, due: object, due_in:
         raise ValueError(f"due_in: expected seconds (>= 0, or inf for none), got {due_in!r:.40}")
     if not (_is_number(deadline) and deadline >= 0):  # "soon" raised a bare TypeError
         raise ValueError(f"deadline: expected a time on the clock (>= 0, or inf for none), got {deadline!r:.40}")
+
+
+def _stream_options(body: ChatBody) -> Mapping[str, Any]:
+    """The call's own ``stream_options`` (none: empty), which the dispatcher adds the engine's
+    count on every chunk to; `InvalidRequest` for one that is not an object, as vLLM refuses it
+    (the sim and instant backends took it in a collected call, without the count)."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise InvalidRequest(f"stream_options: expected an object, got {options!r:.80}")
+    return options
 
 
 def _is_number(value: object) -> TypeGuard[float]:
