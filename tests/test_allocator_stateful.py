@@ -4,7 +4,10 @@ After every step: no two live extents overlap, allocated + free == total, free n
 coalesced, and every reported metric equals a brute-force recount from the live reservations.
 Settling runs on its own (releases, reservations turning movable) and never shrinks a device's
 largest free run; every move, settling's, on-demand compaction's or a plan's, must be of a
-movable reservation.
+movable reservation (or of one growing where it cannot grow in place). Each page holds its
+owner's tag, which the move callback copies as an owner copies its data: every reservation's
+pages hold its own tag after every step (a move into pages whose data was not yet copied out
+would overwrite it).
 """
 
 import math
@@ -64,9 +67,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.pool.set_move_callback(self.moved)
         self.moves = 0
         self.growing = None  # the reservation being resized: it moves where it cannot grow in place
+        self.memory = {name: [None] * pages for name, pages in DEVICES}  # each page's owner tag
+
+    def write(self, r, start: int, end: int) -> None:
+        """`r` writes its tag into its pages `start` to `end` (relative to its offset)."""
+        pages, first = self.memory[r.device], r.offset // PAGE
+        pages[first + start : first + end] = [r] * (end - start)
 
     def moved(self, r, move):
         assert (r.movable or r is self.growing) and not r.released, f"moved {r!r}, which may not move"
+        pages = self.memory[move.device]
+        pages[move.dst : move.dst + move.length] = pages[move.src : move.src + move.length]  # memmove
         assert r.offset == move.src * PAGE and r.size == move.length * PAGE
         self.moves += 1
 
@@ -75,6 +86,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         stats = self.pool.statistics()
         try:
             r = self.pool.reserve_nowait(nbytes, owner=object(), device=device)
+            self.write(r, 0, r.size // PAGE)
         except WouldBlock:
             fragmented = any(d.free >= nbytes for d in stats.devices)
             assert self.pool.statistics().fragmentation_failures == stats.fragmentation_failures + fragmented
@@ -96,6 +108,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         finally:
             self.growing = None
         assert r.nbytes == nbytes and r.size >= nbytes
+        kept = min(before[1], r.size) // PAGE
+        first = r.offset // PAGE
+        assert self.memory[r.device][first : first + kept] == [r] * kept, "its data did not follow it"
+        self.write(r, kept, r.size // PAGE)
 
     @rule(r=held, movable=st.booleans())
     def pin(self, r, movable):
@@ -135,6 +151,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         recount(self.pool)
+        for r in self.pool.reservations():
+            first, n = r.offset // PAGE, r.size // PAGE
+            assert self.memory[r.device][first : first + n] == [r] * n, f"{r!r} lost its data"
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))

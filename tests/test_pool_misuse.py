@@ -301,3 +301,25 @@ def test_a_grow_past_its_own_device_names_that_device():
     r = pool.reserve_nowait(4 * MB, device="small")
     with pytest.raises(RequestTooLarge, match="its device 'small' holds 8,388,608 bytes"):
         r.resize_nowait(16 * MB)
+
+
+@pytest.mark.parametrize("strategy", ["first-fit", "frag-aware"])
+def test_a_grow_gets_room_by_moving_idle_reservations_as_a_new_request_does(strategy):
+    """A grow with no run to grow into was refused (and counted a fragmentation failure) where
+    moving an idle neighbour made room, which the pool does for a new request of that size.
+    Nothing moves into the pages it leaves before its data is copied out of them."""
+    pool = ExtentPool([DeviceSpec("g", 16)], page_size=1, strategy=strategy)
+    memory = _Memory(16)
+    pool.set_move_callback(memory.move)
+    r = pool.reserve_nowait(4, owner="R", device="g")
+    m = pool.reserve_nowait(2, owner="M")
+    filler = pool.reserve_nowait(6, owner="filler")
+    pool.reserve_nowait(4, owner="X")  # busy: it stays
+    filler.release()
+    m.movable = True
+    memory.write(r, b"RRRR")
+    memory.write(m, b"MM")
+    r.resize_nowait(8)
+    assert r.size == 8 and pool.statistics().fragmentation_failures == 0
+    assert (memory.read(r, 4), memory.read(m, 2)) == (b"RRRR", b"MM")
+    accounts_agree(pool)

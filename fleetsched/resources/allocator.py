@@ -515,10 +515,12 @@ class ExtentPool(MemoryPool):
             space.release(start)
             found = self.strategy.choose(space, n) if n <= space.largest_free else None
             if found is None:
+                found = self._room_by_moving(reservation, start, old, n)
+            if found is None:
                 space.allocate(start, old)  # the freed run is still free: restore exactly
                 return None
             space.allocate(found, n)
-            if self._move_callback is not None:  # the data moves before the pages left can be reused
+            if self._move_callback is not None and found != start:  # the data moves before the pages left can be reused
                 try:
                     self._call_back(self._move_callback, reservation, Move(reservation, reservation.device, start, found, old))
                 except BaseException:
@@ -530,6 +532,28 @@ class ExtentPool(MemoryPool):
         size = n * self.page_size
         self._internal[reservation.device] += (size - nbytes) - (reservation.size - reservation.nbytes)
         return offset * self.page_size, size
+
+    def _room_by_moving(self, reservation: Reservation, start: int, old: int, n: int) -> int | None:
+        """Open `n` free pages for `reservation`, which is growing and has freed its `old` pages at
+        `start` (still holding its data), by moving idle reservations, as a new request gets room
+        (`_place_by_moving`); the page the room starts at, or None. The room may take in its old
+        pages, which nothing else moves into before its data is copied out."""
+        device = reservation.device
+        space = self._spaces[device]
+        if not self.compact or not self._movable_count[device] or space.free_pages < n:
+            return None
+        self.compaction_searches += 1
+        others = tuple(view for view in self._layout(device).extents if view.key is not reservation)
+        plan = plan_hole(DeviceLayout(device, space.pages, others), list(space.free_extents()), n, keep_clear=(start, old))
+        if plan is None:
+            return None
+        made = self.moves
+        try:
+            self._carry_out(plan.moves)
+        finally:  # counted as made, also when a later move's callback raises
+            if self.moves > made:
+                self.compactions += 1
+        return plan.offset
 
     def _free_bytes(self, device: str) -> int:
         return self._spaces[device].free_pages * self.page_size

@@ -187,7 +187,9 @@ _HOLE_TRIES = 16
 _HOLE_SCAN = 64
 
 
-def plan_hole(layout: DeviceLayout, free: Sequence[tuple[int, int]], n: int) -> HolePlan | None:
+def plan_hole(
+    layout: DeviceLayout, free: Sequence[tuple[int, int]], n: int, keep_clear: tuple[int, int] | None = None
+) -> HolePlan | None:
     """The cheapest way found to open `n` contiguous free pages by moving movable extents only.
 
     `free` is the device's free extents, (offset, length) in address order. A candidate is a
@@ -201,6 +203,9 @@ def plan_hole(layout: DeviceLayout, free: Sequence[tuple[int, int]], n: int) -> 
     Moves are valid in the order given (a move's destination is free once the moves before it
     are made, save for its own source). Returns None when neither way finds room, or when `n`
     pages already lie free in one run.
+
+    `keep_clear`, (offset, length): free pages that the window may take in but no move may land
+    in (a growing reservation's old extent: its data is there until it is copied out).
     """
     if any(length >= n for _, length in free) or sum(length for _, length in free) < n or n > layout.pages:
         return None
@@ -227,7 +232,7 @@ def plan_hole(layout: DeviceLayout, free: Sequence[tuple[int, int]], n: int) -> 
         else:
             priced.append((sum(e.length for e in over), a, over))
     priced.sort(key=lambda p: (p[0], p[1]))
-    by_size = sorted((length, offset) for offset, length in free)
+    by_size = sorted((length, offset) for offset, length in _outside(free, keep_clear))
     for _, a, over in priced[:_HOLE_TRIES]:
         moves = _evict(layout.name, by_size, a, a + n, over)
         if moves is not None:
@@ -235,10 +240,29 @@ def plan_hole(layout: DeviceLayout, free: Sequence[tuple[int, int]], n: int) -> 
     top = _gather(layout, extents, n)
     mirrored = _mirror(layout)
     bottom = _gather(mirrored, list(mirrored.extents), n)
-    if bottom is not None and (top is None or bottom[0] < top[0]):
-        cost, window, moves = bottom
-        return HolePlan(layout.name, layout.pages - window - n, n, tuple(_unmirror(layout.pages, m) for m in moves))
-    return None if top is None else HolePlan(layout.name, top[1], n, tuple(top[2]))
+    plans = []
+    if top is not None:
+        plans.append((top[0], HolePlan(layout.name, top[1], n, tuple(top[2]))))
+    if bottom is not None:
+        moves = tuple(_unmirror(layout.pages, m) for m in bottom[2])
+        plans.append((bottom[0], HolePlan(layout.name, layout.pages - bottom[1] - n, n, moves)))
+    if keep_clear is not None:
+        lo, hi = keep_clear[0], keep_clear[0] + keep_clear[1]
+        plans = [(cost, plan) for cost, plan in plans if not any(m.dst < hi and lo < m.dst + m.length for m in plan.moves)]
+    return min(plans, key=lambda p: p[0])[1] if plans else None
+
+
+def _outside(free: Sequence[tuple[int, int]], keep_clear: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """The free runs, (offset, length), less the pages of `keep_clear`."""
+    if keep_clear is None:
+        return list(free)
+    lo, hi = keep_clear[0], keep_clear[0] + keep_clear[1]
+    runs = []
+    for offset, length in free:
+        for start, end in ((offset, min(offset + length, lo)), (max(offset, hi), offset + length)):
+            if end > start:
+                runs.append((start, end - start))
+    return runs
 
 
 def _evict(device: str, by_size: list[tuple[int, int]], lo: int, hi: int, over: list[ExtentView]) -> list[Move] | None:
