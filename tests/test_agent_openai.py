@@ -402,3 +402,45 @@ async def test_every_answer_names_its_request_and_the_backend_gets_the_id():
     assert re.fullmatch(r"req_[0-9a-f]{32}", refused.response.headers["x-request-id"])
     assert invalid.status_code == 400 and invalid.response.headers["x-request-id"].startswith("req_")
     check_released(scheduler)
+
+
+async def test_a_stream_left_early_is_recorded_alike_through_ctx_stream_and_the_sdk():
+    """The agent leaves a stream after its first chunk. Through the SDK (closed, or left by its
+    ``async with``) the call was recorded cut (CancelledError: no SLA event); through
+    `ctx.stream` (a ``break``), as a call that ended, its cut latency a met latency objective.
+    Now alike: cut, counted in the session's counters with the tokens it got; a stream left
+    after its finish reason ended."""
+    from fleetsched.report import build_report
+
+    messages = [{"role": "user", "content": "hello " * 20}]
+
+    async def via_ctx_stream(ctx):
+        async with ctx.stream(messages, max_tokens=500) as chunks:
+            async for _ in chunks:
+                break
+
+    async def via_sdk_close(ctx):
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=messages, max_tokens=500, stream=True)
+        async for _ in stream:
+            break
+        await stream.close()
+
+    async def read_to_the_end(ctx):
+        async with ctx.stream(messages, max_tokens=3) as chunks:
+            async for chunk in chunks:
+                if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                    break  # the answer is whole: its usage chunk is left unread
+
+    sla = {"acme": {"sla": {"latency_p95_s": 100.0}}}
+    cut = anyio.get_cancelled_exc_class().__name__
+    for agent, error in ((via_ctx_stream, cut), (via_sdk_close, cut), (read_to_the_end, None)):
+        async with Scheduler(settings(sla, backend={"kind": "sim"})) as scheduler:
+            handle = await scheduler.submit(agent, tenant="acme")
+            await handle
+            report = build_report(scheduler, duration_s=1.0, backend="sim")
+        check_released(scheduler)
+        (record,) = scheduler.recorder.calls
+        assert record.error == error, agent.__name__
+        assert handle.counters.calls == 1 and handle.counters.completion_tokens == record.completion_tokens > 0
+        events = report["tenants"][0]["sla"]["objectives"]["latency_p95"]["events"]
+        assert events == (0 if error else 1), agent.__name__

@@ -248,17 +248,24 @@ class Dispatcher:
             self._end(record, estimate)
             raise
 
+        answered = False  # the answer's end was read: its finish reason, or the stream's end
+
         async def observed() -> AsyncIterator[Chunk]:
+            nonlocal answered
             while True:
                 try:
                     chunk = await upstream.__anext__()
                 except StopAsyncIteration:
+                    answered = True
                     return
                 except BaseException as exc:  # the call ends here: a reader that goes on past a cut
                     record.error = type(exc).__name__  # read (caught) leaves the block normally
                     raise
                 _note(chunk, record)
                 self._charge_received(record, output_so_far(chunk, record.streamed, tokens_per_chunk))
+                choices = chunk.get("choices")
+                if choices and choices[0].get("finish_reason"):
+                    answered = True
                 yield chunk
 
         try:
@@ -266,6 +273,12 @@ class Dispatcher:
         except BaseException as exc:
             record.error = type(exc).__name__
             raise
+        else:
+            if not answered and record.error is None:
+                # Left before the answer's end (a `break`): the engine aborts the call, which is
+                # recorded as one whose read was cut, or closed through the OpenAI SDK, is. Its
+                # time is its caller's choice: no event of the tenant's SLA (`sla.CANCELLED`).
+                record.error = anyio.get_cancelled_exc_class().__name__
         finally:
             try:
                 await abort_stream(upstream)
