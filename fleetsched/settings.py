@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from ._args import url_problem
 from .errors import ConfigError
+from .policies.fair_queue import MAX_WEIGHT, MIN_WEIGHT
 from .policies.tiers import Tier
 
 _config_path: ContextVar[Path | None] = ContextVar("fleetsched_config_path", default=None)
@@ -91,8 +92,8 @@ class TenantSettings(_Section):
 
     tier: Tier = Tier.STANDARD
     """QoS band: critical, standard or batch."""
-    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
-    """Share against other tenants of the same tier."""
+    weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT, allow_inf_nan=False)
+    """Share against other tenants of the same tier (1e-6 to 1e6)."""
     max_sessions: int | None = Field(None, ge=1)
     """Sessions of this tenant running at once (None: only the global limit)."""
     memory_quota: Bytes | None = None

@@ -229,9 +229,13 @@ def test_minimum_shares_must_leave_room():
     [
         # A weight of 0 was a ZeroDivisionError at the first charge, a negative one a counter that
         # fell with service (its tenant served ahead of the others for ever), as set_weight refuses.
-        ({"weights": {"a": 0.0}}, "weight of tenant 'a' must be > 0, got 0.0"),
-        ({"weights": {"a": -1.0}}, "weight of tenant 'a' must be > 0, got -1.0"),
-        ({"weights": {"a": float("nan")}}, "weight of tenant 'a' must be > 0, got nan"),
+        ({"weights": {"a": 0.0}}, "weight of tenant 'a' must be from 1e-06 to 1e\\+06, got 0.0"),
+        ({"weights": {"a": -1.0}}, "weight of tenant 'a' must be from 1e-06 to 1e\\+06, got -1.0"),
+        ({"weights": {"a": float("nan")}}, "weight of tenant 'a' must be from 1e-06 to 1e\\+06, got nan"),
+        # A counter past a float's range: the tier's last-served mark went to inf with it, and
+        # every tenant back from idle was lifted to it, their weights no longer told apart.
+        ({"weights": {"a": 1e-306}}, "weight of tenant 'a' must be from 1e-06 to 1e\\+06, got 1e-306"),
+        ({"weights": {"a": float("inf")}}, "weight of tenant 'a' must be from 1e-06 to 1e\\+06, got inf"),
         # A negative period demoted waiting entries a band per period; nan promoted all at once.
         ({"aging_s": -5.0}, "aging period must be >= 0 s"),
         ({"aging_s": float("nan")}, "aging period must be >= 0 s"),

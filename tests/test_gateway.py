@@ -130,6 +130,10 @@ def test_key_decides_tenant_and_metrics_show_only_own(url):
     everything = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
     assert 'tenant="acme"' in everything and 'tenant="globex"' in everything
     assert "fleetsched_dispatcher_in_flight" in everything and "fleetsched_dispatcher" not in mine
+    # Every family of the admin's page typed: the scheduler's were bare lines, "unknown" to Prometheus.
+    types = {f.name: f.type for f in text_string_to_metric_families(everything)}
+    assert "unknown" not in types.values(), types
+    assert types["fleetsched_dispatcher_shed"] == "counter" and types["fleetsched_gateway_sessions"] == "gauge"
     # The admin key names no tenant: it makes no model calls.
     assert httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers={"authorization": f"Bearer {ADMIN}"}).status_code == 403
 

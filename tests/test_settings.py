@@ -198,3 +198,9 @@ def test_a_flag_where_a_number_belongs_is_refused(overrides, key):
     # pydantic reads true as 1 and false as 0, without a word.
     error = refused(**overrides)
     assert error.key == key and error.reason.startswith("expected a number, got ")
+
+
+@pytest.mark.parametrize("weight", [1e-306, 1e-7, 2e6])
+def test_a_tenant_weight_beyond_what_the_fair_share_can_tell_apart_is_refused(weight):
+    # 1e-306 took the tenant's counter to inf, and with it its tier's: weights were then ignored.
+    assert refused(tenants={"acme": {"weight": weight}}).key == "tenants.acme.weight"

@@ -330,15 +330,17 @@ class Gateway:
         if identity.admin and self.scheduler is not None:
             d = self.scheduler.dispatcher.statistics()
             s = self.scheduler.statistics()
-            extra = [
-                f"fleetsched_dispatcher_window {d.window}",
-                f"fleetsched_dispatcher_in_flight {d.in_flight}",
-                f"fleetsched_dispatcher_queued {d.queued}",
-                f"fleetsched_dispatcher_shed_total {d.shed}",
-                f"fleetsched_scheduler_sessions_running {s.running_total}",
-                f"fleetsched_scheduler_sessions_queued {s.queued_total}",
-                f"fleetsched_gateway_sessions {len(self.sessions or ())}",
+            families = [
+                ("fleetsched_dispatcher_window", "gauge", "Model calls the dispatcher lets in flight at once.", d.window),
+                ("fleetsched_dispatcher_in_flight", "gauge", "Model calls in flight.", d.in_flight),
+                ("fleetsched_dispatcher_queued", "gauge", "Model calls waiting for a place in the window.", d.queued),
+                ("fleetsched_dispatcher_shed_total", "counter", "Model calls shed (their predicted wait exceeded their TTFT objective).", d.shed),
+                ("fleetsched_scheduler_sessions_running", "gauge", "Sessions running.", s.running_total),
+                ("fleetsched_scheduler_sessions_queued", "gauge", "Sessions waiting for admission.", s.queued_total),
+                ("fleetsched_gateway_sessions", "gauge", "Gateway sessions open (X-Session-ID).", len(self.sessions or ())),
             ]
+            for name, kind, help_text, value in families:  # typed, as every family of the page
+                extra += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
         text = self.metrics.render(identity.tenant, extra)
         await _send(send, 200, text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
 

@@ -64,12 +64,19 @@ class _SubQueue:
         return heap[0][2] if heap else None
 
 
+#: The weights a tenant may have. A counter grows by cost / weight: a weight of 1e-306 took its
+#: counter, then the tier's last-served mark, to inf, and every tenant of the tier back from idle
+#: was lifted to it, their weights no longer told apart (an infinite weight was never charged).
+MIN_WEIGHT = 1e-6
+MAX_WEIGHT = 1e6
+
+
 class FairQueue:
     """Tier bands, weighted fair share between tenants (VTC), EDF/FIFO within a tenant, aging.
 
     `weights` maps tenant to weight (default 1.0 for tenants not listed). `aging_s` of None or 0
-    turns aging off. Raises ValueError for a weight not > 0, a negative aging period, or minimum
-    shares outside [0, 1) or adding up to 1 or more.
+    turns aging off. Raises ValueError for a weight outside `MIN_WEIGHT` to `MAX_WEIGHT`, a
+    negative aging period, or minimum shares outside [0, 1) or adding up to 1 or more.
     """
 
     def __init__(
@@ -124,8 +131,8 @@ class FairQueue:
         return self._weights.get(tenant, 1.0)
 
     def set_weight(self, tenant: str, weight: float) -> None:
-        if not weight > 0:
-            raise ValueError(f"weight of tenant {tenant!r} must be > 0, got {weight}")
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise ValueError(f"weight of tenant {tenant!r} must be from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}, got {weight}")
         self._weights[tenant] = weight
 
     # -- updates ---------------------------------------------------------------------------
