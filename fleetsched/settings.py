@@ -267,7 +267,10 @@ class KVCacheSettings(_Section):
     context_tokens: int = Field(ge=1)
     """A session's context budget in tokens: its prompts and answers, every turn."""
     dtype: str | None = None
-    """The KV cache's dtype when it is not the model's (vLLM's ``--kv-cache-dtype``, e.g. "fp8")."""
+    """The KV cache's dtype when it is not what the config says (vLLM's ``--kv-cache-dtype``, e.g.
+    "fp8", or its ``--dtype`` where that sets one): by default the FP8 cache a quantized checkpoint
+    declares, else the model's dtype, 16 bits for one vLLM serves no model in (see
+    `resources.kv_sizing.kv_bytes_per_token`)."""
     in_flight_tokens: int | None = Field(None, ge=1)
     """For sliding-window models: the server's ``max_num_batched_tokens`` times its batches in
     flight (None: a sliding layer is counted for the whole context, never less than it holds)."""
@@ -280,8 +283,8 @@ class KVCacheSettings(_Section):
         try:
             kv_bytes_per_token(self.config, dtype=self.dtype)
             layer_windows(self.config)
-        except OSError as exc:
-            raise ValueError(f"config: cannot read {self.config}: {exc.strerror or exc}") from None
+        except OSError as exc:  # the file it looked for: the directory's config.json
+            raise ValueError(f"config: cannot read {exc.filename or self.config}: {exc.strerror or exc}") from None
         return self
 
 
@@ -305,7 +308,8 @@ class ResourceSettings(_Section):
     depending on the trace (0.2 with on-demand compaction alone)."""
     kv_cache: KVCacheSettings | None = None
     """Devices, page size and session memory from the backend's KV caches (see
-    `KVCacheSettings`); `devices` and `page_size` are then refused."""
+    `KVCacheSettings`); `devices` and `page_size` are then refused, and so are the strategies that
+    round sizes up beyond a page (buddy, size-class)."""
     compact_threshold: float | None = Field(None, ge=0.0, le=1.0)
     """Compact a device whenever its fragmentation rate, (free - largest free) / free, passes this
     after memory comes free (None: never). Moves only movable reservations. In the allocator bench
@@ -332,6 +336,13 @@ class ResourceSettings(_Section):
             raise ValueError(
                 f"{given[0]} is not used with [resources.kv_cache], which takes the devices and the page size "
                 "from the backend's KV caches; leave one of them out"
+            )
+        if self.kv_cache is not None and self.strategy in ("buddy", "size-class"):
+            # Their rounding (a power of two; a class of the device's size) went on top of the
+            # engine's blocks: 20 sessions admitted where the cache held 78.
+            raise ValueError(
+                f"strategy {self.strategy!r} rounds a session's blocks up beyond what the engine allocates; "
+                "with [resources.kv_cache] use frag-aware, first-fit, best-fit or counting"
             )
         return self
 

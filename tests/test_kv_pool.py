@@ -167,3 +167,17 @@ async def test_a_server_that_does_not_answer_is_named(tiny_config, anyio_backend
     with pytest.raises(BackendError, match=r"vLLM replica r0 \(http://127.0.0.1:9\): cannot read its KV cache"):
         async with Scheduler(settings):
             pass
+
+
+@pytest.mark.parametrize("strategy", ["buddy", "size-class"])
+def test_a_strategy_that_rounds_beyond_the_engines_blocks_is_refused_with_the_kv_cache(tiny_config, strategy):
+    # Their rounding went on top of the blocks: size-class admitted 20 sessions where the cache held 78.
+    with pytest.raises(ValidationError, match=f"strategy '{strategy}' rounds a session's blocks up"):
+        sim_settings(tiny_config, strategy=strategy)
+    assert sim_settings(tiny_config, strategy="first-fit").resources.strategy == "first-fit"
+
+
+def test_a_model_directory_without_its_config_names_the_file_it_looked_for(tmp_path):
+    # It named the directory ("cannot read .../model: No such file or directory"), which exists.
+    with pytest.raises(ValidationError, match=f"cannot read {tmp_path / 'config.json'}: No such file or directory"):
+        sim_settings(tmp_path)

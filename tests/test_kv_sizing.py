@@ -199,10 +199,44 @@ def test_a_config_file_that_is_no_json_object_is_refused_naming_the_file(tmp_pat
 
 
 def test_a_text_config_without_the_field_says_where_it_looked():
-    """LLaVA-1.5's text_config leaves num_hidden_layers to transformers' defaults, unknown here."""
-    llava = {"model_type": "llava", "torch_dtype": "float16", "text_config": {"model_type": "llama", "vocab_size": 32064}}
+    """A text_config that leaves out what no class default fills in names where it looked."""
+    nested = {"model_type": "llava", "torch_dtype": "float16", "text_config": {"model_type": "phi3", "vocab_size": 32064}}
     with pytest.raises(ValueError, match="model config text_config: num_hidden_layers must be a positive integer, got None"):
-        kv_bytes_per_token(llava)
+        kv_bytes_per_token(nested)
+
+
+def test_llava_1_5s_text_config_is_read_with_llamas_class_defaults():
+    """LLaVA-1.5's text_config leaves Llama's sizes to transformers' defaults (32 layers and
+    heads, hidden size 4,096), as vLLM reads it: it was refused."""
+    llava = {"model_type": "llava", "torch_dtype": "float16", "text_config": {"model_type": "llama", "vocab_size": 32064}}
+    assert kv_bytes_per_token(llava) == 2 * 32 * 32 * 128 * 2 == 524288
+
+
+@pytest.mark.parametrize(
+    ("changes", "per_token"),
+    [
+        # vLLM serves a float8 checkpoint in 16 bits (no model dtype of its): it was sized at 1 byte.
+        ({"torch_dtype": "float8_e4m3fn"}, 131072),
+        # A checkpoint declaring an FP8 KV cache (llm-compressor, ModelOpt) is cached in 1 byte.
+        ({"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}, 65536),
+        ({"quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}}, 65536),
+        ({"quantization_config": {"quant_method": "modelopt", "quantization": {"kv_cache_quant_algo": "fp8"}}}, 65536),
+        ({"quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "int4"}}, 131072),  # vLLM's "auto"
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, 131072),  # weights only
+    ],
+)
+def test_the_cache_dtype_is_the_one_vllm_resolves(changes, per_token):
+    assert kv_bytes_per_token({**LLAMA3_8B, **changes}) == per_token
+    assert kv_bytes_per_token({**LLAMA3_8B, **changes}, dtype="float32") == 262144  # a dtype given wins
+    nested = {"model_type": "llava", **{k: v for k, v in changes.items() if k == "quantization_config"}, "text_config": {**LLAMA3_8B, **changes}}
+    assert kv_bytes_per_token(nested) == per_token  # the root's quantization, for a nested config
+
+
+def test_an_nvfp4_cache_is_refused_naming_it():
+    config = {**LLAMA3_8B, "quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "NVFP4"}}
+    with pytest.raises(ValueError, match="NVFP4 KV cache, which is not modelled"):
+        kv_bytes_per_token(config)
+    assert kv_bytes_per_token(config, dtype="fp8") == 65536
 
 
 # The project's tiny model (2 layers, 2 KV heads of 64, float32: 1,024 bytes a token and layer),

@@ -3,11 +3,14 @@
 - `kv_bytes_per_token(config)`: 2 (K and V) x layers x KV heads x head dim x dtype bytes, from a
   Hugging Face ``config.json`` (a mapping or a path). ``head_dim`` defaults to hidden_size /
   num_attention_heads, the KV heads (``num_key_value_heads`` or another of `KV_HEADS_KEYS`; one
-  under Falcon's ``multi_query``) to num_attention_heads (no GQA), the dtype to the config's
-  ``torch_dtype`` (or ``dtype``), else float16. Multimodal configs that nest the language model
-  under ``text_config`` are read from there (the root's dtype first, as vLLM does). Fields a
-  model's Hugging Face class fills in when its config leaves them out (`CLASS_DEFAULTS`: Gemma's
-  head_dim and window pattern, Qwen3's head_dim) are filled in first, as vLLM reads them.
+  under Falcon's ``multi_query``) to num_attention_heads (no GQA), the dtype to the FP8 cache a
+  quantized checkpoint declares, else the config's ``torch_dtype`` (or ``dtype``; 16 bits for one
+  vLLM serves no model in, a float8 checkpoint's), else float16 (`_cache_dtype`). Multimodal
+  configs that nest the language model under ``text_config`` are read from there (the root's
+  dtype and quantization first, as vLLM does). Fields a model's Hugging Face class fills in when
+  its config leaves them out (`CLASS_DEFAULTS`: Gemma's head_dim and window pattern, Qwen3's
+  head_dim, Llama's sizes, which LLaVA-1.5's text_config leaves out) are filled in first, as vLLM
+  reads them.
   DeepSeek-V2/V3's compressed latent KV (MLA, `MLA_MODEL_TYPES`) is one vector of kv_lora_rank +
   qk_rope_head_dim a token and layer, as vLLM caches it; other models with a ``kv_lora_rank``
   (DeepSeek-V3.2's sparse attention among them) are refused.
@@ -78,6 +81,7 @@ CLASS_DEFAULTS: dict[str, dict[str, int]] = {
         "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
     },
     "qwen3": {"head_dim": 128},
+    "llama": {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096},
 }  # fmt: skip
 
 
@@ -91,6 +95,8 @@ def _load(config: Mapping[str, Any] | str | PathLike[str]) -> tuple[Mapping[str,
         root_dtype = data.get("torch_dtype") or data.get("dtype")
         if root_dtype is not None:  # vLLM reads the root's dtype first
             merged["torch_dtype"] = root_dtype
+        if "quantization_config" in data:  # the checkpoint's, for the whole model
+            merged["quantization_config"] = data["quantization_config"]
         if data.get("model_type") == "gemma3":  # its text model's, when the text_config omits it
             merged.setdefault("model_type", "gemma3_text")
         data, where = merged, f"{where} text_config"
@@ -113,9 +119,9 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     For MLA (`MLA_MODEL_TYPES`): layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes.
 
     `config` is a parsed ``config.json``, its path, or the model directory. `dtype` overrides the
-    config's (pass the cache dtype when it differs from the weights', e.g. "fp8"; "auto" is the
-    config's). vLLM's ``--dtype auto`` serves a float32 config in 16 bits: pass the dtype the
-    server runs. Raises ValueError naming a missing field (and ``text_config`` when read there)
+    dtype read from it (`_cache_dtype`; pass the cache dtype when the server's differs, e.g.
+    "fp8"; "auto" is the one read). vLLM's ``--dtype auto`` serves a float32 config in 16 bits:
+    pass the dtype the server runs. Raises ValueError naming a missing field (and ``text_config`` when read there)
     or a file that holds no JSON object, OSError (FileNotFoundError, ...) when the file is unread.
     """
     data, where = _load(config)
@@ -124,8 +130,7 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
         return _need(data, where, key)
 
     layers = need("num_hidden_layers")
-    # "auto" (vLLM's default cache dtype, and its /metrics label) is the model's dtype.
-    name = next((d for d in (dtype, data.get("torch_dtype"), data.get("dtype")) if d and d != "auto"), "float16")
+    name = _cache_dtype(data, where, dtype)
     if data.get("kv_lora_rank") is not None:
         model_type = data.get("model_type")
         if model_type not in MLA_MODEL_TYPES:
@@ -150,6 +155,50 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
             raise ValueError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         head_dim = hidden // heads
     return 2 * layers * kv_heads * head_dim * dtype_bytes(name)
+
+
+#: The dtypes vLLM serves a model in; from a config's other dtype (a float8 checkpoint's, say)
+#: vLLM falls back to a 16-bit one, as for a float32 one under ``--dtype auto``.
+MODEL_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+
+
+def _cache_dtype(data: Mapping[str, Any], where: str, dtype: str | None) -> str:
+    """The dtype vLLM caches K and V in, as it resolves its ``--kv-cache-dtype auto``: `dtype`
+    where one is given (and not "auto"), else the FP8 cache a quantized checkpoint declares
+    (llm-compressor's ``kv_cache_scheme``, ModelOpt's ``kv_cache_quant_algo``), else the model's
+    dtype (the config's ``torch_dtype`` or ``dtype``; float16 without one). A config dtype vLLM
+    serves no model in (a float8 checkpoint's) is served in 16 bits: 2 bytes. ``--dtype auto``
+    serves a float32 config in 16 bits too: pass the dtype the server runs where that is so."""
+    if dtype and dtype != "auto":
+        return dtype
+    quantized = data.get("quantization_config")
+    if isinstance(quantized, Mapping):
+        declared = _declared_kv_dtype(quantized)
+        if declared == "nvfp4":
+            raise ValueError(f"{where}: its checkpoint declares an NVFP4 KV cache, which is not modelled; pass the KV cache dtype")
+        if declared is not None:
+            return declared
+    name = next((d for d in (data.get("torch_dtype"), data.get("dtype")) if d and d != "auto"), "float16")
+    return name if str(name).removeprefix("torch.").lower() in MODEL_DTYPES else "bfloat16"
+
+
+def _declared_kv_dtype(quantized: Mapping[str, Any]) -> str | None:
+    """The KV cache dtype a checkpoint's ``quantization_config`` declares (vLLM 0.32's
+    `get_kv_cache_quant_algo_string` and its attention layers' reading of ``kv_cache_scheme``):
+    "fp8", "nvfp4", or None (none, or one vLLM does not know: its "auto")."""
+    method = str(quantized.get("quant_method", ""))
+    if method.startswith("modelopt"):
+        inner = quantized.get("quantization", quantized)
+        inner = inner if isinstance(inner, Mapping) else quantized
+        algo = inner.get("kv_cache_scheme") or quantized.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo") or quantized.get("kv_cache_quant_algo")
+        if isinstance(algo, Mapping):
+            if algo.get("num_bits") == 8 and algo.get("type") == "float" and algo.get("dynamic") is False:
+                return "fp8"
+            return "nvfp4" if algo.get("num_bits") == 4 and algo.get("type") == "float" else None
+        return str(algo).lower() if isinstance(algo, str) and algo.lower() in ("fp8", "nvfp4") else None
+    if quantized.get("kv_cache_scheme") is not None:  # llm-compressor's checkpoints (compressed-tensors)
+        return "fp8"
+    return None
 
 
 #: More decoder layers than any model has (the largest published have a few hundred).
