@@ -3,9 +3,10 @@
 The model asks for tools; the loop runs them (concurrently when several are asked), feeds the
 results back as ``tool`` messages, and stops on an answer or a turn limit. The session's deadline
 ends it as it ends the rest of the session (the scheduler cancels the session then: it fails with
-`DeadlineExceeded`); a turn is not begun past it (``stopped == "deadline"``). A model call refused for the tenant's rate limits or shed (`Overloaded`) is made again
-after the wait the refusal names, a few times at most (`max_refusals`), where that wait ends
-before the session's deadline. Malformed model output never hangs or crashes the loop: an
+`DeadlineExceeded`); a turn is not begun past it (``stopped == "deadline"``). A model call
+refused for the tenant's rate limits or shed (`Overloaded`) is made again after the wait the
+refusal names, a few times at most (`max_refusals`), where that wait ends before the session's
+deadline. Malformed model output never hangs or crashes the loop: an
 unknown tool, arguments that are not JSON, a tool that raises, times out or returns something
 that is not text, and an empty reply each become a clear error message in the conversation,
 and the model gets another turn.

@@ -121,8 +121,9 @@ def kv_bytes_per_token(config: Mapping[str, Any] | str | PathLike[str], *, dtype
     `config` is a parsed ``config.json``, its path, or the model directory. `dtype` overrides the
     dtype read from it (`_cache_dtype`; pass the cache dtype when the server's differs, e.g.
     "fp8"; "auto" is the one read). vLLM's ``--dtype auto`` serves a float32 config in 16 bits:
-    pass the dtype the server runs. Raises ValueError naming a missing field (and ``text_config`` when read there)
-    or a file that holds no JSON object, OSError (FileNotFoundError, ...) when the file is unread.
+    pass the dtype the server runs. Raises ValueError naming a missing field (and ``text_config``
+    when read there) or a file that holds no JSON object, OSError (FileNotFoundError, ...) when
+    the file is unread.
     """
     data, where = _load(config)
 
@@ -190,7 +191,8 @@ def _declared_kv_dtype(quantized: Mapping[str, Any]) -> str | None:
     if method.startswith("modelopt"):
         inner = quantized.get("quantization", quantized)
         inner = inner if isinstance(inner, Mapping) else quantized
-        algo = inner.get("kv_cache_scheme") or quantized.get("kv_cache_scheme") or inner.get("kv_cache_quant_algo") or quantized.get("kv_cache_quant_algo")
+        keys = ("kv_cache_scheme", "kv_cache_quant_algo")
+        algo = next((part[key] for key in keys for part in (inner, quantized) if part.get(key)), None)
         if isinstance(algo, Mapping):
             if algo.get("num_bits") == 8 and algo.get("type") == "float" and algo.get("dynamic") is False:
                 return "fp8"
