@@ -275,9 +275,9 @@ class Dispatcher:
             raise
         else:
             if not answered and record.error is None:
-                # Left before the answer's end (a `break`): the engine aborts the call, which is
-                # recorded as one whose read was cut, or closed through the OpenAI SDK, is. Its
-                # time is its caller's choice: no event of the tenant's SLA (`sla.CANCELLED`).
+                # Left before the answer's end (a `break`): the engine aborts the call. Recorded
+                # cut, as a call whose read was cut or that the OpenAI SDK closed is: its time is
+                # its caller's choice, no event of the tenant's SLA (`sla.CANCELLED`).
                 record.error = anyio.get_cancelled_exc_class().__name__
         finally:
             try:
