@@ -231,13 +231,18 @@ class ExtentPool(MemoryPool):
         if best is None:
             return None
         plan = best[1]
+        self._open_hole(plan)
+        return self._commit(plan.device, plan.offset, plan.length, nbytes)
+
+    def _open_hole(self, plan: HolePlan) -> None:
+        """Make `plan`'s moves: one compaction, counted as made also when a later move's callback
+        raises."""
         made = self.moves
         try:
             self._carry_out(plan.moves)
-        finally:  # counted as made, also when a later move's callback raises
+        finally:
             if self.moves > made:
                 self.compactions += 1
-        return self._commit(plan.device, plan.offset, plan.length, nbytes)
 
     def _carry_out(self, moves: tuple[Move, ...]) -> None:
         """Make `moves` (none overlapping another's destination); undo the failing one and raise."""
@@ -547,12 +552,7 @@ class ExtentPool(MemoryPool):
         plan = plan_hole(DeviceLayout(device, space.pages, others), list(space.free_extents()), n, keep_clear=(start, old))
         if plan is None:
             return None
-        made = self.moves
-        try:
-            self._carry_out(plan.moves)
-        finally:  # counted as made, also when a later move's callback raises
-            if self.moves > made:
-                self.compactions += 1
+        self._open_hole(plan)
         return plan.offset
 
     def _free_bytes(self, device: str) -> int:
