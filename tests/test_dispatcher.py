@@ -6,6 +6,7 @@ test (window, order, fairness, cancellation) is the real dispatcher.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from decimal import Decimal
 from functools import partial
@@ -639,12 +640,13 @@ async def test_stream_options_that_are_no_object_are_refused_collected_as_stream
 
     async with create_backend(BackendSettings(kind=kind)) as backend:
         dispatcher = Dispatcher(backend, window=2)
-        request = {**body("x", max_tokens=4), "stream_options": 5}
-        with pytest.raises(InvalidRequest, match="stream_options: expected an object, got 5"):
-            await dispatcher.chat(request, tenant="a", tier=Tier.STANDARD)
-        with pytest.raises(InvalidRequest, match="stream_options: expected an object, got 5"):
-            async with dispatcher.stream(request, tenant="a", tier=Tier.STANDARD):
-                pass
+        for options in (5, [], ""):  # the empty ones were taken as none
+            request = {**body("x", max_tokens=4), "stream_options": options}
+            with pytest.raises(InvalidRequest, match=re.escape(f"stream_options: expected an object, got {options!r}")):
+                await dispatcher.chat(request, tenant="a", tier=Tier.STANDARD)
+            with pytest.raises(InvalidRequest, match=re.escape(f"stream_options: expected an object, got {options!r}")):
+                async with dispatcher.stream(request, tenant="a", tier=Tier.STANDARD):
+                    pass
         stats = dispatcher.statistics()
         assert (stats.in_flight, stats.calls_started) == (0, 0)
         assert (await dispatcher.chat({**request, "stream_options": None}, tenant="a", tier=Tier.STANDARD))["usage"]["completion_tokens"] > 0

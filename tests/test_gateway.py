@@ -439,6 +439,10 @@ def test_a_text_prompt_is_counted_without_a_chat_template(kind):
         assert chunks[-1].usage.prompt_tokens == 100
         chat = c.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], max_tokens=2)
         assert chat.usage.prompt_tokens == 104
+        # A chat call's tools beside a text prompt: vLLM's completions ignore them (the sim forced a call).
+        tools = [{"type": "function", "function": {"name": "search"}}]
+        answer = c.completions.create(model="m", prompt=text, max_tokens=2, extra_body={"tools": tools, "tool_choice": "required"})
+        assert answer.choices[0].finish_reason != "tool_calls" and answer.choices[0].text
 
 
 def test_a_key_or_session_header_sent_twice_is_refused(url):

@@ -232,6 +232,18 @@ def test_the_cache_dtype_is_the_one_vllm_resolves(changes, per_token):
     assert kv_bytes_per_token(nested) == per_token  # the root's quantization, for a nested config
 
 
+def test_an_fp8_cache_declared_where_vllm_also_looks_is_read(tmp_path):
+    """A ModelOpt checkpoint naming its producer but no quant_method, one of ModelOpt 0.29 whose
+    quantization is in hf_quant_config.json beside config.json, and llm-compressor's older
+    compression_config: vLLM caches each in FP8; they were sized at 2 bytes."""
+    modelopt = {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}
+    assert kv_bytes_per_token({**LLAMA3_8B, "quantization_config": modelopt}) == 65536
+    assert kv_bytes_per_token({**LLAMA3_8B, "compression_config": {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}}) == 65536
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(modelopt))
+    assert kv_bytes_per_token(tmp_path) == kv_bytes_per_token(tmp_path / "config.json") == 65536
+
+
 def test_an_nvfp4_cache_is_refused_naming_it():
     config = {**LLAMA3_8B, "quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "NVFP4"}}
     with pytest.raises(ValueError, match="NVFP4 KV cache, which is not modelled"):

@@ -323,3 +323,28 @@ def test_a_grow_gets_room_by_moving_idle_reservations_as_a_new_request_does(stra
     assert r.size == 8 and pool.statistics().fragmentation_failures == 0
     assert (memory.read(r, 4), memory.read(m, 2)) == (b"RRRR", b"MM")
     accounts_agree(pool)
+
+
+def test_a_grow_whose_room_by_moving_fails_keeps_its_pages():
+    """A move callback that raises while idle reservations move to make a grow room: the grow
+    had freed its pages and left them free, and the next request was placed over it."""
+    pool = ExtentPool([DeviceSpec("g", 16)], page_size=1, strategy="first-fit")
+    r = pool.reserve_nowait(4, owner="R", device="g")
+    m = pool.reserve_nowait(2, owner="M")
+    filler = pool.reserve_nowait(6, owner="filler")
+    pool.reserve_nowait(4, owner="X")
+    filler.release()
+    m.movable = True
+
+    def refuse(reservation, move):
+        raise OSError(f"copy of {reservation.owner} failed")
+
+    pool.set_move_callback(refuse)
+    with pytest.raises(OSError, match="copy of M failed"):
+        r.resize_nowait(8)
+    assert (r.offset, r.size) == (0, 4)
+    accounts_agree(pool)
+    pool.set_move_callback(None)
+    other = pool.reserve_nowait(4, owner="other")
+    assert other.offset >= r.offset + r.size or other.offset + other.size <= r.offset
+    accounts_agree(pool)

@@ -622,8 +622,10 @@ async def test_a_forced_tool_choice_is_answered_with_a_call_of_the_tool():
     none. With "auto" the model may answer in text, and the sim's does."""
     named = {"tools": [{"type": "function", "function": {"name": "fetch"}}, TOOL], "tool_choice": {"type": "function", "function": {"name": "search"}}}
     async with SimBackend(flat()) as backend:
-        for choice, name, finish in ((named["tool_choice"], "search", "stop"), ("required", "fetch", "tool_calls")):
-            request = {**body(16, 4), **named, "tool_choice": choice}
+        # A named tool's arguments ("{}": 1 token at 4 characters a token); for "required" the
+        # list of calls, '[{"name": "fetch", "parameters": {}}]' (37 characters: 10 tokens).
+        for choice, name, finish, tokens in ((named["tool_choice"], "search", "stop", 1), ("required", "fetch", "tool_calls", 10)):
+            request = {**body(16, 40), **named, "tool_choice": choice}
             response, _ = await backend.complete_chat(request)
             (answer,) = response["choices"]
             assert answer["finish_reason"] == finish
@@ -631,10 +633,10 @@ async def test_a_forced_tool_choice_is_answered_with_a_call_of_the_tool():
             (call,) = answer["message"]["tool_calls"]
             assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
             assert call["function"] == {"name": name, "arguments": "{}"}
-            assert response["usage"]["completion_tokens"] == 1  # "{}": one token at 4 characters a token
+            assert response["usage"]["completion_tokens"] == tokens
             chunks = [chunk async for chunk in backend.stream_chat(request)]
             assert collect_chat(chunks)["choices"][0]["message"]["tool_calls"][0]["function"] == call["function"]
-            assert chunks[-1]["usage"]["completion_tokens"] == 1
+            assert chunks[-1]["usage"]["completion_tokens"] == tokens
         chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **named, "tool_choice": "auto"})]
         assert "tool_calls" not in collect_chat(chunks)["choices"][0]["message"]
         assert chunks[-1]["usage"]["completion_tokens"] == 4
@@ -656,7 +658,7 @@ async def test_a_forced_call_fills_the_required_arguments_and_streams_them():
     tool = {"type": "function", "function": {"name": "search", "parameters": parameters}}
     expected = {"query": "", "top": 5, "mode": "fast", "where": {"site": "docs"}, "tags": []}
     arguments = json.dumps(expected)
-    tokens = -(-len(arguments) // 4)
+    tokens = -(-len(json.dumps([{"name": "search", "parameters": expected}])) // 4)  # the list of calls the model writes
     async with SimBackend(flat()) as backend:
         request = {**body(16, 100), "tools": [tool], "tool_choice": "required", "stream_interval": 3}
         response, _ = await backend.complete_chat(request)
@@ -667,9 +669,16 @@ async def test_a_forced_call_fills_the_required_arguments_and_streams_them():
         assert len(deltas) > 2 and deltas[0]["function"]["name"] == "search" and deltas[0]["id"]
         assert all("name" not in d["function"] and "id" not in d for d in deltas[1:])
         assert "".join(d["function"]["arguments"] for d in deltas) == arguments
+        # Cut at max_tokens: a named call has the arguments made so far; a "required" one none,
+        # as vLLM drops a list of calls whose JSON is unfinished.
         cut, _ = await backend.complete_chat({**request, "max_tokens": 5})
         assert cut["choices"][0]["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == 5
-        assert cut["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == arguments[:20]
+        assert cut["choices"][0]["message"]["tool_calls"] == []
+        named = {"type": "function", "function": {"name": "search"}}
+        cut, _ = await backend.complete_chat({**request, "tool_choice": named, "max_tokens": 5})
+        assert cut["choices"][0]["finish_reason"] == "length" and cut["usage"]["completion_tokens"] == 5
+        made = len(arguments) * 5 // -(-len(arguments) // 4)  # the arguments stream in proportion to the tokens
+        assert cut["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == arguments[:made]
 
 
 async def test_an_assistants_tool_calls_count_in_the_next_prompt():

@@ -520,7 +520,11 @@ class ExtentPool(MemoryPool):
             space.release(start)
             found = self.strategy.choose(space, n) if n <= space.largest_free else None
             if found is None:
-                found = self._room_by_moving(reservation, start, old, n)
+                try:
+                    found = self._room_by_moving(reservation, start, old, n)
+                except BaseException:  # a move's callback raised: the moves before it stay made
+                    space.allocate(start, old)
+                    raise
             if found is None:
                 space.allocate(start, old)  # the freed run is still free: restore exactly
                 return None

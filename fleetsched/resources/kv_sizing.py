@@ -65,6 +65,9 @@ def _read(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
         raise ValueError(f"{path} is not JSON: {exc}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object of model settings")
+    beside = path.parent / "hf_quant_config.json"  # ModelOpt 0.29 and before kept it apart, as vLLM reads it
+    if "quantization_config" not in data and beside.is_file():
+        data = {**data, "quantization_config": json.loads(beside.read_text())}
     return data
 
 
@@ -95,8 +98,9 @@ def _load(config: Mapping[str, Any] | str | PathLike[str]) -> tuple[Mapping[str,
         root_dtype = data.get("torch_dtype") or data.get("dtype")
         if root_dtype is not None:  # vLLM reads the root's dtype first
             merged["torch_dtype"] = root_dtype
-        if "quantization_config" in data:  # the checkpoint's, for the whole model
-            merged["quantization_config"] = data["quantization_config"]
+        for key in ("quantization_config", "compression_config"):  # the checkpoint's, for the whole model
+            if key in data:
+                merged[key] = data[key]
         if data.get("model_type") == "gemma3":  # its text model's, when the text_config omits it
             merged.setdefault("model_type", "gemma3_text")
         data, where = merged, f"{where} text_config"
@@ -172,7 +176,7 @@ def _cache_dtype(data: Mapping[str, Any], where: str, dtype: str | None) -> str:
     serves a float32 config in 16 bits too: pass the dtype the server runs where that is so."""
     if dtype and dtype != "auto":
         return dtype
-    quantized = data.get("quantization_config")
+    quantized = data.get("quantization_config") or data.get("compression_config")  # llm-compressor's older key
     if isinstance(quantized, Mapping):
         declared = _declared_kv_dtype(quantized)
         if declared == "nvfp4":
@@ -188,9 +192,12 @@ def _declared_kv_dtype(quantized: Mapping[str, Any]) -> str | None:
     `get_kv_cache_quant_algo_string` and its attention layers' reading of ``kv_cache_scheme``):
     "fp8", "nvfp4", or None (none, or one vLLM does not know: its "auto")."""
     method = str(quantized.get("quant_method", ""))
+    inner = quantized.get("quantization", quantized)
+    inner = inner if isinstance(inner, Mapping) else quantized
+    producer = quantized.get("producer")
+    if (isinstance(producer, Mapping) and producer.get("name") == "modelopt") or "modelopt_quant_config" in inner:
+        method = "modelopt"  # vLLM names the method of a ModelOpt checkpoint that does not
     if method.startswith("modelopt"):
-        inner = quantized.get("quantization", quantized)
-        inner = inner if isinstance(inner, Mapping) else quantized
         keys = ("kv_cache_scheme", "kv_cache_quant_algo")
         algo = next((part[key] for key in keys for part in (inner, quantized) if part.get(key)), None)
         if isinstance(algo, Mapping):

@@ -660,8 +660,10 @@ def _stream_options(body: ChatBody) -> Mapping[str, Any]:
     """The call's own ``stream_options`` (none: empty), which the dispatcher adds the engine's
     count on every chunk to; `InvalidRequest` for one that is not an object, as vLLM refuses it
     (the sim and instant backends took it in a collected call, without the count)."""
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping):
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):  # [] and "" too
         raise InvalidRequest(f"stream_options: expected an object, got {options!r:.80}")
     return options
 
