@@ -531,16 +531,17 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
     else:
         report, _ = simulate(settings, duration, args.loop)
         text = json.dumps(report, indent=2)
+        # On stderr, with --json too (as the report's schema says, and as --find-max-sessions does).
+        for flagged in report["sla"]["feasibility"]["unreachable"]:
+            print(f"fleetsched simulate: warning: {flagged['message']}", file=sys.stderr)
+        if report["sla"]["feasibility"]["note"]:  # as `run` prints it (an agent whose calls cannot fit, say)
+            print(f"fleetsched simulate: note: {report['sla']['feasibility']['note']}", file=sys.stderr)
         if args.json:
             print(text)
         else:
             from .report import sla_table, table_console, tenant_table
 
             console = table_console()
-            for flagged in report["sla"]["feasibility"]["unreachable"]:
-                print(f"fleetsched simulate: warning: {flagged['message']}", file=sys.stderr)
-            if report["sla"]["feasibility"]["note"]:  # as `run` prints it (an agent whose calls cannot fit, say)
-                print(f"fleetsched simulate: note: {report['sla']['feasibility']['note']}", file=sys.stderr)
             console.print(tenant_table(report))
             console.print(sla_table(report))
             s = report["sim"]

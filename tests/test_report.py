@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 
 from fleetsched.errors import ReportSchemaError
@@ -488,3 +489,27 @@ def test_the_sla_table_cuts_no_word_or_figure_to_fit_the_terminal(report, width)
     text = " ".join(lines)
     assert all(row[6] in text for row in sla_rows(report)), lines  # each attainment whole
     assert ("┃ tier" in "\n".join(lines)) == (width > 80), lines
+
+
+def test_a_long_run_s_timeline_stays_on_one_grid_as_it_thins():
+    """Past its size the timeline keeps every other sample and samples half as often. It dropped
+    the sample just taken, so the next came an interval and a half after the last kept: gaps of
+    5 s in a series that said 4 s apart."""
+    from fleetsched import Scheduler
+    from fleetsched.observability.sla import SlaTracker
+    from fleetsched.observability.timeline import Timeline
+    from fleetsched.virtual_time import run_virtual
+
+    from .helpers import settings
+
+    async def main():
+        async with Scheduler(settings()) as scheduler:
+            timeline = Timeline(scheduler, SlaTracker(scheduler.settings.tenants), interval_s=1.0, max_samples=10)
+            with anyio.move_on_after(100):
+                await timeline.run()
+        return timeline.as_dict()
+
+    sampled = run_virtual(main)
+    t = sampled["t"]
+    assert sampled["interval_s"] == 16.0 and len(t) <= 11
+    assert {round(b - a, 6) for a, b in zip(t, t[1:])} == {16.0} and t[0] == 0.0

@@ -520,6 +520,22 @@ def test_the_start_up_check_s_ttft_floor_is_what_a_lone_call_takes_on_a_calibrat
     assert [u["tenant"] for u in report["sla"]["feasibility"]["unreachable"]] == ["a"]
 
 
+def test_the_start_up_check_reads_a_trace_s_prompts_and_warns_with_json_too(tmp_path, capsys):
+    """A tenant whose sessions all come from a trace was judged by the probe's 9-token prompt
+    (not flagged, then every call missed); and with --json the warning was not printed, where the
+    report's schema says it is printed on stderr."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"at": 0, "tenant": "a", "turns": 1, "prompt_tokens": 4000, "max_tokens": 4}\n')
+    config = tmp_path / "trace.toml"
+    config.write_text(f'[tenants.a]\nsla = {{ ttft_p99_s = 0.005 }}\n[workload]\ntrace = "{trace}"\n')
+    assert cli_main(["simulate", str(config), "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert [u["tenant"] for u in report["sla"]["feasibility"]["unreachable"]] == ["a"]
+    assert "4027-token prompt" in report["sla"]["feasibility"]["unreachable"][0]["message"]
+    assert "fleetsched simulate: warning: tenant 'a': sla.ttft_p99_s = 0.005 s cannot be met" in captured.err
+
+
 def test_trace_sessions_whose_first_call_cannot_fit_are_noted_at_the_start(tmp_path, capsys):
     """As agent mixes are: a trace line with a 9,000,000-token prompt failed its session without
     a word (exit 0). Alike sessions are counted in one note, not one note each."""

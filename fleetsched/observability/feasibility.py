@@ -58,10 +58,13 @@ def sim_unloaded_ttft_s(sim: SimSettings, prompt_tokens: int) -> float:
 
 
 def tenant_prompt_tokens(settings: Settings) -> dict[str, int]:
-    """Each tenant's shortest first prompt in the workload, as the dispatcher estimates it."""
+    """Each tenant's shortest first prompt in the workload (its agents and its trace's sessions),
+    as the dispatcher estimates it; the probe's for a tenant with none. (The trace's sessions were
+    left out: a tenant of a trace alone was judged by the probe's 9-token prompt.)"""
+    mixes = [*settings.workload.agents, *(mix for _, mix in _trace_kinds(settings))]
     out = {}
     for name in settings.tenants:
-        sizes = [first_prompt_tokens(m) for m in settings.workload.agents if m.tenant == name]
+        sizes = [first_prompt_tokens(m) for m in mixes if m.tenant == name]
         out[name] = min(sizes) if sizes else probe_body()[1]
     return out
 

@@ -75,11 +75,14 @@ class Timeline:
         for tenant in s["attainment"]:
             value = self.tracker.tenant_attainment(tenant)
             s["attainment"][tenant].append(None if value is None else round(value, 4))
-        if len(s["t"]) >= self.max_samples:
+        if len(s["t"]) >= self.max_samples and len(s["t"]) % 2:
             self._halve()
 
     def _halve(self) -> None:
-        """Keep every other sample and sample half as often: long runs stay a bounded size."""
+        """Keep every other sample and sample half as often: long runs stay a bounded size
+        (`max_samples` + 1 at most). Halved at an odd count, the first and the last sample stay,
+        so the next comes on the same grid: halved at an even one, the sample just taken went,
+        and the next came an interval and a half after the last kept."""
 
         def thin(value: Any) -> Any:
             return {k: thin(v) for k, v in value.items()} if isinstance(value, dict) else value[::2]
