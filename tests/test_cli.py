@@ -47,7 +47,7 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     config.write_text('[tenants.acme]\nweight = -1\n[[workload.agents]]\ntenant = "acme"\ncount = 1\n')
     done = fleetsched("run", str(config))
     assert done.returncode == 2
-    assert "tenants.acme.weight" in done.stderr and "greater than 0" in done.stderr
+    assert "tenants.acme.weight" in done.stderr and "greater than or equal to 0.000001 (got -1)" in done.stderr
 
 
 def test_a_server_that_cannot_be_reached_stops_the_run_at_once():
