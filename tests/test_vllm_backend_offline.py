@@ -20,7 +20,7 @@ import httpx2
 import pytest
 from openai import AsyncOpenAI
 
-from fleetsched.backends.base import collect_chat, collect_stream
+from fleetsched.backends.base import AVOID_KEY, FALLBACK_KEY, REPLICA_KEY, collect_chat, collect_stream
 from fleetsched.backends.metrics import merge_signals, parse_vllm_metrics
 from fleetsched.backends.vllm_server import CircuitBreaker, VLLMServerBackend
 from fleetsched.errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
@@ -306,16 +306,18 @@ async def test_4xx_is_not_retried_and_does_not_trip_the_breaker():
 
 
 @pytest.mark.anyio
-async def test_429_exhausts_attempts_into_overloaded_and_opens_the_breaker():
+async def test_429_exhausts_attempts_into_overloaded_and_leaves_the_breaker_closed():
+    """A replica that answers 429 (or 503) is up and busy: the caller gets `Overloaded` with the
+    wait it asks, and the next call reaches it. It opened the breaker: the replica was locked out
+    for the breaker's reset period, every call a `BackendUnavailable` with no wait to honour."""
     seen: list[dict] = []
-    limited = [httpx2.Response(429, headers={"retry-after": "7"}, json={}) for _ in range(2)]
+    limited = [httpx2.Response(status, headers={"retry-after": "7"}, json={}) for status in (429, 429, 503, 503)]
     backend = _backend(limited, seen, retry_attempts=2, breaker_failures=1, breaker_reset_s=60.0)
-    with pytest.raises(Overloaded) as info:
-        _ = [c async for c in backend.stream_chat(BODY)]
-    assert info.value.retry_after_s == 7.0 and len(seen) == 2
-    with pytest.raises(BackendUnavailable, match="circuit open"):
-        _ = [c async for c in backend.stream_chat(BODY)]
-    assert len(seen) == 2  # refused without a request
+    for sent in (2, 4):
+        with pytest.raises(Overloaded) as info:
+            _ = [c async for c in backend.stream_chat(BODY)]
+        assert info.value.retry_after_s == 7.0 and len(seen) == sent
+    assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
     await backend.aclose()
 
 
@@ -545,6 +547,60 @@ def _http_server(answer: bytes, posts: list[bytes] | None = None) -> Iterator[st
         server.server_close()
 
 
+@pytest.mark.parametrize("keep_alive", [b"\n", b"event: ping\n\n", b"id: 7\n\n"])
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_keep_alive_lines_of_every_kind_are_a_stall_past_the_read_timeout(keep_alive, anyio_backend):
+    """Only comments started the silence clock: a blank line or an `event: ping` every 0.3 s
+    held a stalled stream open for as long as they came."""
+
+    async def pings():
+        yield ROLE_CHUNK
+        for _ in range(100):
+            yield keep_alive
+            await anyio.sleep(0.3)
+
+    response = httpx2.Response(200, content=pings(), headers={"content-type": "text/event-stream"})
+    backend = _backend([response], [], retry_attempts=1, read_timeout_s=1.0)
+    began = anyio.current_time()
+    with pytest.raises(BackendUnavailable):
+        await collect_stream(backend.stream_chat(BODY))
+    assert anyio.current_time() - began < 3.0 and backend.replicas["r0"].in_flight == 0
+    await backend.aclose()
+
+
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_a_usage_with_null_counts_is_read_as_0_and_one_that_is_no_object_is_named(anyio_backend):
+    """vLLM's schema lets a count be null: it went on into the records as None, failed the
+    session's counters with a bare TypeError and the run's summary after it. A usage that is no
+    object raised a bare AttributeError."""
+    nulls = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":null}}\n\n'
+    backend = _backend([_event_stream(ROLE_CHUNK, nulls)], [], retry_attempts=1)
+    response, _ = await collect_stream(backend.stream_chat(BODY))
+    assert response["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    text = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":"x"}\n\n'
+    backend = _backend([_event_stream(ROLE_CHUNK, text)], [], retry_attempts=1)
+    with pytest.raises(BackendError, match="sent a usage that is not an object: 'x'"):
+        await collect_stream(backend.stream_chat(BODY))
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_call_falling_back_from_the_only_replica_that_can_take_it_fails_at_once():
+    """The dispatcher sends a session's call that its replica failed again, avoiding that
+    replica; with no other to take it, it went back there and had its attempts twice (6 for
+    retry_attempts 3), its breaker counting two failures."""
+    seen: list[dict] = []
+    backend = _backend([httpx2.Response(500, json={}) for _ in range(6)], seen, retry_attempts=3, retry_initial_s=0.0, retry_max_s=0.0)
+    with pytest.raises(BackendUnavailable, match="failed with 500"):
+        await collect_stream(backend.stream_chat({**BODY, REPLICA_KEY: "r0", FALLBACK_KEY: True}))
+    with pytest.raises(BackendUnavailable, match="no vLLM replica but r0, which failed this call, can take it"):
+        await collect_stream(backend.stream_chat({**BODY, AVOID_KEY: "r0"}))
+    assert len(seen) == 3 and backend.replicas["r0"].breaker.consecutive_failures == 1
+    await backend.aclose()
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
 @pytest.mark.anyio
 async def test_a_stream_that_ends_without_done_is_an_answer_broken_off(anyio_backend):
@@ -756,3 +812,14 @@ async def test_a_call_that_waits_for_a_connection_past_the_timeout_says_so(anyio
                     with pytest.raises(BackendUnavailable, match=r"^cannot reach vLLM replica r0 \(.*\): no free connection to it within the timeout"):
                         await collect_stream(backend.stream_chat(BODY))
     assert long_answer[0][0]["choices"][0]["message"]["content"] == "a" * 20  # the call holding the connection is whole
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_a_replica_that_answers_then_ends_before_any_event_is_not_called_unreachable(anyio_backend):
+    # It said "cannot reach vLLM replica r0": it was reached, and answered 200.
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+    with _http_server(head) as url:
+        async with VLLMServerBackend(url, retry_attempts=1) as backend:
+            with pytest.raises(BackendUnavailable, match=rf"vLLM replica r0 \({url}\) answered the call, then broke off"):
+                await collect_stream(backend.stream_chat(BODY))

@@ -36,8 +36,9 @@ FALLBACK_KEY = "fleetsched_fallback"
 replica fails it before its first chunk (the dispatcher, for a session's affinity): an
 unreachable replica is then given up at once instead of after backing off (removed too)."""
 AVOID_KEY = "fleetsched_avoid"
-"""Body key naming a replica that a call routed by load goes to only when no other can take it:
-the one a session's call just failed on, which the dispatcher falls back from (removed too)."""
+"""Body key naming a replica that a call routed by load does not go to: the one a session's call
+just failed on, which the dispatcher falls back from (removed too). With no other replica to take
+it, the call fails at once with `BackendUnavailable`: it had its attempts there."""
 REQUEST_ID_KEY = "fleetsched_request_id"
 """Body key carrying the ID the gateway gave the call (its client's ``X-Request-Id``, or one of its
 own): a vLLM server gets it as its ``X-Request-Id`` header, which names the request in the

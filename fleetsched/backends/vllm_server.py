@@ -9,6 +9,11 @@ replica, at once when the first could not be reached. A named replica is the cal
 and an unreachable one is retried like any other, unless the body says the caller falls back
 itself (`FALLBACK_KEY`, as the dispatcher does for a session's replica): then it is given up at once.
 
+A replica's breaker opens after calls that found it down (unreachable, a 5xx but 503), not after
+answers that it is busy (429, 503: the caller gets `Overloaded` with the wait asked). A call that
+the dispatcher falls back from a session's replica with (`AVOID_KEY`) goes to another replica, or
+fails at once where none can take it.
+
 What is retried: connection errors, 429 and 5xx, with jittered exponential backoff (longer where
 the answer's Retry-After asks it, up to `retry_max_s`), bounded by attempts (never by elapsed
 time, so virtual-time tests stay exact), and only until the first chunk arrived; after that a
@@ -201,6 +206,29 @@ def _status(exc: BaseException) -> int | None:
     return None
 
 
+def _counts(usage: object) -> dict[str, Any]:
+    """A chunk's ``usage`` with its token counts as ints: vLLM's schema lets a count be null
+    (read as 0: a null went on into the records and failed the run's summary). ValueError for
+    one that is not an object of counts."""
+    if not isinstance(usage, dict):
+        raise ValueError(f"sent a usage that is not an object: {usage!r:.80}")
+    out = dict(usage)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        value = out.get(key)
+        if value is None:
+            out[key] = out["prompt_tokens"] + out["completion_tokens"] if key == "total_tokens" else 0
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"sent a usage whose {key} is not a count: {value!r:.80}")
+    return out
+
+
+def _busy(exc: BaseException) -> bool:
+    """An answer that the replica is busy (429, or 503 as vLLM answers when overloaded): it is
+    up, and its breaker is not told otherwise (a replica rate limiting for a moment was locked
+    out for the breaker's whole reset period)."""
+    return _status(exc) in (429, 503)
+
+
 def _retryable(exc: BaseException) -> bool:
     return _retryable_answer(exc) or _unreachable(exc)
 
@@ -274,6 +302,8 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
             return BackendUnavailable(f"{where} took the call, then sent nothing: {TIMED_OUT}")
         if reason.startswith(UNDECODABLE):  # it answered, in bytes that do not decode
             return BackendUnavailable(f"{where} sent {reason}")
+        if isinstance(exc, httpx.RemoteProtocolError) and "[DONE]" in str(exc):  # reached: it answered, then stopped
+            return BackendUnavailable(f"{where} answered the call, then broke off: {reason}")
         return BackendUnavailable(f"cannot reach {where}: {reason}")
     return BackendError(f"{where}: {exc}")
 
@@ -367,11 +397,13 @@ class _EventStream:
         since: float | None = None  # when comments began: the clock is read for them only, not a chunk
         async for line in self._lines:
             if not line.startswith("data:"):
-                if line.startswith(":"):
-                    now = anyio.current_time()
-                    since = now if since is None else since
-                    if now - since > self._read_timeout_s:  # comments only, for that long
-                        raise httpx.ReadTimeout("no event within the read timeout, only comments")
+                # A comment, a blank line, an `event:` or `id:` line: keep-alives, no chunk. Only
+                # they, for that long, are a stall (a blank line or `event: ping` every second
+                # kept a stalled stream open past the read timeout, where a comment did not).
+                now = anyio.current_time()
+                since = now if since is None else since
+                if now - since > self._read_timeout_s:
+                    raise httpx.ReadTimeout("no event within the read timeout, only keep-alive lines")
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
@@ -390,6 +422,9 @@ class _EventStream:
                 code = error.get("code") if isinstance(error, dict) else None
                 # Translated (and retried, before the first chunk) by its code, as an answer with it.
                 raise _ErrorEvent(str(message), code if isinstance(code, int) else None)
+            usage = chunk.get("usage")
+            if usage is not None:
+                chunk["usage"] = _counts(usage)
             return chunk
         # A body delimited by the connection's close (no length, not chunked, as some proxies
         # send it) ends cleanly wherever the connection dropped: without [DONE], it was cut.
@@ -527,6 +562,9 @@ class VLLMServerBackend(Backend):
         caller_falls_back = bool(request.pop(FALLBACK_KEY, False))
         avoid = request.pop(AVOID_KEY, None)
         target = self.pick_replica(named, avoid=avoid)
+        if named is None and avoid is not None and target.name == avoid:
+            # It had its attempts there: sent again, it had them twice, and cost the breaker two.
+            raise BackendUnavailable(f"no vLLM replica but {avoid}, which failed this call, can take it (the others' breakers are open)")
         kwargs = self._create_kwargs(request)
         tried = self._tried_first(target, avoid)
         while True:
@@ -557,7 +595,7 @@ class VLLMServerBackend(Backend):
             except Exception as exc:
                 if isinstance(exc, BackendError):
                     raise
-                if _retryable(exc):
+                if _retryable(exc) and not _busy(exc):
                     breaker.record_failure(anyio.current_time())
                 if _unreachable(exc):  # it was reached: the connection broke (the server died, say)
                     raise BackendUnavailable(
@@ -600,8 +638,8 @@ class VLLMServerBackend(Backend):
             opened = await self._open_with_retries(target, kwargs, fail_over=fail_over)
         except BaseException as exc:
             target.in_flight -= 1
-            if _status(exc) is not None and not _retryable(exc):
-                breaker.record_success()  # it answered: the replica is up, the body was wrong
+            if _status(exc) is not None and (not _retryable(exc) or _busy(exc)):
+                breaker.record_success()  # it answered: the replica is up (the body was wrong, or it is busy)
             elif _retryable(exc):
                 breaker.record_failure(anyio.current_time(), grant)
             else:
