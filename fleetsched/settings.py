@@ -490,7 +490,8 @@ class BackendSettings(_Section):
     retry_max_s: float = Field(8.0, gt=0, allow_inf_nan=False)
     """Longest single retry backoff."""
     breaker_failures: int = Field(5, ge=1)
-    """Consecutive failed calls that open a replica's circuit breaker."""
+    """Consecutive failed calls (unreachable, or a 5xx but 503; not 429 or 503, busy) that open a
+    replica's circuit breaker."""
     breaker_reset_s: float = Field(30.0, gt=0)
     """How long an open breaker rejects calls before letting one probe call through."""
     read_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
