@@ -175,6 +175,8 @@ def _excerpt(text: str) -> str:
 async def served_model(client: httpx.AsyncClient) -> str:
     """The first model the server lists (GET /v1/models); RuntimeError when it lists none."""
     response = await client.get("/v1/models")
+    if response.status_code == 401:
+        raise RuntimeError("GET /v1/models answered 401 Unauthorized: the server wants an API key (give --api-key, or set VLLM_API_KEY)")
     try:
         return first_listed_model(response)
     except (httpx.HTTPStatusError, ValueError):  # not JSON, or not OpenAI's shape
@@ -257,6 +259,7 @@ async def sweep(
     repeats: int = 1,
     after_pass: Callable[[], Awaitable[object]] | None = None,
     read_timeout_s: float = READ_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> list[Sample]:
     """Measure every (concurrency, shape) point; shapes are (prompt tokens, max_tokens).
 
@@ -269,7 +272,8 @@ async def sweep(
     TimeoutException.
     """
     limits = client_limits(max(concurrencies) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(read_timeout_s), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None  # a server started with --api-key
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(read_timeout_s), limits=limits, headers=headers) as client:
         if model is None:
             model = await served_model(client)
         # Warm up (first requests pay for compilation and caches).
@@ -406,6 +410,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--url", required=True, type=_url, help="the vLLM server's root URL (without /v1)")
     parser.add_argument("--out", required=True, type=_out_file, metavar="PROFILE.toml")
     parser.add_argument("--model", help="served model name (default: the server's first)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("VLLM_API_KEY"), help="the key of a server started with --api-key (default: $VLLM_API_KEY, as vLLM reads it)"
+    )
     parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64, 128], help="clients, comma-separated")
     parser.add_argument("--shapes", type=_shapes, default=[(64, 128), (384, 32), (160, 96)], help="PROMPT:MAX_TOKENS pairs")
     parser.add_argument("--rounds", type=positive_int, default=4, help="requests per client per point")
@@ -449,7 +456,7 @@ def main(argv: list[str]) -> int:
     print(f"sweeping {args.url}: concurrency {args.concurrency}, (prompt, max_tokens) {args.shapes}")
     try:
         samples = anyio.run(
-            functools.partial(sweep, read_timeout_s=args.read_timeout),
+            functools.partial(sweep, read_timeout_s=args.read_timeout, api_key=args.api_key),
             args.url, args.model, args.concurrency, args.shapes, args.rounds, print, args.stream_interval, args.repeats,
         )
     except Exception as exc:  # the sweep's clients run in task groups: their errors come grouped

@@ -438,7 +438,15 @@ class SimSettings(_Section):
         if isinstance(data, dict) and data.get("profile"):
             from .backends.sim._profiles import load_profile
 
-            return {**load_profile(str(data["profile"])).sim, **data}
+            profile = load_profile(str(data["profile"]))
+            try:  # a bad value of the file's own is named there, not as if the config had it
+                cls.model_validate(profile.sim)
+            except ValidationError as exc:
+                for error in exc.errors():
+                    if error["loc"]:  # one field's (checks across fields are the merged section's)
+                        field = ".".join(map(str, error["loc"]))
+                        raise ValueError(f"sim profile {profile.path}: {field}: {error['msg']} (got {error.get('input')!r:.80})") from None
+            return {**profile.sim, **data}
         return data
 
     @model_validator(mode="after")

@@ -314,6 +314,45 @@ def test_calibrate_reports_a_server_that_is_not_vllm_or_dies_mid_sweep(handler, 
     assert not out.exists()
 
 
+class _WantsAKey(http.server.BaseHTTPRequestHandler):
+    """A server started with --api-key: 401 without the key; with it, one model and no chat."""
+
+    seen: list[str | None] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _answer(self) -> None:
+        self.seen.append(self.headers.get("authorization"))
+        if self.headers.get("authorization") != "Bearer s3cret":
+            status, body = 401, b'{"error": "Unauthorized"}'
+        elif self.path == "/v1/models":
+            status, body = 200, b'{"object": "list", "data": [{"id": "tiny", "object": "model"}]}'
+        else:
+            status, body = 404, b'{"error": "no chat here"}'
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+
+def test_calibrate_sends_the_api_key_a_server_asks_for(tmp_path, capsys, monkeypatch):
+    """It sent none: a server started with --api-key (or the gateway) could not be measured."""
+    out = tmp_path / "p.toml"
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    args = ["--out", str(out), "--concurrency", "1", "--repeats", "1", "--rounds", "1"]
+    with _http_server(_WantsAKey) as url:
+        assert calibrate_main(["--url", url, *args]) == 1
+        assert "answered 401 Unauthorized: the server wants an API key (give --api-key" in capsys.readouterr().err
+        _WantsAKey.seen.clear()
+        assert calibrate_main(["--url", url, *args, "--api-key", "s3cret"]) == 1  # past the models, to no chat
+        assert "the server refused" in capsys.readouterr().err
+        assert _WantsAKey.seen and set(_WantsAKey.seen) == {"Bearer s3cret"}
+
+
 @pytest.mark.vllm
 def test_calibrate_prints_the_profile_it_cannot_write(vllm_server, capsys):
     """--out is checked before the sweep, but a write can still fail after it (/dev/full: ENOSPC,

@@ -59,6 +59,12 @@ def test_a_profile_s_text_with_control_characters_loads_back(tmp_path, text):
     [  # before: tomllib's or the codec's message alone, naming no file
         (b"[sim\nstep_base_s = 1\n", r"mine\.toml is not TOML: Expected ']' at the end of a table declaration \(at line 1, column 5\)"),
         (b"[sim]\nstep_base_s = 1 # \xff\n", r"mine\.toml is not UTF-8 text"),
+        # Named as if the config had set it ("backend.sim.step_base_s"), where it set only the profile.
+        (b"[sim]\nstep_base_s = -1\n", r"sim profile .*mine\.toml: step_base_s: Input should be greater than or equal to 0 \(got -1\)"),
+        (b"[sim]\nstep_cost_s = 0.01\n", r"sim profile .*mine\.toml: step_cost_s: Extra inputs are not permitted"),
+        # Left unread without a word: the profile ran on the defaults.
+        (b'[sim]\nprofile = "hermes3-70b-4xa100"\n', r"mine\.toml: \[sim\] names a profile \('hermes3-70b-4xa100'\)"),
+        (b"[simm]\nstep_base_s = 1\n[sim]\n", r"mine\.toml: unknown table \[simm\]"),
     ],
 )
 def test_a_profile_that_is_not_toml_is_named(tmp_path, content, message):

@@ -55,7 +55,11 @@ def load_profile(name: str) -> Profile:
     sim = data.get("sim")
     if not isinstance(sim, dict):
         raise ValueError(f"sim profile {path}: no [sim] table of SimSettings fields")
-    sim = {k: v for k, v in sim.items() if k != "profile"}
+    unknown = sorted(set(data) - {"profile", "sim", "fit"})
+    if unknown:  # a typo's table ([simm]) was left unread without a word
+        raise ValueError(f"sim profile {path}: unknown table [{unknown[0]}]; a profile has [profile], [sim] and [fit]")
+    if "profile" in sim:  # it was dropped: the profile then ran on the defaults
+        raise ValueError(f"sim profile {path}: [sim] names a profile ({sim['profile']!r:.80}); a profile's values are its own")
     return Profile(path.stem, path, sim, data.get("profile", {}), data.get("fit", {}))
 
 
