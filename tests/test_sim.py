@@ -949,3 +949,11 @@ async def test_engine_waiting_counts_only_what_a_step_left_waiting():
         seen = await waiting_under_a_full_batch(chat, backend.signals, clients=4, seconds=4, model="fleetsched-sim")
     assert sum(running == 4 for running, _ in seen) > len(seen) / 4  # the batch was full
     assert {waiting for _, waiting in seen} == {0}
+
+
+async def test_a_forced_call_whose_schema_holds_no_json_value_is_refused_naming_the_tool():
+    # A default given from Python that JSON cannot write escaped as a bare TypeError.
+    tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"default": {1, 2}}}, "required": ["q"]}}}
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match="tools: the parameters of 'search' hold a value that is not JSON"):
+            await backend.complete_chat({**body(16, 4), "tools": [tool], "tool_choice": "required"})
