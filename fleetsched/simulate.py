@@ -479,6 +479,8 @@ def main(argv: list[str]) -> int:
             field, message = first_error(exc)
             if args.profile is not None:  # named by its file: "bogus" alone said not where it was
                 field = f"--profile {args.profile}: {field.removeprefix('sim.') or 'sim'}"
+                if message.startswith("sim profile "):  # a field of the file's own, which the message names
+                    field, message = f"--profile {args.profile}", message.split(": ", 1)[1]
             raise ConfigError(field or "backend.sim", message) from None
         if args.find_max_sessions and duration is None:
             raise ConfigError("--duration", "--find-max-sessions needs --duration (each probe holds the fleet that long)")
