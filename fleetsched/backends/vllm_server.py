@@ -206,20 +206,18 @@ def _status(exc: BaseException) -> int | None:
     return None
 
 
-def _counts(usage: object) -> dict[str, Any]:
-    """A chunk's ``usage`` with its token counts as ints: vLLM's schema lets a count be null
-    (read as 0: a null went on into the records and failed the run's summary). ValueError for
-    one that is not an object of counts."""
+def _check_counts(usage: object) -> None:
+    """Make a chunk's ``usage`` (parsed here, ours to change) hold its token counts as ints, in
+    place: vLLM's schema lets a count be null (read as 0: a null went on into the records and
+    failed the run's summary). ValueError for one that is not an object of counts."""
     if not isinstance(usage, dict):
         raise ValueError(f"sent a usage that is not an object: {usage!r:.80}")
-    out = dict(usage)
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-        value = out.get(key)
+        value = usage.get(key)
         if value is None:
-            out[key] = out["prompt_tokens"] + out["completion_tokens"] if key == "total_tokens" else 0
+            usage[key] = usage["prompt_tokens"] + usage["completion_tokens"] if key == "total_tokens" else 0
         elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"sent a usage whose {key} is not a count: {value!r:.80}")
-    return out
 
 
 def _busy(exc: BaseException) -> bool:
@@ -423,8 +421,8 @@ class _EventStream:
                 # Translated (and retried, before the first chunk) by its code, as an answer with it.
                 raise _ErrorEvent(str(message), code if isinstance(code, int) else None)
             usage = chunk.get("usage")
-            if usage is not None:
-                chunk["usage"] = _counts(usage)
+            if usage is not None:  # on every chunk of a stream with continuous usage: no copy made
+                _check_counts(usage)
             return chunk
         # A body delimited by the connection's close (no length, not chunked, as some proxies
         # send it) ends cleanly wherever the connection dropped: without [DONE], it was cut.

@@ -57,11 +57,13 @@ def sim_unloaded_ttft_s(sim: SimSettings, prompt_tokens: int) -> float:
     return total
 
 
-def tenant_prompt_tokens(settings: Settings) -> dict[str, int]:
-    """Each tenant's shortest first prompt in the workload (its agents and its trace's sessions),
-    as the dispatcher estimates it; the probe's for a tenant with none. (The trace's sessions were
-    left out: a tenant of a trace alone was judged by the probe's 9-token prompt.)"""
-    mixes = [*settings.workload.agents, *(mix for _, mix in _trace_kinds(settings))]
+def tenant_prompt_tokens(settings: Settings, traced: list[tuple[str, AgentMix]] | None = None) -> dict[str, int]:
+    """Each tenant's shortest first prompt in the workload (its agents and its trace's sessions,
+    `traced`: `_trace_kinds`, read here if not given), as the dispatcher estimates it; the probe's
+    for a tenant with none. (The trace's sessions were left out: a tenant of a trace alone was
+    judged by the probe's 9-token prompt.)"""
+    traced = _trace_kinds(settings) if traced is None else traced
+    mixes = [*settings.workload.agents, *(mix for _, mix in traced)]
     out = {}
     for name in settings.tenants:
         sizes = [first_prompt_tokens(m) for m in mixes if m.tenant == name]
@@ -116,7 +118,8 @@ async def check_feasibility(settings: Settings, backend: Backend, model: str | N
     skipped with a note, but a backend that cannot be reached raises its `BackendUnavailable`:
     a run against it could only fail every call.
     """
-    prompts = tenant_prompt_tokens(settings)
+    traced = _trace_kinds(settings)  # read once: a trace holds up to a million sessions
+    prompts = tenant_prompt_tokens(settings, traced)
     kind = settings.backend.kind
     note = None
     if kind == "sim":
@@ -140,7 +143,7 @@ async def check_feasibility(settings: Settings, backend: Backend, model: str | N
             floors = {name: measured for name in prompts}
             prompts = {name: probe_body()[1] for name in prompts}
     flagged = unreachable(settings, floors, prompts)
-    too_long = over_context(settings)
+    too_long = over_context(settings, traced)
     if too_long:
         note = "; ".join([*too_long, *([note] if note else [])])
     return {
@@ -151,7 +154,7 @@ async def check_feasibility(settings: Settings, backend: Backend, model: str | N
     }
 
 
-def over_context(settings: Settings) -> list[str]:
+def over_context(settings: Settings, traced: list[tuple[str, AgentMix]] | None = None) -> list[str]:
     """The workload's agents (and trace sessions, alike ones counted together) whose first call
     already does not fit the model's context (where the settings know it: the sim and the
     in-process engine): refused (every call of theirs will fail), or its answer cut short (as
@@ -163,7 +166,7 @@ def over_context(settings: Settings) -> list[str]:
         return []
     agents = [(f"workload.agents[{index}] ({mix.kind or mix.tenant})", mix) for index, mix in enumerate(settings.workload.agents)]
     out = []
-    for agent, mix in agents + _trace_kinds(settings):
+    for agent, mix in agents + (_trace_kinds(settings) if traced is None else traced):
         prompt = first_prompt_tokens(mix)
         agent = f"{agent}: its first call has about {prompt} prompt tokens"
         try:
