@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from fleetsched import DeadlineExceeded, InvalidRequest, Scheduler, SessionCancelled, SessionEnded, SessionFailed
+from fleetsched.backends.instant import InstantBackend
 from fleetsched.scheduler.session import SessionState
 
 from .helpers import check_released, settings, virtual_loop
@@ -778,4 +779,133 @@ async def test_a_pool_callback_failing_after_a_release_harms_no_other_session(fa
         handles = [await scheduler.submit(agent, tenant="acme", memory=2 * GB) for agent in (await hold(1), in_tool, await hold(10))]
         assert [await handle for handle in handles] == ["held", "tool", "held"]
     assert not failures and "copy failed" in caplog.text
+    check_released(scheduler)
+
+
+async def test_a_session_woken_from_its_return_by_the_exit_ends_cancelled():
+    """At the end of the drain, a session whose model call waits to be re-admitted after a tool
+    is cancelled by the exit, as every other is. The exit woke the wait first, and the call
+    raised `SchedulerClosed` before the cancellation came: the session was recorded FAILED."""
+
+    async def agent(ctx):
+        try:
+            async with ctx.tool("search"):  # parks at once (release): the slot goes to the hog
+                await anyio.sleep(0.05)
+                raise ValueError("tool failed")
+        except ValueError:
+            pass
+        await ctx.chat(MESSAGES, max_tokens=4)  # waits to be re-admitted, behind the hog
+
+    async def hog(ctx):
+        await anyio.sleep(100)
+
+    async with Scheduler(one_slot(tool_policy="release", drain_grace_s=0.5)) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        await anyio.sleep(0.01)
+        await scheduler.submit(hog, tenant="acme")
+        await anyio.sleep(0.2)
+        assert scheduler.statistics().queued_total == 1  # the call waits to return
+    assert handle.state is SessionState.CANCELLED and handle.error is None
+    assert scheduler.statistics().finished == {"cancelled": 2}
+    check_released(scheduler)
+
+
+async def test_a_return_given_up_at_the_head_of_the_queue_lets_the_sessions_behind_it_in():
+    """A parked session's call waits to be re-admitted at the head of the queue, its memory not
+    free; the call gives up (a timeout around it). The session behind it, which fits, was held
+    back until an unrelated release (here 10 s later)."""
+
+    async def parks(ctx):
+        try:
+            async with ctx.tool("flaky"):
+                await anyio.sleep(0.1)
+                raise ValueError("tool failed")  # the session stays parked
+        except ValueError:
+            pass
+        with anyio.move_on_after(0.5):
+            await ctx.chat(MESSAGES, max_tokens=4)
+        await anyio.sleep(10)
+
+    async def long(ctx):
+        await anyio.sleep(10)
+
+    s = settings(
+        scheduler={"max_sessions": 3, "tool_policy": "release"},
+        resources={"strategy": "counting", "devices": [{"name": "gpu0", "memory": "8GB"}]},
+    )
+    async with Scheduler(s) as scheduler:
+        await scheduler.submit(parks, tenant="acme", memory=6 * GB)
+        await anyio.sleep(0.05)
+        await scheduler.submit(long, tenant="acme", memory=4 * GB)
+        await anyio.sleep(0.2)  # the parked session's call waits: 6 GB asked, 4 GB free
+        small = await scheduler.submit(lambda ctx: anyio.sleep(0), tenant="acme", memory=1 * GB)
+        await small.ended()
+        assert small.waited_s() == pytest.approx(0.35)  # submitted at 0.25, in when the call gave up at 0.6
+    check_released(scheduler)
+
+
+async def test_a_slot_freed_under_calls_made_from_outside_goes_to_the_next_session():
+    """A session ends while a call made through its context from a task outside it is at the
+    engine: its slot is free at once (its memory when the call ends), and the next session,
+    which needs only a slot, is admitted then, not when the call ends."""
+
+    class Slow(InstantBackend):
+        async def stream_chat(self, body):
+            await anyio.sleep(5)
+            async for chunk in super().stream_chat(body):
+                yield chunk
+
+    async with Scheduler(one_slot(), backend=Slow()) as scheduler:
+        async with anyio.create_task_group() as outside:
+
+            async def hands_on(ctx):
+                outside.start_soon(lambda: ctx.chat(MESSAGES, max_tokens=4))
+                await anyio.sleep(0.1)
+
+            await scheduler.submit(hands_on, tenant="acme")
+            nxt = await scheduler.submit(lambda ctx: anyio.sleep(0), tenant="acme")
+            await nxt.ended()
+            assert nxt.waited_s() == pytest.approx(0.1)
+    check_released(scheduler)
+
+
+@pytest.mark.parametrize("seconds", ["int64", "float32", "Fraction"])
+async def test_seconds_of_any_real_number_type_are_taken(seconds):
+    """`deadline_s` and `expected_s` of a numpy integer or float32 (or a Fraction) were refused
+    with "must be a number of seconds", where `memory` took numpy's integers."""
+    import fractions
+
+    import numpy as np
+
+    value = fractions.Fraction(30) if seconds == "Fraction" else getattr(np, seconds)(30)
+    async with Scheduler(settings()) as scheduler:
+        handle = await scheduler.submit(lambda ctx: anyio.sleep(0), tenant="acme", deadline_s=value, expected_s=value)
+        await handle
+    assert handle.state is SessionState.DONE
+
+
+async def test_a_task_that_outlives_its_session_leaves_its_record_alone():
+    """A tool block left, or a model call refused, after the session ended changed the ended
+    handle: its activity went back to "thinking", its tool counters grew after its record."""
+    contexts = []
+    async with Scheduler(settings()) as scheduler:
+        async with anyio.create_task_group() as outside:
+
+            async def agent(ctx):
+                contexts.append(ctx)
+
+                async def in_tool():
+                    async with ctx.tool("background"):
+                        await anyio.sleep(0.5)
+
+                outside.start_soon(in_tool)
+                await anyio.sleep(0.1)
+
+            handle = await scheduler.submit(agent, tenant="acme")
+            await handle
+            counters = (handle.activity, handle.counters.tool_calls, handle.counters.tool_s)
+            await anyio.sleep(1)  # the tool block is left
+            with pytest.raises(SessionEnded):
+                await contexts[0].chat(MESSAGES, max_tokens=2)
+            assert (handle.activity, handle.counters.tool_calls, handle.counters.tool_s) == counters
     check_released(scheduler)

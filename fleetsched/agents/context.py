@@ -232,7 +232,7 @@ class SessionContext:
         learned only if `complete` (not cut short by a cancellation)."""
         handle = self._handle
         self._tools_open -= 1
-        if self._tools_open == 0:
+        if self._tools_open == 0 and not handle.done:  # an ended session's record is written
             if handle.reservation is not None:
                 handle.reservation.movable = False
             seconds = anyio.current_time() - self._tool_start
@@ -272,7 +272,8 @@ class SessionContext:
                 after()
             return
         if not self._tools_open:  # the common case
-            handle.activity = THINKING
+            if not handle.done:  # a call refused after the end (`SessionEnded`) changes nothing
+                handle.activity = THINKING
             return
         handle.activity = TOOL
         if self._tool_idle and not handle.calls_in_flight and not handle.done:

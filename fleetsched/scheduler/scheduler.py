@@ -97,7 +97,7 @@ def _seconds(name: str, value: float | None, *, finite: bool) -> float | None:
     if value is None:
         return None
     seconds = math.nan
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # numpy's numbers too
         try:
             seconds = float(value)
         except OverflowError:
@@ -632,6 +632,7 @@ class Scheduler:
             # agent, are still at the engine: they use its memory until the last one ends. (Its
             # slot is free: the session is over, and its context makes no new call.)
             ctx._after_calls = lambda: self._release_memory(handle)
+            self._admit_ready()  # its slot may be all that a queued session waits for
         else:
             self._release_memory(handle)
 
@@ -796,6 +797,10 @@ class Scheduler:
                 if self._closing:
                     if not call:
                         return
+                    # The exit woke this wait and cancelled the session in the same step: the
+                    # cancellation ends the session (CANCELLED, as the exit ends every other),
+                    # not this error (it failed the session). A shielded call gets the error.
+                    await anyio.lowlevel.checkpoint_if_cancelled()
                     raise SchedulerClosed(f"{handle.name} is parked in a tool and the scheduler is closing: it makes no more model calls")
                 await self._readmit(handle)
 
@@ -842,6 +847,7 @@ class Scheduler:
         except BaseException:
             self._queue.remove(entry)  # no-op if it was already granted (then _finish releases)
             handle._readmit = None
+            self._admit_ready()  # it may have headed the queue, holding back sessions that fit
             raise
         error, handle._readmit_error = handle._readmit_error, None
         if error is not None:
