@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 from unittest.mock import ANY
@@ -1371,3 +1372,89 @@ def test_a_refusal_for_overload_is_not_logged_once_a_call(caplog):
         answers = [httpx.post(url + "/v1/chat/completions", json={"messages": MSG}, headers={"authorization": f"Bearer {ACME}"}) for _ in range(3)]
     assert [a.status_code for a in answers] == [503] * 3 and answers[0].headers["retry-after"] == "2"
     assert "failed" not in caplog.text
+
+
+def _noting_refunds(gw) -> list:
+    """The gateway's refunds to its tenants' limits, as (tenant, tokens, request) once made."""
+    refunds: list = []
+    refund = gw.state.refund
+
+    async def noted(tenant, tokens, *, request=False):
+        await refund(tenant, tokens, request=request)
+        refunds.append((tenant, tokens, request))
+
+    gw.state.refund = noted
+    return refunds
+
+
+def _until(condition, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+def test_a_collected_call_cut_short_is_charged_what_the_engine_made(endpoint):
+    """A call answered whole (not streamed) whose client leaves meanwhile: the tenant's tokens
+    per minute were charged none of the output the engine made (8,000 of 8,004 taken given
+    back after 475 tokens), where a stream cut the same way was charged its output."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "tokens_per_minute": 600_000}}
+    s = gateway_settings(tenants, backend={"kind": "sim"}, gateway={"max_context_tokens": None})
+    with serve_in_thread(s) as (gw, url):
+        refunds = _noting_refunds(gw)
+        calls: list = []
+        add_call = gw.scheduler.dispatcher.recorder.add_call
+        gw.scheduler.dispatcher.recorder.add_call = lambda record: (calls.append(record), add_call(record))
+        body = {"messages": MSG} if endpoint.startswith("chat") else {"prompt": "hi"}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + f"/v1/{endpoint}", json={**body, "max_tokens": 8000}, headers={"authorization": f"Bearer {ACME}"}, timeout=0.5)
+        _until(lambda: calls and refunds)
+        made = calls[0].prompt_tokens + calls[0].completion_tokens
+        taken = (4 if endpoint.startswith("chat") else 1) + 8000
+        assert calls[0].completion_tokens > 10
+        assert refunds == [("acme", taken - made, False)]
+
+
+def test_a_call_whose_client_leaves_before_it_is_sent_gives_everything_back():
+    """A call queued for a place in the dispatcher's window (one place, held by another
+    tenant's stream) whose client leaves: no engine saw it, yet the tenant was charged its
+    prompt estimate (1,004 tokens of a 1,200-token minute) and a request."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "tokens_per_minute": 1200}, "globex": {"api_keys": [hash_key(GLOBEX)]}}
+    s = gateway_settings(
+        tenants, backend={"kind": "sim", "max_in_flight": 1}, dispatch={"adaptive_window": False}, gateway={"max_context_tokens": None}
+    )
+    with serve_in_thread(s) as (gw, url):
+        refunds = _noting_refunds(gw)
+        stop = threading.Event()
+
+        def hold_the_place():
+            stream = {"messages": MSG, "max_tokens": 8000, "stream": True}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=stream, headers={"authorization": f"Bearer {GLOBEX}"}) as held:
+                for _ in held.iter_lines():
+                    if stop.is_set():
+                        break
+
+        holder = threading.Thread(target=hold_the_place)
+        holder.start()
+        try:
+            _until(lambda: gw.scheduler.dispatcher.statistics().in_flight == 1)
+            with pytest.raises(httpx.ReadTimeout):
+                body = {"messages": [{"role": "user", "content": "x" * 4000}], "max_tokens": 10}
+                httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {ACME}"}, timeout=0.5)
+            _until(lambda: any(tenant == "acme" for tenant, *_ in refunds))
+        finally:
+            stop.set()
+            holder.join()
+        assert [r for r in refunds if r[0] == "acme"] == [("acme", 1004 + 10, True)]
+
+
+def test_max_completion_tokens_is_no_field_of_a_text_completion():
+    """vLLM's completions endpoint ignores ``max_completion_tokens`` (chat's): here it won over
+    ``max_tokens`` (3 asked, 40 made on the sim), and a large one was refused by name."""
+    with serve_in_thread(gateway_settings(backend={"kind": "sim"})) as (_, url):
+        c = client(url)
+        reply = c.completions.create(model="m", prompt="hi", max_tokens=3, extra_body={"max_completion_tokens": 40})
+        assert reply.usage.completion_tokens == 3
+        reply = c.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={"max_completion_tokens": 9000})
+        assert reply.usage.completion_tokens == 2

@@ -55,13 +55,15 @@ class Received:
     """What a call collected whole has received so far, counted by its backend as the tokens
     come (`Backend.complete_chat`): a call cut short (cancelled, failed) is then charged and
     reported with the output the engine made for it, as a stream left early is.
-    `prompt_tokens` is the engine's count of the prompt, 0 until one came."""
+    `prompt_tokens` is the engine's count of the prompt, 0 until one came. `sent`: the call has
+    left the dispatcher's queue for its backend (one cut before used no engine time)."""
 
-    __slots__ = ("output_tokens", "prompt_tokens")
+    __slots__ = ("output_tokens", "prompt_tokens", "sent")
 
     def __init__(self) -> None:
         self.output_tokens = 0
         self.prompt_tokens = 0
+        self.sent = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ import httpx
 
 from ..agents.transport import CLIENT_ID, CLIENT_ID_FORM, UsageShape, error_response, model_not_found, request_id, response_for
 from ..backends import create_backend
-from ..backends.base import PRIVATE_KEYS, REQUEST_ID_KEY, Backend, completion_room, estimate_prompt_tokens, max_tokens_field, model_list, requested_max_tokens
+from ..backends.base import PRIVATE_KEYS, REQUEST_ID_KEY, Backend, Received, completion_room, estimate_prompt_tokens, max_tokens_field, model_list, requested_max_tokens
 from ..errors import BackendError, ContextTooLong, DeadlineExceeded, FleetschedError, InvalidRequest, Overloaded, SchedulerClosed, SessionRejected
 from ..resources.ratelimit import RateLimit, Taken, shortfall_text
 from ..scheduler import Scheduler
@@ -506,10 +506,15 @@ class Gateway:
             # A session's deadline bounds its calls under way too (the scheduler ends the session
             # then; a call runs in the request's task): past it, a 408, or an error event.
             if endpoint == "chat" and not streaming:
-                with anyio.CancelScope(deadline=deadline) as budget:
-                    response = await dispatcher.chat(
-                        body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline, replica=replica
-                    )
+                received = Received()
+                try:
+                    with anyio.CancelScope(deadline=deadline) as budget:
+                        response = await dispatcher.chat(
+                            body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline, replica=replica, received=received
+                        )
+                finally:  # cut short (the deadline, the client gone) too: what the engine made counts
+                    done.sent = received.sent
+                    done.prompt_tokens, done.completion_tokens = received.prompt_tokens, received.output_tokens
                 _check_budget(budget)
                 done.note(response)
                 done.status = await _send(send, 200, _dumps(response))
@@ -520,8 +525,12 @@ class Gateway:
                         body, tenant=tenant, tier=tier, session=session, due=due, deadline=deadline, replica=replica
                     )
                     chunks = await stack.enter_async_context(stream)
+                    done.sent = True
                     if not streaming:
-                        collected = [chunk async for chunk in chunks]
+                        collected = []
+                        async for chunk in chunks:  # noted as they come: a call cut short is charged them
+                            done.note(chunk)
+                            collected.append(chunk)
                     else:  # the first chunk before the headers: a failure up to here is still an HTTP error
                         first = await anext(chunks, None)
                 _check_budget(budget)
@@ -559,15 +568,25 @@ class Gateway:
         """After a call answered `status`: refund the tokens it did not use to the tenant's
         tokens per minute (whatever its outcome: a call refused or failed gets its prompt back
         too; one whose prompt the engine counted longer than the estimate `prompt` is charged
-        the difference), and count a served call's tokens and fair-share service."""
-        used_prompt = 0 if status >= 400 else (done.prompt_tokens or prompt)
+        the difference), and count a served call's tokens and fair-share service.
+
+        What the engine counted is charged whatever the status: a call cut short by its deadline
+        (408) or its client made tokens. A call whose client left before it was sent (queued in
+        the dispatcher, its session waiting for admission) used nothing: all goes back."""
+        if done.prompt_tokens or done.completion_tokens:
+            used_prompt = done.prompt_tokens
+        elif status >= 400 or not done.sent:
+            used_prompt = 0
+        else:  # sent, and cut before any count came: the engine may have read the prompt
+            used_prompt = prompt
         unused = prompt + max_tokens - used_prompt - done.completion_tokens
         served = status == 200
         # A call refused as invalid (a session that can never run, a field the engine refuses)
         # gets its request back too, as one refused for its X-Session-ID never takes it: else
         # a tenant's bad field locked it out for up to a minute. Refusals for load or time (429,
-        # 503, 408) keep theirs: they were made, and retried at once they would hammer.
-        invalid = status in _REFUSED_AS_INVALID
+        # 503, 408) keep theirs: they were made, and retried at once they would hammer. So
+        # does a call whose client left before it was sent: nothing was made of it.
+        invalid = status in _REFUSED_AS_INVALID or (status == 0 and not done.sent)
         if served:
             self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
         with anyio.CancelScope(shield=True):
@@ -589,10 +608,12 @@ _REFUSED_AS_INVALID = frozenset({400, 404, 413, 422})
 
 
 class _Outcome:
-    __slots__ = ("status", "started", "failed_mid_stream", "client_left", "answered", "prompt_tokens", "completion_tokens")
+    __slots__ = ("status", "sent", "started", "failed_mid_stream", "client_left", "answered", "prompt_tokens", "completion_tokens")
 
     def __init__(self) -> None:
         self.status = 0
+        #: The call left the dispatcher's queue for the backend.
+        self.sent = False
         self.started = False
         #: The stream ended in an error event after its 200 was sent.
         self.failed_mid_stream = False

@@ -164,7 +164,8 @@ def check_completion(body: Any) -> dict[str, Any]:
     # A stray chat field is ignored, as vLLM's completions endpoint ignores it, and dropped here:
     # left in, it made the prompt estimate count the messages, so a long prompt passed the
     # context check and the tokens-per-minute charge as a short one.
-    for chat_field in ("messages", "tools", "tool_choice", "parallel_tool_calls"):  # a tool_choice made the sim answer a call
+    # max_completion_tokens is chat's too: it made a text completion's max_tokens of 3 give 40.
+    for chat_field in ("messages", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens"):  # a tool_choice made the sim answer a call
         body.pop(chat_field, None)
     # In a text completion `logprobs` is how many log probabilities to return per token (an
     # integer, as in vLLM's CompletionRequest: -1 for the whole vocabulary), not chat's flag.

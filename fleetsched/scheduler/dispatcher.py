@@ -167,12 +167,14 @@ class Dispatcher:
         due_in: float = math.inf,
         deadline: float = math.inf,
         replica: str | None = None,
+        received: Received | None = None,
     ) -> dict[str, Any]:
         """Make one call and return the whole ``chat.completion`` response dict.
 
         The hot path of every non-streaming call: it does what `stream` does without the
         context manager and generator layers, and lets the backend collect the answer
-        (`Backend.complete_chat`).
+        (`Backend.complete_chat`). `received`, where given, tells the caller what a call cut
+        short had received, and whether it was sent at all (`Received`).
         """
         _check_call(body, tenant, tier, due, due_in, deadline)
         given_options = _stream_options(body)
@@ -180,7 +182,9 @@ class Dispatcher:
         # "stream": False: only the first token's time and the whole answer matter here. The
         # engine's count on every chunk, as for a stream: a call cut short is charged its output.
         request = {**body, "priority": tier, "stream": False, "stream_options": {**given_options, **_USAGE_ON_EVERY_CHUNK}}
-        received = Received()
+        if received is None:
+            received = Received()
+        received.sent = True
         try:
             # Inside the try: a backend refuses a body (ContextTooLong) when the call is made,
             # and that call must still give its place in the window back.
