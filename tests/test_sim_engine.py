@@ -375,3 +375,21 @@ def test_a_one_token_chunk_of_a_recompute_counts_as_prefill():
         engine.complete(step)
     assert engine.preemptions > 0 and engine.finished == 2
     assert engine.prompt_computed == engine.computed_tokens - decodes
+
+
+def test_a_request_is_admitted_only_when_its_whole_prompt_fits():
+    """vLLM 0.32 admits a waiting request only when the blocks of its whole sequence are free
+    (`scheduler_reserve_full_isl`). The sim admitted it when its first chunk fit: B (13 blocks
+    of prompt, 7 free) started beside A, stalled at its next chunk and was preempted. Checked
+    against vLLM's own Scheduler, step by step: A alone until it ends, then B."""
+    engine = SimEngine(SimSettings(block_size=16, kv_cache_tokens=20 * 16, max_num_batched_tokens=128, max_model_len=1024), coast=False)
+    a = engine.new_request(200, 40, [hash(("a", i)) for i in range(12)])
+    b = engine.new_request(200, 10, [hash(("b", i)) for i in range(12)])
+    steps = []
+    while engine.running or engine.queue:
+        step = engine.schedule()
+        steps.append({("a" if r is a else "b"): n for r, n in zip(step.requests, step.counts)})
+        engine.complete(step)
+    assert steps[:3] == [{"a": 128}, {"a": 72}, {"a": 1}]
+    assert engine.preemptions == 0
+    assert steps.index({"b": 128}) == steps.index({"a": 1}) + 39  # when a has ended

@@ -14,7 +14,9 @@ Scheduling follows ``vllm/v1/core/sched/scheduler.py``:
    itself is the victim.
 2. Then, only if nothing was preempted in this step, waiting requests in policy order while a
    running slot (``max_num_seqs``) and budget remain: prefix cache lookup, allocation, admit.
-   The first that does not fit stops admission.
+   A request is admitted only when the blocks of its whole sequence are free (vLLM's
+   ``scheduler_reserve_full_isl``), though it is given only this step's chunk of them. The
+   first that does not fit stops admission.
 
 **Coasting.** Most running requests, most of the time, decode one token a step and need nothing
 else: their last block has room, they are not about to finish, and nobody is owed a wake-up. Such
@@ -531,7 +533,10 @@ class SimEngine:
             hits = pool.lookup(request.hashes, (num_tokens - 1) // bs)
             num_computed = len(hits) * bs
             num_new = min(num_tokens - num_computed, budget)
-            need = -(-(num_computed + num_new) // bs) - len(hits)
+            # Admitted only when its whole sequence fits, not only this step's chunk, as vLLM
+            # 0.32 admits (`scheduler_reserve_full_isl`, on by default): a long prompt waits,
+            # where it started, stalled at its next chunk, and was preempted.
+            need = -(-num_tokens // bs) - len(hits)
             if need > pool.num_free - pool.num_evictable(hits):
                 break
             queue.pop()
