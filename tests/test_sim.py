@@ -14,7 +14,7 @@ import re
 import anyio
 import pytest
 
-from fleetsched.backends.base import Received, collect_chat, estimate_prompt_tokens
+from fleetsched.backends.base import Received, collect_chat, estimate_prompt_tokens, tools_text
 from fleetsched.backends.instant import InstantBackend
 from fleetsched.backends.chat_options import echoed, output_params, response_role, template_kwargs
 from fleetsched.backends.sampling import constraint_params
@@ -701,9 +701,10 @@ async def test_an_assistants_tool_calls_count_in_the_next_prompt():
         output = answer["usage"]["completion_tokens"]
         messages += [answer["choices"][0]["message"], {"role": "tool", "tool_call_id": "c1", "content": "y" * 100}]
         before = (await backend.signals()).prefix_cache_hits_total
-        await backend.complete_chat({"model": "fleetsched-sim", "messages": messages, "max_tokens": 1})
+        await backend.complete_chat({"model": "fleetsched-sim", "messages": messages, "tools": [tool], "max_tokens": 1})
         hit = (await backend.signals()).prefix_cache_hits_total - before
-    assert hit == (40 + 4 + output) // 16 * 16  # the prompt, the assistant's frame and the call's blocks
+    # The blocks of the tools, the prompt, the assistant's frame and the call (4 characters a token).
+    assert hit == (len(tools_text([tool])) + 4 * (40 + 4 + output)) // (4 * 16) * 16
 
 
 async def test_sampling_parameters_vllm_takes_are_taken():
@@ -957,3 +958,19 @@ async def test_a_forced_call_whose_schema_holds_no_json_value_is_refused_naming_
     async with SimBackend(flat()) as backend:
         with pytest.raises(InvalidRequest, match="tools: the parameters of 'search' hold a value that is not JSON"):
             await backend.complete_chat({**body(16, 4), "tools": [tool], "tool_choice": "required"})
+
+
+async def test_the_tools_a_call_offers_are_part_of_its_prompt():
+    """A chat template writes the request's tools into the prompt (the tiny model's as JSON, one
+    a line): ten tools of 2,000-character descriptions are about 5,000 tokens. The sim counted
+    none of them (prompt_tokens 4), nor did the estimate that the rate limits, the fair share and
+    the gateway's context check read."""
+    tools = [{"type": "function", "function": {"name": f"t{i}", "description": "d" * 2000, "parameters": {}}} for i in range(10)]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    text = tools_text(tools)
+    assert text.count("\n") == 10 and len(text) > 20_000
+    assert estimate_prompt_tokens({**body, "tools": tools}) == estimate_prompt_tokens(body) + len(text) // 4
+    async with SimBackend(flat()) as backend:
+        bare, _ = await backend.complete_chat(body)
+        offered, _ = await backend.complete_chat({**body, "tools": tools})
+    assert offered["usage"]["prompt_tokens"] == bare["usage"]["prompt_tokens"] + len(text) // 4

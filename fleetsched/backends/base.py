@@ -13,6 +13,7 @@ aborts the call at the engine.
 from __future__ import annotations
 
 import itertools
+import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -382,7 +383,7 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             return _truncated(body, max(1, len(prompt[0]) // 4))
         messages = ()
-    chars = 0
+    chars = len(tools_text(body.get("tools")))
     framing = 0 if body.get(TEXT_PROMPT_KEY) else 16  # role and chat-template tokens, a message
     try:
         for message in messages:
@@ -425,6 +426,23 @@ def tool_call_texts(calls: Any) -> Iterator[str]:
             for key in ("name", "arguments"):
                 if isinstance(function.get(key), str):
                     yield function[key]
+
+
+def tools_text(tools: Any) -> str:
+    """The text of a chat request's ``tools`` that its prompt holds: a chat template writes each
+    tool's function out as JSON, one a line (the tiny model's does, as tool-calling models'
+    templates do); what else it adds of its own is not counted. A tool of another shape counts
+    nothing: vLLM's server checks them."""
+    if not tools or not isinstance(tools, list):
+        return ""
+    lines = []
+    for tool in tools:
+        if isinstance(tool, Mapping):
+            try:
+                lines.append(json.dumps(tool.get("function", tool), ensure_ascii=False) + "\n")
+            except (TypeError, ValueError):  # not JSON: refused by the checks
+                continue
+    return "".join(lines)
 
 
 def content_part_texts(parts: list[Any]) -> Iterator[str]:

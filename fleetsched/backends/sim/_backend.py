@@ -58,6 +58,7 @@ from ..base import (
     max_tokens_field,
     new_completion_id,
     requested_max_tokens,
+    tools_text,
     usage_dict,
     wants_continuous_usage,
 )
@@ -379,7 +380,7 @@ class SimBackend(Backend):
         check_chat_options(body)  # the options' types first, as vLLM's request model checks them
         engine = self.engine
         try:
-            text = prompt_text(messages, framed=not body.get(TEXT_PROMPT_KEY))
+            text = tools_text(body.get("tools")) + prompt_text(messages, framed=not body.get(TEXT_PROMPT_KEY))
         except (AttributeError, TypeError):  # caught where they are read anyway: no cost when right
             raise invalid_messages(messages) from None
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
