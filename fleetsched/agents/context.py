@@ -271,12 +271,13 @@ class SessionContext:
                 after, self._after_calls = self._after_calls, None
                 after()
             return
+        if handle.done:  # a call refused after the end (`SessionEnded`) changes nothing
+            return
         if not self._tools_open:  # the common case
-            if not handle.done:  # a call refused after the end (`SessionEnded`) changes nothing
-                handle.activity = THINKING
+            handle.activity = THINKING
             return
         handle.activity = TOOL
-        if self._tool_idle and not handle.calls_in_flight and not handle.done:
+        if self._tool_idle and not handle.calls_in_flight:
             # The last call under way ended inside a tool period that began after it: idle now.
             if handle.reservation is not None:
                 handle.reservation.movable = True
