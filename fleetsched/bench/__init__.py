@@ -6,6 +6,8 @@ Each benchmark is a module here with ``main(argv) -> int``.
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import sys
 
 from ..errors import BackendUnavailable
@@ -18,6 +20,22 @@ BENCHMARKS = {
     "gateway": "the gateway's added latency and throughput under load from a second process",
     "sim-fidelity": "the sim backend against reference tables and a real CPU vLLM",
 }
+
+
+def json_text(result: object) -> str:
+    """A benchmark's figures as JSON text, a figure that is not a finite number (the p99 of no
+    calls) as null: ``json.dumps`` writes NaN, which is not JSON (a parser refuses it)."""
+
+    def finite(value: object) -> object:
+        if isinstance(value, float):
+            return value if math.isfinite(value) else None
+        if isinstance(value, dict):
+            return {key: finite(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(item) for item in value]
+        return value
+
+    return json.dumps(finite(result), indent=2, allow_nan=False)
 
 
 def run(name: str, argv: list[str]) -> int:

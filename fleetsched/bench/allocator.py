@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import random
 import statistics
@@ -79,6 +78,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import json_text
 from .._args import float_in, non_negative_float, positive_int, unit_float
 from ..errors import WouldBlock
 from ..resources import (
@@ -242,10 +242,11 @@ def offered_load(trace: Trace) -> float | None:
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile (rank ceil(q n): p99 of 100 values is the 99th); 0.0 of none."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[max(0, math.ceil(round(q * len(ordered), 9)) - 1)]  # round: 0.07 * 100 is 7.000000000000001
 
 
 def replay(
@@ -639,7 +640,7 @@ def main(argv: list[str]) -> int:
     if "first-fit" in names and DEFAULT_STRATEGY in names:
         result["targets"] = _targets(shipped, on_demand, placement, threshold, hinted, kind_hinted)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json_text(result))
         return 0
     columns = ["frag_mean", "frag_p95", "frag_pinned_floor", "frag_failures", "failures_no_room", "wait_mean",
                "op_us_p99", "settle_op_us_p99", "compaction_op_us_p99", "moved_gb_per_gb_granted"]  # fmt: skip
@@ -676,7 +677,7 @@ def main(argv: list[str]) -> int:
     )
     if "targets" in result:
         print("\n== targets ==")
-        print(json.dumps(result["targets"], indent=2))
+        print(json_text(result["targets"]))
     return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from . import json_text
 from .._args import applies_only, positive_float, positive_int
 
 API_KEY = "fs-bench-key"
@@ -257,7 +259,8 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
 
     def pct(q: float) -> float | None:
         # None (JSON null) when no request was answered: NaN would print as NaN, which is not JSON.
-        return round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 3) if latencies else None
+        # Nearest rank, ceil(q n): p99 of 100 latencies is the 99th (it read the 100th).
+        return round(latencies[max(0, math.ceil(round(q / 100 * len(latencies), 9)) - 1)] * 1000, 3) if latencies else None
 
     # Over at least the time the measured requests were offered in: from the first one's send to
     # the last one's answer is (n - 1) / rate plus a latency, and one request read as 1 / latency
@@ -364,7 +367,7 @@ def main(argv: list[str]) -> int:
     # The headline figures are the instant backend's: the gateway's own cost.
     results.update({k: results["instant"][k] for k in ("rps", "added_latency_ms", "errors")})
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json_text(results))
         return 0
     for name in ("instant", "vllm"):
         r = results.get(name)

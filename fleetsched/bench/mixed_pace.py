@@ -22,13 +22,13 @@ mode from its ``/metrics`` counters.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 import anyio
 
+from . import json_text
 from .._args import applies_only, http_url, positive_float, positive_int
 from ..agents.workload import run_workload
 from ..scheduler import Scheduler, percentile
@@ -197,7 +197,7 @@ def main(argv: list[str]) -> int:
         else None
     )
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json_text(result))
         return 0
     from rich.console import Console
     from rich.table import Table

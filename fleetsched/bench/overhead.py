@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import resource
 import sys
 import time
@@ -22,6 +21,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
+from . import json_text
 from .._args import positive_int
 from ..backends.base import Backend, ChatBody, Chunk
 from ..backends.instant import InstantBackend
@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
         "python": sys.version.split()[0],
     }
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json_text(result))
         return 0
     from rich.console import Console
     from rich.table import Table

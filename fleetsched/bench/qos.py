@@ -51,9 +51,9 @@ the largest sample to the bound, the stricter reading.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -63,6 +63,7 @@ from typing import Any
 import anyio
 import httpx
 
+from . import json_text
 from .._args import applies_only, http_url, non_negative_float, non_negative_int, positive_float, positive_int, unit_float
 from ..backends.sim._fit import answer_draws
 from ..calibrate import KEEPALIVE_EXPIRY_S
@@ -172,22 +173,37 @@ def body(max_tokens: int) -> dict[str, Any]:
     }
 
 
+#: The engine's running count of a call's output in a streamed chunk's usage.
+_COMPLETION_TOKENS = re.compile(r'"completion_tokens":\s*(\d+)')
+
+
 async def direct_call(client: httpx.AsyncClient, tally: Tally, tier: Tier, tenant: str, max_tokens: int, priority: bool) -> None:
     """One streamed call straight to vLLM. The SSE lines are only scanned, not parsed: on a
-    2-core machine the load generator must cost far less than the engine it drives."""
+    2-core machine the load generator must cost far less than the engine it drives.
+
+    Tokens are counted from the engine's running count on every chunk (continuous usage), as the
+    fleetsched mode counts them: when its API server falls behind the engine, vLLM merges a
+    call's pending tokens into one chunk, and a count of chunks then read the saturation probe
+    and the direct modes low (the ratio to them high)."""
     request = body(max_tokens)
     request["stream"] = True
+    request["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if priority:
         request["priority"] = int(tier)
     call = CallTally(tally, tier, tenant)
+    counted = 0
     try:
         async with client.stream("POST", "/v1/chat/completions", json=request) as response:
             if response.status_code != 200:
                 tally.errors += 1
                 return
             async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                    call.token()
+                found = _COMPLETION_TOKENS.search(line)
+                if found is not None:
+                    tokens = int(found[1])
+                    for _ in range(tokens - counted):
+                        call.token()
+                    counted = max(counted, tokens)
         call.ended()
     except anyio.get_cancelled_exc_class():
         call.cancelled()
@@ -651,7 +667,7 @@ def main(argv: list[str]) -> int:
             return 2
     result["gc_thresholds"] = list(SERVING)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json_text(result))
         return 0
     print_table(result)
     return 0
