@@ -563,7 +563,11 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
             miss = "" if result["first_miss"] is None else f"; the next fleet run, {result['first_miss']} sessions, misses"
             print(f"largest fleet meeting every SLA: {result['max_sessions']} sessions {result['agents']}{miss}")
             if args.repeats == 1:
-                print("note: each size ran once (one seed): near the edge a size can pass or miss by chance; --repeats 3 runs each with three")
+                print(
+                    "fleetsched simulate: note: each size ran once (one seed): near the edge a size can pass or miss by chance; "
+                    "--repeats 3 runs each with three",
+                    file=sys.stderr,
+                )
         limited = {int(n): refused for n, refused in result["rate_limited"].items() if int(n) > result["max_sessions"]}
         if limited and not args.json:
             largest = max(limited)

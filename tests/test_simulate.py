@@ -568,7 +568,7 @@ def test_the_search_looks_past_fleets_refused_only_by_their_own_rate_limits(monk
 
     def fake_simulate(settings, duration_s, loop):
         sessions = sum(m.count for m in settings.workload.agents)
-        report = {"duration_s": duration_s, "wall_s": 0.0, "sla": {"feasibility": {"unreachable": []}}}
+        report = {"duration_s": duration_s, "wall_s": 0.0, "sla": {"feasibility": {"unreachable": [], "note": None}}}
         return report, sessions
 
     monkeypatch.setattr(simulate_module, "simulate", fake_simulate)
