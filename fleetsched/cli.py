@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -21,7 +22,7 @@ import anyio
 from rich.console import Console
 
 from . import bench
-from ._args import positive_float, tcp_port, writable_file
+from ._args import applies_only, positive_float, tcp_port, writable_file
 from .errors import BackendUnavailable, ConfigError
 from .gc_tuning import SERVING, gc_thresholds
 from .report import table_console
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     """The ``fleetsched`` command: its exit status (130 when stopped by Ctrl-C, as shells count it)."""
     try:
         return _main(argv)
+    except BrokenPipeError:  # `... --json | head`: the reader has all it wanted
+        # Python would report the pipe again as it flushes stdout at exit: point it at nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:  # the run stopped where it was: say so, without a traceback
         _quiet_unstarted_tasks()
     except BaseExceptionGroup as group:  # trio (simulate --loop trio) raises it in its task groups
@@ -135,7 +140,7 @@ def _main(argv: list[str] | None) -> int:
     run.add_argument("--report", type=writable_file, metavar="FILE.json", help="write the run's figures as JSON")
     run.add_argument("--no-live", action="store_true", help="no live view, only the final table")
     run.add_argument("--metrics-port", type=tcp_port, metavar="PORT", help="serve Prometheus metrics on PORT (0: any free port, printed on stderr)")
-    run.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics server listens on (default 127.0.0.1)")
+    run.add_argument("--metrics-host", help="with --metrics-port: the address it listens on (default 127.0.0.1)")
     run.add_argument("--sla-window", type=positive_float, default=60.0, metavar="S", help="rolling window of the live SLA attainment (default 60 s)")
     run.add_argument("--sample-interval", type=positive_float, default=0.5, metavar="S", help="timeline sampling period in the report (default 0.5 s)")
 
@@ -161,6 +166,8 @@ def _main(argv: list[str] | None) -> int:
 
         return importlib.import_module(delegated[argv[0]][0]).main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "run":  # an address without a port served nothing, without a word
+        applies_only(run, args, {"metrics_host": "127.0.0.1"}, args.metrics_port is not None, "with --metrics-port")
     console = table_console()
     if args.command == "bench":
         if not args.name:

@@ -407,3 +407,49 @@ def test_simulate_prints_its_tables_at_the_terminal_s_width():
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in printed.decode().splitlines()]
     assert any(line.startswith("┏") for line in lines), lines
     assert max(len(line) for line in lines) <= 80, lines
+
+
+def test_serve_on_a_port_in_use_is_a_clear_error_and_port_0_prints_the_port_bound(tmp_path):
+    """`serve` printed "fleetsched gateway on http://127.0.0.1:PORT/v1" before it bound, then
+    uvicorn's own error line, and exited 3; with --port 0 it printed port 0."""
+    config = tmp_path / "gateway.toml"
+    config.write_text("[tenants.acme]\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = fleetsched("serve", "--config", str(config), "--port", str(port))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == f"fleetsched serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert "fleetsched gateway on" not in done.stderr
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fleetsched.cli", "serve", "--config", str(config), "--port", "0"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = ""
+        while "fleetsched gateway on" not in line:
+            line = server.stderr.readline()
+            assert line, "the gateway ended before saying where it serves"
+        url = line.split(" on ")[1].split(" ")[0].removesuffix("/v1")
+        assert not url.endswith(":0")
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=30)
+
+
+def test_json_to_a_reader_that_has_gone_is_no_error():
+    """`fleetsched ... --json | head -1`: the reader gone, the write raised BrokenPipeError, and
+    a traceback came (5 runs in 8 of `bench sim-fidelity --json | head -1`)."""
+    command = [sys.executable, "-m", "fleetsched.cli", "simulate", "examples/quickstart.toml", "--duration", "10s", "--json"]
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.close()  # before it writes (it simulates first)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
+
+
+def test_a_metrics_host_without_a_port_is_refused():
+    """It was ignored without a word: no metrics were served, the run went on."""
+    done = fleetsched("run", "examples/quickstart.toml", "--no-live", "--metrics-host", "0.0.0.0")
+    assert done.returncode == 2 and "--metrics-host applies only with --metrics-port" in done.stderr

@@ -204,3 +204,13 @@ def test_a_flag_where_a_number_belongs_is_refused(overrides, key):
 def test_a_tenant_weight_beyond_what_the_fair_share_can_tell_apart_is_refused(weight):
     # 1e-306 took the tenant's counter to inf, and with it its tier's: weights were then ignored.
     assert refused(tenants={"acme": {"weight": weight}}).key == "tenants.acme.weight"
+
+
+@pytest.mark.parametrize("section", ['[tenants.acme]\napi_keys = ["sk-my-secret"]\n', '[tenants.acme]\n[gateway]\nadmin_api_keys = ["sk-my-secret"]\n'])
+def test_a_key_written_in_clear_is_refused_without_being_repeated(section, tmp_path):
+    """The error quoted the input, the key itself, into whatever logs the error went to."""
+    config = tmp_path / "keys.toml"
+    config.write_text(section)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config)
+    assert "not in clear" in str(caught.value) and "sk-my-secret" not in str(caught.value)

@@ -841,12 +841,17 @@ class VLLMServerBackend(Backend):
 
     async def _listed_model(self) -> str:
         failures = []
+        answered = False
         for rep in self._replicas.values():
             try:
                 response = await self._http.get(f"{rep.url}/v1/models", headers={"Authorization": f"Bearer {self._api_key}"})
+                answered = True
                 return first_listed_model(response)
             except (httpx.HTTPError, ValueError) as exc:  # down, or not vLLM's answer
+                answered = answered or not isinstance(exc, httpx.TransportError)
                 failures.append(f"{rep.name} ({rep.url}): {type(exc).__name__}: {exc}")
+        if not answered:  # none could be reached: the first call says so (backend.model is no fix)
+            return DEFAULT_MODEL
         logger.warning(
             "no vLLM replica listed its model (%s): calls name %r; set backend.model to the server's --served-model-name",
             "; ".join(failures), DEFAULT_MODEL,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import threading
 import time
@@ -86,20 +87,40 @@ def main(argv: list[str] | None = None) -> int:
         print("fleetsched serve: warning: no API keys configured; every call will get 401", file=sys.stderr)
     host = args.host or settings.gateway.host
     port = args.port if args.port is not None else settings.gateway.port
+    # Bound here, before the address is printed: uvicorn said nothing of a port in use but its
+    # own error line (after ours, "serving"), and exited 3; port 0 printed as port 0.
+    try:
+        listening = listen(host, port)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]  # socket.create_server adds the address again
+        print(f"fleetsched serve: cannot listen on {host}:{port}: {reason}", file=sys.stderr)
+        return 1
     server = gateway_server(gateway, host, port)
-    print(f"fleetsched gateway on http://{host}:{port}/v1 (instance {gateway.instance})", file=sys.stderr, flush=True)
+    url = f"http://{url_host(host)}:{listening.getsockname()[1]}/v1"
+    print(f"fleetsched gateway on {url} (instance {gateway.instance})", file=sys.stderr, flush=True)
     # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again with the
     # handlers it found in place: SIGINT's raises KeyboardInterrupt, SIGTERM's default killed the
     # process (status -15) after a clean stop. Both are a clean stop here: exit 0.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     with gc_thresholds(SERVING):
         try:
-            server.run()
+            server.run(sockets=[listening])
         except KeyboardInterrupt:  # uvicorn shut down, then re-raised the signal it caught: a clean stop
             pass
         finally:
             signal.signal(signal.SIGTERM, previous)
     return 0 if server.started else 1
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on `host`:`port` (0: a free port), as uvicorn would bind it; raises OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=4096)
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _interrupt(signum: int, frame: Any) -> None:
