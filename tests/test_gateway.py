@@ -1284,8 +1284,8 @@ async def test_the_vllm_server_backend_asks_the_server_which_model_it_serves(any
     """Settings that name no model: the agents' calls name the one the server lists, as its
     --served-model-name says (before: "fleetsched-tiny", which a server started for another
     model refuses with a 404). Here the server is a gateway listing "other-model"; a model the
-    settings name is used as it is; a server that does not answer leaves the default, with a
-    warning that says what to set."""
+    settings name is used as it is; a server that cannot be reached leaves the default, with a
+    warning that asks whether it is up (it said to set backend.model, which is no fix)."""
     from fleetsched import Scheduler
 
     served = gateway_settings(backend={"kind": "instant", "model": "other-model"})
@@ -1303,7 +1303,8 @@ async def test_the_vllm_server_backend_asks_the_server_which_model_it_serves(any
             assert scheduler.model == "named"
     async with Scheduler(Settings(backend={"kind": "vllm-server", "urls": ["http://127.0.0.1:9"]})) as scheduler:
         assert scheduler.model == "fleetsched-tiny"
-    assert "set backend.model" in caplog.text
+    assert "could be reached to list its model" in caplog.text and "is the server up?" in caplog.text
+    assert "set backend.model" not in caplog.text
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

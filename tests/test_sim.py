@@ -608,7 +608,7 @@ GOOD_CONSTRAINTS = [
     {"structured_outputs": {"json": OBJECT_SCHEMA}, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": OBJECT_SCHEMA}}},
     {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
     {"guided_json": 5, "guided_choice": "x", "best_of": "x"},  # vLLM ignores the removed guided fields
-    {"stop": ["a", "b", "c", " "], "stop_token_ids": [0], "bad_words": [], "allowed_token_ids": [5, True]},
+    {"stop": ["a", "b", "c", "\t"], "stop_token_ids": [0], "bad_words": [], "allowed_token_ids": [5, True]},
     {"logprobs": True, "logprob_token_ids": list(range(128))}, {"logprob_token_ids": []},
     # Read laxly, as vLLM's request model reads them: "yes" and 1 are true, 0 and "no" false, 2.0 is 2.
     {"logprobs": "yes", "top_logprobs": 2.0}, {"logprobs": 1, "top_logprobs": True}, {"logprobs": 0}, {"logprobs": "no"},
@@ -974,3 +974,37 @@ async def test_the_tools_a_call_offers_are_part_of_its_prompt():
         bare, _ = await backend.complete_chat(body)
         offered, _ = await backend.complete_chat({**body, "tools": tools})
     assert offered["usage"]["prompt_tokens"] == bare["usage"]["prompt_tokens"] + len(text) // 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "content", "tokens"),
+    [
+        ({"stop": ["o"]}, " t", 1),  # the first token's text holds it: cut before it
+        ({"stop": "tok tok"}, " ", 2),  # across two tokens
+        ({"stop": ["zz", "k t"], "min_tokens": 3}, " tok to", 3),  # not before min_tokens, as vLLM checks
+        ({"stop": "o", "include_stop_str_in_output": True}, " to", 1),
+    ],
+)
+async def test_a_stop_string_ends_the_answer_as_vllm_ends_it(extra, content, tokens):
+    """`stop` was checked and then ignored: the answer ran to max_tokens ("length"), the stop
+    string in its text. vLLM ends it at the token that completes the string, leaves the string
+    out (unless include_stop_str_in_output), says "stop" and which string (stop_reason)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, **extra}
+    async with SimBackend(flat()) as backend:
+        whole, _ = await backend.complete_chat(dict(body))
+        chunks = [chunk async for chunk in backend.stream_chat({**body, "stream_options": {"include_usage": True}})]
+    choice = whole["choices"][0]
+    stop = extra["stop"] if isinstance(extra["stop"], str) else extra["stop"][-1]
+    assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == (content, "stop", stop)
+    assert whole["usage"]["completion_tokens"] == tokens == chunks[-1]["usage"]["completion_tokens"]
+    streamed = [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in streamed) == content
+    assert (streamed[-1]["finish_reason"], streamed[-1]["stop_reason"]) == ("stop", stop)
+
+
+async def test_a_stop_string_the_answer_never_holds_changes_nothing():
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stop": ["\n", "x"]}
+    async with SimBackend(flat()) as backend:
+        whole, _ = await backend.complete_chat(body)
+    assert whole["choices"][0]["finish_reason"] == "length" and "stop_reason" not in whole["choices"][0]
+    assert whole["usage"]["completion_tokens"] == 5

@@ -850,7 +850,11 @@ class VLLMServerBackend(Backend):
             except (httpx.HTTPError, ValueError) as exc:  # down, or not vLLM's answer
                 answered = answered or not isinstance(exc, httpx.TransportError)
                 failures.append(f"{rep.name} ({rep.url}): {type(exc).__name__}: {exc}")
-        if not answered:  # none could be reached: the first call says so (backend.model is no fix)
+        if not answered:  # none could be reached: backend.model is no fix
+            logger.warning(
+                "no vLLM replica could be reached to list its model (%s): calls name %r; is the server up?",
+                "; ".join(failures), DEFAULT_MODEL,
+            )  # fmt: skip
             return DEFAULT_MODEL
         logger.warning(
             "no vLLM replica listed its model (%s): calls name %r; set backend.model to the server's --served-model-name",

@@ -134,6 +134,36 @@ class SimStatistics:
         return self.busy_s / self.steps if self.steps else 0.0
 
 
+def stop_match(body: ChatBody, max_tokens: int) -> tuple[int, str, int] | None:
+    """Where a stop string of `body` ends the sim's answer (`TOKEN_TEXT` a token), as vLLM
+    stops: at the first token whose text completes one, not before ``min_tokens`` tokens, within
+    `max_tokens`. Returns (its tokens, the string, the characters of text kept: up to the string,
+    or through it with ``include_stop_str_in_output``), or None where none matches in time."""
+    stops = body["stop"]
+    first = body.get("min_tokens") or 1
+    best: tuple[int, str, int] | None = None
+    for stop in [stops] if isinstance(stops, str) else stops:
+        # The answer repeats one token's text: a string that occurs at all first ends within
+        # the first tokens, and from then on ends within every token, one token later each time.
+        periodic = TOKEN_TEXT * (len(stop) // len(TOKEN_TEXT) + 2)
+        at = periodic.find(stop)
+        if at < 0:
+            continue
+        tokens = max(first, -(-(at + len(stop)) // len(TOKEN_TEXT)))
+        start = at + len(TOKEN_TEXT) * (tokens - -(-(at + len(stop)) // len(TOKEN_TEXT)))
+        kept = start + len(stop) if is_true(body.get("include_stop_str_in_output")) else start
+        if tokens <= max_tokens and (best is None or tokens < best[0]):
+            best = (tokens, stop, kept)
+    return best
+
+
+def answer_text(request: SimRequest, output: int) -> str:
+    """The text of `request`'s first `output` tokens as its caller sees it: cut where its stop
+    string begins (`stop_match`), which vLLM holds back as it streams."""
+    text = TOKEN_TEXT * output
+    return text if request.stop is None else text[: request.stop[1]]
+
+
 class SimBackend(Backend):
     """A calibrated model of vLLM v1's continuous-batching engine (backend kind ``"sim"``).
 
@@ -403,6 +433,9 @@ class SimBackend(Backend):
             request.tool_call = forced
             if whole:  # as vLLM ends it: "stop" for a named tool, "tool_calls" for "required"
                 request.finish_reason = "stop" if forced.named else "tool_calls"
+        elif body.get("stop") and (stop := stop_match(body, max_tokens)) is not None:
+            max_tokens, request.stop = stop[0], stop[1:]
+            request.max_tokens, request.finish_reason = max_tokens, "stop"
         elif not requested and max_tokens == DEFAULT_MAX_TOKENS:
             # No limit named, none reached: the answer's length is the sim's stand-in for the
             # model's own end (EOS), which vLLM reports as "stop". The SDK's `.parse()` and
@@ -475,12 +508,14 @@ class SimBackend(Backend):
                 received.output_tokens, received.prompt_tokens = request.num_output, request.prompt_tokens
         output = request.delivered = request.num_output
         if request.tool_call is None:
-            message = {"role": "assistant", "content": TOKEN_TEXT * output}
+            message = {"role": "assistant", "content": answer_text(request, output)}
         else:  # content "", as vLLM answers a forced call
             message = {"role": "assistant", "content": "", "tool_calls": request.tool_call.message_calls(output)}
         usage = usage_dict(request.prompt_tokens, output)
         created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
         response = chat_completion(new_completion_id(body), model, created, message, request.finish_reason, usage)
+        if request.stop is not None and output == request.max_tokens:
+            response["choices"][0]["stop_reason"] = request.stop[0]
         if request.top_logprobs is not None:
             response["choices"][0]["logprobs"] = token_logprobs(output, request.top_logprobs)
         return response, request.first_token_at
@@ -544,7 +579,10 @@ class SimBackend(Backend):
                 # As vLLM: the finish reason with the last tokens, then the usage with no choices.
                 finish = request.finish_reason if request.status == FINISHED else None
                 if request.tool_call is None:
-                    chunk = make_chunk(cid, model, created, role=role, content=TOKEN_TEXT * count, finish_reason=finish, usage=usage)
+                    content = TOKEN_TEXT * count if request.stop is None else answer_text(request, request.delivered)[len(answer_text(request, request.delivered - count)) :]
+                    chunk = make_chunk(cid, model, created, role=role, content=content, finish_reason=finish, usage=usage)
+                    if finish is not None and request.stop is not None:
+                        chunk["choices"][0]["stop_reason"] = request.stop[0]
                 else:
                     calls = request.tool_call.delta(request.delivered - count, request.delivered)
                     chunk = make_chunk(cid, model, created, role=role, tool_calls=calls, finish_reason=finish, usage=usage)

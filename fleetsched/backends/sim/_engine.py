@@ -61,7 +61,7 @@ class SimRequest:
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
         "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
         "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage",
-        "text", "top_logprobs", "finish_reason", "tool_call",
+        "text", "top_logprobs", "finish_reason", "tool_call", "stop",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -93,6 +93,9 @@ class SimRequest:
         #: The tool call its answer is (a `ForcedToolCall`: the request's ``tool_choice`` forced
         #: one), else None: an answer in text.
         self.tool_call: ForcedToolCall | None = None
+        #: The stop string that ends its answer (`max_tokens` is where it matched) and the
+        #: characters of the answer's text kept then (the string left out, as vLLM leaves it).
+        self.stop: tuple[str, int] | None = None
 
     @property
     def num_computed(self) -> int:
