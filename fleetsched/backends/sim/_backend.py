@@ -149,8 +149,9 @@ def stop_match(body: ChatBody, max_tokens: int) -> tuple[int, str, int] | None:
         at = periodic.find(stop)
         if at < 0:
             continue
-        tokens = max(first, -(-(at + len(stop)) // len(TOKEN_TEXT)))
-        start = at + len(TOKEN_TEXT) * (tokens - -(-(at + len(stop)) // len(TOKEN_TEXT)))
+        completes = -(-(at + len(stop)) // len(TOKEN_TEXT))  # the token that first completes it
+        tokens = max(first, completes)
+        start = at + len(TOKEN_TEXT) * (tokens - completes)  # where it begins that ends in that token
         kept = start + len(stop) if is_true(body.get("include_stop_str_in_output")) else start
         if tokens <= max_tokens and (best is None or tokens < best[0]):
             best = (tokens, stop, kept)
@@ -579,7 +580,10 @@ class SimBackend(Backend):
                 # As vLLM: the finish reason with the last tokens, then the usage with no choices.
                 finish = request.finish_reason if request.status == FINISHED else None
                 if request.tool_call is None:
-                    content = TOKEN_TEXT * count if request.stop is None else answer_text(request, request.delivered)[len(answer_text(request, request.delivered - count)) :]
+                    if request.stop is None:
+                        content = TOKEN_TEXT * count
+                    else:  # the text past what was sent, up to the cut
+                        content = answer_text(request, request.delivered)[len(answer_text(request, request.delivered - count)) :]
                     chunk = make_chunk(cid, model, created, role=role, content=content, finish_reason=finish, usage=usage)
                     if finish is not None and request.stop is not None:
                         chunk["choices"][0]["stop_reason"] = request.stop[0]
