@@ -919,8 +919,8 @@ async def test_logprobs_come_with_every_token_as_vllm_gives_them():
             assert len(top) == 3 and top[0] == {k: entry[k] for k in ("token", "logprob", "bytes")}
             assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
             assert sum(math.exp(t["logprob"]) for t in top) <= 1.0
-    assert "logprobs" not in plain["choices"][0]
-    assert all("logprobs" not in c["choices"][0] for c in plain_chunks if c["choices"])
+    assert plain["choices"][0]["logprobs"] is None  # null, as vLLM sends it
+    assert all(c["choices"][0]["logprobs"] is None for c in plain_chunks if c["choices"])
 
 
 async def test_logprobs_asked_beyond_what_vllm_allows_are_refused_naming_the_field():
@@ -1006,5 +1006,16 @@ async def test_a_stop_string_the_answer_never_holds_changes_nothing():
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stop": ["\n", "x"]}
     async with SimBackend(flat()) as backend:
         whole, _ = await backend.complete_chat(body)
-    assert whole["choices"][0]["finish_reason"] == "length" and "stop_reason" not in whole["choices"][0]
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["choices"][0]["stop_reason"] is None
     assert whole["usage"]["completion_tokens"] == 5
+
+
+async def test_an_answer_carries_the_null_fields_vllm_sends():
+    """vLLM's choices carry ``logprobs`` and ``stop_reason``, null where there are none, in an
+    answer and in every chunk: code that indexes the raw dict (``choice["logprobs"]``) got a
+    KeyError on the sim, which left them out."""
+    async with SimBackend(flat()) as backend:
+        whole, _ = await backend.complete_chat(body(16, 3))
+        chunks = [chunk async for chunk in backend.stream_chat(body(16, 3))]
+    for choice in [whole["choices"][0], *(chunk["choices"][0] for chunk in chunks if chunk["choices"])]:
+        assert choice["logprobs"] is None and choice["stop_reason"] is None

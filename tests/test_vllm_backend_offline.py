@@ -203,7 +203,7 @@ def test_a_collected_answer_keeps_a_reasoning_model_s_thinking_and_stop_reason()
         assert choice["message"] == {"role": "assistant", "content": "Hello!", key: "The user greets; answer politely."}
         assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", 7)
     plain = collect_chat([chunk({"content": "hi"}, finish_reason="stop", stop_reason=None)])["choices"][0]
-    assert plain["message"] == {"role": "assistant", "content": "hi"} and "stop_reason" not in plain
+    assert plain["message"] == {"role": "assistant", "content": "hi"} and plain["stop_reason"] is None
 
 
 def _streamed(*parts: bytes, then: BaseException | float | None = None) -> httpx2.Response:

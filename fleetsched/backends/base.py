@@ -170,7 +170,8 @@ def make_chunk(
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}] if delta or finish_reason else [],
+        # logprobs and stop_reason null, as vLLM sends them (code that indexes the raw dict finds them).
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}] if delta or finish_reason else [],
     }
     if usage is not None:
         chunk["usage"] = dict(usage)
@@ -265,12 +266,7 @@ class _Choice:
         message.update((key, "".join(parts)) for key, parts in self.texts.items())
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        result = {"index": index, "message": message, "finish_reason": self.finish_reason or "stop"}
-        if self.stop_reason is not None:
-            result["stop_reason"] = self.stop_reason
-        if self.logprobs is not None:
-            result["logprobs"] = self.logprobs
-        return result
+        return {"index": index, "message": message, "logprobs": self.logprobs, "finish_reason": self.finish_reason or "stop", "stop_reason": self.stop_reason}
 
 
 def merge_logprobs(folded: dict[str, list[Any]] | None, part: Any) -> dict[str, list[Any]] | None:
@@ -302,7 +298,7 @@ def chat_completion(
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}],
         "usage": usage,
     }
 
