@@ -405,7 +405,7 @@ async def test_every_answer_names_its_request_and_the_backend_gets_the_id():
 
 
 async def test_a_stream_left_early_is_recorded_alike_through_ctx_stream_and_the_sdk():
-    """The agent leaves a stream after its first chunk. Through the SDK (closed, or left by its
+    """The agent leaves a stream after its first token. Through the SDK (closed, or left by its
     ``async with``) the call was recorded cut (CancelledError: no SLA event); through
     `ctx.stream` (a ``break``), as a call that ended, its cut latency a met latency objective.
     Now alike: cut, counted in the session's counters with the tokens it got; a stream left
@@ -416,13 +416,15 @@ async def test_a_stream_left_early_is_recorded_alike_through_ctx_stream_and_the_
 
     async def via_ctx_stream(ctx):
         async with ctx.stream(messages, max_tokens=500) as chunks:
-            async for _ in chunks:
-                break
+            async for chunk in chunks:
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):  # past the role's chunk
+                    break
 
     async def via_sdk_close(ctx):
         stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=messages, max_tokens=500, stream=True)
-        async for _ in stream:
-            break
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
         await stream.close()
 
     async def read_to_the_end(ctx):

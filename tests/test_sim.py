@@ -71,13 +71,14 @@ async def test_stream_shape_and_exact_times():
         async for chunk in backend.stream_chat({**body(32, 5), "model": "sim-model"}):
             chunks.append(chunk)
             times.append(anyio.current_time() - t0)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": " tok"}
+    # As vLLM opens a stream: the role alone, then the first token, both when it comes.
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}, {"content": " tok"}]
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "sim-model" for c in chunks)
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"] == {"prompt_tokens": 32, "completion_tokens": 5, "total_tokens": 37}
     assert collect_chat(chunks)["choices"][0]["message"]["content"] == " tok" * 5
     # One prefill step yields the first token, then one token a step.
-    assert times[:5] == pytest.approx([STEP, 2 * STEP, 3 * STEP, 4 * STEP, 5 * STEP])
+    assert times[:6] == pytest.approx([STEP, STEP, 2 * STEP, 3 * STEP, 4 * STEP, 5 * STEP])
 
 
 @pytest.mark.parametrize("make", [lambda: SimBackend(flat()), InstantBackend], ids=["sim", "instant"])
@@ -272,8 +273,9 @@ async def test_slow_consumer_does_not_stall_the_engine():
             tg.start_soon(slow)
             tg.start_soon(fast)
     assert fast_done[0] - t0 == pytest.approx(20 * STEP)
-    # The slow consumer got the tokens it missed coalesced: its second chunk carries 19 of them.
-    assert [c["choices"][0]["delta"].get("content") for c in slow_chunks[:-1]] == [" tok", " tok" * 19]
+    # The slow consumer got the tokens it missed coalesced: its third chunk (after the role's and
+    # the first token's) carries 19 of them.
+    assert [c["choices"][0]["delta"].get("content") for c in slow_chunks[:-1]] == ["", " tok", " tok" * 19]
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -325,7 +327,7 @@ async def test_continuous_usage_puts_the_count_so_far_on_every_chunk_as_vllm_doe
     `continuous_usage_stats` are asked for; otherwise only the last chunk has it."""
     both = {"include_usage": True, "continuous_usage_stats": True}
     async with SimBackend(flat(stream_interval=4)) as backend:
-        for options, expected in ((both, [1, 5, 9, 10, 10]), ({"continuous_usage_stats": True}, [10])):
+        for options, expected in ((both, [0, 1, 5, 9, 10, 10]), ({"continuous_usage_stats": True}, [10])):  # 0: the role chunk, as vLLM counts it
             counts = [
                 chunk["usage"]["completion_tokens"]
                 async for chunk in backend.stream_chat({**body(16, 10), "stream_options": options})
@@ -665,7 +667,7 @@ async def test_a_forced_call_fills_the_required_arguments_and_streams_them():
         assert json.loads(response["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == expected
         assert response["usage"]["completion_tokens"] == tokens
         chunks = [chunk async for chunk in backend.stream_chat(request)]
-        deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"]]
+        deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks[1:] if c["choices"]]  # after the role's
         assert len(deltas) > 2 and deltas[0]["function"]["name"] == "search" and deltas[0]["id"]
         assert all("name" not in d["function"] and "id" not in d for d in deltas[1:])
         assert "".join(d["function"]["arguments"] for d in deltas) == arguments
@@ -907,7 +909,7 @@ async def test_logprobs_come_with_every_token_as_vllm_gives_them():
         collected, _ = await backend.complete_chat(asked)
         plain, _ = await backend.complete_chat(body(10, 5))
         plain_chunks = [chunk async for chunk in backend.stream_chat(body(10, 2))]
-    token_chunks = [c["choices"][0] for c in chunks if c["choices"]]
+    token_chunks = [c["choices"][0] for c in chunks[1:] if c["choices"]]  # after the role's
     assert [len(c["logprobs"]["content"]) for c in token_chunks] == [1, 2, 2]  # the first token, then 2 a chunk
     for choice in (collect_chat(chunks)["choices"][0], collected["choices"][0]):
         entries = choice["logprobs"]["content"]

@@ -574,22 +574,25 @@ class SimBackend(Backend):
                     await park(request)
                     continue
                 count = request.num_output - request.delivered
-                role = "assistant" if request.delivered == 0 else None
+                opening = request.delivered == 0
                 request.delivered = request.num_output
-                usage = usage_dict(request.prompt_tokens, request.num_output) if request.continuous_usage else None
+                usage = usage_dict(request.prompt_tokens, request.delivered) if request.continuous_usage else None
                 # As vLLM: the finish reason with the last tokens, then the usage with no choices.
                 finish = request.finish_reason if request.status == FINISHED else None
+                if opening:  # as vLLM opens a stream: the role alone, then the tokens that had come
+                    zero = usage_dict(request.prompt_tokens, 0) if request.continuous_usage else None
+                    yield make_chunk(cid, model, created, role="assistant", content="", usage=zero)
                 if request.tool_call is None:
                     if request.stop is None:
                         content = TOKEN_TEXT * count
                     else:  # the text past what was sent, up to the cut
                         content = answer_text(request, request.delivered)[len(answer_text(request, request.delivered - count)) :]
-                    chunk = make_chunk(cid, model, created, role=role, content=content, finish_reason=finish, usage=usage)
+                    chunk = make_chunk(cid, model, created, content=content, finish_reason=finish, usage=usage)
                     if finish is not None and request.stop is not None:
                         chunk["choices"][0]["stop_reason"] = request.stop[0]
                 else:
                     calls = request.tool_call.delta(request.delivered - count, request.delivered)
-                    chunk = make_chunk(cid, model, created, role=role, tool_calls=calls, finish_reason=finish, usage=usage)
+                    chunk = make_chunk(cid, model, created, tool_calls=calls, finish_reason=finish, usage=usage)
                 if request.top_logprobs is not None:
                     chunk["choices"][0]["logprobs"] = token_logprobs(count, request.top_logprobs)
                 yield chunk
