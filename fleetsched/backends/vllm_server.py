@@ -841,16 +841,15 @@ class VLLMServerBackend(Backend):
 
     async def _listed_model(self) -> str:
         failures = []
-        answered = False
+        reached = False  # a replica answered, if not with vLLM's list
         for rep in self._replicas.values():
             try:
                 response = await self._http.get(f"{rep.url}/v1/models", headers={"Authorization": f"Bearer {self._api_key}"})
-                answered = True
                 return first_listed_model(response)
             except (httpx.HTTPError, ValueError) as exc:  # down, or not vLLM's answer
-                answered = answered or not isinstance(exc, httpx.TransportError)
+                reached = reached or not isinstance(exc, httpx.TransportError)
                 failures.append(f"{rep.name} ({rep.url}): {type(exc).__name__}: {exc}")
-        if not answered:  # none could be reached: backend.model is no fix
+        if not reached:  # none could be: backend.model is no fix
             logger.warning(
                 "no vLLM replica could be reached to list its model (%s): calls name %r; is the server up?",
                 "; ".join(failures), DEFAULT_MODEL,
