@@ -25,7 +25,7 @@ from . import bench
 from ._args import applies_only, positive_float, tcp_port, writable_file
 from .errors import BackendUnavailable, ConfigError
 from .gc_tuning import SERVING, gc_thresholds
-from .report import table_console
+from .report import nothing_done, table_console
 from .settings import Settings, load_settings
 
 
@@ -62,7 +62,7 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     from .observability.feasibility import check_feasibility
     from .observability.sla import SlaTracker
     from .observability.timeline import Timeline
-    from .report import build_report, save_json, sla_table, tenant_table
+    from .report import build_report, failed_sessions, save_json, sla_table, tenant_table
     from .scheduler import Scheduler
 
     total = len(plan(settings.workload))
@@ -98,6 +98,9 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     )
     console.print(tenant_table(report))
     console.print(sla_table(report))
+    failed = failed_sessions(report)
+    if failed:
+        print(f"fleetsched run: {failed}", file=sys.stderr)
     if args.report:
         if not save_json(json.dumps(report, indent=2) + "\n", args.report, "fleetsched run"):
             return None
@@ -182,7 +185,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     with gc_thresholds(SERVING):
         try:
-            if anyio.run(_run, settings, args, console) is None:
+            report = anyio.run(_run, settings, args, console)
+            if report is None or nothing_done(report):
                 return 1
         except ConfigError as exc:  # found as the scheduler starts: a KV cache smaller than a session's budget
             print(f"fleetsched: config error: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,7 @@ def build_report(
                 "sessions_done": row.sessions_done,
                 "sessions_failed": row.sessions_failed,
                 "sessions_cancelled": row.sessions_cancelled,
+                "session_errors": row.session_errors,
                 "calls": row.calls,
                 "call_errors": row.call_errors,
                 "ttft_s": {"p50": _num(row.ttft_p50_s), "p99": _num(row.ttft_p99_s)},
@@ -174,6 +176,28 @@ def build_report(
         "distributions": distributions,
         "timeline": dict(timeline) if timeline is not None else None,
     }
+
+
+def failed_sessions(report: Mapping[str, Any]) -> str | None:
+    """What a report's failed sessions failed with, for stderr: ``"5 of 5 sessions failed
+    (ContextTooLong 5)"``; None when none failed. The tables give the counts per tenant but not
+    why, and the report's ``session_errors`` are easily missed."""
+    errors: Counter[str] = Counter()
+    for tenant in report["tenants"]:
+        errors.update(tenant.get("session_errors", {}))
+    failed = sum(t["sessions_failed"] for t in report["tenants"])
+    if not failed:
+        return None
+    ended = failed + sum(t["sessions_done"] + t["sessions_cancelled"] for t in report["tenants"])
+    why = ", ".join(f"{name} {count}" for name, count in errors.most_common())
+    return f"{failed} of {ended} sessions failed ({why})"
+
+
+def nothing_done(report: Mapping[str, Any]) -> bool:
+    """Whether sessions failed and none completed: the exit status of ``run`` and ``simulate``
+    is then 1, as a script running a fleet expects of a run in which nothing worked."""
+    tenants = report["tenants"]
+    return sum(t["sessions_failed"] for t in tenants) > 0 and sum(t["sessions_done"] for t in tenants) == 0
 
 
 def write_report(report: dict[str, Any], path: str | Path) -> None:

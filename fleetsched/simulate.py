@@ -45,7 +45,7 @@ from pydantic import ValidationError
 from ._args import applies_only, positive_int, writable_file
 from .errors import ConfigError, FleetschedError
 from .gc_tuning import SIMULATING, gc_thresholds
-from .report import save_json, throughput_text
+from .report import failed_sessions, nothing_done, save_json, throughput_text
 from .settings import AgentMix, Settings, SimSettings, first_error, load_settings
 from .virtual_time import LOOPS, Loop, run_virtual
 
@@ -528,18 +528,18 @@ def main(argv: list[str]) -> int:
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2
     try:
-        text = _simulate_and_print(settings, duration, args)
+        text, nothing_worked = _simulate_and_print(settings, duration, args)
     except ConfigError as exc:  # found as the scheduler starts: a KV cache smaller than a session's budget
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2
     if args.report and not save_json(text + "\n", args.report, "fleetsched simulate"):
         return 1
-    return 0
+    return 1 if nothing_worked else 0
 
 
-def _simulate_and_print(settings: Settings, duration: float | None, args: argparse.Namespace) -> str:
+def _simulate_and_print(settings: Settings, duration: float | None, args: argparse.Namespace) -> tuple[str, bool]:
     """Run the simulation (or the capacity search) `args` ask for, print its tables (or its JSON),
-    and return its JSON text."""
+    and return its JSON text and whether sessions failed with none done (a plain run's exit 1)."""
     if args.find_max_sessions:
         echo = (lambda _: None) if args.json else print
         result = find_max_sessions(settings, duration, echo=echo, loop=args.loop, repeats=args.repeats)  # type: ignore[arg-type]
@@ -600,4 +600,8 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
                 f"{simulated} in {report['wall_s']:.1f} s wall; {s['engine_steps']:,} engine steps, "
                 f"busy {s['engine_busy_frac']:.0%}, {s['preemptions']:,} preemptions, stream_interval {s['stream_interval']}"
             )
-    return text
+        failed = failed_sessions(report)
+        if failed:
+            print(f"fleetsched simulate: {failed}", file=sys.stderr)
+        return text, nothing_done(report)
+    return text, False

@@ -453,3 +453,43 @@ def test_a_metrics_host_without_a_port_is_refused():
     """It was ignored without a word: no metrics were served, the run went on."""
     done = fleetsched("run", "examples/quickstart.toml", "--no-live", "--metrics-host", "0.0.0.0")
     assert done.returncode == 2 and "--metrics-host applies only with --metrics-port" in done.stderr
+
+
+FAILING_FLEET = """
+[backend]
+kind = "sim"
+[backend.sim]
+max_model_len = 512
+[tenants.a]
+tier = "standard"
+[tenants.b]
+tier = "batch"
+[[workload.agents]]
+tenant = "a"
+count = 3
+prompt_tokens = 600
+max_tokens = 16
+"""
+
+
+@pytest.mark.parametrize("command", [["run", "--no-live"], ["simulate"], ["simulate", "--duration", "20s"]])
+def test_a_run_in_which_every_session_failed_says_why_and_exits_1(tmp_path, command):
+    """Every call over the context: the tables showed "failed 3" and the run exited 0, which a
+    script or CI job running a fleet read as success; the report did not say what they failed with."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(FAILING_FLEET)
+    report = tmp_path / "run.json"
+    done = fleetsched(command[0], str(config), *command[1:], "--report", str(report))
+    assert done.returncode == 1, done.stderr
+    failed = json.loads(report.read_text())["tenants"][0]
+    assert failed["session_errors"] == {"ContextTooLong": failed["sessions_failed"]}
+    n = failed["sessions_failed"]
+    assert n >= 3 and f"{n} of {n} sessions failed (ContextTooLong {n})" in done.stderr
+
+
+def test_a_run_in_which_some_sessions_failed_says_why_and_exits_0(tmp_path):
+    config = tmp_path / "fleet.toml"
+    config.write_text(FAILING_FLEET + '[[workload.agents]]\ntenant = "b"\ncount = 2\nprompt_tokens = 50\nmax_tokens = 8\n')
+    done = fleetsched("run", str(config), "--no-live")
+    assert done.returncode == 0, done.stderr
+    assert "3 of 5 sessions failed (ContextTooLong 3)" in done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -177,6 +178,9 @@ class TenantSummary:
     sessions_done: int
     sessions_failed: int
     sessions_cancelled: int
+    #: The failed and rejected sessions by the type name of their error ("unknown" where none
+    #: was recorded).
+    session_errors: dict[str, int]
     calls: int
     call_errors: int
     ttft_p50_s: float
@@ -206,13 +210,15 @@ def summarise(recorder: Recorder, tenants: Iterable[str], times: Mapping[str, Ca
         ok = [c for c in calls if c.error is None]
         sessions = sessions_of.get(tenant, [])
         tenant_times = (times or {}).get(tenant) or CallTimes.of(ok)
+        failed = [s for s in sessions if s.state in ("failed", "rejected")]
         ttft, latency = tenant_times.ttft_s, tenant_times.latency_s
         rows.append(
             TenantSummary(
                 tenant=tenant,
                 sessions_done=sum(s.state == "done" for s in sessions),
-                sessions_failed=sum(s.state in ("failed", "rejected") for s in sessions),
+                sessions_failed=len(failed),
                 sessions_cancelled=sum(s.state == "cancelled" for s in sessions),
+                session_errors=dict(Counter(s.error or "unknown" for s in failed).most_common()),
                 calls=len(calls),
                 call_errors=len(calls) - len(ok),
                 ttft_p50_s=sorted_rank_percentile(ttft, 50),
