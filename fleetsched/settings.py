@@ -8,6 +8,7 @@ in the library reads the environment.
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 from contextvars import ContextVar
@@ -777,11 +778,22 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
             "(lists and tables are written as JSON: FLEETSCHED_BACKEND__URLS='[\"http://host:8000\"]')",
         ) from None
     except ValueError as exc:  # a TOML syntax error
-        raise ConfigError(str(path or "fleetsched.toml"), str(exc)) from None
+        file = Path(path or "fleetsched.toml")
+        if _starts_with_bom(file):  # as some Windows editors save UTF-8; tomllib says "Invalid statement"
+            raise ConfigError(str(file), "it starts with a byte-order mark (BOM), which TOML does not allow: save it as UTF-8 without BOM") from None
+        raise ConfigError(str(file), str(exc)) from None
     finally:
         _config_path.reset(token)
     _check_environment_tenants(settings)
     return settings
+
+
+def _starts_with_bom(path: Path) -> bool:
+    try:
+        with path.open("rb") as file:
+            return file.read(3) == codecs.BOM_UTF8
+    except OSError:
+        return False
 
 
 def _check_environment_tenants(settings: Settings) -> None:

@@ -185,6 +185,17 @@ def test_a_config_path_that_is_a_directory_says_so(tmp_path):
         load_settings(pipe)
 
 
+def test_a_config_saved_with_a_byte_order_mark_says_so(tmp_path):
+    # Some Windows editors save UTF-8 so; tomllib said "Invalid statement (at line 1, column 1)".
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.acme]\ntier = "batch"\n', encoding="utf-8-sig")
+    with pytest.raises(ConfigError, match=r"fleet.toml: it starts with a byte-order mark \(BOM\)"):
+        load_settings(config)
+    config.write_text('[tenants.acme]\ntier = "batch"\n[oops\n')  # a syntax error still reads as one
+    with pytest.raises(ConfigError, match="fleet.toml: Expected ']'"):
+        load_settings(config)
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
