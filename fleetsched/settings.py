@@ -101,9 +101,9 @@ class TenantSettings(_Section):
     """Bytes this tenant's sessions may hold at once (None: no quota)."""
     session_memory: Bytes | None = None
     """Memory a session of this tenant reserves, unless submit() says (None: the scheduler's)."""
-    requests_per_minute: float | None = Field(None, gt=0)
+    requests_per_minute: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Model calls per minute (token bucket, burst of one minute); None: unlimited."""
-    tokens_per_minute: float | None = Field(None, gt=0)
+    tokens_per_minute: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Prompt plus max_tokens per minute, charged at call time, output not received refunded
     (a failed call's too)."""
     sla: SlaSettings = Field(default_factory=SlaSettings)

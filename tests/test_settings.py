@@ -94,6 +94,14 @@ def test_a_time_that_cannot_pass_is_refused(section, key):
     assert refused(**section).key == key
 
 
+@pytest.mark.parametrize("key", ["tokens_per_minute", "requests_per_minute"])
+def test_a_rate_limit_of_infinity_is_refused(key):
+    # It loaded: the library read it as no limit, the gateway answered every call of the tenant
+    # with a 500 (its x-ratelimit headers floor the bucket's level). No limit is no value.
+    error = refused(tenants={"acme": {key: "inf"}})
+    assert error.key == f"tenants.acme.{key}" and "finite" in error.reason
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:port", "http://127.0.0.1:-1"])
 def test_a_replica_url_without_a_valid_port_is_refused(url):
     # It loaded; every call then failed, the run printing "failed" for each session and, once,
