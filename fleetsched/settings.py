@@ -105,7 +105,7 @@ class TenantSettings(_Section):
     """Model calls per minute (token bucket, burst of one minute); None: unlimited."""
     tokens_per_minute: float | None = Field(None, gt=0, allow_inf_nan=False)
     """Prompt plus max_tokens per minute, charged at call time, output not received refunded
-    (a failed call's too)."""
+    (a failed call's too, and its prompt where the call failed with nothing made)."""
     sla: SlaSettings = Field(default_factory=SlaSettings)
     api_keys: list[str] = Field(default_factory=list)
     """The gateway's API keys of this tenant, stored hashed: ``sha256:<64 hex digits>`` (make one

@@ -238,6 +238,57 @@ async def test_a_call_refused_by_the_engine_gives_its_unused_output_back():
     await dispatcher.chat(body("fits", max_tokens=100), tenant="a", tier=1)
 
 
+class DownBackend(SlowBackend):
+    """A server that answers every call with an error before it makes anything."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(0.0)
+        self.error = error
+
+    async def stream_chat(self, body):
+        self.started.append(body["messages"][0]["content"])
+        raise self.error
+        yield  # an async generator, as a backend's stream_chat is
+
+
+@pytest.mark.anyio
+async def test_a_call_that_failed_with_nothing_made_gives_its_prompt_back():
+    """The prompt estimate stayed charged: one prompt over the context (refused by the engine)
+    left a tenant of 10,000 tokens a minute 40,000 below empty, refused for 240 s, and calls
+    failing while the server was down used up the bucket, as the gateway's calls did not."""
+    from fleetsched.backends import create_backend
+    from fleetsched.errors import BackendUnavailable
+    from fleetsched.settings import BackendSettings
+
+    async with create_backend(BackendSettings(kind="sim", sim={"max_model_len": 4096})) as backend:
+        limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=10_000, requests_per_minute=1)})
+        dispatcher = Dispatcher(backend, window=2, rate_limits=limits)
+        with pytest.raises(ContextTooLong):
+            await dispatcher.chat(body("x" * 200_000, max_tokens=16), tenant="a", tier=1)
+        # All back, the request too (refused as invalid): the next call goes at once.
+        assert limits._tokens["a"].tokens == 10_000 and limits._requests["a"].tokens == 1
+        await dispatcher.chat(body("fits", max_tokens=4), tenant="a", tier=1)
+    for error in (BackendUnavailable("replica down"), Overloaded("engine busy", retry_after_s=1.0)):
+        limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=10_000, requests_per_minute=10)})
+        dispatcher = Dispatcher(DownBackend(error), window=2, rate_limits=limits)
+        for _ in range(4):
+            with pytest.raises(type(error)):
+                await dispatcher.chat(body("x" * 20_000, max_tokens=500), tenant="a", tier=1)
+        # The tokens back; the requests kept: made, and retried at once they would hammer.
+        assert limits._tokens["a"].tokens == 10_000 and limits._requests["a"].tokens == 6
+
+
+@pytest.mark.anyio
+async def test_a_call_cut_short_keeps_its_prompt_charged():
+    # The engine may have read it: a cancelled call is charged its prompt, not its output.
+    limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=10_000)})
+    dispatcher = Dispatcher(SlowBackend(5.0), window=2, rate_limits=limits)
+    request = body("x" * 4_000, max_tokens=500)
+    with anyio.move_on_after(1):
+        await dispatcher.chat(request, tenant="a", tier=1)
+    assert limits._tokens["a"].tokens == pytest.approx(10_000 - estimate_prompt_tokens(request) + 1_000 / 6, abs=1)
+
+
 @pytest.mark.anyio
 async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objective():
     backend = SlowBackend(1.0)

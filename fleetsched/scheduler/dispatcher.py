@@ -44,6 +44,11 @@ from ..policies.tiers import Tier
 from ..resources.ratelimit import TenantRateLimits
 from .records import CallRecord, Recorder, percentile
 
+#: `CallRecord.error` of a call cut short (asyncio's and trio's cancellation), and of one the
+#: backend refused as invalid.
+_CUT = frozenset({"CancelledError", "Cancelled"})
+_INVALID = frozenset({"InvalidRequest", "ContextTooLong", "UnknownModel"})
+
 #: VTC weights: a prompt token costs 1, a generated token 2.
 INPUT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
@@ -381,8 +386,19 @@ class Dispatcher:
             # Charged up front: the prompt's estimate and max_tokens. Output not received is not
             # charged, whether the call failed or not; a prompt the engine counted longer than
             # its estimate is (the estimate counts characters: a real tokenizer may count more).
-            prompt = record.prompt_tokens if counted else estimate
-            self._limits.refund(record.tenant, estimate + record.max_tokens - prompt - output, now)
+            # A call that failed with nothing made (refused, a server down or overloaded) gets
+            # its prompt back, as the gateway's calls do: one prompt over the context held a
+            # tenant's tokens_per_minute 40,000 below empty, 240 s of refusals. One cut short
+            # (cancelled) keeps it: the engine may have read it. One refused as invalid gets its
+            # request back too: only a fixed call would use it.
+            if counted:
+                prompt = record.prompt_tokens
+            elif record.error is None or record.error in _CUT or output:
+                prompt = estimate
+            else:
+                prompt = 0
+            unused = estimate + record.max_tokens - prompt - output
+            self._limits.refund(record.tenant, unused, now, request=record.error in _INVALID)
         # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.
         self._measure_rate(now, self._cost(estimate, record))
         # Correct what was charged (the prompt estimate, and the larger of the predicted output
