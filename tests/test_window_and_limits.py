@@ -11,6 +11,7 @@ import pytest
 from fleetsched import Scheduler
 from fleetsched.backends.base import EngineSignals, estimate_prompt_tokens, make_chunk, usage_dict
 from fleetsched.errors import ContextTooLong, Overloaded, RateLimited
+from fleetsched.policies.fair_queue import Entry, FairQueue
 from fleetsched.policies.tiers import Tier
 from fleetsched.policies.window import AimdWindow, WindowSignals
 from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits, TokenBucket
@@ -307,6 +308,50 @@ async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objec
         # A standard-tier call is never shed; it waits its turn.
         await dispatcher.chat(body("waits"), tenant="std", tier=Tier.STANDARD)
     assert "shed me" not in backend.started and dispatcher.statistics().shed == 1
+
+
+@pytest.mark.anyio
+async def test_a_batch_call_with_a_minimum_share_is_shed_by_the_wait_its_share_gives_it():
+    """The wait was predicted behind all the queued work; a band with a minimum share is served
+    as soon as it is behind it, so batch calls waiting 0.1-0.6 s were shed with predicted waits
+    of 2-6 s (the batch band's default share, 0.05)."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, shed_after_s={"bulk": 5.0}, min_share={Tier.BATCH: 0.05})
+    async with anyio.create_task_group() as warm:  # measure the service rate
+        for _ in range(4):
+            warm.start_soon(partial(dispatcher.chat, body("warm"), tenant="bulk", tier=Tier.BATCH))
+    started = []
+
+    async def bulk(label: str) -> None:
+        await dispatcher.chat(body(label), tenant="bulk", tier=Tier.BATCH)
+        started.append((label, anyio.current_time()))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(12):  # twelve seconds of work queued
+            tg.start_soon(partial(dispatcher.chat, body("queued"), tenant="std", tier=Tier.STANDARD))
+        await anyio.sleep(0.5)
+        start = anyio.current_time()
+        assert dispatcher.predicted_wait_s() > 5.0 and dispatcher.predicted_wait_s(Tier.BATCH) == 0.0
+        await bulk("served")  # its band is empty: it goes after a pick or two
+        assert started[0][1] - start < 5.0
+    assert dispatcher.statistics().shed == 0
+
+
+def test_the_cost_ahead_of_a_band_with_a_share_is_its_own_queue_over_its_share():
+    queue = FairQueue(min_share={Tier.BATCH: 0.05})
+    for _ in range(10):
+        queue.push(Entry("std", Tier.STANDARD, 0.0, cost=100.0))
+    queue.push(Entry("vip", Tier.CRITICAL, 0.0, cost=50.0))
+    assert queue.cost_ahead(Tier.CRITICAL) == 50.0 and queue.cost_ahead(Tier.STANDARD) == 1_050.0
+    assert queue.cost_ahead(Tier.BATCH) == 0.0  # an empty band with a share: picked when behind
+    queue.push(Entry("bulk", Tier.BATCH, 0.0, cost=20.0))
+    assert queue.cost_ahead(Tier.BATCH) == pytest.approx(20.0 / 0.05)
+    queue.push(Entry("bulk", Tier.BATCH, 0.0, cost=100.0))  # its own queue over its share, or all: the less
+    assert queue.cost_ahead(Tier.BATCH) == pytest.approx(1_170.0)
+    while queue.pick(0.0) is not None:
+        pass
+    assert queue.cost_ahead(Tier.BATCH) == 0.0 and queue.cost_ahead(Tier.STANDARD) == 0.0
+    assert FairQueue().cost_ahead(Tier.BATCH) == 0.0
 
 
 @pytest.mark.anyio

@@ -108,6 +108,7 @@ class FairQueue:
         self._len = 0
         #: Sum of the costs of the live entries (the work waiting, for predicting waits).
         self.queued_cost = 0.0
+        self._queued_cost_by_band: dict[int, float] = {}
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -122,6 +123,22 @@ class FairQueue:
     def counter(self, tenant: str) -> float:
         """The tenant's virtual counter (weighted service received)."""
         return self._counters.get(tenant, 0.0)
+
+    def cost_ahead(self, tier: int) -> float:
+        """The queued cost served before an entry of `tier` pushed now would be picked (aging
+        left out): that of its band and the bands above it, or, where its band has a minimum
+        share, what is served while its band's queued cost is, if less. A band with a share is
+        picked as soon as it is behind it: an entry arriving at an empty band goes after the next
+        pick or two. Counted behind all the queued work, batch calls with a share of 0.05 were
+        shed with a predicted wait of 6 s where they waited 0.1 to 0.6 s."""
+        ahead = 0.0
+        for band, queued in self._queued_cost_by_band.items():
+            if band <= tier:
+                ahead += queued
+        share = self._min_share.get(tier)
+        if share:
+            ahead = min(ahead, self._queued_cost_by_band.get(tier, 0.0) / share)
+        return ahead
 
     def queued_by(self) -> dict[tuple[str, int], int]:
         """Number of live entries per (tenant, tier)."""
@@ -283,6 +300,8 @@ class FairQueue:
         self._len += delta
         self.queued_cost += delta * entry.cost
         self._live_by_band[entry.tier] = self._live_by_band.get(entry.tier, 0) + delta
+        band_cost = self._queued_cost_by_band.get(entry.tier, 0.0) + delta * entry.cost
+        self._queued_cost_by_band[entry.tier] = band_cost if self._live_by_band[entry.tier] else 0.0
 
     def _band_backlogged(self, tier: int) -> bool:
         return self._live_by_band.get(tier, 0) > 0

@@ -337,7 +337,7 @@ class Dispatcher:
             raise DeadlineExceeded(f"session {session} made a model call {now - deadline:.3f} s after its deadline")
         estimate = estimate_prompt_tokens(body)
         if tier in self._shed_tiers and tenant in self._shed_after_s:
-            wait = self.predicted_wait_s()
+            wait = self.predicted_wait_s(tier)
             if wait > self._shed_after_s[tenant]:
                 self._shed += 1
                 self._refuse(tenant, tier, session, now, "shed", "Overloaded")
@@ -581,12 +581,15 @@ class Dispatcher:
         fair-share counter, so that its share is fair across the whole deployment."""
         self._queue.charge(tenant, cost)
 
-    def predicted_wait_s(self) -> float:
+    def predicted_wait_s(self, tier: int | None = None) -> float:
         """Seconds a call arriving now would wait for a place: the queued work over the recent
-        service rate (0 while the window has room or nothing has been measured yet)."""
+        service rate (0 while the window has room or nothing has been measured yet). With its
+        `tier`, the work served before it: its band's and those above, or less where its band
+        has a minimum share (`FairQueue.cost_ahead`)."""
         if not self._queue or not self._rate:
             return 0.0
-        return self._queue.queued_cost / self._rate
+        ahead = self._queue.queued_cost if tier is None else self._queue.cost_ahead(tier)
+        return ahead / self._rate
 
     def take_engine_ttft(self) -> float | None:
         """Median engine-side TTFT of the calls finished since the last take (for the window)."""
