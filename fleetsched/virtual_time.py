@@ -85,11 +85,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self._virtual_now
 
     def hold_clock(self) -> Callable[[], None]:
-        """Keep the clock from jumping until the function returned is called (once). Holds nest."""
+        """Keep the clock from jumping until the function returned is called. Holds nest; a
+        release called again does nothing (counted twice, the clock stood still for good)."""
         self._holds += 1
+        released = False
 
         def release() -> None:
-            self._holds -= 1
+            nonlocal released
+            if not released:
+                released = True
+                self._holds -= 1
 
         return release
 
@@ -101,6 +106,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         release = self.hold_clock()
         future.add_done_callback(lambda _: release())
         return future
+
+    async def shutdown_default_executor(self, *args: Any) -> None:
+        """asyncio's, with the clock held still while the executor's threads are joined: from
+        Python 3.13 it waits for them under a timeout on the loop's clock (300 s), which the
+        clock jumped to at once, warning that they did not finish."""
+        release = self.hold_clock()
+        try:
+            await super().shutdown_default_executor(*args)
+        finally:
+            release()
 
     def run_forever(self) -> None:
         # Declare the loop to sniffio while it runs, as trio does: `anyio.current_time()` (read
@@ -127,6 +142,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def call_at(self, when: float, callback: Callable[..., object], *args: Any, context: Any = None) -> asyncio.TimerHandle:
         if when is None:
             raise TypeError("when cannot be None")
+        if when != when:  # nan sorts with nothing: the heap's order broke, and the run stood still
+            raise ValueError("when must not be NaN")
         self._check_closed()
         timer = asyncio.TimerHandle(when, callback, args, self, context)
         heapq.heappush(self._scheduled, (when, next(self._timer_seq), timer))  # type: ignore[arg-type]

@@ -252,3 +252,35 @@ def test_an_agents_first_openai_sdk_call_takes_no_virtual_time_of_its_own():
             return await handle
 
     assert run_virtual(main) == [0.0, 0.0]
+
+
+def test_a_timer_at_nan_is_refused_and_the_others_keep_their_order():
+    """A nan in the timer heap compares with nothing: the heap's order broke (a 1-s timer fired
+    before a 0.5-s one) and the loop waited on its selector for good, the whole run standing
+    still. asyncio on Python 3.13 refuses it too (ValueError); anyio's and trio's sleeps do."""
+
+    async def main() -> list[float]:
+        fired: list[float] = []
+        loop = asyncio.get_running_loop()
+        for delay in (1.0, 3.0, 2.0, 0.5):
+            loop.call_later(delay, lambda: fired.append(anyio.current_time()))
+        with pytest.raises(ValueError, match="NaN"):
+            await asyncio.sleep(float("nan"))
+        await anyio.sleep(5)
+        return fired
+
+    assert run_virtual(main) == [0.5, 1.0, 2.0, 3.0]
+
+
+def test_a_hold_released_twice_is_released_once():
+    # Counted twice, the holds went below zero, which read as held: the clock stood still for good.
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        outer, inner = loop.hold_clock(), loop.hold_clock()  # type: ignore[attr-defined]
+        inner()
+        inner()
+        outer()
+        await anyio.sleep(1)
+        return anyio.current_time()
+
+    assert run_virtual(main) == 1.0
