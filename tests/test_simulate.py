@@ -429,8 +429,10 @@ def test_simulate_prints_the_note_run_prints(tmp_path, capsys):
     # JSON held the note).
     config = tmp_path / "fleet.toml"
     config.write_text('[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 1\nturns = 1\nprompt_tokens = 20000\n')
-    assert cli_main(["simulate", str(config)]) == 0
-    assert "fleetsched simulate: note: workload.agents[0] (a): its first call has about" in capsys.readouterr().err
+    assert cli_main(["simulate", str(config)]) == 1  # its one session failed, none done
+    err = capsys.readouterr().err
+    assert "fleetsched simulate: note: workload.agents[0] (a): its first call has about" in err
+    assert "fleetsched simulate: 1 of 1 sessions failed (ContextTooLong 1)" in err
 
 
 def test_sessions_cancelled_at_the_end_are_in_the_tenant_table(tmp_path, capsys):
