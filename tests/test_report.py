@@ -513,3 +513,28 @@ def test_a_long_run_s_timeline_stays_on_one_grid_as_it_thins():
     t = sampled["t"]
     assert sampled["interval_s"] == 16.0 and len(t) <= 11
     assert {round(b - a, 6) for a, b in zip(t, t[1:])} == {16.0} and t[0] == 0.0
+
+
+def test_a_last_sample_taken_on_a_tick_replaces_the_tick_s():
+    """A run that ends on a sampling tick was sampled twice at its end: ``t`` ended 65.0, 65.0."""
+    from fleetsched import Scheduler
+    from fleetsched.observability.sla import SlaTracker
+    from fleetsched.observability.timeline import Timeline
+    from fleetsched.virtual_time import run_virtual
+
+    from .helpers import settings
+
+    async def main():
+        async with Scheduler(settings()) as scheduler:
+            timeline = Timeline(scheduler, SlaTracker(scheduler.settings.tenants), interval_s=1.0)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(timeline.run)
+                await anyio.sleep(3)
+                await anyio.sleep(0)  # the tick at 3.0 samples
+                tg.cancel_scope.cancel()
+            timeline.sample()  # at 3.0 too, as a run's end takes its last
+        return timeline.as_dict()
+
+    sampled = run_virtual(main)
+    assert sampled["t"] == [0.0, 1.0, 2.0, 3.0]
+    assert len(sampled["window"]) == 4 and all(len(v) == 4 for v in sampled["queued_calls"].values())

@@ -56,7 +56,10 @@ class Timeline:
         self.tracker.update(recorder, now)
         stats = self.scheduler.statistics()
         s = self.series
-        s["t"].append(round(now - self.start, 4))
+        t = round(now - self.start, 4)
+        if s["t"] and s["t"][-1] == t:  # the last sample, taken on a tick at the run's end: this one replaces it
+            _drop_last(s)
+        s["t"].append(t)
         s["completion_tokens"].append(self._tokens)
         queued = {t: 0 for t in TIERS}
         for (_, tier), n in stats.queued.items():
@@ -98,3 +101,11 @@ class Timeline:
 
     def as_dict(self) -> dict[str, Any]:
         return {"interval_s": self.interval_s, "window_s": self.tracker.window_s, **self.series}
+
+
+def _drop_last(series: dict[str, Any]) -> None:
+    for value in series.values():
+        if isinstance(value, dict):
+            _drop_last(value)
+        else:
+            value.pop()
