@@ -6,14 +6,17 @@ skipped, unless FLEETSCHED_REQUIRE_REDIS=1: then they fail.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -43,8 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def redis_url():
+@contextlib.contextmanager
+def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
+    """A Redis server of its own on a free loopback port: its URL and its process."""
     binary = shutil.which("redis-server")
     if binary is None:
         message = "no redis-server binary: apt-get install -y redis-server"
@@ -71,10 +75,17 @@ def redis_url():
                 if time.monotonic() > deadline or process.poll() is not None:
                     pytest.fail("redis-server did not start")
                 time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
+            yield f"redis://127.0.0.1:{port}/0", process
         finally:
+            process.send_signal(signal.SIGCONT)  # a test that froze it
             process.terminate()
             process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with redis_server() as (url, _):
+        yield url
 
 
 def test_two_instances_hold_a_tenants_rate_limit_jointly(redis_url):
@@ -396,3 +407,84 @@ async def test_a_bucket_in_debt_outlives_the_hour_and_a_charge_on_a_bucket_not_s
     finally:
         await shared.aclose()
         await memory.aclose()
+
+
+def test_a_redis_that_stops_answering_holds_no_call_for_long():
+    """A frozen Redis host (SIGSTOP here): each call's end waited on its refund for redis-py's
+    default timeout (5 s from redis-py 8; for ever before, and the calls hung). A tenant without
+    limits is served at once; a limited one gets its 503 within the client's timeout of 1 s."""
+    with redis_server() as (url, process):
+        with serve_in_thread(gateway_settings(gateway={"redis_url": url})) as (_, gateway_url):
+            client(gateway_url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+            process.send_signal(signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                reply = client(gateway_url, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+                unlimited_s = time.monotonic() - start
+                start = time.monotonic()
+                with pytest.raises(openai.APIStatusError) as refused:
+                    client(gateway_url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+                limited_s = time.monotonic() - start
+            finally:
+                process.send_signal(signal.SIGCONT)
+    assert reply.usage.completion_tokens == 1 and refused.value.status_code == 503
+    assert unlimited_s < 3.0 and limited_s < 3.0, (unlimited_s, limited_s)
+
+
+async def test_a_bucket_stored_by_a_clock_ahead_is_not_emptied(redis_url):
+    """A failover to a Redis whose clock is behind (or a step back): the level read was the stored
+    one plus a negative refill, and a tenant with 59 of 60 requests left waited 61 s."""
+    import redis.asyncio as redis
+
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    state = RedisState({"acme": RateLimit(60.0, 6000.0)}, redis_url, instance="a", prefix=prefix)
+    try:
+        async with redis.Redis.from_url(redis_url) as r:
+            seconds, micros = await r.time()
+            ahead = seconds + micros / 1e6 + 119  # stored two minutes ahead of this clock
+            await r.hset(f"{prefix}:bucket:acme", mapping={"r": "59", "rt": str(ahead), "k": "5000", "kt": str(ahead)})
+        taken = await state.take("acme", 100)
+        assert taken.wait_s == 0 and taken.requests is not None and 57.9 < taken.requests.left <= 58.0
+    finally:
+        await state.aclose()
+
+
+async def test_the_peers_service_is_the_total_less_this_instance_s_own(redis_url):
+    """An instance's own service was kept in a key that expired after an hour without writing
+    (cut off from Redis) or under eviction: its past service then read as its peers' and its
+    dispatcher charged the tenant again (720 -> 1,440 with no call). It is counted in memory."""
+    import redis
+
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    a = RedisState({}, redis_url, instance="a", prefix=prefix)
+    b = RedisState({}, redis_url, instance="b", prefix=prefix)
+    try:
+        await a.add_usage("acme", 720.0)
+        await b.add_usage("acme", 100.0)
+        await b.add_usage("globex", 5.0)
+        assert await a.peer_usage() == {"acme": 100.0, "globex": 5.0}
+        assert await b.peer_usage() == {"acme": 720.0, "globex": 0.0}
+        with redis.Redis.from_url(redis_url) as r:
+            assert [k.decode() for k in r.keys(f"{prefix}:*")] == [f"{prefix}:usage"]  # nothing else to lose
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_the_service_of_a_call_cut_short_is_shared_with_the_peers(redis_url):
+    """Only a call answered 200 added its service to Redis: one cut by its deadline (408) or its
+    client after the engine made 320 tokens was charged here and left the peers unaware."""
+    from fleetsched.gateway.app import Gateway, _Outcome
+
+    flush(redis_url)
+    gateway = Gateway(gateway_settings(gateway={"redis_url": redis_url}))
+    peer = RedisState({}, redis_url, instance="peer")
+    try:
+        for status in (408, 499, 200):
+            done = _Outcome()
+            done.sent, done.prompt_tokens, done.completion_tokens = True, 10, 320
+            await gateway._settle("acme", 10, 400, done, status)
+        assert await peer.peer_usage() == {"acme": 3 * (10 * INPUT_WEIGHT + 320 * OUTPUT_WEIGHT)}
+    finally:
+        await gateway.state.aclose()
+        await peer.aclose()

@@ -568,7 +568,8 @@ class Gateway:
         """After a call answered `status`: refund the tokens it did not use to the tenant's
         tokens per minute (whatever its outcome: a call refused or failed gets its prompt back
         too; one whose prompt the engine counted longer than the estimate `prompt` is charged
-        the difference), and count a served call's tokens and fair-share service.
+        the difference), count a served call's tokens, and share the service the engine gave
+        (with Redis: the other instances' fair share counts it).
 
         What the engine counted is charged whatever the status: a call cut short by its deadline
         (408) or its client made tokens. A call whose client left before it was sent (queued in
@@ -589,19 +590,29 @@ class Gateway:
         invalid = status in _REFUSED_AS_INVALID or (status == 0 and not done.sent)
         if served:
             self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
-        with anyio.CancelScope(shield=True):
+        # The service the engine gave counts in the fair share whatever the status, as the local
+        # dispatcher charges it: a call cut by its deadline or its client left its peers unaware.
+        cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
+        # Shielded (a client that leaves must not lose the refund) but bounded: a Redis that
+        # stops answering held the end of every answer.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S) as settling:
             try:
                 await self.state.refund(tenant, unused, request=invalid)
-                if served and self.state.shared:
-                    cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
+                if cost and self.state.shared:
                     await self.state.add_usage(tenant, cost)
             except Exception as exc:
                 logger.warning("could not settle a call of tenant %r in the shared state: %s: %s", tenant, type(exc).__name__, exc)
+        if settling.cancelled_caught:
+            logger.warning("could not settle a call of tenant %r in the shared state: no answer in %g s", tenant, SETTLE_TIMEOUT_S)
 
 
 #: The status a call is counted under in the metrics when its client left before its answer's
 #: end (nginx's "client closed request"): such calls went uncounted, or counted as served.
 CLIENT_CLOSED_REQUEST = 499
+
+#: Seconds a call's settling (its refund and fair-share service, in Redis) may take before it is
+#: given up (and logged): the answer's end waits for it.
+SETTLE_TIMEOUT_S = 2.0
 
 #: The statuses of a call refused as invalid: it used none of the tenant's requests per minute.
 _REFUSED_AS_INVALID = frozenset({400, 404, 413, 422})

@@ -7,9 +7,9 @@ balancer act as one gateway). `create_state` picks from the settings.
 - Rate limits: a requests-per-minute and a tokens-per-minute token bucket per tenant, as in
   `fleetsched.resources.ratelimit`. In Redis both are taken or neither, in one Lua script on the
   Redis server's clock, so instances never race nor disagree about time.
-- Fair-share counters: the service each tenant got (VTC cost: prompt 1, output 2), in total and
-  by this instance, written and read together, so that each instance's dispatcher counts what its
-  peers served and never its own service twice.
+- Fair-share counters: the service each tenant got (VTC cost: prompt 1, output 2), in total, and
+  what this instance added, counted in its memory, so that each instance's dispatcher counts what
+  its peers served and never its own service twice.
 - Session placement: which instance and replica serve a session, first writer wins, expiring
   after the session's idle time. A session that passed its deadline leaves a mark in its place
   instead, so that every instance refuses its id for an idle period.
@@ -161,7 +161,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function level(value, at, rate, cap)
   if value == false or value == nil then return cap end
-  return math.min(cap, tonumber(value) + (now - tonumber(at)) * rate)
+  -- never below the level stored: a clock behind the one that stored it (a failover, a step
+  -- back) emptied the bucket, a tenant refused for as long as the clock was behind
+  return math.min(cap, tonumber(value) + math.max(0, now - tonumber(at)) * rate)
 end
 local function keep(r, rr, rc, k, tr, tc)
   local refill = 0
@@ -241,8 +243,10 @@ return ARGV[1]
 _PAST_DEADLINE = "past-deadline"
 
 
-#: An instance's own service counters outlive it by this long (they are refreshed while it runs).
-_OWN_USAGE_TTL_S = 3600
+#: Seconds a Redis command may take to connect or to answer: a Redis that stops answering (a
+#: frozen host, a dropped network) held every call's end for redis-py's default (5 s from
+#: redis-py 8, none before: the calls hung) where it now gets a 503 soon.
+REDIS_TIMEOUT_S = 1.0
 
 
 class RedisState(SharedState):
@@ -254,12 +258,16 @@ class RedisState(SharedState):
 
         super().__init__(limits)
         try:
-            self._redis = redis.Redis.from_url(url)
+            # Timeouts the URL names win (``?socket_timeout=5``): redis-py reads them last.
+            self._redis = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
         except ValueError as exc:  # not a Redis URL: the operator's to fix, not a traceback
             raise ConfigError("gateway.redis_url", str(exc)) from exc
         self._prefix = prefix
         self._usage = f"{prefix}:usage"
-        self._own_usage = f"{prefix}:usage-of:{instance}"
+        # This instance's own service, added to `_usage`. Kept here, not in a key of its own,
+        # which expired (an instance cut off for an hour) or was evicted: its past service then
+        # read as its peers' and was charged again.
+        self._own: dict[str, float] = {}
         self._take = self._redis.register_script(_TAKE)
         self._refund = self._redis.register_script(_REFUND)
         self._place = self._redis.register_script(_PLACE)
@@ -295,19 +303,12 @@ class RedisState(SharedState):
             await self._refund(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, requests, tpm / 60, tpm, tokens])
 
     async def add_usage(self, tenant: str, cost: float) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hincrbyfloat(self._usage, tenant, cost)
-            pipe.hincrbyfloat(self._own_usage, tenant, cost)
-            pipe.expire(self._own_usage, _OWN_USAGE_TTL_S)
-            await pipe.execute()
+        await self._redis.hincrbyfloat(self._usage, tenant, cost)
+        self._own[tenant] = self._own.get(tenant, 0.0) + cost
 
     async def peer_usage(self) -> dict[str, float]:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self._usage)
-            pipe.hgetall(self._own_usage)
-            pipe.expire(self._own_usage, _OWN_USAGE_TTL_S)  # read every sync period: kept while this instance runs
-            total, own, _ = await pipe.execute()
-        return {k.decode(): float(v) - float(own.get(k, 0.0)) for k, v in total.items()}
+        total = await self._redis.hgetall(self._usage)
+        return {k.decode(): float(v) - self._own.get(k.decode(), 0.0) for k, v in total.items()}
 
     def _session(self, session: str) -> str:
         return f"{self._prefix}:session:{session}"
