@@ -335,3 +335,70 @@ async def test_adaptive_keeps_a_tool_s_slot_when_no_waiting_session_could_take_i
         assert await scheduler.run(tool_user, tenant="a") == 0
         assert await scheduler.run(functools.partial(tool_user, tenant_arriving="c"), tenant="a") == 1
         assert arrived[0].timestamps[SessionState.RUNNING] < 100  # it took a's slot during the tool
+
+
+@pytest.mark.anyio
+async def test_a_tool_kept_for_lack_of_pressure_parks_for_its_own_tenant_s_next_session():
+    """Tenant a at its limit of 1, its session kept in a long tool (nobody it could serve
+    waited); then a's next session arrives while b's waits at b's limit: the tool's slot was
+    not reconsidered (another tenant was already waiting) and a's session waited the whole
+    60-s tool, the slot idle."""
+    s = settings(
+        {"a": {"max_sessions": 1}, "b": {"max_sessions": 1}},
+        scheduler={"max_sessions": 10, "tool_policy": "adaptive"},
+    )
+
+    async def holder(ctx):
+        await anyio.sleep(100)
+
+    async def tool_user(ctx):
+        await ctx.chat([{"role": "user", "content": "x"}], max_tokens=4)
+        async with ctx.tool("code-run"):
+            await anyio.sleep(60)
+        return ctx._handle.parked_count
+
+    async def quick(ctx):
+        return anyio.current_time()
+
+    async with Scheduler(s) as scheduler:
+        for _ in range(3):
+            scheduler._tool_stats.observe("code-run", 60.0)  # a long tool, learned
+        await scheduler.submit(holder, tenant="b")
+        await scheduler.submit(holder, tenant="b")  # waits: b is at its limit
+        user = await scheduler.submit(tool_user, tenant="a")
+        await anyio.sleep(1)
+        assert not user.parked  # kept: nobody waiting could take its slot
+        assert await scheduler.run(quick, tenant="a") == 1.0  # its tenant's session took the slot
+        assert await user == 1
+        for handle in scheduler.running_sessions():
+            handle.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_session_back_from_a_tool_ages_from_its_return_not_its_submission():
+    """Aging promotes a lower band by the time its session waited: a batch session that came back
+    from a tool after 215 s of life counted all of it, and went before critical sessions that
+    had waited 16 s."""
+    s = settings(
+        {"crit": {"tier": "critical"}, "bat": {"tier": "batch"}},
+        scheduler={"max_sessions": 1, "aging_s": 60, "tool_policy": "release"},
+    )
+    order = []
+
+    async def batch(ctx):
+        await anyio.sleep(200)
+        async with ctx.tool("t"):  # parks: its slot goes to the critical sessions
+            await anyio.sleep(10)
+        order.append(("batch", anyio.current_time()))
+
+    async def crit(ctx):
+        order.append(("crit", anyio.current_time()))
+        await anyio.sleep(5)
+
+    async with Scheduler(s) as scheduler:
+        handles = [await scheduler.submit(batch, tenant="bat")]
+        await anyio.sleep(199)
+        handles += [await scheduler.submit(crit, tenant="crit") for _ in range(4)]
+        for handle in handles:
+            await handle
+    assert order == [("crit", 200.0), ("crit", 205.0), ("crit", 210.0), ("crit", 215.0), ("batch", 220.0)]

@@ -451,11 +451,16 @@ class Scheduler:
         pushed = self._queue.push(entry)
         self._admit_ready()
         # Sessions now wait (or, for the first time, one of a tenant under its limit: those at
-        # theirs cannot take a slot another tenant frees): tools kept for lack of pressure may park.
+        # theirs cannot take a slot another tenant frees; or the first of a tenant with a session
+        # kept in a tool, whose slot it can take): tools kept for lack of pressure may park.
         slots = self.slots
         if kept and self._queue and (
             not waiting_before
             or (slots.under_cap(entry.tenant) and not any(slots.under_cap(tenant) for tenant, _ in waiting_before))
+            or (
+                not any(tenant == entry.tenant for tenant, _ in waiting_before)
+                and any(handle.tenant == entry.tenant for handle in self._in_tool)
+            )
         ):
             self._reconsider_tools(anyio.current_time())
         return pushed
@@ -839,8 +844,10 @@ class Scheduler:
     async def _readmit(self, handle: SessionHandle) -> None:
         """Queue a returning session ahead of its tenant's new ones and wait for slot and memory."""
         handle._readmit = granted = anyio.Event()
-        # deadline -1 sorts before new sessions (deadline 0) of the tenant; arrival keeps its age.
-        entry = Entry(handle.tenant, int(handle.tier), handle.timestamps[SessionState.QUEUED], handle, deadline=-1.0)
+        # deadline -1 sorts before new sessions (deadline 0) of the tenant. It arrives now: aging
+        # counts the time it waits, not its life (a batch session back from a tool after 215 s
+        # was promoted past critical sessions that had waited 16 s).
+        entry = Entry(handle.tenant, int(handle.tier), anyio.current_time(), handle, deadline=-1.0)
         handle._readmit_entry = self._push(entry)
         try:
             await granted.wait()  # _resume may have set it already, during _push above
