@@ -402,3 +402,33 @@ async def test_a_session_back_from_a_tool_ages_from_its_return_not_its_submissio
         for handle in handles:
             await handle
     assert order == [("crit", 200.0), ("crit", 205.0), ("crit", 210.0), ("crit", 215.0), ("batch", 220.0)]
+
+
+@pytest.mark.anyio
+async def test_a_deadline_missed_waiting_to_come_back_from_a_tool_is_the_queue_s():
+    """The session's one call took no time, its tool 2 s, then it waited 18 s to be re-admitted
+    and ran out of its 20-s deadline: the breach said "engine-slow" (only the first admission's
+    wait was counted as the queue's)."""
+    from fleetsched.observability.sla import session_event
+
+    s = settings({"a": {"sla": {"deadline_s": 20}}, "b": {}}, scheduler={"max_sessions": 1, "tool_policy": "release"})
+
+    async def agent(ctx):
+        await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=4)
+        async with ctx.tool("t"):
+            await anyio.sleep(2)
+        await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=4)
+
+    async def hog(ctx):
+        await anyio.sleep(60)
+
+    async with Scheduler(s) as scheduler:
+        handle = await scheduler.submit(agent, tenant="a")
+        await anyio.sleep(0.5)
+        other = await scheduler.submit(hog, tenant="b")  # takes the slot the tool lends
+        await handle.ended()
+        other.cancel()
+    (record,) = [r for r in scheduler.recorder.sessions if r.tenant == "a"]
+    assert record.error == "DeadlineExceeded" and record.readmit_wait_s == pytest.approx(18.0)
+    met, breach = session_event(record, {"deadline": 20})
+    assert not met and breach.reason == "queued"

@@ -164,7 +164,8 @@ def session_event(session: SessionRecord, goals: Mapping[str, float]) -> tuple[b
     # tells why it ran out. A record without an error (hand-made) falls back on its span.
     if span < target and not session.deadline_exceeded:
         return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, "failed")
-    wait = session.admitted - session.submitted if session.admitted == session.admitted else span
+    # Its waits in the queue: for admission, and to come back after tools that released its slot.
+    wait = session.admitted - session.submitted + session.readmit_wait_s if session.admitted == session.admitted else span
     # Its own tools' time is neither the engine's nor the queue's (it was blamed on the engine).
     reason = "in-tools" if wait < span / 2 <= session.tool_s else _reason(wait, span)
     return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, reason)

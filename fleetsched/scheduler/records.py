@@ -62,6 +62,9 @@ class SessionRecord:
     #: not recorded). ``DeadlineExceeded``: its deadline ended it, which its span alone cannot
     #: tell: on a float clock that span reads 1.9999999999999998 s as often as 2.0 s.
     error: str | None = None
+    #: Seconds it waited to be re-admitted after tools that released its slot (its queueing
+    #: after the first admission).
+    readmit_wait_s: float = 0.0
 
     @property
     def deadline_exceeded(self) -> bool:

@@ -728,6 +728,7 @@ class Scheduler:
                 c.completion_tokens,
                 c.tool_s,
                 error=None if handle.error is None else type(handle.error).__name__,
+                readmit_wait_s=c.readmit_wait_s,
             )
         )
 
@@ -856,6 +857,8 @@ class Scheduler:
             handle._readmit = None
             self._admit_ready()  # it may have headed the queue, holding back sessions that fit
             raise
+        finally:  # queued again: a deadline missed here is the queue's, not the engine's
+            handle.counters.readmit_wait_s += anyio.current_time() - entry.arrival
         error, handle._readmit_error = handle._readmit_error, None
         if error is not None:
             raise error

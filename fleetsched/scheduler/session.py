@@ -62,6 +62,8 @@ class SessionCounters:
     completion_tokens: int = 0
     tool_calls: int = 0
     tool_s: float = 0.0
+    #: Seconds waited to be re-admitted after tools that released the session's slot.
+    readmit_wait_s: float = 0.0
 
 
 _ids = itertools.count(1)
