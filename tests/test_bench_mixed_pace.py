@@ -34,6 +34,12 @@ def test_mixed_pace_bench_json():
         assert 0 < figures["engine_busy_frac"] <= 1
     # Deterministic on virtual time: lending the slots of sessions in long tools serves more.
     assert modes["fleetsched"]["sessions_per_hour"] > modes["baseline"]["sessions_per_hour"]
+    # The baseline queues (its capacity is measured); a mode that served every arrival says so,
+    # and the ratio is then a lower bound (it grew with --arrival-rate: a claim of capacity).
+    assert modes["baseline"]["queued_at_end"] > 0 and not modes["baseline"]["arrival_limited"]
+    for figures in modes.values():
+        assert figures["arrival_limited"] == (figures["queued_at_end"] == 0)
+    assert data["ratio_is_lower_bound"] == modes["fleetsched"]["arrival_limited"]
 
 
 def test_a_url_with_the_sim_backend_is_a_usage_error(capsys):
