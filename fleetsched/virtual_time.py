@@ -28,6 +28,7 @@ import asyncio
 import heapq
 import itertools
 import math
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -51,6 +52,8 @@ _POLL_EVERY = 64
 #: Timers at least, and the cancelled share past which the timer heap is rebuilt (asyncio's values).
 _MIN_TIMERS_TO_PURGE = 100
 _PURGE_CANCELLED_FRACTION = 0.5
+#: Real seconds the executor's threads get to finish at shutdown (asyncio's join timeout).
+EXECUTOR_JOIN_S = 300.0
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -108,13 +111,18 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return future
 
     async def shutdown_default_executor(self, *args: Any) -> None:
-        """asyncio's, with the clock held still while the executor's threads are joined: from
-        Python 3.13 it waits for them under a timeout on the loop's clock (300 s), which the
-        clock jumped to at once, warning that they did not finish."""
+        """asyncio's, with the clock held still while the executor's threads are joined, for up
+        to `EXECUTOR_JOIN_S` of real time: from Python 3.13 it waits for them under a timeout
+        on the loop's clock (300 s), which the clock jumped to at once, warning that they did not
+        finish. A thread stuck past that lets the clock go to the timeout, and asyncio warns."""
         release = self.hold_clock()
+        stuck = threading.Timer(EXECUTOR_JOIN_S, self.call_soon_threadsafe, (release,))
+        stuck.daemon = True
+        stuck.start()
         try:
             await super().shutdown_default_executor(*args)
         finally:
+            stuck.cancel()
             release()
 
     def run_forever(self) -> None:

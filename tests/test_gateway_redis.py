@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -445,6 +446,12 @@ async def test_a_bucket_stored_by_a_clock_ahead_is_not_emptied(redis_url):
             await r.hset(f"{prefix}:bucket:acme", mapping={"r": "59", "rt": str(ahead), "k": "5000", "kt": str(ahead)})
         taken = await state.take("acme", 100)
         assert taken.wait_s == 0 and taken.requests is not None and 57.9 < taken.requests.left <= 58.0
+        # One short of a request, refused: its refill starts now, not when the clock catches up.
+        async with redis.Redis.from_url(redis_url) as r:
+            await r.hset(f"{prefix}:bucket:acme", mapping={"r": "0.5", "rt": str(ahead)})
+        assert 0.4 < (await state.take("acme", 100)).wait_s <= 0.5
+        await anyio.sleep(0.6)
+        assert (await state.take("acme", 100)).wait_s == 0
     finally:
         await state.aclose()
 
@@ -488,3 +495,28 @@ async def test_the_service_of_a_call_cut_short_is_shared_with_the_peers(redis_ur
     finally:
         await gateway.state.aclose()
         await peer.aclose()
+
+
+async def test_a_reading_of_the_peers_low_for_a_moment_is_not_charged_twice():
+    """The sync charged every rise since its last reading: a reading low for a moment (this
+    instance's service counted, its write not yet in Redis) followed by the right one charged
+    the tenant that call's cost as the peers'."""
+    from types import SimpleNamespace
+
+    from fleetsched.gateway.app import Gateway
+
+    charged = []
+    readings = iter([{"acme": 100.0}, {"acme": 95.0}, {"acme": 100.0}, {"acme": 130.0}])
+    gateway = Gateway(gateway_settings())
+
+    async def peer_usage():
+        try:
+            return next(readings)
+        except StopIteration:
+            await anyio.sleep_forever()
+
+    gateway.state.peer_usage = peer_usage
+    gateway.scheduler = SimpleNamespace(dispatcher=SimpleNamespace(charge_external=lambda t, c: charged.append((t, c))))
+    with anyio.move_on_after(5 * FAIR_SHARE_SYNC_S):
+        await gateway._sync_fair_share()
+    assert charged == [("acme", 30.0)]

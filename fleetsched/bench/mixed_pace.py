@@ -145,8 +145,9 @@ async def run_mode_real(settings: Settings, seconds: float) -> dict[str, Any]:
 
 
 def figures(scheduler: Scheduler, start: float, end: float, hours: float, busy_fraction: float, queued: int) -> dict[str, Any]:
-    """A mode's figures; `queued`: the sessions still waiting for admission at the end (none:
-    the mode served what arrived, and its sessions per hour is the arrivals', not its capacity)."""
+    """A mode's figures; `queued`: the sessions waiting for admission (or to come back from a
+    tool) at the end, one reading. None: the mode served what arrived by then, and its sessions
+    per hour is the arrivals', not its capacity."""
     done = [s for s in scheduler.recorder.sessions if s.state == "done" and start <= s.finished <= end]
     jct: dict[str, dict[str, float | None]] = {}
     for kind in KINDS:

@@ -219,12 +219,18 @@ class Gateway:
                 if failing:
                     logger.warning("fair-share sync works again")
                 failing = False
-                if last is not None:
+                if last is None:  # the baseline
+                    last = dict(by_peers)
+                else:
+                    # Charged up to each tenant's highest reading: one low for a moment (this
+                    # instance's own service counted, its write not yet in Redis) is made up when
+                    # the write lands, not charged twice.
                     for tenant, total in by_peers.items():
                         peers = total - last.get(tenant, 0.0)
-                        if peers > 0 and tenant in self.settings.tenants:
-                            dispatcher.charge_external(tenant, peers)
-                last = by_peers
+                        if peers > 0:
+                            last[tenant] = total
+                            if tenant in self.settings.tenants:
+                                dispatcher.charge_external(tenant, peers)
             await anyio.sleep(FAIR_SHARE_SYNC_S)
 
     # -- ASGI ------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function level(value, at, rate, cap)
   if value == false or value == nil then return cap end
   -- never below the level stored: a clock behind the one that stored it (a failover, a step
-  -- back) emptied the bucket, a tenant refused for as long as the clock was behind
+  -- back) emptied the bucket
   return math.min(cap, tonumber(value) + math.max(0, now - tonumber(at)) * rate)
 end
 local function keep(r, rr, rc, k, tr, tc)
@@ -192,7 +192,13 @@ if tr > 0 then
   local need = math.min(amount, tc)
   if k < need then wait = math.max(wait, (need - k) / tr) end
 end
-if wait > 0 then return tostring(wait) .. ' ' .. tostring(r) .. ' ' .. tostring(k) end
+if wait > 0 then
+  -- a bucket stored at a time ahead of this clock refills from now on: left as it was, it
+  -- gained nothing until the clock caught up, refused all the while
+  if rr > 0 and v[2] and tonumber(v[2]) > now then redis.call('HSET', KEYS[1], 'rt', tostring(now)) end
+  if tr > 0 and v[4] and tonumber(v[4]) > now then redis.call('HSET', KEYS[1], 'kt', tostring(now)) end
+  return tostring(wait) .. ' ' .. tostring(r) .. ' ' .. tostring(k)
+end
 if rr > 0 then
   r = r - 1
   redis.call('HSET', KEYS[1], 'r', tostring(r), 'rt', tostring(now))
@@ -303,8 +309,14 @@ class RedisState(SharedState):
             await self._refund(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, requests, tpm / 60, tpm, tokens])
 
     async def add_usage(self, tenant: str, cost: float) -> None:
-        await self._redis.hincrbyfloat(self._usage, tenant, cost)
+        # Counted here first: a read between the two then finds this call's service missing
+        # (made up at the next read), never counted as the peers'.
         self._own[tenant] = self._own.get(tenant, 0.0) + cost
+        try:
+            await self._redis.hincrbyfloat(self._usage, tenant, cost)
+        except BaseException:
+            self._own[tenant] -= cost
+            raise
 
     async def peer_usage(self) -> dict[str, float]:
         total = await self._redis.hgetall(self._usage)

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 
-from ..scheduler.records import CallRecord, CallTimes, Recorder, SessionRecord, rank_percentile
+from ..scheduler.records import CANCELLED, CallRecord, CallTimes, Recorder, SessionRecord, rank_percentile
 from ..settings import SlaSettings, TenantSettings
 
 OBJECTIVES = ("ttft_p99", "admission_p99", "latency_p95", "admission_p95", "deadline", "min_tokens_per_s")
@@ -58,8 +58,6 @@ REASON_TEXT = {
 _REFUSED = {"Overloaded": "shed", "RateLimited": "rate-limited"}
 _FINISHED = attrgetter("finished")
 _FIRST = itemgetter(0)
-#: A call's `error` when it was cancelled with its session: no event of any objective.
-CANCELLED = frozenset({"Cancelled", "CancelledError"})
 
 
 def targets(sla: SlaSettings) -> dict[str, float]:

@@ -130,7 +130,9 @@ class FairQueue:
         share, what is served while its band's queued cost is, if less. A band with a share is
         picked as soon as it is behind it: an entry arriving at an empty band goes after the next
         pick or two. Counted behind all the queued work, batch calls with a share of 0.05 were
-        shed with a predicted wait of 6 s where they waited 0.1 to 0.6 s."""
+        shed with a predicted wait of 6 s where they waited 0.1 to 0.6 s. An estimate: service a
+        band got beyond its share while backlogged, and places kept for critical calls, are left
+        out (its wait may be longer)."""
         ahead = 0.0
         for band, queued in self._queued_cost_by_band.items():
             if band <= tier:

@@ -44,10 +44,10 @@ from ..policies.tiers import Tier
 from ..resources.ratelimit import TenantRateLimits
 from .records import CallRecord, Recorder, percentile
 
-#: `CallRecord.error` of a call cut short (asyncio's and trio's cancellation), and of one the
-#: backend refused as invalid.
-_CUT = frozenset({"CancelledError", "Cancelled"})
+#: `CallRecord.error` of a call the backend refused as invalid, and of one that failed before the
+#: engine made anything of it: refused, or no server up or free to take it.
 _INVALID = frozenset({"InvalidRequest", "ContextTooLong", "UnknownModel"})
+_NOTHING_MADE = _INVALID | {"BackendUnavailable", "Overloaded", "RateLimited"}
 
 #: VTC weights: a prompt token costs 1, a generated token 2.
 INPUT_WEIGHT = 1.0
@@ -387,16 +387,16 @@ class Dispatcher:
             # charged, whether the call failed or not; a prompt the engine counted longer than
             # its estimate is (the estimate counts characters: a real tokenizer may count more).
             # A call that failed with nothing made (refused, a server down or overloaded) gets
-            # its prompt back, as the gateway's calls do: one prompt over the context held a
-            # tenant's tokens_per_minute 40,000 below empty, 240 s of refusals. One cut short
-            # (cancelled) keeps it: the engine may have read it. One refused as invalid gets its
-            # request back too: only a fixed call would use it.
+            # its prompt back, as a refused gateway call does: one prompt over the context held
+            # a tenant's tokens_per_minute 40,000 below empty, 240 s of refusals. Any other
+            # (cut short, failed on the way) keeps it: the engine may have read it. One refused
+            # as invalid gets its request back too: only a fixed call would use it.
             if counted:
                 prompt = record.prompt_tokens
-            elif record.error is None or record.error in _CUT or output:
-                prompt = estimate
-            else:
+            elif record.error in _NOTHING_MADE and not output:
                 prompt = 0
+            else:
+                prompt = estimate
             unused = estimate + record.max_tokens - prompt - output
             self._limits.refund(record.tenant, unused, now, request=record.error in _INVALID)
         # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.

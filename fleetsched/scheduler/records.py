@@ -8,6 +8,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+#: A call's `error` when it was cut short by a cancellation (asyncio's and trio's): its time is
+#: its caller's choice, no event of any SLA objective, and the engine may have read its prompt.
+CANCELLED = frozenset({"Cancelled", "CancelledError"})
+
 
 @dataclass(slots=True)
 class CallRecord:

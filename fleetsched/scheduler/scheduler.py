@@ -459,7 +459,7 @@ class Scheduler:
             or (slots.under_cap(entry.tenant) and not any(slots.under_cap(tenant) for tenant, _ in waiting_before))
             or (
                 not any(tenant == entry.tenant for tenant, _ in waiting_before)
-                and any(handle.tenant == entry.tenant for handle in self._in_tool)
+                and any(h.tenant == entry.tenant and h._holds_slot and h._park_timer is None for h in self._in_tool)
             )
         ):
             self._reconsider_tools(anyio.current_time())
