@@ -596,8 +596,8 @@ class Gateway:
         invalid = status in _REFUSED_AS_INVALID or (status == 0 and not done.sent)
         if served:
             self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
-        # The service the engine gave counts in the fair share whatever the status, as the local
-        # dispatcher charges it: a call cut by its deadline or its client left its peers unaware.
+        # The service the engine counted is shared whatever the status: a call cut short by its
+        # deadline or its client (408, 499) left the other instances unaware of it.
         cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
         # Shielded (a client that leaves must not lose the refund) but bounded: a Redis that
         # stops answering held the end of every answer.

@@ -56,10 +56,10 @@ class Timeline:
         self.tracker.update(recorder, now)
         stats = self.scheduler.statistics()
         s = self.series
-        t = round(now - self.start, 4)
-        if s["t"] and s["t"][-1] == t:  # the last sample, taken on a tick at the run's end: this one replaces it
+        at = round(now - self.start, 4)
+        if s["t"] and s["t"][-1] == at:  # the last sample, taken on a tick at the run's end: this one replaces it
             _drop_last(s)
-        s["t"].append(t)
+        s["t"].append(at)
         s["completion_tokens"].append(self._tokens)
         queued = {t: 0 for t in TIERS}
         for (_, tier), n in stats.queued.items():
