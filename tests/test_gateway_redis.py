@@ -283,6 +283,11 @@ def test_a_redis_url_that_is_not_one_is_a_config_error(tmp_path, capsys):
     assert main(["--config", str(config)]) == 2  # was a ValueError's traceback
     error = capsys.readouterr().err
     assert "config error: gateway.redis_url" in error and "redis://" in error
+    # A database that is no number was read as none (database 0), without a word.
+    config.write_text('[gateway]\nredis_url = "redis://127.0.0.1:6379/x"\n')
+    assert main(["--config", str(config)]) == 2
+    error = capsys.readouterr().err
+    assert "config error: gateway.redis_url: the database is a number (redis://host:port/0), got 'x'" in error
 
 
 def test_a_503_for_the_shared_state_says_what_went_wrong(redis_url):

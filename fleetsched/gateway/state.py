@@ -22,6 +22,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
 
 import anyio
 
@@ -268,6 +269,11 @@ class RedisState(SharedState):
             self._redis = redis.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
         except ValueError as exc:  # not a Redis URL: the operator's to fix, not a traceback
             raise ConfigError("gateway.redis_url", str(exc)) from exc
+        split = urlsplit(url)
+        database = split.path.strip("/")
+        if split.scheme in ("redis", "rediss") and database and not database.isdigit():
+            # redis-py reads a database that is no number as none: database 0, another's state
+            raise ConfigError("gateway.redis_url", f"the database is a number (redis://host:port/0), got {database!r}")
         self._prefix = prefix
         self._usage = f"{prefix}:usage"
         # This instance's own service, added to `_usage`. Kept here, not in a key of its own,
