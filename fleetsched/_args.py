@@ -73,6 +73,11 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def url_host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 def http_url(text: str) -> str:
     """A server root (`url_problem`): checked here so that a typo is a usage error, not a
     settings ValidationError traceback mid-run."""

@@ -22,7 +22,7 @@ import anyio
 from rich.console import Console
 
 from . import bench
-from ._args import applies_only, positive_float, tcp_port, writable_file
+from ._args import applies_only, positive_float, tcp_port, url_host, writable_file
 from .errors import BackendUnavailable, ConfigError
 from .gc_tuning import SERVING, gc_thresholds
 from .report import nothing_done, table_console
@@ -79,7 +79,7 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
             if args.metrics_port is not None:
                 from .observability.metrics import registry_for, serve_metrics
 
-                host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host  # IPv6, as URLs write it
+                host = url_host(args.metrics_host)  # IPv6 in brackets
                 try:
                     port = await tg.start(serve_metrics, registry_for(scheduler, tracker), args.metrics_host, args.metrics_port)
                 except OSError as exc:  # the port is taken, the host is not ours, ...

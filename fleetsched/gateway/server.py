@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .._args import tcp_port
+from .._args import tcp_port, url_host
 from ..errors import ConfigError
 from ..gc_tuning import SERVING, gc_thresholds
 from ..settings import Settings, load_settings
@@ -116,11 +116,6 @@ def listen(host: str, port: int) -> socket.socket:
     """A socket listening on `host`:`port` (0: a free port), as uvicorn would bind it; raises OSError."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=4096)
-
-
-def url_host(host: str) -> str:
-    """`host` as a URL writes it: an IPv6 address in brackets."""
-    return f"[{host}]" if ":" in host else host
 
 
 def _interrupt(signum: int, frame: Any) -> None:
