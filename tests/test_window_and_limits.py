@@ -42,6 +42,16 @@ def test_window_shrinks_when_the_engine_queues_preempts_or_fills(why):
     assert AimdWindow().next_window(signals(**why)) == 25
 
 
+@pytest.mark.parametrize(
+    "why", [{"engine_waiting": 5}, {"preemptions": 1.0}, {"kv_cache_usage": 0.99}]
+)
+def test_window_does_not_shrink_again_before_its_last_decrease_took_effect(why):
+    """Calls sent before a decrease still at the engine (more in flight than the window) are the
+    load that decrease answered: shrinking for them again went 64, 16, 3, 2 where 8 fitted."""
+    assert AimdWindow().next_window(signals(window=25, in_flight=32, **why)) == 25
+    assert AimdWindow().next_window(signals(window=25, in_flight=25, **why)) == 20
+
+
 def test_window_grows_when_lower_tiers_fill_every_place_but_the_critical_reserve():
     """Lower tiers stop at window - reserve: the window grew only at in_flight >= window, so with
     a reserve it never grew (8 for 20 s where the same load without one grew it to 46)."""

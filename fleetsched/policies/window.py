@@ -52,6 +52,13 @@ class AimdWindow:
     def _next(self, s: WindowSignals) -> int:
         if s.ttft_s is not None and s.ttft_s > 0:
             self.ttft_floor_s = s.ttft_s if self.ttft_floor_s is None else min(self.ttft_floor_s, s.ttft_s)
+        if s.in_flight > s.window:
+            # The last decrease has not taken effect: calls sent before it are still at the
+            # engine (queued there, or holding its KV cache), and no new call goes until they
+            # drain below the window. Shrinking again for the load they make would overshoot:
+            # from 64, one window every interval, to 2 with 48 calls still in flight, where the
+            # engine runs 8 (one decrease a round trip, as TCP's congestion window).
+            return s.window
         shrink = int(s.window * self.decrease)
         if s.preemptions > 0 or (s.kv_cache_usage is not None and s.kv_cache_usage >= 0.98):
             return shrink
