@@ -137,6 +137,9 @@ class GatewaySettings(_Section):
     redis_url: str | None = None
     """Share tenant state (rate limits, fair-share counters, session placement) between gateway
     instances through this Redis (``redis://host:port/db``); None keeps it in memory."""
+    redis_prefix: str = "fleetsched"
+    """The start of every key the gateway writes in Redis: deployments that share one Redis
+    database keep their buckets, counters and sessions apart by their prefixes."""
     admin_api_keys: list[str] = Field(default_factory=list)
     """Hashed keys (``sha256:<hex>``) that see every tenant's metrics."""
     session_idle_s: float = Field(300.0, gt=0, allow_inf_nan=False)
@@ -158,6 +161,13 @@ class GatewaySettings(_Section):
     @classmethod
     def _hashed_keys(cls, value: list[str]) -> list[str]:
         return _check_key_hashes(value)
+
+    @field_validator("redis_prefix")
+    @classmethod
+    def _key_prefix(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", value):
+            raise ValueError("1 to 64 letters, digits and _ . : - (the start of the gateway's Redis keys)")
+        return value
 
 
 class SchedulerSettings(_Section):

@@ -98,6 +98,7 @@ def test_two_instances_hold_a_tenants_rate_limit_jointly(redis_url):
     flush(redis_url)
     with serve_in_thread(s) as (one, url_one), serve_in_thread(s) as (two, url_two):
         assert one.state.shared and two.state.shared and one.instance != two.instance
+        assert httpx.get(url_one + "/health").json() == {"status": "ok"}
         first, second = client(url_one, GLOBEX), client(url_two, GLOBEX)
         for c in (first, second, first, second):
             c.chat.completions.create(model="m", messages=MSG, max_tokens=1)
@@ -107,6 +108,30 @@ def test_two_instances_hold_a_tenants_rate_limit_jointly(redis_url):
             assert int(caught.value.response.headers["retry-after"]) >= 1
         # Another tenant's bucket is its own.
         client(url_two, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+
+
+def test_deployments_with_their_own_key_prefix_share_nothing_on_one_redis(redis_url):
+    # Every key began "fleetsched:": two deployments on one Redis database took one bucket.
+    import redis
+
+    tenants = {"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2}}
+    flush(redis_url)
+    blue = gateway_settings(tenants, gateway={"redis_url": redis_url, "redis_prefix": "blue"})
+    green = gateway_settings(tenants, gateway={"redis_url": redis_url, "redis_prefix": "green"})
+    with serve_in_thread(blue) as (_, url_blue), serve_in_thread(green) as (_, url_green):
+        for url in (url_blue, url_blue, url_green, url_green):  # two each: the buckets are apart
+            client(url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        with pytest.raises(openai.RateLimitError):
+            client(url_green, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+    with redis.Redis.from_url(redis_url) as r:
+        assert {key.split(b":")[0] for key in r.keys()} == {b"blue", b"green"}
+
+
+def test_a_redis_key_prefix_is_letters_digits_and_separators():
+    with pytest.raises(ValueError, match="gateway.redis_prefix"):
+        gateway_settings(gateway={"redis_prefix": "two words"})
+    with pytest.raises(ValueError, match="gateway.redis_prefix"):
+        gateway_settings(gateway={"redis_prefix": ""})
 
 
 def test_alone_an_instance_keeps_the_limit_in_memory():
@@ -203,6 +228,13 @@ def test_unreachable_redis_is_a_503_not_a_500():
                 model="m", messages=MSG, max_tokens=1
             )
         assert gateway.scheduler is not None and len(gateway.sessions) == 0
+        # Health says so (it said "ok"), and stays 200: tenants without limits are served.
+        health = httpx.get(url + "/health")
+        assert health.status_code == 200
+        assert health.json() == {
+            "status": "degraded",
+            "shared_state": "the gateway's shared state (Redis) is unavailable: cannot connect to it",
+        }
     for refused in (caught, placing):
         assert refused.value.status_code == 503 and refused.value.body["type"] == "state_unavailable"
         assert refused.value.response.headers["retry-after"] == "1"

@@ -125,7 +125,9 @@ class Gateway:
             for name, t in settings.tenants.items()
             if t.requests_per_minute or t.tokens_per_minute
         }
-        self.state: SharedState = create_state(limits, settings.gateway.redis_url, instance=self.instance)
+        self.state: SharedState = create_state(
+            limits, settings.gateway.redis_url, instance=self.instance, prefix=settings.gateway.redis_prefix
+        )
         # The gateway takes rate limits from the shared state; the dispatcher must not take twice.
         tenants = {
             name: t.model_copy(update={"requests_per_minute": None, "tokens_per_minute": None})
@@ -276,8 +278,14 @@ class Gateway:
             )  # fmt: skip
             return
         if endpoint == "health":
-            ok = self.scheduler is not None
-            await _send(send, 200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"starting"}')
+            if self.scheduler is None:
+                await _send(send, 503, b'{"status":"starting"}')
+                return
+            # Still 200 without Redis: calls of tenants without limits are served, and every
+            # instance shares the one Redis (a 503 would take all of them out of the pool).
+            problem = await self.state.unavailable()
+            health = {"status": "ok"} if problem is None else {"status": "degraded", "shared_state": problem}
+            await _send(send, 200, _dumps(health))
             return
         if len(headers) < len(scope["headers"]):  # a header sent twice: the last would win unseen
             names = [name for name, _ in scope["headers"]]

@@ -102,6 +102,10 @@ class SharedState(ABC):
         """Whether other instances see this state."""
         return False
 
+    async def unavailable(self) -> str | None:
+        """Why the state cannot be reached now (for `/health`), or None: it can."""
+        return None
+
     async def aclose(self) -> None:
         """Release connections. Idempotent."""
 
@@ -288,6 +292,13 @@ class RedisState(SharedState):
     @property
     def shared(self) -> bool:
         return True
+
+    async def unavailable(self) -> str | None:
+        try:
+            await self._redis.ping()
+        except Exception as exc:
+            return str(StateUnavailable.from_error(exc))
+        return None
 
     def _bucket(self, tenant: str) -> str:
         return f"{self._prefix}:bucket:{tenant}"
