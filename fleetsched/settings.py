@@ -185,9 +185,10 @@ class SchedulerSettings(_Section):
     tool_keep_s: float = Field(2.0, ge=0)
     """Adaptive: under pressure, tools expected to last at most this long keep slot and memory."""
     learn_session_ends: bool = True
-    """Tell the memory pool when each session is expected to end (its placement hint), from the
-    mean run time of the sessions of its `kind` that finished, when submit() gives no
-    `expected_s`: sessions expected to end together are placed side by side."""
+    """Tell the memory pool when each session is expected to give its memory back (its placement
+    hint), from how long the sessions of its `kind` held theirs (to their end, or to parking in a
+    tool), when submit() gives no `expected_s`: memory expected back together is placed side
+    by side."""
 
 
 class DispatchSettings(_Section):

@@ -578,6 +578,29 @@ async def test_the_end_hint_is_learned_from_the_kinds_finished_sessions(learn):
     check_released(scheduler)
 
 
+async def test_the_end_hint_of_a_kind_that_parks_in_tools_is_how_long_it_holds_its_memory():
+    """A session that parks in a tool gives its memory back then: hinted its kind's whole run
+    time (2 s, a tool, 2 s: 20 s), its memory was placed beside memory held far longer."""
+    s = settings(scheduler={"max_sessions": 1, "tool_policy": "release"})
+    hints: list = []
+
+    async def agent(ctx):
+        for turn in range(3):
+            if turn:
+                async with ctx.tool("search"):
+                    await anyio.sleep(16)
+            (held,) = scheduler.pool.reservations()
+            hints.append((anyio.current_time(), held.ends_at))
+            await anyio.sleep(2)
+
+    async with Scheduler(s) as scheduler:
+        for _ in range(2):
+            await (await scheduler.submit(agent, tenant="acme", memory=GB, kind="crawler"))
+    # Held 2 s each time: the second session's grants are hinted 2 s on (it was 38 s, its run).
+    assert hints == [(0.0, None), (18.0, 20.0), (36.0, 38.0), (38.0, 40.0), (56.0, 58.0), (74.0, 76.0)]
+    check_released(scheduler)
+
+
 async def test_a_call_cut_short_reports_the_tokens_it_received_collected_or_streamed():
     """A collected call (`ctx.chat`) cut short was recorded with 0 tokens out, where the same
     call streamed (`ctx.stream`) and cut at the same time had the engine's count: the report's

@@ -222,8 +222,9 @@ class Scheduler:
         self._closing = False
         self._admitting = False
         self._running: dict[int, SessionHandle] = {}
-        #: Mean run time (admission to end) of the finished sessions of each kind: end hints.
-        self._run_s: dict[str, float] = {}
+        #: Mean time the sessions of each kind held their memory (from admission or re-admission
+        #: to the end, or to parking in a tool): end hints.
+        self._hold_s: dict[str, float] = {}
         # Kept as slots are taken and given (`_take_slot`, `_give_slot`), for `statistics`, which
         # would otherwise look at every running session at every sample: the running sessions
         # holding their slot per (tenant, tier), and those whose slot was released (parked in a
@@ -538,30 +539,33 @@ class Scheduler:
         return True
 
     def _ends_at(self, handle: SessionHandle, now: float) -> float | None:
-        """When `handle`, given memory at `now`, is expected to end: the pool's placement hint.
+        """When `handle`, given memory at `now`, is expected to give it back: the pool's
+        placement hint. None when that is not known.
 
-        From its `expected_s`, else (with `learn_session_ends`) from the mean run time of its
-        kind's finished sessions; None when neither is known. Counted from its first admission
-        (a session readmitted after a tool call has run part of it already), never before `now`.
+        From its `expected_s`, counted from its first admission (a session re-admitted after a
+        tool call has run part of it already), never before `now`. Else (with
+        `learn_session_ends`) from how long its kind's sessions held their memory: to their
+        end, or to parking in a tool (a session that parks gives its memory back then, not at
+        its end; hinted its kind's whole run time, it was placed beside memory held far longer).
         """
-        expected = handle.expected_s
-        if expected is None and self.settings.scheduler.learn_session_ends:
-            expected = self._run_s.get(handle.kind)
-        if expected is None:
-            return None
-        return max(now, handle.timestamps.get(ADMITTED, now) + expected)
+        if handle.expected_s is not None:
+            return max(now, handle.timestamps.get(ADMITTED, now) + handle.expected_s)
+        if self.settings.scheduler.learn_session_ends and handle.kind in self._hold_s:
+            return now + self._hold_s[handle.kind]
+        return None
 
-    def _learn_run_time(self, handle: SessionHandle, now: float) -> None:
-        """Fold a finished session's run time into its kind's mean (weight 1/5 for the newest).
-        Only sessions that ran end DONE, so `handle` was admitted."""
-        previous = self._run_s.get(handle.kind)
-        run_s = now - handle.timestamps[ADMITTED]
-        self._run_s[handle.kind] = run_s if previous is None else previous + 0.2 * (run_s - previous)
+    def _learn_hold(self, handle: SessionHandle, now: float) -> None:
+        """Fold how long `handle` held the memory it gives back now into its kind's mean
+        (weight 1/5 for the newest)."""
+        previous = self._hold_s.get(handle.kind)
+        held = now - handle._memory_since
+        self._hold_s[handle.kind] = held if previous is None else previous + 0.2 * (held - previous)
 
     def _start(self, handle: SessionHandle, reservation: Any, now: float, spawn: bool = True) -> None:
         self._take_slot(handle)
         reservation.released_by = RELEASED_BY
         handle.reservation = reservation
+        handle._memory_since = now
         handle._entry = None
         if handle._queue_timer is not None:
             handle._queue_timer.cancel()
@@ -628,8 +632,8 @@ class Scheduler:
             self._give_slot(handle)
         now = anyio.current_time()
         handle._set_state(state, now)
-        if state is DONE:
-            self._learn_run_time(handle, now)
+        if state is DONE and handle.reservation is not None:  # a failure's time says little
+            self._learn_hold(handle, now)
         self._record(handle)
         self._session_ended()
         if handle.calls_in_flight:
@@ -836,6 +840,7 @@ class Scheduler:
         handle.parked_count += 1
         reservation, handle.reservation = handle.reservation, None
         if reservation is not None:
+            self._learn_hold(handle, anyio.current_time())
             # Re-admitted with what it holds now: it came back with its size at submission, and
             # the bytes it had grown to (`ctx.reservation.resize_nowait`) went to others.
             handle.memory = reservation.nbytes
@@ -876,6 +881,7 @@ class Scheduler:
         self._released.pop(handle, None)
         reservation.released_by = RELEASED_BY
         handle.reservation = reservation
+        handle._memory_since = anyio.current_time()
         event, handle._readmit = handle._readmit, None
         assert event is not None
         event.set()

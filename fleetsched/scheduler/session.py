@@ -104,6 +104,7 @@ class SessionHandle:
         self.timestamps: dict[SessionState, float] = {}
         self.counters = SessionCounters()
         self.reservation: Reservation | None = None
+        self._memory_since = 0.0  # when it was given the memory it holds (admitted, re-admitted)
         self.result: Any = None
         self.error: BaseException | None = None
         self._entry: Entry | None = None
