@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 
@@ -25,7 +24,7 @@ from . import bench
 from ._args import applies_only, positive_float, tcp_port, url_host, writable_file
 from .errors import BackendUnavailable, ConfigError
 from .gc_tuning import SERVING, gc_thresholds
-from .report import nothing_done, table_console
+from .report import drop_stdout, nothing_done, table_console
 from .settings import Settings, load_settings
 
 
@@ -96,14 +95,17 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     report = build_report(
         scheduler, duration_s=duration, backend=settings.backend.kind, start=start, timeline=timeline.as_dict(), feasibility=feasibility
     )
+    # Saved before anything is printed: a reader of stdout that stops early (`| head`) cannot
+    # lose it. (Not written, it is printed, then the tables.)
+    saved = not args.report or save_json(json.dumps(report, indent=2) + "\n", args.report, "fleetsched run")
     console.print(tenant_table(report))
     console.print(sla_table(report))
     failed = failed_sessions(report)
     if failed:
         print(f"fleetsched run: {failed}", file=sys.stderr)
+    if not saved:
+        return None
     if args.report:
-        if not save_json(json.dumps(report, indent=2) + "\n", args.report, "fleetsched run"):
-            return None
         console.print(f"report written to {args.report}", markup=False)
     return report
 
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except BrokenPipeError:  # `... --json | head`: the reader has all it wanted
         # Python would report the pipe again as it flushes stdout at exit: point it at nothing.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        drop_stdout()
         return 0
     except KeyboardInterrupt:  # the run stopped where it was: say so, without a traceback
         _quiet_unstarted_tasks()

@@ -20,8 +20,14 @@ from .scheduler import Scheduler
 GB = 10**9
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
+def _standing(tracker: SlaTracker, tenant: str) -> str:
+    """A tenant's SLA standing: the attainment of its objective nearest to missing, rounded
+    down (99.6 % of a deadline's sessions read 100 %), and "missed" while one is."""
+    standing = tracker.tenant_standing(tenant)
+    if standing is None:
+        return "-"
+    value, met = standing
+    return f"{math.floor(round(value * 1000, 6)) / 10:.1f}%" + ("" if met else " missed")
 
 
 def _tenant_rows(scheduler: Scheduler, tracker: SlaTracker | None) -> list[list[str]]:
@@ -42,10 +48,10 @@ def _tenant_rows(scheduler: Scheduler, tracker: SlaTracker | None) -> list[list[
     for name, tenant in scheduler.settings.tenants.items():
         queued = sum(n for (t, _), n in stats.queued.items() if t == name)
         running = sum(n for (t, _), n in stats.running.items() if t == name)
-        attained = tracker.tenant_attainment(name) if tracker is not None else None
+        attained = _standing(tracker, name) if tracker is not None else "-"
         rows.append(
             [name, str(tenant.tier), count_text(queued), count_text(running), count_text(done_by.get(name, 0)),
-             count_text(failed_by.get(name, 0)), _pct(attained), count_text(breaches.get(name, 0)), count_text(refused.get(name, 0))]
+             count_text(failed_by.get(name, 0)), attained, count_text(breaches.get(name, 0)), count_text(refused.get(name, 0))]
         )
     return rows
 
@@ -92,7 +98,7 @@ def _line(scheduler: Scheduler, total: int, tracker: SlaTracker | None) -> str:
     frag = max((x.fragmentation for x in stats.memory.devices), default=0.0)
     attained = ""
     if tracker is not None:
-        parts = [f"{name} {_pct(tracker.tenant_attainment(name))}" for name in scheduler.settings.tenants if tracker.goals.get(name)]
+        parts = [f"{name} {_standing(tracker, name)}" for name in scheduler.settings.tenants if tracker.goals.get(name)]
         attained = f" sla {', '.join(parts)}" if parts else ""
     return (
         f"[{pct:5.1f}%] finished {finished:,}/{total:,} queued {stats.queued_total:,} running {stats.running_total:,} "

@@ -12,11 +12,14 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from rich.cells import cell_len
 
 from .errors import ReportSchemaError
 from .observability.sla import OBJECTIVES, QUANTILE, REASON_TEXT, REASONS, evaluate
@@ -32,6 +35,15 @@ MAX_BREACH_EVENTS = 500
 
 def _num(value: float, digits: int = 4) -> float | None:
     return None if value is None or math.isnan(value) or math.isinf(value) else round(value, digits)
+
+
+def _floor(value: float, digits: int = 4) -> float | None:
+    """`value` rounded down to `digits`: an attainment of 0.98997 against a required 0.99 read
+    0.99, beside ``met: false``."""
+    if value is None or math.isnan(value):
+        return None
+    scale = 10**digits
+    return math.floor(round(value * scale, 6)) / scale
 
 
 def _quantiles(data: list[float]) -> list[float] | None:
@@ -79,7 +91,7 @@ def _sla_section(
                     **({"value_at_least": True} if o.at_least else {}),
                     "events": o.events,
                     "met_events": o.met_events,
-                    "attainment": _num(o.attainment),
+                    "attainment": _floor(o.attainment),
                     "required": QUANTILE[o.objective],
                     "met": o.met,
                     "breaches": dict(o.breaches),
@@ -266,13 +278,34 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a number a report holds (it writes null for what it did not measure)")
 
 
+def drop_stdout() -> None:
+    """Stdout's reader has gone (``... | head``): point stdout at nothing, so that what is
+    printed next, and Python's flush at exit, goes nowhere instead of failing."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def print_or_drop(text: str) -> None:
+    """print(text); once stdout's reader has gone, nothing (the run goes on, its report saved)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        drop_stdout()
+
+
 def table_console() -> Any:
-    """The console `run` and `simulate` print their tables on: a terminal's width, else 160
-    columns (logs and CI: the tables are not squeezed to 80)."""
+    """The console `run` and `simulate` print their tables (and `run` its progress) on: a
+    terminal's width, else 160 columns (logs and CI: the tables are not squeezed to 80). Once
+    stdout's reader has gone, it prints nothing: rich's own console exits (SystemExit 1), which
+    stopped a run part-way, with a traceback, where its progress lines went to ``| head``."""
     from rich.console import Console
 
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            drop_stdout()
+
+    console = _Console()
+    return console if console.is_terminal else _Console(width=160)
 
 
 def table_borders(columns: int) -> int:
@@ -299,17 +332,47 @@ def count_text(value: int | None) -> str:
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:,.0f}"
+    """Seconds in milliseconds: whole ones, with a decimal below 10 ms (the instant backend's
+    TTFTs all read 0)."""
+    if value is None:
+        return "-"
+    return f"{value * 1e3:,.1f}" if value < 0.01 else f"{value * 1e3:,.0f}"
+
+
+def _beside(value: float | None, target: float, digits: int) -> str:
+    """A measured `value` shown beside its `target`: with `digits` decimals, or up to 3 where
+    fewer would show a value that differs from its target as equal to it (500.3 ms read "500
+    ms" beside a target of 500 ms and the verdict MISSED)."""
+    if value is None:
+        return "-"
+    while digits < 3 and value != target and round(value, digits) == round(target, digits):
+        digits += 1
+    return f"{value:,.{digits}f}"
 
 
 def _cut(name: str, head: int, width: int) -> str:
-    """`name` whole if it fits in `width`, else its first `head` characters, "…" and its end."""
-    return name if len(name) <= width else name[:head] + "…" + name[len(name) - (width - 1 - head) :]
+    """`name` whole if it fits in `width` cells, else its start in `head` cells, "…" and its end
+    in the rest. Cells, not characters: a wide (CJK) character takes two."""
+    if cell_len(name) <= width:
+        return name
+    start = _fitting(name, head)
+    end = _fitting(name[::-1], width - 1 - cell_len(start))[::-1]
+    return start + "…" + end
+
+
+def _fitting(text: str, cells: int) -> str:
+    """The longest start of `text` that fits in `cells` cells."""
+    used = 0
+    for i, char in enumerate(text):
+        used += cell_len(char)
+        if used > cells:
+            return text[:i]
+    return text
 
 
 @functools.lru_cache(maxsize=256)
 def short_names(names: tuple[str, ...], width: int) -> dict[str, str]:
-    """Each of `names` in at most `width` characters: whole, or a start and an end around an
+    """Each of `names` in at most `width` cells: whole, or a start and an end around an
     ellipsis (``customer…duction``), cut at one place for all, the nearest the middle where no
     two read the same (``...-eu`` and ``...-us`` keep their ends, ``eu-...-prod`` and
     ``us-...-prod`` their starts); whole, to be folded, where no place tells them apart."""
@@ -332,7 +395,7 @@ class _TenantName:
     def __rich_measure__(self, console: Any, options: Any) -> Any:
         from rich.measure import Measurement
 
-        return Measurement(1, len(self.name))
+        return Measurement(1, cell_len(self.name))
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.text import Text
@@ -397,7 +460,7 @@ def _tenant_grid(title: str | None, rows: list[list[str]], indices: Any, width: 
     from rich.table import Table
 
     for heading in (lambda text: [text], str.split):
-        widths = [max(len(text) for text in [*heading(TENANT_COLUMNS[i]), *(row[i] for row in rows)]) for i in indices]
+        widths = [max(cell_len(text) for text in [*heading(TENANT_COLUMNS[i]), *(row[i] for row in rows)]) for i in indices]
         room = width - sum(widths[1:]) - table_borders(len(widths))
         if room >= widths[0]:
             break
@@ -466,9 +529,12 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
             if o is None:
                 continue
             if objective == "min_tokens_per_s":
-                target, value = f"{o['target']:,.10g}", "-" if o["value"] is None else f"{o['value']:,.1f}"
+                target, value = f"{o['target']:,.10g}", _beside(o["value"], o["target"], 1)
             else:
-                target, value = f"{o['target'] * 1e3:,.0f} ms", "-" if o["value"] is None else f"{o['value'] * 1e3:,.0f} ms"
+                target, value = f"{o['target'] * 1e3:,.10g} ms", "-"
+                if o["value"] is not None:
+                    ms = o["value"] * 1e3
+                    value = _beside(ms, o["target"] * 1e3, 1 if ms < 10 else 0) + " ms"
                 if o.get("value_at_least"):  # the longest session was cut at its deadline, unfinished
                     value = ">= " + value
             # Rounded down: 98.99 % of calls on time read 99.0 %, beside MISSED against 99 %.
@@ -490,29 +556,37 @@ SLA_COLUMNS = ("tenant", "tier", "weight", "objective", "target", "measured", "a
 #: word cut (the tenant table shows the tier).
 _SLA_SPARED = ("tier", "weight")
 
+#: The SLA table's columns that fold inside their words where nothing else makes it fit.
+_SLA_FOLDED = ("verdict", "breaches (reason)")
+
 
 class _SlaTable:
     """The SLA table, laid out as the terminal it is printed on allows: every column, or without
     `_SLA_SPARED`, so that no word or figure is cut (squeezed by rich into 80 columns, they
-    read "criti…" and "100.…"); cells wrap between words."""
+    read "criti…" and "100.…"); cells wrap between words. Where even that is too wide, the
+    verdicts and breaches fold inside their words rather than run past the right edge, where a
+    terminal cut them ("rate-limit" for "rate-limited" at 80 columns)."""
 
     def __init__(self, title: str, rows: list[list[str]], names: list[str]) -> None:
         self.title, self.rows, self.names = title, rows, names
 
     def _narrowest(self, column: str) -> int:
         """The narrowest `column` can be with no word of its heading and cells cut; a name is cut
-        in its middle (`tenant_cell`) to `NAME_MIN` characters."""
+        in its middle (`tenant_cell`) to `NAME_MIN` cells."""
         i = SLA_COLUMNS.index(column)
-        longest = max(len(word) for text in [column, *(row[i] for row in self.rows)] for word in text.split())
+        longest = max(cell_len(word) for text in [column, *(row[i] for row in self.rows)] for word in text.split())
         return min(longest, NAME_MIN) if column == "tenant" else longest
 
-    def _table(self, columns: tuple[str, ...]) -> Any:
+    def _table(self, columns: tuple[str, ...], fold: bool) -> Any:
         from rich.table import Table
 
         table = Table(title=self.title)
         for column in columns:
             justify = "right" if column in ("weight", "target", "measured", "attained") else "left"
-            table.add_column(column, justify=justify, min_width=self._narrowest(column))
+            if fold and column in _SLA_FOLDED:
+                table.add_column(column, justify=justify, overflow="fold")
+            else:
+                table.add_column(column, justify=justify, min_width=self._narrowest(column))
         indices = [SLA_COLUMNS.index(column) for column in columns[1:]]
         for row in self.rows:
             style = "red" if row[7].startswith("MISSED") else None
@@ -520,10 +594,17 @@ class _SlaTable:
         return table
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
-        columns = SLA_COLUMNS
-        if table_borders(len(columns)) + sum(map(self._narrowest, columns)) > options.max_width:
-            columns = tuple(c for c in SLA_COLUMNS if c not in _SLA_SPARED)
-        yield self._table(columns)
+        from rich.segment import Segment
+
+        fewer = tuple(c for c in SLA_COLUMNS if c not in _SLA_SPARED)
+        for columns, fold in ((SLA_COLUMNS, False), (fewer, False), (fewer, True)):
+            table = self._table(columns, fold)
+            # As drawn: a sum of the columns' narrowest widths said 9 columns fit in 101-105
+            # where rich drew them 104-106 wide.
+            lines = Segment.split_lines(console.render(table, options))
+            if max((Segment.get_line_length(line) for line in lines), default=0) <= options.max_width:
+                break
+        yield table
 
 
 def sla_table(report: dict[str, Any]) -> Any:

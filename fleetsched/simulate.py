@@ -45,7 +45,7 @@ from pydantic import ValidationError
 from ._args import applies_only, positive_int, writable_file
 from .errors import ConfigError, FleetschedError
 from .gc_tuning import SIMULATING, gc_thresholds
-from .report import failed_sessions, nothing_done, save_json, throughput_text
+from .report import failed_sessions, nothing_done, print_or_drop, save_json, throughput_text
 from .settings import AgentMix, Settings, SimSettings, first_error, load_settings
 from .virtual_time import LOOPS, Loop, run_virtual
 
@@ -528,24 +528,30 @@ def main(argv: list[str]) -> int:
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2
     try:
-        text, nothing_worked = _simulate_and_print(settings, duration, args)
+        saved, nothing_worked = _simulate_and_print(settings, duration, args)
     except ConfigError as exc:  # found as the scheduler starts: a KV cache smaller than a session's budget
         print(f"fleetsched simulate: config error: {exc}", file=sys.stderr)
         return 2
-    if args.report and not save_json(text + "\n", args.report, "fleetsched simulate"):
-        return 1
-    return 1 if nothing_worked else 0
+    return 1 if nothing_worked or not saved else 0
 
 
-def _simulate_and_print(settings: Settings, duration: float | None, args: argparse.Namespace) -> tuple[str, bool]:
-    """Run the simulation (or the capacity search) `args` ask for, print its tables (or its JSON),
-    and return its JSON text and whether sessions failed with none done (a plain run's exit 1)."""
+def _save(text: str, args: argparse.Namespace) -> bool:
+    """Write the JSON `text` to ``--report`` if asked; whether that went well. Before anything is
+    printed: a reader of stdout that stops early (``| head``) cannot lose the file."""
+    return not args.report or save_json(text + "\n", args.report, "fleetsched simulate")
+
+
+def _simulate_and_print(settings: Settings, duration: float | None, args: argparse.Namespace) -> tuple[bool, bool]:
+    """Run the simulation (or the capacity search) `args` ask for, save its ``--report``, print
+    its tables (or its JSON), and return whether the report was saved (or none was asked for)
+    and whether sessions failed with none done (a plain run's exit 1)."""
     if args.find_max_sessions:
-        echo = (lambda _: None) if args.json else print
+        echo = (lambda _: None) if args.json else print_or_drop
         result = find_max_sessions(settings, duration, echo=echo, loop=args.loop, repeats=args.repeats)  # type: ignore[arg-type]
         for key in ("probes", "rate_limited"):
             result[key] = {str(k): v for k, v in sorted(result[key].items())}
         text = json.dumps(result, indent=2)
+        saved = _save(text, args)
         for message in result["unreachable"]:
             print(f"fleetsched simulate: warning: {message}", file=sys.stderr)
         for note in result["notes"]:  # as a plain run prints it (why a tenant's calls all fail, say)
@@ -578,6 +584,7 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
     else:
         report, _ = simulate(settings, duration, args.loop)
         text = json.dumps(report, indent=2)
+        saved = _save(text, args)
         # On stderr, with --json too (as the report's schema says, and as --find-max-sessions does).
         for flagged in report["sla"]["feasibility"]["unreachable"]:
             print(f"fleetsched simulate: warning: {flagged['message']}", file=sys.stderr)
@@ -603,5 +610,5 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
         failed = failed_sessions(report)
         if failed:
             print(f"fleetsched simulate: {failed}", file=sys.stderr)
-        return text, nothing_done(report)
-    return text, False
+        return saved, nothing_done(report)
+    return saved, False

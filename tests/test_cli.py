@@ -449,6 +449,41 @@ def test_json_to_a_reader_that_has_gone_is_no_error():
     assert child.returncode == 0 and "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
 
 
+PIPED_RUN = """
+[backend]
+kind = "sim"
+[tenants.a]
+tier = "standard"
+[[workload.agents]]
+tenant = "a"
+count = 4
+turns = 3
+prompt_tokens = 100
+max_tokens = 300
+think_s = 1.0
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["simulate", "--json"], ["simulate"], ["run"]],  # run: its progress lines, every 2 s, then the tables
+    ids=["simulate-json", "simulate-tables", "run-progress"],
+)
+def test_a_reader_of_stdout_that_stops_early_loses_no_report(command, tmp_path):
+    """`... --report r.json | head -1`: the tables (or JSON) were printed before the file was
+    written, and the closed pipe ended the command first, without a word (simulate), or with a
+    traceback from the progress line's task and the run stopped part-way (run)."""
+    config, report = tmp_path / "fleet.toml", tmp_path / "r.json"
+    config.write_text(PIPED_RUN)
+    argv = [sys.executable, "-m", "fleetsched.cli", command[0], str(config), *command[1:], "--report", str(report)]
+    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child.stdout.readline()
+    child.stdout.close()  # as `head -1` leaves
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert json.loads(report.read_text())["sessions"] == {"done": 4}
+
+
 def test_a_metrics_host_without_a_port_is_refused():
     """It was ignored without a word: no metrics were served, the run went on."""
     done = fleetsched("run", "examples/quickstart.toml", "--no-live", "--metrics-host", "0.0.0.0")

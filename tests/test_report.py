@@ -376,14 +376,15 @@ def test_the_sla_chart_names_objectives_as_the_tables_do_and_only_those_measured
 # -- what the HTML page and the terminal tables show ----------------------------------------------
 
 
-def _printed(renderable, width: int) -> list[str]:
-    """`renderable` as a terminal `width` columns wide prints it."""
+def _printed(renderable, width: int, crop: bool = True) -> list[str]:
+    """`renderable` as a terminal `width` columns wide prints it; without `crop`, whole lines as
+    drawn, wider ones too (rich cuts them at `width`, as a terminal does)."""
     import io
 
     from rich.console import Console
 
     console = Console(width=width, record=True, color_system=None, file=io.StringIO())
-    console.print(renderable)
+    console.print(renderable, crop=crop)
     return console.export_text().splitlines()
 
 
@@ -464,6 +465,44 @@ def test_the_tenant_table_shows_whole_names_where_the_terminal_has_room(report, 
     assert sum(line.startswith("┃") for line in lines) == headings, lines
 
 
+def test_an_attainment_just_under_its_share_is_written_under_it():
+    """29,699 of 30,000 on time, rounded, read 0.99 beside ``required: 0.99, met: false``."""
+    from fleetsched.report import _floor
+
+    assert _floor(29_699 / 30_000) == 0.9899
+    assert (_floor(0.99), _floor(1.0), _floor(float("nan"))) == (0.99, 1.0, None)
+
+
+def test_a_measured_value_differing_from_its_target_never_reads_equal_to_it():
+    """Whole milliseconds read "500 ms" measured against a target of "500 ms" beside MISSED,
+    and a target of 2.3 ms read "2 ms"."""
+    from fleetsched.report import sla_rows
+
+    def row(objective, target, value, met):
+        o = {"target": target, "value": value, "attainment": 0.5, "met": met, "breaches": {}}
+        t = {"tenant": "t", "tier": "standard", "weight": 1.0, "sla": {"refused": {}, "objectives": {objective: o}}}
+        ((*_, shown_target, shown_value, _, verdict, _),) = sla_rows({"sla": {"feasibility": None}, "tenants": [t]})
+        return shown_target, shown_value, verdict
+
+    assert row("ttft_p99", 0.5, 0.5003, False) == ("500 ms", "500.3 ms", "MISSED")
+    assert row("ttft_p99", 0.5, 0.25, True) == ("500 ms", "250 ms", "met")
+    assert row("ttft_p99", 0.0023, 0.0024, False) == ("2.3 ms", "2.4 ms", "MISSED")
+    assert row("min_tokens_per_s", 5, 4.96, False) == ("5", "4.96", "MISSED")
+    assert row("latency_p95", 2.0, None, None) == ("2,000 ms", "-", "not measured")
+
+
+def test_wide_character_names_fit_their_cells():
+    """Names of CJK characters (two cells each) were measured in characters: folded over two
+    lines even at 160 columns, two tenants read alike on their first."""
+    from fleetsched.report import short_names
+    from rich.cells import cell_len
+
+    names = ("客户支持机器人-生产环境-东京", "客户支持机器人-生产环境-大阪")
+    short = short_names(names, 12)
+    assert all(cell_len(s) <= 12 for s in short.values()) and len(set(short.values())) == 2, short
+    assert short_names(names, 30) == {name: name for name in names}
+
+
 def test_shortened_names_are_cut_where_they_differ():
     """Names alike at both ends keep the part that tells them apart; none is cut that fits."""
     from fleetsched.report import short_names
@@ -480,15 +519,33 @@ def test_shortened_names_are_cut_where_they_differ():
 def test_the_sla_table_cuts_no_word_or_figure_to_fit_the_terminal(report, width):
     """Squeezed into 80 columns by rich, the SLA table read "criti…" for the tier and "100.…" for
     an attainment. Where every column cannot fit whole, tier and weight are left out (the
-    tenant table shows the tier); cells wrap between words."""
+    tenant table shows the tier); cells wrap between words. Measured as drawn, uncut: the
+    whole table was drawn 102 columns wide for a terminal of 100, its right edge lost."""
     from fleetsched.report import sla_rows, sla_table
 
-    lines = _printed(sla_table(report), width)
+    lines = _printed(sla_table(report), width, crop=False)
     assert all(len(line) <= width for line in lines), lines
     assert not any("…" in line for line in lines), lines
     text = " ".join(lines)
     assert all(row[6] in text for row in sla_rows(report)), lines  # each attainment whole
-    assert ("┃ tier" in "\n".join(lines)) == (width > 80), lines
+    assert ("┃ tier" in "\n".join(lines)) == (width > 100), lines
+
+
+@pytest.mark.parametrize("width", [80, 90])
+def test_a_long_breach_reason_is_folded_not_cut_at_the_terminal_s_edge(report, width):
+    """Beside "(unreachable)" and "rate-limited", the reduced table was still too wide at 80
+    columns: a terminal cut the reasons at its edge ("rate-limit")."""
+    from fleetsched.report import sla_table
+
+    def widen(r):
+        r["sla"]["feasibility"]["unreachable"] = [{"tenant": t["tenant"]} for t in r["tenants"]]
+        for t in r["tenants"]:
+            t["sla"]["objectives"]["ttft_p99"]["breaches"] = {"rate-limited": 12345, "engine-slow": 1}
+
+    lines = _printed(sla_table(_edited(report, widen)), width, crop=False)
+    assert max(map(len, lines)) <= width, lines
+    breaches = "".join(line.split("│")[-2].strip() for line in lines if line.startswith("│"))
+    assert "rate-limited" in breaches, lines  # folded, not cut
 
 
 def test_a_long_run_s_timeline_stays_on_one_grid_as_it_thins():

@@ -155,6 +155,31 @@ def test_rolling_tokens_per_s_count_the_time_of_failed_calls():
     assert tracker.attainment("a", "min_tokens_per_s") == 0.0
 
 
+def test_tokens_per_s_count_the_tokens_of_calls_cut_with_their_session():
+    """A call cancelled with its session (a simulation's end, a deadline) made tokens in the
+    time it counts: 1,000 tokens over 10 s read 0.0 tok/s, "engine slow"."""
+    tenants = {"a": TenantSettings(sla={"min_tokens_per_s": 50.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0, 0, 0.5, 10, tokens=1000, error="CancelledError"))
+    (rate,) = by_name(evaluate(recorder, tenants)[0])["a"].values()
+    assert rate.value == pytest.approx(100.0) and rate.met
+    tracker = SlaTracker(tenants, window_s=60)
+    tracker.update(recorder, now=10)
+    assert tracker.attainment("a", "min_tokens_per_s") == 1.0
+
+
+def test_a_tenant_s_standing_is_its_objective_nearest_to_missing():
+    """The lowest attainment hid a missed p99 (98 %) behind a met p95 (96 %)."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0, "latency_p95_s": 2.0})}
+    recorder = Recorder()
+    for i in range(50):  # 1 of 50 over its TTFT (98 %), 2 of 50 over their latency (96 %)
+        recorder.add_call(call(i, i, i + (1.5 if i == 0 else 0.5), i + (3 if i < 2 else 1)))
+    tracker = SlaTracker(tenants, window_s=600)
+    tracker.update(recorder, now=60)
+    assert tracker.tenant_attainment("a") == pytest.approx(0.96)
+    assert tracker.tenant_standing("a") == (pytest.approx(0.98), False)
+
+
 def test_a_refusal_leaves_the_window_in_its_time_order():
     """A refusal at 13 and calls ending at 14 and 15, all taken in by one update: at 24.5 (a 10-s
     window from 14.5) only the call at 15 is in the window. Before, the calls were queued before
