@@ -551,6 +551,21 @@ def test_trace_sessions_whose_first_call_cannot_fit_are_noted_at_the_start(tmp_p
     assert "every call will fail with ContextTooLong" in err and "session 4" not in err
 
 
+def test_a_tenant_whose_prompts_cannot_fit_is_not_called_slow_at_the_start(tmp_path, capsys):
+    """Its TTFT objective was flagged as beyond "the idle engine['s] 6.691 s to the first token of
+    a 900027-token prompt", a prompt the engine refuses: every call fails, as the note says."""
+    config = tmp_path / "long.toml"
+    config.write_text(
+        '[tenants.a]\nsla = { ttft_p99_s = 1.0 }\n'
+        '[[workload.agents]]\ntenant = "a"\ncount = 1\nturns = 1\nprompt_tokens = 9000\nmax_tokens = 16\n'
+    )
+    assert cli_main(["simulate", str(config), "--json"]) == 1  # every session failed
+    captured = capsys.readouterr()
+    feasibility = json.loads(captured.out)["sla"]["feasibility"]
+    assert feasibility["unreachable"] == [] and "a" not in feasibility["unloaded_ttft_s"]
+    assert "every call will fail with ContextTooLong" in feasibility["note"] and "cannot be met" not in captured.err
+
+
 def test_the_search_looks_past_fleets_refused_only_by_their_own_rate_limits(monkeypatch):
     """A tenant's own rate limit refuses its calls in small fleets, where the engine runs them
     fast, and not in larger ones, where the higher tiers slow them under it. The search took a
