@@ -19,10 +19,19 @@ def test_engine_backend_streams_and_aborts_in_process():
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run(
         [str(venv_path() / "bin" / "python"), "-m", "fleetsched.testing.engine_smoke", str(model_path())],
-        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300,
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=420,
     )  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     result = json.loads(lines[-1])
     assert result["ok"], f"{result}\n{proc.stderr[-3000:]}"
     assert result["usage"]["completion_tokens"] == 12
+
+
+def test_engine_options_that_repeat_an_argument_of_its_own_are_refused_naming_it():
+    """It was Python's "dict() got multiple values for keyword argument 'max_model_len'"."""
+    from fleetsched.backends.vllm_engine import VLLMEngineBackend
+
+    with pytest.raises(ValueError, match=r"^engine_options: dtype, max_model_len: set by the backend's own arguments"):
+        VLLMEngineBackend("m", engine_options={"max_model_len": 512, "dtype": "half", "seed": 1})
+    assert VLLMEngineBackend("m", engine_options={"seed": 1}).engine_args["seed"] == 1

@@ -18,7 +18,7 @@ closing the backend fails the calls in flight.
 
 from __future__ import annotations
 
-import itertools
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from functools import partial
@@ -26,9 +26,10 @@ from typing import Any, Literal
 
 import anyio
 
-from ..errors import BackendError, BackendUnavailable, InvalidRequest
+from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded, UnknownModel
 from ..resources.kv_sizing import KVCacheCapacity
 from .base import (
+    TEXT_PROMPT_KEY,
     Backend,
     ChatBody,
     Chunk,
@@ -38,14 +39,13 @@ from .base import (
     invalid_request,
     make_chunk,
     max_tokens_field,
+    new_completion_id,
     requested_max_tokens,
     usage_dict,
     wants_continuous_usage,
 )
 from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, response_role, template_kwargs
 from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params, is_true
-
-_request_ids = itertools.count(1)
 
 # Body keys that map one to one onto vLLM SamplingParams (`check_sampling` checks them; a str
 # `stop` becomes a list).
@@ -60,6 +60,24 @@ _NOT_SERVED = {
     "kv_transfer_params": "transfers no KV cache (disaggregated serving)",
     "ec_transfer_params": "transfers no encoder cache (disaggregated serving)",
 }
+
+
+#: Seconds a call the engine turned away as busy is told to wait (its queue limit reached).
+BUSY_RETRY_AFTER_S = 1.0
+
+
+def _engine_busy() -> type[Exception]:
+    """vLLM's admission-control refusals (its queue or prefill backlog full: a 503 on its server),
+    which `generate` raises as they are; an exception nothing raises where vLLM has none."""
+    try:
+        from vllm.exceptions import GracefulHTTPError
+    except ImportError:
+        return _Never
+    return GracefulHTTPError
+
+
+class _Never(Exception):
+    """Raised by nothing: the class of errors an older vLLM does not have."""
 
 
 def _request_refused() -> type[Exception]:
@@ -157,8 +175,11 @@ class VLLMEngineBackend(Backend):
             max_model_len=max_model_len,
             scheduling_policy=scheduling_policy,
             dtype=dtype,
-            **(engine_options or {}),
         )
+        twice = sorted(set(self.engine_args) & set(engine_options or {}))
+        if twice:  # it was Python's "dict() got multiple values for keyword argument"
+            raise ValueError(f"engine_options: {', '.join(twice)}: set by the backend's own arguments of those names, not here")
+        self.engine_args.update(engine_options or {})
         self._engine: Any = None
         self._max_model_len = max_model_len  # the engine's own, once it is built
         self._sampling_defaults: dict[str, Any] = {}
@@ -221,6 +242,9 @@ class VLLMEngineBackend(Backend):
                     raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
             self._engine = engine
 
+    def _closed_during(self) -> BackendUnavailable:
+        return BackendUnavailable(f"the vLLM engine backend for {self.model!r} was closed during the call")
+
     async def __aenter__(self) -> VLLMEngineBackend:
         await self.start()
         return self
@@ -240,29 +264,42 @@ class VLLMEngineBackend(Backend):
             raise InvalidRequest(f"messages: expected a non-empty list of messages, got {messages!r:.80}")
         check_chat_options(body)
         renderer = engine.renderer
-        # As the server: the template gives text, tokenised below (a Mistral tokenizer, or
-        # prompt embeddings, give tokens, which the options below then cut).
-        tokenize = is_mistral_tokenizer(renderer.tokenizer) or engine.model_config.enable_prompt_embeds
-        params = ChatParams(chat_template_kwargs={"tokenize": tokenize, **template_kwargs(body)})
-        try:
-            conversation, rendered = await renderer.render_messages_async(messages, params)
-        except Exception as exc:  # a malformed message, or one the model's template cannot render
-            if self._closed:  # the renderer went with the engine
-                raise BackendUnavailable(f"the vLLM engine backend for {self.model!r} was closed during the call") from exc
-            raise InvalidRequest(f"messages: the chat template of {self.model!r} cannot render them: {exc}") from exc
-        options = self._tokenize_params(body)
+        if body.get(TEXT_PROMPT_KEY):
+            # A text completion (the gateway's /v1/completions): its prompt as it is, with the
+            # tokenizer's special tokens unless told otherwise, as vLLM's /v1/completions takes
+            # it. Through the chat template, "The quick brown fox" was 17 tokens, not 4, and
+            # the model went on with a chat turn rather than the text.
+            conversation, rendered = messages, {"prompt": messages[0]["content"]}
+            special = body.get("add_special_tokens")
+            options = self._tokenize_params(body, special_tokens=special is None or is_true(special))
+        else:
+            # As the server: the template gives text, tokenised below (a Mistral tokenizer, or
+            # prompt embeddings, give tokens, which the options below then cut).
+            tokenize = is_mistral_tokenizer(renderer.tokenizer) or engine.model_config.enable_prompt_embeds
+            params = ChatParams(chat_template_kwargs={"tokenize": tokenize, **template_kwargs(body)})
+            try:
+                conversation, rendered = await renderer.render_messages_async(messages, params)
+            except Exception as exc:  # a malformed message, or one the model's template cannot render
+                if self._closed:  # the renderer went with the engine
+                    raise self._closed_during() from exc
+                raise InvalidRequest(f"messages: the chat template of {self.model!r} cannot render them: {exc}") from exc
+            options = self._tokenize_params(body, special_tokens=flag(body, "add_special_tokens"))
         try:
             tokens = await renderer.tokenize_prompt_async(rendered, options)
-        except (ValueError, _request_refused()) as exc:  # a prompt past the context
-            raise invalid_request(f"vLLM engine rejected the call: {exc}") from exc
+        except Exception as exc:
+            if self._closed:  # its tokenizer's pool went with the engine (a raw RuntimeError)
+                raise self._closed_during() from exc
+            if isinstance(exc, (ValueError, _request_refused())):  # a prompt past the context
+                raise invalid_request(f"vLLM engine rejected the call: {exc}") from exc
+            raise
         prompt: dict[str, Any] = {"prompt_token_ids": list(tokens["prompt_token_ids"])}
         if body.get("cache_salt") is not None:  # its own prefix cache, as on the server
             prompt["cache_salt"] = body["cache_salt"]
         return conversation, prompt
 
-    def _tokenize_params(self, body: ChatBody) -> Any:
-        """vLLM's tokenisation options for `body`'s prompt, as its server builds them: no special
-        tokens added (the template has them) unless ``add_special_tokens``, the prompt cut to
+    def _tokenize_params(self, body: ChatBody, special_tokens: bool) -> Any:
+        """vLLM's tokenisation options for `body`'s prompt, as its server builds them: the
+        tokenizer's special tokens added or not (a chat's template has them), the prompt cut to
         ``truncate_prompt_tokens`` on the ``truncation_side`` (else the tokenizer's), and a prompt
         past the context refused."""
         from vllm.renderers.params import TokenizeParams
@@ -278,7 +315,7 @@ class VLLMEngineBackend(Backend):
             max_output_tokens=min(requested_max_tokens(body, default=0), self._max_model_len),
             truncate_prompt_tokens=truncate,
             truncation_side=body.get("truncation_side"),
-            add_special_tokens=flag(body, "add_special_tokens"),
+            add_special_tokens=special_tokens,
             max_total_tokens_param="max_model_len",
         )
 
@@ -305,6 +342,15 @@ class VLLMEngineBackend(Backend):
         if body.get("tool_choice") not in (None, "none", "auto"):
             raise InvalidRequest(
                 f"tool_choice: the in-process vLLM engine backend parses no tool calls, so it cannot force one, got {body['tool_choice']!r:.80}"
+            )
+        if body.get("tools") and body.get("tool_choice") != "none":
+            # "auto" (or none named, which is "auto"): a tool call came back as the answer's
+            # text, and an agent took it for its final answer. vLLM's server refuses it too
+            # unless started with a tool-call parser.
+            raise InvalidRequest(
+                "tool_choice: the in-process vLLM engine backend parses no tool calls, so with tools it takes "
+                "tool_choice 'none' (the tools in the prompt only); the vllm-server backend, on a server "
+                "started with --enable-auto-tool-choice and --tool-call-parser, parses them"
             )
         # What the call leaves out comes from the model's defaults, as on vLLM's server.
         options = {key: value for key, value in defaults.items() if key != "max_tokens"}
@@ -351,16 +397,25 @@ class VLLMEngineBackend(Backend):
         Raises `InvalidRequest` for a body the engine rejects (bad parameters; `ContextTooLong` for a
         prompt too long) and `BackendUnavailable` when the engine is dead.
         """
+        named = body.get("model")
+        if named and named != self.served_model_name:  # as vLLM's server answers it (404)
+            raise UnknownModel(f"The model `{named!s:.200}` does not exist: this engine serves `{self.served_model_name}`.", param="model")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, Mapping):  # as the server backend refuses it
+            raise InvalidRequest(f"stream_options: expected an object, got {options!r:.80}")
         await self.start()
         engine = self._engine
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-        RequestRefused = _request_refused()  # noqa: N806
+        RequestRefused, EngineBusy = _request_refused(), _engine_busy()  # noqa: N806
         conversation, prompt = await self._prompt(engine, body)
         params = self._sampling_params(body, len(prompt["prompt_token_ids"]))
         priority = _priority(body)
-        request_id = f"fs-engine-{next(_request_ids)}"
-        model = body.get("model") or self.served_model_name
+        # Named as vLLM's server names it: by the call's X-Request-Id where it has one (the
+        # gateway's), so that the engine's logs name the call as the answer does.
+        request_id = new_completion_id(body)
+        created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
+        model = named or self.served_model_name
         # The role comes on the first output's chunk, as vLLM's server sends it: sent before the
         # request reached the engine, it counted as the first token (every call's TTFT read
         # about 0) and made a refusal of the engine's an error inside a stream begun with 200.
@@ -388,7 +443,7 @@ class VLLMEngineBackend(Backend):
                     if text or finish_reason or role:
                         usage = usage_dict(prompt_tokens, completion_tokens) if continuous else None
                         content = text or ("" if role else None)
-                        chunk = make_chunk(request_id, model, 0, role=role, content=content, finish_reason=finish_reason, usage=usage)
+                        chunk = make_chunk(request_id, model, created, role=role, content=content, finish_reason=finish_reason, usage=usage)
                         if finish_reason and completion.stop_reason is not None:  # as the server's final choice has it
                             chunk["choices"][0]["stop_reason"] = completion.stop_reason
                         role = None
@@ -396,8 +451,10 @@ class VLLMEngineBackend(Backend):
             finished = True
         except EngineDeadError as exc:
             if self._closed:
-                raise BackendUnavailable(f"the vLLM engine backend for {self.model!r} was closed during the call") from exc
+                raise self._closed_during() from exc
             raise BackendUnavailable(f"vLLM engine for {self.model!r} died: {exc}") from exc
+        except EngineBusy as exc:  # its queue limit (max_num_queued_reqs...): a 503 on the server, a 500 here
+            raise Overloaded(f"vLLM engine for {self.model!r} is overloaded: {exc}", BUSY_RETRY_AFTER_S) from exc
         except (ValueError, RequestRefused) as exc:  # validation errors (prompt longer than max_model_len, ...)
             raise invalid_request(f"vLLM engine rejected the call: {exc}") from exc
         except EngineGenerateError as exc:  # generate() wraps every other failure in it: it escaped raw
@@ -409,7 +466,7 @@ class VLLMEngineBackend(Backend):
                 # consumer that left between two outputs.
                 with anyio.CancelScope(shield=True):
                     await self._engine.abort(request_id)
-        yield make_chunk(request_id, model, 0, usage=usage_dict(prompt_tokens, completion_tokens))
+        yield make_chunk(request_id, model, created, usage=usage_dict(prompt_tokens, completion_tokens))
 
     async def signals(self) -> EngineSignals:
         """The engine's own signals, as its stat loggers record them after each step: requests
@@ -438,8 +495,13 @@ class VLLMEngineBackend(Backend):
 
     async def aclose(self) -> None:
         """Shut the engine down; calls in flight fail with `BackendUnavailable` (they waited for
-        good: the engine's shutdown does not wake them). Idempotent, and final."""
+        good: the engine's shutdown does not wake them). Idempotent, and final. An engine being
+        built is waited for (its `start` shuts it down): it returned at once, and the engine ran
+        on for half a minute beside whatever the caller started next."""
         self._closed = True
+        with anyio.CancelScope(shield=True):
+            async with self._start_lock:
+                pass
         engine, self._engine = self._engine, None
         if engine is None:
             return

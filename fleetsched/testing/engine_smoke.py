@@ -10,9 +10,12 @@ refused with `ContextTooLong` (a call naming no max_tokens, or more than the pro
 fills the context's rest), and one with bad sampling parameters (of the wrong type or out of
 range) with `InvalidRequest`, the engine serving calls after them; that logit biases, banned
 words, allowed tokens and structured outputs shape the answer, and the chat template's options,
-echo, truncation and the answer's text options reach the engine. Then: messages parsed as
-vLLM's server parses them, the model's sampling defaults applied, and closing with a call in
-flight. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
+echo, truncation and the answer's text options reach the engine; tools without a forced
+choice, a model it does not serve and stream_options that are no object are refused, a text
+completion's prompt is tokenised as it is, the answer is named after the call's request ID, and
+calls past the engine's queue limit are `Overloaded`. Then: messages parsed as vLLM's server
+parses them, the model's sampling defaults applied, closing with a call in flight, and closing
+while the engine is being built. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
 is not installed in the main virtualenv.
 """
 
@@ -25,16 +28,20 @@ from contextlib import aclosing
 
 import anyio
 
-from fleetsched.backends.base import collect_chat, collect_stream
+from fleetsched.backends.base import REQUEST_ID_KEY, TEXT_PROMPT_KEY, collect_chat, collect_stream
 from fleetsched.backends.vllm_engine import VLLMEngineBackend
-from fleetsched.errors import BackendUnavailable, ContextTooLong, InvalidRequest
+from fleetsched.errors import BackendUnavailable, ContextTooLong, InvalidRequest, Overloaded, UnknownModel
+
+#: The engine's queue limit (vLLM's --max-num-queued-reqs): calls past it are turned away.
+QUEUE_LIMIT = 16
 
 
 async def check(model_dir: str) -> dict:
     # The model's sampling defaults, as a generation_config.json would set them: greedy.
     backend = VLLMEngineBackend(
         model_dir, served_model_name="fleetsched-tiny", max_num_seqs=4, max_num_batched_tokens=1024,
-        max_model_len=1024, dtype="float32", engine_options={"override_generation_config": {"temperature": 0.0}},
+        max_model_len=1024, dtype="float32",
+        engine_options={"override_generation_config": {"temperature": 0.0}, "max_num_queued_reqs": QUEUE_LIMIT},
     )  # fmt: skip
     ticks = 0
 
@@ -157,6 +164,7 @@ async def check(model_dir: str) -> dict:
             raise AssertionError("a forced tool call was not refused")
         await check_constraints(backend, request, model_dir)
         await check_chat_fields(backend, request, model_dir)
+        await check_server_alike(backend, request, model_dir)
         with anyio.fail_after(30):
             after = [c async for c in backend.stream_chat(request)][-1]["usage"]
         assert after["completion_tokens"] == 12, after
@@ -198,7 +206,80 @@ async def check(model_dir: str) -> dict:
         else:
             raise AssertionError("a closed backend served a call")
     loaded_signals = {"max_waiting": max(w or 0 for _, w, _ in seen), "max_kv_cache_usage": max(k or 0 for _, _, k in seen)}
+    await check_close_while_starting(model_dir)
     return {"ok": True, "engine_start_s": round(started_s, 1), "start_ticks": ticks, "signals": loaded_signals, "usage": folded["usage"]}
+
+
+async def check_server_alike(backend: VLLMEngineBackend, request: dict, model_dir: str) -> None:
+    """What vLLM's server refuses is refused here too, a text completion is the text's tokens,
+    the answer is named as the server names it, and calls past the queue limit are overloaded."""
+    from transformers import AutoTokenizer
+
+    async def refused(extra: dict, error: type[Exception], field: str) -> None:
+        try:
+            with anyio.fail_after(60):
+                _ = [c async for c in backend.stream_chat({**request, **extra})]
+        except error as exc:
+            assert field in str(exc), (extra, exc)
+        else:
+            raise AssertionError(f"{extra} was not refused")
+
+    # Tools with "auto" (or no choice: "auto"): the call came back as text in the answer, which
+    # an agent took for its final answer.
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
+    await refused({"tools": tools}, InvalidRequest, "tool_choice")
+    await refused({"tools": tools, "tool_choice": "auto"}, InvalidRequest, "tool_choice")
+    _ = [c async for c in backend.stream_chat({**request, "tools": tools, "tool_choice": "none"})]
+    await refused({"model": "gpt-4o"}, UnknownModel, "gpt-4o")  # it was served, the answer named gpt-4o
+    await refused({"stream_options": "yes"}, InvalidRequest, "stream_options")
+    # A text completion (the gateway's /v1/completions) is its text's tokens, as vLLM's
+    # /v1/completions counts them: through the chat template it was 17 tokens, not 4.
+    text = "The quick brown fox"
+    expected = len(AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"])
+    completion = {**request, "messages": [{"role": "user", "content": text}], TEXT_PROMPT_KEY: True}
+    chunks = [c async for c in backend.stream_chat(completion)]
+    assert chunks[-1]["usage"]["prompt_tokens"] == expected, (chunks[-1]["usage"], expected)
+    # Named after the call's request ID (the gateway's X-Request-Id), as the server and the sim
+    # name it: it was fs-engine-N, created 0.
+    chunks = [c async for c in backend.stream_chat({**request, REQUEST_ID_KEY: "abc123"})]
+    assert {c["id"] for c in chunks} == {"chatcmpl-abc123"} and chunks[0]["created"] > 1_700_000_000, chunks[0]
+    # Past the engine's queue limit: Overloaded with a wait (vLLM's QueueOverflowError escaped raw).
+    outcomes: list[str] = []
+
+    async def one() -> None:
+        try:
+            await read_to_end(backend, {**request, "max_tokens": 64})
+            outcomes.append("served")
+        except Overloaded as exc:
+            assert exc.retry_after_s > 0, exc
+            outcomes.append("overloaded")
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as calls:
+            for _ in range(3 * QUEUE_LIMIT):
+                calls.start_soon(one)
+    assert "overloaded" in outcomes and "served" in outcomes, outcomes
+
+
+async def check_close_while_starting(model_dir: str) -> None:
+    """Closed while its engine is being built: `aclose` returns once the engine is shut down (it
+    returned at once, and the engine ran on for half a minute beside whatever came next), and the
+    start fails with `BackendUnavailable`."""
+    backend = VLLMEngineBackend(model_dir, max_num_seqs=2, max_num_batched_tokens=1024, max_model_len=1024, dtype="float32")
+    start_failed = anyio.Event()
+
+    async def start() -> None:
+        try:
+            await backend.start()
+        except BackendUnavailable:
+            start_failed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(start)
+        await anyio.sleep(1.0)  # the engine is being built in its thread
+        with anyio.fail_after(120):
+            await backend.aclose()
+        assert start_failed.is_set(), "aclose returned while the engine was still being built"
 
 
 async def check_constraints(backend: VLLMEngineBackend, request: dict, model_dir: str) -> None:
