@@ -37,7 +37,7 @@ def _num(value: float, digits: int = 4) -> float | None:
     return None if value is None or math.isnan(value) or math.isinf(value) else round(value, digits)
 
 
-def _floor(value: float, digits: int = 4) -> float | None:
+def _floor(value: float | None, digits: int = 4) -> float | None:
     """`value` rounded down to `digits`: an attainment of 0.98997 against a required 0.99 read
     0.99, beside ``met: false``."""
     if value is None or math.isnan(value):

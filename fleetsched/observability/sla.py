@@ -11,10 +11,10 @@ Objectives and what counts (see `SlaSettings`):
 - ``deadline``: every session that ended done or failed is an event, met when it ended done
   within the deadline (from submission). Met when every session is.
 - ``min_tokens_per_s``: one event for the rate, generated tokens (of calls that succeeded or were
-  cancelled) over the time the tenant had a call outstanding (it was backlogged), met when at least the target; and one missed event per
-  refused or failed call: the tenant asked for service and got none (before, a tenant refused
-  228 of its 231 calls read met at 100 %, and one whose calls all failed at once, not measured).
-  Met when every event is.
+  cancelled) over the time the tenant had a call outstanding (it was backlogged), met when at
+  least the target; and one missed event per refused or failed call: the tenant asked for
+  service and got none (before, a tenant refused 228 of its 231 calls read met at 100 %, and one
+  whose calls all failed at once, not measured). Met when every event is.
 
 Refused calls are events that miss every call objective. Calls cancelled (their session ended
 or was cancelled) are not call events: the session's deadline accounts for them.
