@@ -410,7 +410,7 @@ class SimSettings(_Section):
     step_per_token_s: float = Field(0.000002, ge=0, allow_inf_nan=False)
     """Cost per token computed in the step (b); prefill chunks are cheap per token."""
     step_per_context_token_s: float = Field(0.00000002, ge=0, allow_inf_nan=False)
-    """Cost per token of context attended in the step (c); a guess, not fitted."""
+    """Cost per token of context attended in the step (c); `fleetsched calibrate` fits it."""
     step_per_seq_s: float = Field(0.000085, ge=0, allow_inf_nan=False)
     """Cost per sequence in the step, whatever its token count (d: sampling, bookkeeping)."""
     request_overhead_s: float = Field(0.0, ge=0, allow_inf_nan=False)
