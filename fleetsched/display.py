@@ -14,7 +14,7 @@ from rich.text import Text
 
 from .observability.sla import SlaTracker
 from .policies.tiers import Tier
-from .report import count_text, tenant_cell
+from .report import count_text, share_text, tenant_cell
 from .scheduler import Scheduler
 
 GB = 10**9
@@ -27,7 +27,7 @@ def _standing(tracker: SlaTracker, tenant: str) -> str:
     if standing is None:
         return "-"
     value, met = standing
-    return f"{math.floor(round(value * 1000, 6)) / 10:.1f}%" + ("" if met else " missed")
+    return share_text(value) + ("" if met else " missed")
 
 
 def _tenant_rows(scheduler: Scheduler, tracker: SlaTracker | None) -> list[list[str]]:

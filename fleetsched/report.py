@@ -46,6 +46,13 @@ def _floor(value: float | None, digits: int = 4) -> float | None:
     return math.floor(round(value * scale, 6)) / scale
 
 
+def share_text(value: float | None) -> str:
+    """A share as the tables show an attainment: a percentage rounded down to a tenth, so that
+    98.99 % of calls on time read 98.9 %, not 99.0 % beside MISSED; ``-`` for none."""
+    floored = _floor(value, 3)
+    return "-" if floored is None else f"{floored * 100:.1f}%"
+
+
 def _quantiles(data: list[float]) -> list[float] | None:
     """The 0th..100th percentiles (101 values) of `data` (sorted, no nan): a CDF that stays small."""
     if not data:
@@ -340,12 +347,12 @@ def _ms(value: float | None) -> str:
 
 
 def _beside(value: float | None, target: float, digits: int) -> str:
-    """A measured `value` shown beside its `target`: with `digits` decimals, or up to 3 where
+    """A measured `value` shown beside its `target`: with `digits` decimals, or up to 6 where
     fewer would show a value that differs from its target as equal to it (500.3 ms read "500
     ms" beside a target of 500 ms and the verdict MISSED)."""
     if value is None:
         return "-"
-    while digits < 3 and value != target and round(value, digits) == round(target, digits):
+    while digits < 6 and value != target and round(value, digits) == round(target, digits):
         digits += 1
     return f"{value:,.{digits}f}"
 
@@ -537,8 +544,11 @@ def sla_rows(report: dict[str, Any]) -> list[list[str]]:
                     value = _beside(ms, o["target"] * 1e3, 1 if ms < 10 else 0) + " ms"
                 if o.get("value_at_least"):  # the longest session was cut at its deadline, unfinished
                     value = ">= " + value
-            # Rounded down: 98.99 % of calls on time read 99.0 %, beside MISSED against 99 %.
-            attainment = "-" if o["attainment"] is None else f"{math.floor(round(o['attainment'] * 1000, 6)) / 10:.1f}%"
+            if o["met"] is False and o["value"] == o["target"] and not o.get("value_at_least"):
+                # Missed by less than the report's rounding (0.1 ms): it read "500 ms" beside a
+                # target of "500 ms" and MISSED.
+                value = ("< " if objective == "min_tokens_per_s" else "> ") + value
+            attainment = share_text(o["attainment"])
             verdict = "not measured" if o["met"] is None else "met" if o["met"] else "MISSED"
             if t["tenant"] in unreachable and objective == "ttft_p99":
                 verdict += " (unreachable)"

@@ -165,8 +165,9 @@ class GatewaySettings(_Section):
     @field_validator("redis_prefix")
     @classmethod
     def _key_prefix(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", value):
-            raise ValueError("1 to 64 letters, digits and _ . : - (the start of the gateway's Redis keys)")
+        # No ":": it ends the prefix in every key ("blue" and "blue:session" shared keys).
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", value):
+            raise ValueError("1 to 64 letters, digits and _ . - (the start of the gateway's Redis keys)")
         return value
 
 

@@ -132,6 +132,8 @@ def test_a_redis_key_prefix_is_letters_digits_and_separators():
         gateway_settings(gateway={"redis_prefix": "two words"})
     with pytest.raises(ValueError, match="gateway.redis_prefix"):
         gateway_settings(gateway={"redis_prefix": ""})
+    with pytest.raises(ValueError, match="gateway.redis_prefix"):  # "blue" and "blue:session" shared keys
+        gateway_settings(gateway={"redis_prefix": "blue:session"})
 
 
 def test_alone_an_instance_keeps_the_limit_in_memory():

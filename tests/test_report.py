@@ -491,6 +491,26 @@ def test_a_measured_value_differing_from_its_target_never_reads_equal_to_it():
     assert row("latency_p95", 2.0, None, None) == ("2,000 ms", "-", "not measured")
 
 
+def test_a_value_over_its_target_by_less_than_the_report_s_rounding_reads_over_it():
+    """The report keeps 4 decimals of seconds: a p99 of 500.04 ms is written 0.5, and read "500
+    ms" beside a target of "500 ms" and MISSED."""
+    from types import SimpleNamespace
+
+    from fleetsched.report import _sla_section, sla_rows
+    from fleetsched.scheduler import CallRecord, Recorder
+    from fleetsched.settings import TenantSettings
+
+    recorder = Recorder()
+    for i in range(100):
+        ttft = 0.50004 if i < 2 else 0.1
+        recorder.add_call(CallRecord("t", 1, i, float(i), float(i), i + ttft, i + 1.0, 5, 10))
+    scheduler = SimpleNamespace(recorder=recorder, settings=SimpleNamespace(tenants={"t": TenantSettings(sla={"ttft_p99_s": 0.5})}))
+    _, by_tenant = _sla_section(scheduler, 0.0, {})
+    tenant = {"tenant": "t", "tier": "standard", "weight": 1.0, "sla": by_tenant["t"]}
+    (row,) = [row for row in sla_rows({"sla": {"feasibility": None}, "tenants": [tenant]}) if row[3] == "TTFT p99"]
+    assert row[4:8] == ["500 ms", "> 500 ms", "98.0%", "MISSED"]
+
+
 def test_wide_character_names_fit_their_cells():
     """Names of CJK characters (two cells each) were measured in characters: folded over two
     lines even at 160 columns, two tenants read alike on their first."""

@@ -300,6 +300,33 @@ class ToolCallsBackend(InstantBackend):
         return response, first_token_at
 
 
+class RecordingBackend(InstantBackend):
+    """Keeps the bodies of the calls it answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[dict] = []
+
+    async def complete_chat(self, body, received=None):
+        self.bodies.append(body)
+        return await super().complete_chat(body, received)
+
+
+@pytest.mark.parametrize("scripted", [True, False])
+async def test_a_scripted_loop_asks_the_model_for_text_not_tool_calls(scripted):
+    """With a script the calls are the script's, but no tool_choice was sent: "auto", which vLLM's
+    server without a tool-call parser and the vllm-engine backend refuse."""
+    script = [[{"name": "add", "arguments": {"a": 2, "b": 3}}]] if scripted else None
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS[:1], script=script)
+
+    async with RecordingBackend() as backend, Scheduler(settings(), backend=backend) as scheduler:
+        await (await scheduler.submit(agent, tenant="acme"))
+    assert backend.bodies and all(len(body["tools"]) == 1 for body in backend.bodies)
+    assert [body.get("tool_choice") for body in backend.bodies] == ["none" if scripted else None] * len(backend.bodies)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

@@ -35,3 +35,13 @@ def test_engine_options_that_repeat_an_argument_of_its_own_are_refused_naming_it
     with pytest.raises(ValueError, match=r"^engine_options: dtype, max_model_len: set by the backend's own arguments"):
         VLLMEngineBackend("m", engine_options={"max_model_len": 512, "dtype": "half", "seed": 1})
     assert VLLMEngineBackend("m", engine_options={"seed": 1}).engine_args["seed"] == 1
+
+
+@pytest.mark.anyio
+async def test_calls_that_name_no_model_name_the_one_the_engine_serves():
+    """A scheduler asks its backend which model to name (`served_model`); this backend said
+    none, so its calls named the settings' default, which the engine refuses as unknown."""
+    from fleetsched.backends.vllm_engine import VLLMEngineBackend
+
+    assert await VLLMEngineBackend("path/to/model").served_model() == "path/to/model"
+    assert await VLLMEngineBackend("path/to/model", served_model_name="tiny").served_model() == "tiny"

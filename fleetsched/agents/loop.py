@@ -12,7 +12,9 @@ that is not text, and an empty reply each become a clear error message in the co
 and the model gets another turn.
 
 Where the model cannot be trusted to decide (a tiny random model in tests and benchmarks), a
-`script` decides the tool calls turn by turn; the loop still makes every model call for real.
+`script` decides the tool calls turn by turn; the loop still makes every model call for real,
+asking for text (``tool_choice`` "none"). Without a script the model's own calls are run: its
+backend must parse them (vLLM's server started with ``--tool-call-parser``).
 """
 
 from __future__ import annotations
@@ -111,7 +113,12 @@ async def run_tool_loop(
     by_name = {tool.name: tool for tool in tools}
     conversation = [dict(m) for m in messages]
     # No tools, no tools field: vLLM refuses an empty list.
-    offered = {"tools": [tool.schema() for tool in tools]} if tools else {}
+    offered: dict[str, Any] = {"tools": [tool.schema() for tool in tools]} if tools else {}
+    if offered and script is not None:
+        # The script makes the calls: the model is asked for text ("none"), which every backend
+        # serves. "auto" (none named) needs one that parses tool calls (vLLM's server started with
+        # --tool-call-parser): vLLM's server without one, and the vllm-engine backend, refuse it.
+        offered["tool_choice"] = "none"
     errors = 0
     for turn in range(max_turns):
         if anyio.current_time() >= ctx.deadline:

@@ -18,6 +18,7 @@ closing the backend fails the calls in flight.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
@@ -46,6 +47,8 @@ from .base import (
 )
 from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, response_role, template_kwargs
 from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params, is_true
+
+_request_ids = itertools.count(1)
 
 # Body keys that map one to one onto vLLM SamplingParams (`check_sampling` checks them; a str
 # `stop` becomes a list).
@@ -411,9 +414,12 @@ class VLLMEngineBackend(Backend):
         conversation, prompt = await self._prompt(engine, body)
         params = self._sampling_params(body, len(prompt["prompt_token_ids"]))
         priority = _priority(body)
-        # Named as vLLM's server names it: by the call's X-Request-Id where it has one (the
-        # gateway's), so that the engine's logs name the call as the answer does.
-        request_id = new_completion_id(body)
+        # The answer is named as vLLM's server names it, by the call's X-Request-Id where it has
+        # one (the gateway's); the engine's request starts with that name (its logs name the
+        # call as the answer does) and is numbered apart: two calls sent with one X-Request-Id
+        # were one request at the engine, and leaving one aborted the other.
+        completion_id = new_completion_id(body)
+        request_id = f"{completion_id}-{next(_request_ids)}"
         created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
         model = named or self.served_model_name
         # The role comes on the first output's chunk, as vLLM's server sends it: sent before the
@@ -443,7 +449,7 @@ class VLLMEngineBackend(Backend):
                     if text or finish_reason or role:
                         usage = usage_dict(prompt_tokens, completion_tokens) if continuous else None
                         content = text or ("" if role else None)
-                        chunk = make_chunk(request_id, model, created, role=role, content=content, finish_reason=finish_reason, usage=usage)
+                        chunk = make_chunk(completion_id, model, created, role=role, content=content, finish_reason=finish_reason, usage=usage)
                         if finish_reason and completion.stop_reason is not None:  # as the server's final choice has it
                             chunk["choices"][0]["stop_reason"] = completion.stop_reason
                         role = None
@@ -466,7 +472,11 @@ class VLLMEngineBackend(Backend):
                 # consumer that left between two outputs.
                 with anyio.CancelScope(shield=True):
                     await self._engine.abort(request_id)
-        yield make_chunk(request_id, model, created, usage=usage_dict(prompt_tokens, completion_tokens))
+        yield make_chunk(completion_id, model, created, usage=usage_dict(prompt_tokens, completion_tokens))
+
+    async def served_model(self) -> str:
+        """The name calls that name none are sent with (and that the engine answers to)."""
+        return self.served_model_name
 
     async def signals(self) -> EngineSignals:
         """The engine's own signals, as its stat loggers record them after each step: requests

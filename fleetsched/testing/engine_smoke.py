@@ -243,6 +243,21 @@ async def check_server_alike(backend: VLLMEngineBackend, request: dict, model_di
     # name it: it was fs-engine-N, created 0.
     chunks = [c async for c in backend.stream_chat({**request, REQUEST_ID_KEY: "abc123"})]
     assert {c["id"] for c in chunks} == {"chatcmpl-abc123"} and chunks[0]["created"] > 1_700_000_000, chunks[0]
+    # Two calls sent with one request ID are two requests at the engine: leaving one does not
+    # abort the other (they were one, which the first's abort ended).
+    same = {**request, "max_tokens": 200, REQUEST_ID_KEY: "twice"}
+    whole: list[dict] = []
+
+    async def read_whole() -> None:
+        whole.extend([c async for c in backend.stream_chat(same)])
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as pair:
+            pair.start_soon(read_whole)
+            async with aclosing(backend.stream_chat(same)) as stream:
+                async for _ in stream:
+                    break
+    assert whole[-1]["usage"]["completion_tokens"] == 200, whole[-1]
     # Past the engine's queue limit: Overloaded with a wait (vLLM's QueueOverflowError escaped raw).
     outcomes: list[str] = []
 
