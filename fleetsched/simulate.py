@@ -557,7 +557,8 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
         for note in result["notes"]:  # as a plain run prints it (why a tenant's calls all fail, say)
             print(f"fleetsched simulate: note: {note}", file=sys.stderr)
         if args.json:
-            print(text)
+            if saved:  # else `save_json` printed it
+                print(text)
         elif result["max_sessions"] == 0:
             smallest = _size(settings.workload.agents, 1)
             kinds = " (one of each kind)" if len(settings.workload.agents) > 1 else ""
@@ -591,7 +592,8 @@ def _simulate_and_print(settings: Settings, duration: float | None, args: argpar
         if report["sla"]["feasibility"]["note"]:  # as `run` prints it (an agent whose calls cannot fit, say)
             print(f"fleetsched simulate: note: {report['sla']['feasibility']['note']}", file=sys.stderr)
         if args.json:
-            print(text)
+            if saved:  # else `save_json` printed it (it came twice)
+                print(text)
         else:
             from .report import sla_table, table_console, tenant_table
 

@@ -488,6 +488,16 @@ def test_a_report_that_cannot_be_written_at_the_end_is_printed_not_lost(tmp_path
     assert report["schema"] == "fleetsched.run/2" and "SLA" in out[end:]
 
 
+@pytest.mark.skipif(not _passes_the_check_and_cannot_be_written("/proc/report.json"), reason="needs /proc as root")
+def test_a_report_that_cannot_be_written_is_printed_once_with_json(tmp_path, capsys):
+    """With --json too, the JSON was printed twice: by the failed write, and as asked."""
+    config = tmp_path / "c.toml"
+    config.write_text('[backend]\nkind = "instant"\n[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\n')
+    assert cli_main(["simulate", str(config), "--json", "--report", "/proc/report.json"]) == 1
+    out = capsys.readouterr().out
+    assert json.loads(out)["schema"] == "fleetsched.run/2"  # one document, nothing after it
+
+
 def test_a_profile_on_the_command_line_keeps_its_own_stream_interval(tmp_path, capsys):
     """--profile FILE whose [sim] sets a stream_interval simulates with it, as the same profile
     named in the config's [backend.sim] does; before, --profile put simulate's default of 8 over
