@@ -178,6 +178,17 @@ def make_chunk(
     return chunk
 
 
+def checked_stream_options(body: ChatBody) -> Mapping[str, Any]:
+    """The call's own ``stream_options`` (none: empty); `InvalidRequest` for one that is not an
+    object ([] and "" too), as vLLM refuses it."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise InvalidRequest(f"stream_options: expected an object, got {options!r:.80}")
+    return options
+
+
 def wants_continuous_usage(body: ChatBody) -> bool:
     """Whether a streamed call asks for usage on every chunk: as vLLM's server takes it, both
     ``stream_options.include_usage`` and ``continuous_usage_stats``."""

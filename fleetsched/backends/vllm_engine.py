@@ -35,6 +35,7 @@ from .base import (
     ChatBody,
     Chunk,
     EngineSignals,
+    checked_stream_options,
     checked_stream_interval,
     completion_room,
     invalid_request,
@@ -403,9 +404,7 @@ class VLLMEngineBackend(Backend):
         named = body.get("model")
         if named and named != self.served_model_name:  # as vLLM's server answers it (404)
             raise UnknownModel(f"The model `{named!s:.200}` does not exist: this engine serves `{self.served_model_name}`.", param="model")
-        options = body.get("stream_options")
-        if options is not None and not isinstance(options, Mapping):  # as the server backend refuses it
-            raise InvalidRequest(f"stream_options: expected an object, got {options!r:.80}")
+        checked_stream_options(body)
         await self.start()
         engine = self._engine
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError

@@ -169,6 +169,12 @@ def session_event(session: SessionRecord, goals: Mapping[str, float]) -> tuple[b
     return False, Breach(session.finished, session.tenant, session.tier, "deadline", span, target, reason)
 
 
+def _tokens_made(call: CallRecord) -> int:
+    """The tokens `call` counts toward ``min_tokens_per_s``: a successful call's, and a call's cut
+    with its session (a failed call's time counts, none of its tokens)."""
+    return call.completion_tokens if call.error is None or call.error in CANCELLED else 0
+
+
 def busy_time(intervals: Iterable[tuple[float, float]], lo: float = -math.inf, hi: float = math.inf) -> float:
     """Length of the union of [start, end] intervals, clipped to [lo, hi]."""
     total = 0.0
@@ -289,8 +295,7 @@ def evaluate(
                 # A call cut short with its session made tokens in the time it counts: its
                 # time without them read 0.0 tok/s, "engine slow", for a tenant served 880.
                 busy = busy_time((c.submitted, c.finished) for c in calls[name] if c.error not in _REFUSED)
-                made = sum(c.completion_tokens for c in calls[name] if c.error is None or c.error in CANCELLED)
-                value = made / busy if busy > 0 else math.nan
+                value = sum(map(_tokens_made, calls[name])) / busy if busy > 0 else math.nan
                 if busy > 0:
                     counts[objective][0] += 1
                     counts[objective][1] += value >= target
@@ -355,9 +360,7 @@ class SlaTracker:
                         served = self._served.get(record.tenant)
                         if served is None:
                             served = self._served[record.tenant] = deque()
-                        made = record.error is None or record.error in CANCELLED
-                        tokens = record.completion_tokens if made else 0
-                        served.append((record.submitted, record.finished, tokens))
+                        served.append((record.submitted, record.finished, _tokens_made(record)))
                 else:
                     event = session_event(record, goals)
                     if event is not None:

@@ -32,6 +32,7 @@ from ..backends.base import (
     Chunk,
     Received,
     abort_stream,
+    checked_stream_options,
     collect_stream,
     estimate_prompt_tokens,
     output_so_far,
@@ -182,7 +183,7 @@ class Dispatcher:
         short had received, and whether it was sent at all (`Received`).
         """
         _check_call(body, tenant, tier, due, due_in, deadline)
-        given_options = _stream_options(body)
+        given_options = checked_stream_options(body)
         record, estimate = await self._begin(body, tenant, tier, session, due, due_in, deadline)
         # "stream": False: only the first token's time and the whole answer matter here. The
         # engine's count on every chunk, as for a stream: a call cut short is charged its output.
@@ -235,7 +236,7 @@ class Dispatcher:
         that replica of a multi-replica backend while it is up, else to the least loaded one.
         """
         _check_call(body, tenant, tier, due, due_in, deadline)
-        given_options = _stream_options(body)
+        given_options = checked_stream_options(body)
         record, estimate = await self._begin(body, tenant, tier, session, due, due_in, deadline)
         request = {**body, "priority": tier}
         # Every chunk carries the engine's count of the tokens so far (vLLM's continuous usage
@@ -677,18 +678,6 @@ def _check_call(body: object, tenant: object, tier: object, due: object, due_in:
         raise ValueError(f"due_in: expected seconds (>= 0, or inf for none), got {due_in!r:.40}")
     if not (_is_number(deadline) and deadline >= 0):  # "soon" raised a bare TypeError
         raise ValueError(f"deadline: expected a time on the clock (>= 0, or inf for none), got {deadline!r:.40}")
-
-
-def _stream_options(body: ChatBody) -> Mapping[str, Any]:
-    """The call's own ``stream_options`` (none: empty), which the dispatcher adds the engine's
-    count on every chunk to; `InvalidRequest` for one that is not an object, as vLLM refuses it
-    (the sim and instant backends took it in a collected call, without the count)."""
-    options = body.get("stream_options")
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):  # [] and "" too
-        raise InvalidRequest(f"stream_options: expected an object, got {options!r:.80}")
-    return options
 
 
 def _is_number(value: object) -> TypeGuard[float]:
