@@ -93,6 +93,19 @@ def _request_refused() -> type[Exception]:
     return VLLMClientError
 
 
+async def _stop_output_handler(engine: Any) -> None:
+    """Cancel the engine's output handler (a task of this event loop) and wait for its end.
+    Left running while the engine shut down in a worker thread, it saw the engine die and
+    logged that as an ERROR with a traceback ("AsyncLLM output_handler failed ...
+    EngineDeadError") on a clean close: vLLM cancels it only once its shutdown is done."""
+    import asyncio
+
+    handler = getattr(engine, "output_handler", None)
+    if handler is None or handler.done() or handler.get_loop() is not asyncio.get_running_loop():
+        return
+    handler.cancel()
+    await asyncio.wait({handler})
+
 def _priority(body: ChatBody) -> int:
     """The request's priority (lower is sooner), checked as vLLM's server checks it (an int64):
     "5", True and 2.7 were read as 5, 1 and 2, and 2**70 failed inside the engine's client."""
@@ -243,8 +256,14 @@ class VLLMEngineBackend(Backend):
                     self._sampling_defaults = engine.model_config.get_diff_sampling_param()
                 except Exception as exc:  # the engine is up: shut it down, not left to the garbage collector
                     await anyio.to_thread.run_sync(engine.shutdown)
+                    del engine  # (see below)
                     raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
             self._engine = engine
+            # Not left in this frame's locals: the frame outlives the call (vLLM's first import,
+            # made here, keeps frames that lead back to it), and so did the engine, past `aclose`,
+            # until its __del__ ran at the interpreter's exit and failed ("'NoneType' object is
+            # not callable").
+            del engine
 
     def _closed_during(self) -> BackendUnavailable:
         return BackendUnavailable(f"the vLLM engine backend for {self.model!r} was closed during the call")
@@ -519,5 +538,6 @@ class VLLMEngineBackend(Backend):
         try:
             engine.output_processor.propagate_error(EngineDeadError("closed"))
         finally:
-            with anyio.CancelScope(shield=True):  # it joins the engine's processes: seconds, off the loop
-                await anyio.to_thread.run_sync(engine.shutdown)
+            with anyio.CancelScope(shield=True):
+                await _stop_output_handler(engine)
+                await anyio.to_thread.run_sync(engine.shutdown)  # it joins the engine's processes: seconds, off the loop
