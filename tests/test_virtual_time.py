@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import threading
 import time
@@ -284,3 +285,49 @@ def test_a_hold_released_twice_is_released_once():
         return anyio.current_time()
 
     assert run_virtual(main) == 1.0
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_callbacks_and_timers_behave_as_on_asyncios_own_loop(debug):
+    """The loop makes its handles and runs their callbacks its own way outside debug mode (fewer
+    Python calls a wake-up): what code sees of them is asyncio's. A failing callback reaches the
+    exception handler with asyncio's message and the loop goes on; a timer cancelled in the heap
+    is counted, one cancelled after it fired is not; each runs in its context."""
+    from fleetsched.virtual_time import VirtualTimeLoop
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    def run(loop: asyncio.AbstractEventLoop) -> tuple[list[tuple[str, str]], list[str], list[int]]:
+        reported: list[tuple[str, str]] = []
+        loop.set_exception_handler(lambda _, context: reported.append((context["message"].split(" at ")[0], repr(context["exception"]))))
+        loop.set_debug(debug)
+        seen: list[str] = []
+        counts: list[int] = []
+
+        async def main() -> None:
+            loop.call_soon(fail)
+            var.set("main's")
+            loop.call_soon(lambda: seen.append(var.get()))
+            other = contextvars.Context()
+            loop.call_soon(lambda: seen.append(var.get()), context=other)
+            fired = loop.call_later(0.01, lambda: seen.append("fired"))
+            waiting = loop.call_later(10, lambda: seen.append("never"))
+            await asyncio.sleep(0.05)
+            fired.cancel()  # it has fired: out of the heap, not counted
+            counts.append(loop._timer_cancelled_count)  # type: ignore[attr-defined]
+            waiting.cancel()  # in the heap: counted
+            counts.append(loop._timer_cancelled_count)  # type: ignore[attr-defined]
+
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+        return reported, seen, counts
+
+    assert run(VirtualTimeLoop()) == run(asyncio.new_event_loop())
+    reported, seen, counts = run(VirtualTimeLoop())
+    assert reported == [("Exception in callback test_callbacks_and_timers_behave_as_on_asyncios_own_loop.<locals>.fail()", "ValueError('boom')")]
+    assert seen == ["main's", "unset", "fired"] and counts == [0, 1]
