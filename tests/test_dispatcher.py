@@ -100,6 +100,21 @@ async def test_backlogged_tenants_share_by_weighted_tokens():
     assert abs(first_half["gold"] - 2 * first_half["tin"]) <= 3
 
 
+@pytest.mark.parametrize("due", ["due", "due_in"])
+async def test_a_tenants_queued_calls_go_earliest_due_first(due):
+    """`due` (a time) and `due_in` (seconds from the call) order a tenant's queued calls: taken
+    as no due at all, the call due soon waited behind the one due later (first come, first served)."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("blocker"), tenant="a", tier=Tier.STANDARD))
+        await anyio.sleep(0.1)
+        tg.start_soon(partial(dispatcher.chat, body("due later"), tenant="a", tier=Tier.STANDARD, **{due: 10.0}))
+        await anyio.sleep(0.1)
+        tg.start_soon(partial(dispatcher.chat, body("due soon"), tenant="a", tier=Tier.STANDARD, **{due: 1.0}))
+    assert backend.started == ["blocker", "due soon", "due later"]
+
+
 async def test_cancelled_waiting_call_leaves_no_trace():
     backend = SlowBackend(10.0)
     dispatcher = Dispatcher(backend, window=1)
@@ -227,6 +242,63 @@ async def test_critical_reserve_keeps_places_for_critical_calls():
     assert finished == {"vip": 1.1}
 
 
+async def test_lower_tiers_keep_one_place_when_the_reserve_is_the_whole_window():
+    """With `critical_reserve` >= the window, a standard call still goes through, one at a time:
+    left no place at all, it waited for ever."""
+    dispatcher = Dispatcher(SlowBackend(1.0), window=2, critical_reserve=2)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(partial(dispatcher.chat, body(f"standard{i}"), tenant="a", tier=Tier.STANDARD))
+    assert sorted(r.started for r in dispatcher.recorder.calls) == [0.0, 1.0]
+
+
+async def test_a_place_freed_in_the_reserve_is_kept_for_critical_calls():
+    """A critical call in the reserve ends while a batch call waits: lower tiers already fill the
+    window but its reserve, so the freed place is not handed to the batch call."""
+    backend = SlowBackend(10.0)
+    dispatcher = Dispatcher(backend, window=2, critical_reserve=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("batch0"), tenant="bulk", tier=Tier.BATCH))
+        await anyio.sleep(0.1)
+        backend.seconds = 1.0
+        tg.start_soon(partial(dispatcher.chat, body("critical"), tenant="vip", tier=Tier.CRITICAL))
+        await anyio.sleep(0.1)
+        tg.start_soon(partial(dispatcher.chat, body("batch1"), tenant="bulk", tier=Tier.BATCH))
+        await anyio.sleep(2.0)  # the critical call ended at 1.1
+        stats = dispatcher.statistics()
+        assert stats.in_flight == 1 and stats.queued == 1
+    assert [r.started for r in dispatcher.recorder.calls if r.tenant == "bulk"] == [0.0, 10.0]
+
+
+async def test_a_critical_call_that_ended_leaves_the_reserve_to_the_next_one():
+    """The reserve counts the critical calls in flight: once the window shrinks below the calls
+    in flight, a critical call still goes in at once, though another critical call used the
+    reserve before and ended."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=3, critical_reserve=1)
+    await dispatcher.chat(body("critical0"), tenant="vip", tier=Tier.CRITICAL)
+    async with anyio.create_task_group() as tg:
+        for i in range(2):
+            tg.start_soon(partial(dispatcher.chat, body(f"batch{i}"), tenant="bulk", tier=Tier.BATCH))
+        await anyio.sleep(0.1)
+        dispatcher.resize(2)
+        await dispatcher.chat(body("critical1"), tenant="vip", tier=Tier.CRITICAL)
+    assert [r.started for r in dispatcher.recorder.calls if r.tenant == "vip"] == [0.0, 1.1]
+
+
+async def test_growing_the_window_starts_queued_calls_at_once():
+    """Not only when a call in flight ends."""
+    backend = SlowBackend(10.0)
+    dispatcher = Dispatcher(backend, window=1)
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(partial(dispatcher.chat, body(f"call{i}"), tenant="a", tier=Tier.STANDARD))
+        await anyio.sleep(1.0)
+        dispatcher.resize(3)
+    assert sorted(r.started for r in dispatcher.recorder.calls) == [0.0, 1.0, 1.0]
+
+
 async def test_output_is_charged_as_it_streams():
     """A tenant's counter grows with each chunk its call receives, before the call ends; the
     usage at the end corrects it to the exact count."""
@@ -342,6 +414,24 @@ async def test_a_tenant_is_charged_its_share_of_max_tokens_up_front():
     assert queue.counter("a") - before == 10 + 40 * 2.0  # SlowBackend uses all max_tokens
 
 
+async def test_each_tenant_is_charged_its_own_calls_share_of_max_tokens():
+    """a's calls use all of their max_tokens, b's a quarter: each tenant's next call is predicted
+    its own share, not the share of every tenant's calls (which is for a tenant with none ended)."""
+
+    class Using(SlowBackend):
+        """Each call uses the number of output tokens its message names."""
+
+        async def stream_chat(self, body):
+            used = int(body["messages"][0]["content"])
+            yield make_chunk("c", "m", 0, content="x", finish_reason="length", usage=usage_dict(10, used))
+
+    dispatcher = Dispatcher(Using(0.0), window=1)
+    for tenant, used in (("a", "40"), ("b", "10"), ("a", "40"), ("b", "10")):
+        await dispatcher.chat(body(used, max_tokens=40), tenant=tenant, tier=Tier.BATCH)
+    # a's first call: nothing ended yet; b's first: the share every tenant's calls used.
+    assert [r.predicted_output for r in dispatcher.recorder.calls] == [0, 40, 40, 10]
+
+
 async def test_streamed_output_is_charged_by_the_engines_count_not_by_chunks():
     """The dispatcher asks for usage on every chunk and charges the engine's count: the batch
     tier streams 8 tokens a chunk, but the engine sent the first token alone, then 20 (a
@@ -379,6 +469,22 @@ async def test_streamed_output_is_charged_by_the_engines_count_not_by_chunks():
             assert [queue.counter("a") - start async for _ in chunks] == charged
         assert queue.counter("a") == 10 + 21 * 2.0  # corrected to the usage in every case
         assert backend.options == {"continuous_usage_stats": True, "include_usage": True}
+
+
+async def test_a_tiers_stream_interval_is_asked_of_the_backend_for_its_streamed_calls():
+    seen = []
+
+    class Spy(SlowBackend):
+        async def stream_chat(self, body):
+            seen.append(body.get("stream_interval"))
+            async for chunk in super().stream_chat(body):
+                yield chunk
+
+    dispatcher = Dispatcher(Spy(0.0), window=2, stream_interval={Tier.BATCH: 8})
+    for tier in (Tier.BATCH, Tier.STANDARD):
+        async with dispatcher.stream(body("x"), tenant="a", tier=tier) as chunks:
+            _ = [c async for c in chunks]
+    assert seen == [8, None]  # a tier with no interval set streams every token
 
 
 async def test_the_critical_reserve_holds_when_the_window_shrinks():
@@ -434,6 +540,20 @@ async def test_calls_granted_together_start_one_per_turn_of_the_loop_when_stagge
     else:
         assert len(set(second_wave)) == 1, second_wave
     assert anyio.current_time() == 2.0  # no call waited longer for it
+
+
+@pytest.mark.parametrize("anyio_backend", [virtual_loop("asyncio")])
+async def test_a_critical_call_does_not_wait_for_a_turn_when_starts_are_staggered():
+    """Staggering spaces out lower-tier starts so that critical calls' chunks are read between
+    them; a critical call itself starts at once, ahead of the batch calls that took their places
+    in the same turn. On asyncio only: trio shuffles the tasks of a turn."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=8, stagger_starts=True)
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(partial(dispatcher.chat, body(f"batch{i}"), tenant="bulk", tier=Tier.BATCH))
+        tg.start_soon(partial(dispatcher.chat, body("critical"), tenant="vip", tier=Tier.CRITICAL))
+    assert backend.started[0] == "critical"
 
 
 async def test_a_call_cancelled_while_it_waits_for_its_turn_gives_its_place_back():

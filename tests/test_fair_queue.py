@@ -76,6 +76,47 @@ def test_returning_tenant_does_not_bank_idle_time():
     assert [e.tenant for e in drain(q)] == ["busy", "idle", "busy", "idle"]
 
 
+def test_a_returning_tenant_is_lifted_to_the_smallest_backlogged_counter():
+    """Lifted to the largest, it would wait behind every tenant it finds backlogged, though it
+    has had less service than all of them."""
+    q = FairQueue()
+    q.charge("a", 10.0)
+    q.charge("b", 30.0)
+    q.push(Entry("a", 1, 0, "a"))
+    q.push(Entry("b", 1, 0, "b"))
+    q.push(Entry("back", 1, 0, "back"))
+    assert q.counter("back") == 10.0
+
+
+def test_a_tenant_returning_to_an_empty_band_starts_at_the_last_counter_served():
+    """No tenant is backlogged to lift it to: the band's last-served mark, set by each pick,
+    keeps it from banking its idle time."""
+    q = FairQueue()
+    for i in range(10):
+        q.push(Entry("busy", 1, 0, i))
+    drain(q)
+    q.push(Entry("idle", 1, 0, "i1"))
+    q.push(Entry("idle", 1, 0, "i2"))
+    q.push(Entry("busy", 1, 0, "b"))
+    assert q.counter("idle") == q.counter("busy")
+    assert [e.tenant for e in drain(q)] == ["idle", "busy", "idle"]
+
+
+def test_service_on_the_fast_path_keeps_counters_fair():
+    """A tenant new to the band served without queueing (`serve_direct`) is lifted to the band's
+    mark first, as a pushed one is: from 0, once calls queue it went first three times in a row."""
+    q = FairQueue()
+    for _ in range(10):
+        q.serve_direct("old", 1, 1.0)
+    q.serve_direct("new", 1, 1.0)
+    assert q.counter("new") == 11.0
+    for i in range(3):
+        q.push(Entry("new", 1, 0, i))
+    for i in range(3):
+        q.push(Entry("old", 1, 0, i))
+    assert [e.tenant for e in drain(q)] == ["new", "old"] * 3
+
+
 def test_a_tenant_waiting_in_another_band_is_lifted_on_returning_to_this_one():
     # "away" waits in the batch band (unserved: standard goes first) while "busy" is served in
     # standard. Its batch entry used to count as a backlog, so its standard entries kept the
@@ -182,6 +223,10 @@ def test_parse_tier():
             Tier.parse(value)  # type: ignore[arg-type]
 
 
+def test_a_tier_name_with_spaces_around_it_parses():
+    assert Tier.parse(" Batch ") is Tier.BATCH
+
+
 def test_minimum_share_for_a_lower_band():
     q = FairQueue(min_share={Tier.BATCH: 0.2})
     for i in range(50):
@@ -219,9 +264,56 @@ def test_minimum_share_is_not_banked_while_the_band_runs_alone():
     assert order.count("bulk") == 2  # its share from the start of the contention, not after 1,600 more
 
 
+def test_a_band_with_a_minimum_share_back_from_idle_starts_exactly_at_its_share():
+    """Critical is served while standard waits (so the service counts), batch idle. Batch then
+    returns: without the lift it was owed 20 % of all that service and took ten picks in a row;
+    lifted to less than its share, the first two. At its share, critical goes first."""
+    q = FairQueue(min_share={Tier.BATCH: 0.2})
+    q.push(Entry("std", Tier.STANDARD, 0, "waits"))
+    for i in range(40):
+        q.push(Entry("crit", Tier.CRITICAL, 0, i, cost=10))
+    for _ in range(40):
+        q.pick(0)
+    assert q.served(Tier.CRITICAL) == 400
+    for i in range(20):
+        q.push(Entry("crit", Tier.CRITICAL, 0, i, cost=10))
+        q.push(Entry("bulk", Tier.BATCH, 0, i, cost=10))
+    order = [e.tenant for e in drain(q)[:10]]
+    assert order[0] == "crit" and order.count("bulk") == 2
+
+
+def test_of_two_bands_owed_their_share_the_higher_goes_first():
+    q = FairQueue(min_share={Tier.STANDARD: 0.2, Tier.BATCH: 0.2})
+    for i in range(10):
+        q.push(Entry("crit", Tier.CRITICAL, 0, i, cost=10))
+        q.push(Entry("std", Tier.STANDARD, 0, i, cost=10))
+        q.push(Entry("bulk", Tier.BATCH, 0, i, cost=10))
+    # After the first pick both are owed: standard, then batch.
+    assert [e.tenant for e in drain(q)[:3]] == ["crit", "std", "bulk"]
+
+
+def test_a_negative_correction_banks_no_credit_for_a_band():
+    """A call's end corrects its band's service down (it used less than charged) while another
+    band waits, more than the band was counted: below 0, the band was owed picks it never missed
+    and took them in a row."""
+    q = FairQueue(min_share={Tier.BATCH: 0.2})
+    for i in range(20):
+        q.push(Entry("crit", Tier.CRITICAL, 0, i, cost=10))
+        q.push(Entry("bulk", Tier.BATCH, 0, i, cost=10))
+    q.charge("bulk", -100.0, Tier.BATCH)
+    assert q.served(Tier.BATCH) == 0.0
+    order = [e.tenant for e in drain(q)[:10]]
+    assert order[0] == "crit" and order.count("bulk") == 2
+
+
 def test_minimum_shares_must_leave_room():
     with pytest.raises(ValueError, match="less than 1"):
         FairQueue(min_share={1: 0.6, 2: 0.5})
+
+
+def test_minimum_shares_adding_up_to_exactly_one_are_refused():
+    with pytest.raises(ValueError, match="less than 1"):
+        FairQueue(min_share={1: 0.5, 2: 0.5})
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,11 @@ def test_window_holds_when_nothing_waits_with_us():
     assert AimdWindow().next_window(signals(in_flight=20)) == 32
 
 
+def test_window_tolerates_up_to_waiting_target_calls_waiting_at_the_engine():
+    assert AimdWindow(waiting_target=2).next_window(signals(engine_waiting=2)) == 33
+    assert AimdWindow(waiting_target=2).next_window(signals(engine_waiting=3)) == 25
+
+
 @pytest.mark.parametrize(
     "why", [{"engine_waiting": 5}, {"preemptions": 1.0}, {"kv_cache_usage": 0.99}]
 )
@@ -81,6 +86,22 @@ def test_window_shrinks_on_ttft_climb_only_with_engine_queueing():
     policy.next_window(signals(ttft_s=0.01))
     assert policy.next_window(signals(ttft_s=0.1, engine_waiting=1)) == 25
     assert policy.next_window(signals(ttft_s=0.1, engine_waiting=0)) == 33
+
+
+def test_window_shrinks_once_ttft_passes_ttft_ratio_times_the_lowest():
+    policy = AimdWindow(ttft_ratio=4.0)
+    policy.next_window(signals(ttft_s=0.01))
+    assert policy.next_window(signals(ttft_s=0.03, engine_waiting=1)) == 33
+    assert policy.next_window(signals(ttft_s=0.05, engine_waiting=1)) == 25
+
+
+def test_a_ttft_of_zero_is_not_taken_for_the_lowest():
+    """Taken (calls answered at once, as by an instant backend), every later TTFT was a climb
+    from 0 and the window shrank whenever a call waited at the engine."""
+    policy = AimdWindow()
+    policy.next_window(signals(ttft_s=0.0))
+    assert policy.next_window(signals(ttft_s=0.02, engine_waiting=1)) == 33
+    assert policy.ttft_floor_s == 0.02
 
 
 def test_window_bounds():
@@ -150,6 +171,14 @@ def test_rate_limits_take_both_or_neither():
     limits.refund("a", 300, now=0)
     assert limits.try_take("a", 10, now=0) == 0
     assert limits.try_take("other", 10**9, now=0) == 0  # no limit declared
+
+
+def test_a_nan_refund_leaves_the_bucket_as_it_is():
+    """min(capacity, tokens + nan) is the capacity: a NaN refund filled the bucket."""
+    limits = TenantRateLimits({"a": RateLimit(tokens_per_minute=600)})
+    assert limits.try_take("a", 500, now=0) == 0
+    limits.refund("a", float("nan"), now=0)
+    assert limits.try_take("a", 500, now=0) == pytest.approx(40.0)
 
 
 def test_a_charge_at_a_call_s_end_is_taken_from_the_level_at_its_end():
@@ -321,6 +350,16 @@ async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objec
 
 
 @pytest.mark.anyio
+async def test_a_ttft_objective_of_zero_sheds_no_call_while_nothing_waits():
+    """Shed only when the predicted wait exceeds the objective: an idle dispatcher predicts no
+    wait, and a call that need not wait at all is served."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, shed_after_s={"bulk": 0.0})
+    await dispatcher.chat(body("served"), tenant="bulk", tier=Tier.BATCH)
+    assert backend.started == ["served"] and dispatcher.statistics().shed == 0
+
+
+@pytest.mark.anyio
 async def test_a_batch_call_with_a_minimum_share_is_shed_by_the_wait_its_share_gives_it():
     """The wait was predicted behind all the queued work; a band with a minimum share is served
     as soon as it is behind it, so batch calls waiting 0.1-0.6 s were shed with predicted waits
@@ -380,6 +419,26 @@ async def test_the_service_rate_is_measured_while_calls_queue_not_over_idle_time
         for _ in range(40):
             tg.start_soon(partial(dispatcher.chat, body("burst"), tenant="bulk", tier=Tier.BATCH))
     assert dispatcher.statistics().shed == 0 and backend.started.count("burst") == 40
+
+
+@pytest.mark.anyio
+async def test_the_service_rate_is_smoothed_over_periods():
+    """A period at a call a second, then one at two calls a second (calls of equal cost): the
+    rate is the mean of the two, not the last period's alone."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1)
+    await dispatcher.chat(body("warm"), tenant="a", tier=Tier.BATCH)  # the later calls' predicted output
+
+    async def backlog(calls: int) -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(calls):
+                tg.start_soon(partial(dispatcher.chat, body("x"), tenant="a", tier=Tier.BATCH))
+
+    await backlog(4)  # the period runs from the 1st call's end to the 3rd's
+    first = dispatcher.statistics().service_rate
+    backend.seconds = 0.5
+    await backlog(6)  # from the 1st call's end to the 5th's
+    assert dispatcher.statistics().service_rate == pytest.approx(1.5 * first)
 
 
 @pytest.mark.anyio
