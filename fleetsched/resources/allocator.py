@@ -186,11 +186,15 @@ class ExtentPool(MemoryPool):
             sum of the differences of their hints; free pages or the device's edge beside it
             count nothing, a reservation without a hint makes it inf (unknown)."""
             total = 0.0
-            for r in (ending.get(offset), starting.get(offset + n)):
-                if r is not None:
-                    if r.ends_at is None:
-                        return math.inf
-                    total += abs(r.ends_at - ends_at)
+            below, above = ending.get(offset), starting.get(offset + n)  # (called ~16 times a placement)
+            if below is not None:
+                if below.ends_at is None:
+                    return math.inf
+                total = abs(below.ends_at - ends_at)
+            if above is not None:
+                if above.ends_at is None:
+                    return math.inf
+                total += abs(above.ends_at - ends_at)
             return total
 
         return self.strategy.choose_near(space, n, apart)
