@@ -102,6 +102,11 @@ def test_buddy_rounds_to_powers_of_two_aligned():
     assert b.offset % (8 * PAGE) == 0
 
 
+def test_buddy_keeps_a_power_of_two_as_it_is():
+    space = AddressSpace(64)
+    assert [make_strategy("buddy").round(n, space) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
 def test_first_and_best_fit_choose_differently():
     for name, expected in (("first-fit", 0), ("best-fit", 6)):
         p = pool(20 * PAGE, strategy=name)
@@ -117,6 +122,24 @@ def test_frag_aware_puts_large_at_the_top_and_small_at_the_bottom():
     large = p.reserve_nowait(16 * PAGE)
     assert small.offset == 0
     assert large.offset == 48 * PAGE
+
+
+def test_frag_aware_puts_a_large_request_atop_the_highest_of_equally_tight_holes():
+    space = AddressSpace(40)
+    space.allocate(8, 1)
+    space.allocate(17, 23)  # two free runs of 8: [0, 8) and [9, 17)
+    assert FragAware().choose(space, 6) == 11  # large (>= 40 / 8): at the top, of the higher one
+
+
+def test_frag_aware_with_a_sliver_avoids_leaving_one_but_still_takes_an_exact_fit():
+    space = AddressSpace(40)
+    for offset, n in ((8, 1), (18, 1)):
+        space.allocate(offset, n)  # free runs of 8 at 0, 9 at 9, 21 at 19
+    strategy = FragAware(sliver=0.5)  # a leftover under 4 pages is a sliver
+    assert strategy.choose(space, 8) == 0  # the exact fit, though it leaves "0 < 4" pages
+    space.allocate(0, 8)
+    assert strategy.choose(space, 8) == 32  # the top of the 21, not the 9 (leaves a 1-page sliver)
+    assert FragAware().choose(space, 8) == 10  # without a sliver: the tightest
 
 
 @pytest.mark.parametrize(
@@ -286,6 +309,26 @@ def test_device_preference_is_honoured_when_it_fits():
     assert s.device == "gpu0"
 
 
+def test_an_exact_fit_on_another_device_beats_splitting_an_empty_one():
+    p = pool(10 * PAGE, 10 * PAGE, strategy="first-fit", settle=False, compact=False)
+    held = [p.reserve_nowait(n * PAGE, device="gpu1") for n in (4, 1, 4, 1)]
+    held[0].release()
+    held[2].release()  # gpu1: two holes of 4
+    assert p.reserve_nowait(4 * PAGE).device == "gpu1"
+
+
+def test_a_request_that_exactly_fills_its_preferred_device_goes_there():
+    p = CountingPool([DeviceSpec("a", 10), DeviceSpec("b", 20)])
+    assert p.reserve_nowait(10, device="a").device == "a"
+
+
+def test_pool_fragmentation_is_the_share_of_free_memory_outside_the_largest_run():
+    p = pool(10 * PAGE, strategy="first-fit", settle=False, compact=False)
+    held = [p.reserve_nowait(2 * PAGE) for _ in range(3)]
+    held[0].release()  # free: [0, 2) and [6, 10)
+    assert p.statistics().fragmentation == pytest.approx(2 / 6)  # of the 6 free, not of the 10
+
+
 def test_statistics_agree_over_devices():
     p = pool(10 * PAGE, 20 * PAGE)
     held = [p.reserve_nowait(n * PAGE) for n in (3, 5, 7, 2)]
@@ -408,3 +451,12 @@ def test_quotas_apply_to_the_extent_pool():
     with pytest.raises(QuotaExceeded):
         p.reserve_nowait(5 * PAGE, tenant="t")
     p.reserve_nowait(2 * PAGE, tenant="u")
+
+
+def test_a_quota_counts_the_bytes_asked_and_a_release_gives_them_all_back():
+    p = pool(16 * PAGE, quotas={"t": 3 * PAGE})
+    p.reserve_nowait(1, tenant="t").release()  # a whole page held, 1 byte counted
+    assert p.statistics().by_tenant == {}
+    p.reserve_nowait(3 * PAGE, tenant="t")
+    with pytest.raises(QuotaWouldBlock):
+        p.reserve_nowait(PAGE, tenant="t")

@@ -1,5 +1,7 @@
 """The extent pool's waiting discipline, on virtual time (trio MockClock)."""
 
+import asyncio
+
 import anyio
 import pytest
 
@@ -35,6 +37,27 @@ async def test_fifo_within_priority_and_priority_first():
     assert order == ["c", "a", "b"]
     assert anyio.current_time() == pytest.approx(3 + 3 * 10)  # one after the other
     assert pool.statistics().allocated == 0
+
+
+async def test_a_waiter_that_does_not_fit_holds_back_smaller_ones_behind_it():
+    """Otherwise a stream of small requests could pass a large one for ever."""
+    pool = make()
+    held = [pool.reserve_nowait(n * PAGE) for n in (3, 3, 4)]
+    granted: dict[str, float] = {}
+
+    async def want(name: str, pages: int) -> None:
+        async with pool.reserve(pages * PAGE, owner=name):
+            granted[name] = anyio.current_time()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want, "big", 8)
+        await anyio.sleep(1)
+        tg.start_soon(want, "small", 2)
+        await anyio.sleep(1)
+        for r in held:  # at 2 there is room for "small", at 4 for both
+            r.release()
+            await anyio.sleep(1)
+    assert granted == {"big": 4.0, "small": 4.0}
 
 
 async def test_cancelled_waiter_leaves_no_trace():
@@ -75,6 +98,26 @@ async def test_cancel_racing_a_grant_leaks_nothing():
     assert got[-1][0] == "second"
     assert pool.statistics().allocated == 0 and pool.statistics().waiting == 0
     pool.space("gpu0").check()
+
+
+def test_a_waiter_cancelled_after_its_grant_hands_the_memory_back():
+    """Plain asyncio, not anyio: an anyio cancel scope (on either backend) does not cancel a task
+    whose wait has already been answered, so the waiter returns its grant and is cancelled later.
+    Only a bare `Task.cancel()` between the grant and the waiter resuming lands in `acquire`'s
+    wait with the memory granted; it has to release it, or it leaks."""
+
+    async def main() -> None:
+        pool = make()
+        blocker = pool.reserve_nowait(10 * PAGE)
+        task = asyncio.ensure_future(pool.acquire(6 * PAGE, owner="w"))
+        await asyncio.sleep(0)  # the waiter queues
+        blocker.release()  # the waiter is granted 6 pages ...
+        task.cancel()  # ... and cancelled before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pool.statistics().allocated == 0 and pool.statistics().waiting == 0
+
+    asyncio.run(main())
 
 
 async def test_waiter_for_fragmented_memory_counts_once_and_wakes_on_shrink():

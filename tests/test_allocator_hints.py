@@ -46,6 +46,14 @@ def test_without_hinted_neighbours_placement_is_as_without_a_hint():
     assert hinted.reserve_nowait(2 * PAGE, ends_at=12.0).offset == plain.reserve_nowait(2 * PAGE).offset
 
 
+def test_a_hinted_request_between_neighbours_without_hints_is_placed_as_without_one():
+    pool = make()
+    held = [pool.reserve_nowait(4 * PAGE) for _ in range(10)]  # small: from the bottom, no hints
+    held[1].release()
+    held[2].release()  # one hole, [4, 12), between two reservations without hints
+    assert pool.reserve_nowait(6 * PAGE, ends_at=12.0).offset == 6 * PAGE  # large: at the hole's top
+
+
 @pytest.mark.parametrize("strategy", ["first-fit", "best-fit", "buddy", "size-class"])
 def test_other_strategies_take_the_hint_and_place_as_they_always_do(strategy):
     hinted, plain = make(20, strategy=strategy), make(20, strategy=strategy)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fleetsched.resources import DeviceLayout, DeviceSpec, ExtentPool, ExtentView, plan_compaction
+from fleetsched.resources import CompactionPlan, DeviceLayout, DeviceSpec, ExtentPool, ExtentView, Move, plan_compaction
 from fleetsched.resources.extents import AddressSpace
 
 PAGE = 1 << 20
@@ -55,11 +55,29 @@ def test_below_threshold_or_no_gain_plans_nothing():
     assert not plan and plan.gains[0].largest_free_after == plan.gains[0].largest_free_before
 
 
+def test_at_the_threshold_or_with_no_gain_nothing_is_planned():
+    lay = layout(("a", 2, 2, True), pages=10)  # free: 2 and 6 pages, fragmentation (8 - 6) / 8
+    assert not plan_compaction([lay], threshold=0.25).gains  # at the threshold is not past it
+    assert plan_compaction([lay], threshold=0.2).moved_pages == 2
+    # sliding m down leaves the largest free run at 6 pages: a move for nothing
+    level = layout(("m", 2, 1, True), ("u", 3, 1, False), pages=10)
+    plan = plan_compaction([level], threshold=0.1)
+    assert not plan.moves and plan.gains[0].moved_pages == 0
+
+
 def test_budget_caps_moved_pages():
     lay = layout(("a", 2, 3, True), ("b", 8, 2, True), ("c", 14, 1, True))
     plan = plan_compaction([lay], threshold=0.0, max_moved_pages=3)
     assert plan.moved_pages <= 3
     replay(lay, plan)
+
+
+def test_the_budget_caps_the_pages_moved_over_all_devices():
+    lays = [
+        DeviceLayout(name, 10, (ExtentView("u", 0, 1, False), ExtentView("m", 4, 2, True), ExtentView("v", 7, 1, False)))
+        for name in ("gpu0", "gpu1")
+    ]  # each device compacts by moving its 2 pages
+    assert plan_compaction(lays, threshold=0.1, max_moved_pages=2).moved_pages == 2
 
 
 def make_fragmented() -> tuple[ExtentPool, list]:
@@ -99,6 +117,18 @@ def test_apply_plan_skips_released_and_unmovable():
     pool.space("gpu0").check()
     stats = pool.statistics()
     assert stats.allocated == sum(r.size for r in live if not r.released)
+
+
+def test_apply_plan_skips_a_move_naming_another_device():
+    pool = ExtentPool([DeviceSpec(f"gpu{i}", 6 * PAGE) for i in range(2)], strategy="first-fit", page_size=PAGE, settle=False)
+    first, second = ([pool.reserve_nowait(2 * PAGE, device=d) for _ in range(3)] for d in ("gpu0", "gpu1"))
+    first[0].release()
+    second[0].release()
+    first[1].movable = True  # at page 2 of gpu0; gpu1 holds page 2 too
+    result = pool.apply_plan(CompactionPlan((Move(first[1], "gpu1", 2, 0, 2),), ()))
+    assert (result.applied, result.skipped) == (0, 1)
+    assert (first[1].device, first[1].offset) == ("gpu0", 2 * PAGE)
+    pool.check_invariants()
 
 
 def test_failing_callback_leaves_that_move_undone():

@@ -73,6 +73,24 @@ def test_plan_hole_sends_what_does_not_fit_below_the_window_to_another_stretch()
     assert [(m.key, m.dst) for m in plan.moves] == [("b", 0), ("c", 1), ("d", 5)]
 
 
+def test_plan_hole_opens_the_window_that_moves_the_fewest_pages():
+    # [u0][free 2][b][free][u1][c 2][free][u2][free 2][u3 8]: 3 pages open by moving b (1 page) or c (2)
+    lay = layout(("u0", 0, 1, False), ("b", 3, 1, True), ("u1", 5, 1, False), ("c", 6, 2, True),
+                 ("u2", 9, 1, False), ("u3", 12, 8, False))  # fmt: skip
+    plan = plan_hole(lay, free_of(lay), 3)
+    assert plan is not None and plan.moved_pages == 1
+    apply_moves(lay, plan)
+
+
+def test_plan_hole_packs_what_it_evicts_side_by_side_into_one_free_run():
+    # [u0][x][free][y][free][z][free][u1 3][free 4][u2 6]: opening [1, 7) sends x, y, z to 10, 11, 12
+    lay = layout(("u0", 0, 1, False), ("x", 1, 1, True), ("y", 3, 1, True), ("z", 5, 1, True),
+                 ("u1", 7, 3, False), ("u2", 14, 6, False))  # fmt: skip
+    plan = plan_hole(lay, free_of(lay), 6)
+    assert plan is not None
+    apply_moves(lay, plan)  # they overlapped: all three went to page 10
+
+
 def apply_moves(lay: DeviceLayout, plan) -> AddressSpace:
     """Carry out `plan` in order on a fresh address space; each destination must be free then."""
     space = AddressSpace(lay.pages)
@@ -162,6 +180,16 @@ def test_pool_moves_a_movable_reservation_instead_of_refusing():
         pool.space(d.name).check()
     spans = sorted((x.offset, x.offset + x.size) for x in pool.reservations())
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_moving_to_make_room_prefers_the_device_asked_for():
+    pool = ExtentPool([DeviceSpec(d, 10 * PAGE) for d in ("a", "b")], strategy="first-fit", page_size=PAGE, settle=False)
+    for d in ("a", "b"):
+        held = [pool.reserve_nowait(n * PAGE, device=d) for n in (3, 1, 3, 3)]
+        held[0].release()
+        held[2].release()
+        held[1].movable = True  # holes of 3 on either side of a movable page: one move opens 6
+    assert pool.reserve_nowait(6 * PAGE, device="b").device == "b"
 
 
 def test_pool_refuses_when_nothing_is_movable_or_compaction_is_off():

@@ -80,6 +80,11 @@ def test_parse_falls_back_to_tokens():
     assert parse_vllm_cache_config(text).num_gpu_blocks == 20
 
 
+def test_tokens_that_are_no_whole_number_of_blocks_are_rounded_down():
+    text = 'vllm:cache_config_info{block_size="128",engine="0",kv_cache_size_tokens="2600",num_gpu_blocks="None"} 1.0\n'
+    assert parse_vllm_cache_config(text).num_gpu_blocks == 20  # a partial block holds no session
+
+
 def test_a_data_parallel_server_s_blocks_are_counted_once():
     """vLLM's front end sums its engines' blocks into its one cache config, then exports that
     config once per engine (vllm/v1/engine/utils.py, wait_for_engine_startup; loggers.py,
@@ -282,6 +287,11 @@ def test_sliding_window_layers_are_sized_as_vllm_bounds_them(changes, concurrenc
 def test_without_the_tokens_in_flight_a_sliding_layer_is_sized_as_the_whole_context_and_a_block():
     sliding = session_bytes(4096, TINY | {"sliding_window": 128}, block_size=128)
     assert sliding == 2 * (32 + 1) * 128 * 1024 > session_bytes(4096, TINY, block_size=128)
+
+
+def test_a_sliding_layer_holds_the_window_less_one_token_besides_those_in_flight():
+    # min(17 - 1 + 16, 64) = 32 tokens: 2 blocks of 16, and 1 more, in each of the 2 layers
+    assert session_bytes(64, TINY | {"sliding_window": 17}, block_size=16, in_flight_tokens=16) == 2 * (2 + 1) * 16 * 1024
 
 
 @pytest.mark.parametrize(

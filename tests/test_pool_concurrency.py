@@ -109,6 +109,22 @@ async def test_a_head_waiter_pushed_over_its_quota_lets_the_line_move(kind, how)
 
 
 @pytest.mark.parametrize("kind", ["extent", "counting"])
+async def test_a_waiter_its_quota_holds_back_does_not_hold_back_reserve_nowait(kind):
+    """A waiter ahead holds back `reserve_nowait` (a scheduler's admission), but not one that
+    only its tenant's quota keeps waiting: that one would hold back every tenant's admission."""
+    devices = [DeviceSpec("g0", 10 * PAGE)]
+    quotas = {"t": 3 * PAGE}
+    pool = ExtentPool(devices, page_size=PAGE, quotas=quotas) if kind == "extent" else CountingPool(devices, quotas=quotas)
+    pool.reserve_nowait(3 * PAGE, tenant="t")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: pool.acquire(PAGE, tenant="t"))  # over t's quota: waits
+        await anyio.sleep(1)
+        assert pool.statistics().waiting == 1
+        pool.reserve_nowait(2 * PAGE, tenant="u")  # 7 pages free: no WouldBlock
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("kind", ["extent", "counting"])
 async def test_a_waiter_cancelled_as_its_quota_refuses_it_is_just_cancelled(kind):
     """The waiter's cancellation is delivered (its task rescheduled) and, before it runs, a lowered
     quota refuses it: set_quota takes it out of the line. Before: the waiter then tried to take

@@ -78,18 +78,36 @@ async def test_a_quota_raised_lets_its_waiter_in_and_one_lowered_below_it_refuse
         except QuotaExceeded as exc:
             outcomes.append(exc)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(wait_for, 2 * MB)
-        await anyio.sleep(1)
-        pool.set_quota("t", 8 * MB)
-        await anyio.sleep(1)
-        assert pool.statistics().by_tenant == {"t": 6 * MB}
-        tg.start_soon(wait_for, 7 * MB)  # within the quota of 8, over the room it leaves
-        await anyio.sleep(1)
-        pool.set_quota("t", 6 * MB)  # below the 7 asked: never grantable now
+    with anyio.fail_after(60):  # the waiter refused returns at once
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for, 2 * MB)
+            await anyio.sleep(1)
+            pool.set_quota("t", 8 * MB)
+            await anyio.sleep(1)
+            assert pool.statistics().by_tenant == {"t": 6 * MB}
+            tg.start_soon(wait_for, 7 * MB)  # within the quota of 8, over the room it leaves
+            await anyio.sleep(1)
+            pool.set_quota("t", 6 * MB)  # below the 7 asked: never grantable now
     assert outcomes[0].nbytes == 2 * MB  # type: ignore[union-attr]
     assert isinstance(outcomes[1], QuotaExceeded) and "quota is 6,291,456 bytes" in str(outcomes[1])
     assert pool.statistics().waiting == 0
+
+
+async def test_a_quota_lowered_to_exactly_a_waiters_request_keeps_it_waiting():
+    pool = ExtentPool([DeviceSpec("g0", 10 * MB)], page_size=MB, quotas={"t": 8 * MB})
+    blocker = pool.reserve_nowait(10 * MB)
+    granted = []
+
+    async def waiter() -> None:
+        granted.append(await pool.acquire(4 * MB, tenant="t"))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(1)
+            pool.set_quota("t", 4 * MB)  # the 4 asked still fit: not refused
+            blocker.release()
+    assert [r.nbytes for r in granted] == [4 * MB]
 
 
 async def test_a_shrink_that_frees_quota_but_no_page_lets_the_tenants_waiter_in():
@@ -100,10 +118,11 @@ async def test_a_shrink_that_frees_quota_but_no_page_lets_the_tenants_waiter_in(
     async def waiter() -> None:
         granted.append(await pool.acquire(MB // 2, tenant="t"))
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(waiter)
-        await anyio.sleep(1)
-        whole.resize_nowait(4 * MB - MB // 2)  # still 4 pages held, half a page of quota free
+    with anyio.fail_after(60):  # the waiter is let in at once
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(1)
+            whole.resize_nowait(4 * MB - MB // 2)  # still 4 pages held, half a page of quota free
     assert whole.size == 4 * MB and len(granted) == 1
 
 

@@ -82,6 +82,28 @@ def test_plan_slide_downwards_above_the_gap():
     assert list(space.free_extents()) == [(0, 11)]
 
 
+def test_plan_slide_downwards_stops_once_the_hole_joins_the_gap():
+    # [low 1][gap 5][m 2][hole 3]: one move of m joins the hole to the gap; low stays
+    space = AddressSpace(11)
+    extents = {0: ("low", 1, True), 6: ("m", 2, True)}
+    for offset, (_, n, _) in extents.items():
+        space.allocate(offset, n)
+    assert [m.key for m in plan_slide("gpu0", (8, 3), (1, 5), **layout_lookups(space, extents))] == ["m"]
+
+
+def test_plan_slide_downwards_carries_the_free_pages_it_passes_along():
+    # [gap 4][a 2][free 1][b 2][hole 2]: the hole takes in the free page as it sinks past b
+    space = AddressSpace(11)
+    extents = {4: ("a", 2, True), 7: ("b", 2, True)}
+    for offset, (_, n, _) in extents.items():
+        space.allocate(offset, n)
+    moves = plan_slide("gpu0", (9, 2), (0, 4), **layout_lookups(space, extents))
+    assert [(m.key, m.src, m.dst) for m in moves] == [("b", 7, 9), ("a", 4, 7)]
+    for m in moves:
+        space.move(m.src, m.dst)
+    assert list(space.free_extents()) == [(0, 7)]
+
+
 def test_address_space_move_slides_and_falls_back():
     space = AddressSpace(12)
     space.allocate(0, 2)
@@ -155,6 +177,17 @@ def test_plan_fill_needs_a_movable_edge_and_a_hole_it_fits():
     assert plan_fill("gpu0", gap, [Neighbour("p", 3, 1, False), None], smallest_hole=lookup) is None
     assert plan_fill("gpu0", gap, [None, Neighbour("big", 10, 2, True)], smallest_hole=lookup) is None
     assert plan_fill("gpu0", gap, [Neighbour("one", 3, 1, True)], smallest_hole=lookup) == Move("one", "gpu0", 3, 2, 1)
+
+
+def test_plan_fill_passes_over_an_edge_it_cannot_move_to_the_other_edge():
+    space = AddressSpace(12)
+    for offset, n in ((0, 1), (2, 2), (10, 1), (11, 1)):
+        space.allocate(offset, n)
+    gap = (4, 6)  # the one other hole is page 1
+    lookup = smallest_hole_but(space, gap)
+    one = Neighbour("one", 10, 1, True)
+    for below in (Neighbour("pin", 2, 2, False), Neighbour("two", 2, 2, True)):  # pinned; fits no hole
+        assert plan_fill("gpu0", gap, [below, one], smallest_hole=lookup) == Move("one", "gpu0", 10, 1, 1)
 
 
 def test_smallest_fit_can_pass_over_one_extent():
