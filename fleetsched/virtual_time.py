@@ -76,8 +76,8 @@ class _Handle(asyncio.Handle):
 
 class _TimerHandle(asyncio.TimerHandle):
     """asyncio's `TimerHandle`, made and cancelled without the debug-mode checks: every
-    ``asyncio.sleep`` makes one and cancels it when it ends, six Python calls of asyncio's
-    between them (outside debug mode only, as `_Handle`)."""
+    ``asyncio.sleep`` makes one and cancels it when it ends, which took asyncio's six Python
+    calls (outside debug mode only, as `_Handle`)."""
 
     __slots__ = ()
 

@@ -106,6 +106,7 @@ async def _stop_output_handler(engine: Any) -> None:
     handler.cancel()
     await asyncio.wait({handler})
 
+
 def _priority(body: ChatBody) -> int:
     """The request's priority (lower is sooner), checked as vLLM's server checks it (an int64):
     "5", True and 2.7 were read as 5, 1 and 2, and 2**70 failed inside the engine's client."""

@@ -15,8 +15,9 @@ choice, a model it does not serve and stream_options that are no object are refu
 completion's prompt is tokenised as it is, the answer is named after the call's request ID, and
 calls past the engine's queue limit are `Overloaded`. Then: messages parsed as vLLM's server
 parses them, the model's sampling defaults applied, closing with a call in flight (no error
-logged, the engine freed), and closing while the engine is being built. Prints one JSON line; exits 1 on failure. It is a script rather than a test because vLLM
-is not installed in the main virtualenv.
+logged, the engine freed), and closing while the engine is being built. Prints one JSON line;
+exits 1 on failure. It is a script rather than a test because vLLM is not installed in the main
+virtualenv.
 """
 
 from __future__ import annotations
