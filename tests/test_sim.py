@@ -140,6 +140,20 @@ async def test_priority_policy_serves_urgent_first_and_never_preempts(policy: st
     assert (await backend.signals()).preemptions_total == 0
 
 
+async def test_a_step_costs_the_context_it_attends_to_its_own_tokens_included():
+    """`step_per_context_token_s` is paid on every token a step attends to: the cached ones and
+    the step's own. Leaving the step's tokens out made a cold prefill cost nothing for context
+    and every decode one token less."""
+    per = STEP / 32
+    async with SimBackend(flat(step_base_s=STEP, step_per_context_token_s=per)) as backend:
+        start, times = anyio.current_time(), []
+        async for chunk in backend.stream_chat(body(32, 3)):
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                times.append(anyio.current_time() - start)
+    # Besides STEP a step: the prefill attends to its 32 tokens, each decode to the cache and its own token.
+    assert times == pytest.approx([STEP + 32 * per, 2 * STEP + (32 + 33) * per, 3 * STEP + (32 + 33 + 34) * per])
+
+
 async def test_chunked_prefill_splits_a_long_prompt_across_steps():
     async with SimBackend(flat(max_num_batched_tokens=64)) as backend:
         log: dict = {}
@@ -244,6 +258,40 @@ async def test_calls_open_at_shutdown_fail_cleanly(overhead_steps: int, aborted:
     assert len(errors) == 2 and all("stopped" in str(e) for e in errors)
 
 
+async def test_a_call_still_waiting_in_the_engine_at_shutdown_fails_cleanly():
+    """A call queued in the engine behind a full batch when the backend stops is aborted and fails
+    with `BackendUnavailable`, as the running one does. Left in the queue, its caller waited for a
+    token that never came."""
+    errors: list[BaseException] = []
+
+    async def call() -> None:
+        try:
+            await run_one(backend, body(16, 1000))
+        except BackendUnavailable as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(100):
+        async with anyio.create_task_group() as tg:
+            async with SimBackend(flat(max_num_seqs=1)) as backend:
+                tg.start_soon(call)
+                tg.start_soon(call)
+                await anyio.sleep(5 * STEP)
+                assert (await backend.signals()).waiting == 1
+    assert backend.statistics().requests_aborted == 2
+    assert len(errors) == 2 and all("stopped" in str(e) for e in errors)
+
+
+async def test_statistics_count_the_step_under_way_as_busy():
+    """`busy_s` includes the part of the step under way done so far: halfway through a step, the
+    engine has been busy all along. It left the step out until it ended."""
+    async with SimBackend(flat()) as backend:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_one, backend, body(16, 10))
+            await anyio.sleep(2.5 * STEP)
+            stats = backend.statistics()
+    assert stats.busy_s == pytest.approx(2.5 * STEP) and stats.busy_fraction == pytest.approx(1.0)
+
+
 async def test_statistics_busy_fraction():
     async with SimBackend(flat()) as backend:
         await run_one(backend, body(16, 5))
@@ -252,6 +300,21 @@ async def test_statistics_busy_fraction():
     assert stats.steps == 5 and stats.busy_s == pytest.approx(5 * STEP)
     assert stats.busy_fraction == pytest.approx(0.5)
     assert stats.generated_tokens == 5 and stats.requests_finished == 1
+
+
+async def test_statistics_count_a_waiting_request_from_its_arrival_and_signals_from_the_next_step():
+    """`statistics().waiting` is the engine's queue now; `signals().waiting` is what the last step
+    left waiting, as vLLM publishes it. Statistics read the signals' count, so a request that came
+    during a step was missing from them until the next one."""
+    async with SimBackend(flat(max_num_seqs=1)) as backend:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_one, backend, body(16, 10))
+            await anyio.sleep(2.5 * STEP)
+            tg.start_soon(run_one, backend, body(16, 10))
+            await anyio.sleep(STEP / 10)  # it has reached the engine, in the middle of a step
+            assert (backend.statistics().waiting, (await backend.signals()).waiting) == (1, 0)
+            await anyio.sleep(STEP)
+            assert (backend.statistics().waiting, (await backend.signals()).waiting) == (1, 1)
 
 
 async def test_slow_consumer_does_not_stall_the_engine():
@@ -478,6 +541,21 @@ async def test_a_glide_ends_at_the_step_under_way_when_a_request_arrives(sent: f
     assert log["short"][1] - start == pytest.approx(end * STEP)
     assert stats.steps == 40 and stats.requests_finished == 2
 
+
+
+async def test_a_glide_ends_at_the_step_under_way_when_a_request_comes_with_no_front_end_delay():
+    """With no front-end delay a request reaches the engine as it is sent: in the middle of a
+    glide, it is admitted at the next step boundary. The glide went on to its end instead, and
+    the request waited for the long one's last token."""
+    async with SimBackend(flat(stream_interval=64)) as backend:  # the long one coasts to its end
+        log: dict = {}
+        start = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_one, backend, body(16, 40), log, "long")
+            await anyio.sleep(10.5 * STEP)
+            tg.start_soon(run_one, backend, body(16, 4), log, "short")
+    assert log["long"][1] - start == pytest.approx(40 * STEP)
+    assert (log["short"][0] - start, log["short"][1] - start) == pytest.approx((12 * STEP, 15 * STEP))
 
 
 async def test_a_prompt_that_fills_the_cache_is_served_when_its_last_token_needs_no_slot():
@@ -868,6 +946,18 @@ async def test_a_max_tokens_the_prompt_leaves_no_room_for_is_cut_as_vllm_cuts_it
     async with SimBackend(flat(max_model_len=256, kv_cache_tokens=1024)) as backend:
         response, _ = await backend.complete_chat(body(250, 10))
     assert response["usage"]["completion_tokens"] == 6 and response["choices"][0]["finish_reason"] == "length"
+
+
+async def test_an_answer_of_no_named_length_that_the_context_cuts_ends_with_length():
+    """A call naming no max_tokens gets the sim's default length and "stop" (the model's own end),
+    but only when the context leaves room for it: cut at the context, the answer ends with
+    "length", as vLLM ends it. Any call naming no max_tokens said "stop", so a client never saw
+    that its answer was cut."""
+    async with SimBackend(flat(max_model_len=512)) as backend:
+        whole, _ = await backend.complete_chat({**body(16, 1), "max_tokens": None})
+        cut, _ = await backend.complete_chat({**body(300, 1), "max_tokens": None})
+    assert (whole["usage"]["completion_tokens"], whole["choices"][0]["finish_reason"]) == (256, "stop")
+    assert (cut["usage"]["completion_tokens"], cut["choices"][0]["finish_reason"]) == (212, "length")
 
 
 async def test_a_bare_string_content_part_counts_as_its_text():

@@ -393,3 +393,102 @@ def test_a_request_is_admitted_only_when_its_whole_prompt_fits():
     assert steps[:3] == [{"a": 128}, {"a": 72}, {"a": 1}]
     assert engine.preemptions == 0
     assert steps.index({"b": 128}) == steps.index({"a": 1}) + 39  # when a has ended
+
+
+def test_a_preempted_request_goes_back_ahead_of_those_that_never_ran():
+    """fcfs: a preempted request goes back to the head of the waiting queue (vLLM's
+    ``prepend_request``), so a request that arrived after it cannot overtake it. Queued at the
+    tail, b (preempted when a needed a block) let c, which arrived last, start while a ran alone."""
+    engine = SimEngine(SimSettings(policy="fcfs", block_size=4, kv_cache_tokens=32, max_num_seqs=2), coast=False)
+    a = engine.new_request(8, 13, [])
+    b = engine.new_request(8, 13, [])
+    c = engine.new_request(4, 2, [])
+    names = {a: "a", b: "b", c: "c"}
+    steps = []
+    while (step := engine.schedule()) is not None:
+        steps.append({names[r]: n for r, n in zip(step.requests, step.counts)})
+        engine.complete(step)
+    assert (a.num_preemptions, b.num_preemptions, engine.finished) == (0, 1, 3)
+    # b was preempted at its 9th token and waits at the head, too big to fit beside a: c waits behind it.
+    assert steps[8:14] == [{"a": 1, "b": 1}, {"a": 1}, {"a": 1}, {"a": 1}, {"a": 1}, {"b": 17, "c": 4}]
+    engine.pool.check()
+
+
+def test_under_priority_the_latest_of_equal_priority_is_preempted():
+    """Priority policy, the same priority: the victim is the latest to arrive (vLLM's max over
+    (priority, arrival)), so the request that came first keeps its blocks. Picking the earliest
+    preempted a, which had been running longest, and let b run on."""
+    engine = SimEngine(SimSettings(block_size=16, kv_cache_tokens=64, policy="priority"), coast=False)
+    a = engine.new_request(30, 20, [], priority=0)
+    b = engine.new_request(30, 20, [], priority=0)
+    while (step := engine.schedule()) is not None:
+        engine.complete(step)
+    assert (a.num_preemptions, b.num_preemptions, engine.finished) == (0, 1, 2)
+    engine.pool.check()
+
+
+def test_a_step_that_preempts_admits_no_waiting_request():
+    """As vLLM's scheduler: a step that preempted schedules no waiting request, even one that
+    fits; it is admitted at the next step. c, arriving as a's next block made b its victim, was
+    admitted in that very step."""
+    engine = SimEngine(SimSettings(policy="priority", block_size=4, kv_cache_tokens=32, max_num_seqs=3), coast=False)
+    a = engine.new_request(8, 20, [], priority=0)
+    b = engine.new_request(8, 20, [], priority=1)
+    names = {a: "a", b: "b"}
+    steps = []
+    while (step := engine.schedule()) is not None:
+        steps.append({names[r]: n for r, n in zip(step.requests, step.counts)})
+        engine.complete(step)
+        if a.num_computed == 16 and len(names) == 2:  # the cache is full: a's next token needs a block
+            names[engine.new_request(4, 2, [], priority=0)] = "c"
+    assert (a.num_preemptions, b.num_preemptions, engine.finished) == (0, 1, 3)
+    assert steps[8:12] == [{"a": 1, "b": 1}, {"a": 1}, {"a": 1, "c": 4}, {"a": 1, "c": 1}]
+    engine.pool.check()
+
+
+def test_pool_hits_the_oldest_copy_left_when_the_oldest_is_evicted():
+    """Three blocks cache the same hash: once the oldest is evicted, a lookup finds the oldest of
+    the two left (vLLM's ``BlockHashToBlockMap`` keeps them in the order cached), not the newest."""
+    pool = BlockPool(4, 16)
+    a: list[int] = []
+    b: list[int] = []
+    c: list[int] = []
+    for blocks in (a, b, c):
+        pool.allocate(1, blocks)
+        pool.cache(blocks[0], 7)
+    pool.free(a)
+    pool.allocate(2, [])  # the never-used block, then a's copy
+    assert pool.lookup([7], 1) == b
+    pool.check()
+
+
+def test_pool_lookup_hits_only_a_prefix_of_the_hashes():
+    """A hit is the longest cached prefix: a cached block after one that is not is no hit (its
+    request would skip computing the block before it)."""
+    pool = BlockPool(4, 16)
+    a: list[int] = []
+    pool.allocate(2, a)
+    pool.cache(a[1], 102)
+    assert pool.lookup([101, 102], 2) == []
+    pool.cache(a[0], 101)
+    assert pool.lookup([101, 102, 103], 3) == a
+    pool.check()
+
+
+def test_a_prompt_block_only_partly_computed_is_no_prefix_hit():
+    """A prompt block is cached once a chunk covers it in full, not before. a's first chunk (cut
+    by the budget to 3 tokens) ends inside its first block; preempted at its next chunk, a must
+    recompute that block on resuming. Hashed as soon as it was begun, it was a hit: a resumed at
+    6 tokens of 10, and skipped a token it never computed."""
+    bs = 4
+    engine = SimEngine(SimSettings(policy="fcfs", block_size=bs, kv_cache_tokens=4 * bs, max_num_batched_tokens=7, max_num_seqs=4), coast=False)
+    r = engine.new_request(4, 6, [hash(("r", 0))])
+    a = engine.new_request(10, 2, [hash(("a", i)) for i in range(2)])
+    counts = []
+    while (step := engine.schedule()) is not None:
+        counts.append(step.counts)
+        engine.complete(step)
+    assert (r.num_preemptions, a.num_preemptions, engine.finished) == (0, 1, 2)
+    assert counts == [[4, 3], [1], [1], [1], [1], [1], [7], [3], [1]]
+    assert engine.prompt_computed == 4 + 3 + 10
+    engine.pool.check()
