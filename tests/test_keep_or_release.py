@@ -432,3 +432,25 @@ async def test_a_deadline_missed_waiting_to_come_back_from_a_tool_is_the_queue_s
     assert record.error == "DeadlineExceeded" and record.readmit_wait_s == pytest.approx(18.0)
     met, breach = session_event(record, {"deadline": 20})
     assert not met and breach.reason == "queued"
+
+
+@pytest.mark.anyio
+async def test_a_model_call_inside_a_tool_ends_its_idleness_until_the_tool_ends():
+    """A session parks as its tool begins, then calls the model from inside it: it is re-admitted
+    for the call and, no longer idle, keeps its slot and pinned memory until the tool ends. It
+    was parked again as soon as the call ended, its memory movable, and came back a third time."""
+    seen: list = []
+
+    async def agent(ctx):
+        async with ctx.tool("search"):  # parks at once (release)
+            await anyio.sleep(5)
+            await ctx.chat([{"role": "user", "content": "progress?"}], max_tokens=4)  # re-admitted first
+            await anyio.sleep(5)
+            seen.append((ctx._handle.parked, ctx.reservation is not None and not ctx.reservation.movable))
+        return ctx._handle.parked_count
+
+    s = settings(scheduler={"tool_policy": "release"})
+    async with Scheduler(s) as scheduler:
+        assert await scheduler.run(agent, tenant="acme") == 1
+    assert seen == [(False, True)]
+    check_released(scheduler)

@@ -622,3 +622,142 @@ async def test_a_call_cut_short_reports_the_tokens_it_received_collected_or_stre
     assert collected[1] > 10 and collected[0] == streamed[0] > 0
     assert abs(collected[1] - streamed[1]) <= 1, (collected, streamed)
     check_released(scheduler)
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_a_queued_session_leaving_the_head_of_the_queue_lets_the_ones_behind_it_in(how):
+    """The head of the queue waits for memory and holds back a smaller session behind it, which
+    fits. When the head leaves the queue (cancelled, or past its deadline) the one behind must be
+    admitted then: it waited for the next release of memory (here 100 s later)."""
+    s = settings(resources={"strategy": "counting", "devices": [{"name": "gpu0", "memory": "10GB"}]})
+    async with Scheduler(s) as scheduler:
+        holder = await scheduler.submit(sleeper(100), tenant="acme", memory=6 * GB)
+        big = await scheduler.submit(sleeper(1), tenant="acme", memory=8 * GB, deadline_s=5 if how == "deadline" else None)
+        small = await scheduler.submit(sleeper(1), tenant="acme", memory=2 * GB)  # fits, but queued behind big
+        await anyio.sleep(5 if how == "cancel" else 1)
+        assert small.state is SessionState.QUEUED
+        if how == "cancel":
+            big.cancel()
+        await small
+        holder.cancel()
+    assert small.timestamps[SessionState.ADMITTED] == 5.0
+    assert big.state is (SessionState.CANCELLED if how == "cancel" else SessionState.FAILED)
+    check_released(scheduler)
+
+
+async def test_a_session_record_carries_its_own_counters():
+    """The report reads sessions from their records: each figure must be the session's own (the
+    tokens in and out, calls, tool time and the times of its life)."""
+
+    async def agent(ctx):
+        await ctx.chat([{"role": "user", "content": "hello " * 40}], max_tokens=8)
+        async with ctx.tool("search"):
+            await anyio.sleep(3)
+        await ctx.chat(MESSAGES, max_tokens=5)
+
+    async with Scheduler(settings()) as scheduler:
+        await anyio.sleep(2)
+        handle = await scheduler.submit(agent, tenant="acme", kind="crawler")
+        await handle
+    (record,) = scheduler.recorder.sessions
+    c = handle.counters
+    assert c.prompt_tokens != c.completion_tokens == 13
+    assert (record.prompt_tokens, record.completion_tokens, record.calls, record.tool_s) == (
+        c.prompt_tokens, c.completion_tokens, 2, 3.0
+    )  # fmt: skip
+    assert (record.tenant, record.kind, record.state, record.submitted, record.admitted, record.finished) == (
+        "acme", "crawler", "done", 2.0, 2.0, 5.0
+    )  # fmt: skip
+
+
+async def test_the_end_hint_of_a_session_back_from_a_tool_counts_from_its_first_admission():
+    """A session expected to run 30 s and re-admitted after a tool has run part of those 30 s: its
+    memory is hinted to end 30 s after its first admission (it was hinted 30 s after its return),
+    and never before the moment it is given (a session that overran its estimate)."""
+    s = settings(scheduler={"tool_policy": "release"}, resources={"devices": [{"name": "gpu0", "memory": "10GB"}]})
+    hints: list = []
+
+    async def agent(ctx):
+        for tool_s in (10, 40):
+            hints.append((anyio.current_time(), ctx.reservation.ends_at))
+            await anyio.sleep(2)
+            async with ctx.tool("search"):  # parks (release): re-admitted when it ends
+                await anyio.sleep(tool_s)
+        hints.append((anyio.current_time(), ctx.reservation.ends_at))
+        return ctx._handle.parked_count
+
+    async with Scheduler(s) as scheduler:
+        assert await scheduler.run(agent, tenant="acme", memory=GB, expected_s=30.0) == 2
+    assert hints == [(0.0, 30.0), (12.0, 30.0), (54.0, 54.0)]
+    check_released(scheduler)
+
+
+async def test_a_session_that_was_never_admitted_has_no_wait_for_admission():
+    """`waited_s` is the wait from submission to admission. A session cancelled while queued was
+    never admitted: its wait is nan, not a figure that keeps growing with the clock."""
+    async with Scheduler(settings(scheduler={"max_sessions": 1})) as scheduler:
+        first = await scheduler.submit(sleeper(10), tenant="acme")
+        queued = await scheduler.submit(sleeper(10), tenant="acme")
+        await anyio.sleep(3)
+        assert queued.waited_s() == 3.0  # so far, while it waits
+        queued.cancel()
+        await first
+        assert math.isnan(queued.waited_s())
+    check_released(scheduler)
+
+
+async def test_an_ended_session_is_doing_nothing():
+    """`activity` says what a running session does; once it ends (in a tool, or thinking), it
+    is None: a display showed ended sessions still "tool" or "thinking"."""
+
+    async def in_tool(ctx):
+        async with ctx.tool("search"):
+            await anyio.sleep(100)
+
+    async with Scheduler(settings()) as scheduler:
+        done = await scheduler.submit(sleeper(1), tenant="acme")
+        cut = await scheduler.submit(in_tool, tenant="acme", deadline_s=5)
+        await anyio.sleep(2)
+        assert str(cut.activity) == "tool"
+        await done
+        with pytest.raises(SessionFailed):
+            await cut
+    assert done.activity is None and cut.activity is None
+    check_released(scheduler)
+
+
+async def test_a_sessions_duration_counts_from_its_submission():
+    """`duration_s` is the session's whole span, its wait for admission included: a session that
+    queued 10 s behind another and ran 10 s lasted 20 s."""
+    async with Scheduler(settings(scheduler={"max_sessions": 1})) as scheduler:
+        first = await scheduler.submit(sleeper(10), tenant="acme")
+        second = await scheduler.submit(sleeper(10), tenant="acme")
+        assert math.isnan(second.duration_s())  # unfinished
+        await second
+    assert (first.duration_s(), second.duration_s()) == (10.0, 20.0)
+    check_released(scheduler)
+
+
+async def test_sessions_started_at_once_count_toward_their_tenants_fair_share():
+    """A session admitted without queueing (nothing waited) is charged to its tenant's share as
+    a queued one is. Tenant a had 3 critical sessions started at once, b one: when both then
+    queue standard sessions, b is owed 2 before a's next. Uncharged, a's went second, as if a
+    had been served nothing."""
+    order: list = []
+
+    def noting(label: str):
+        async def agent(ctx):
+            order.append(label)
+            await anyio.sleep(1)
+
+        return agent
+
+    async with Scheduler(settings({"a": {}, "b": {}}, scheduler={"max_sessions": 1})) as scheduler:
+        for _ in range(3):
+            await scheduler.run(sleeper(1), tenant="a", tier="critical")  # each started at once
+        await scheduler.submit(sleeper(10), tenant="b")  # started at once: the slot is taken
+        for label in ("b1", "b2"):
+            await scheduler.submit(noting(label), tenant="b")
+        await scheduler.submit(noting("a1"), tenant="a")
+    assert order == ["b1", "b2", "a1"]
+    check_released(scheduler)

@@ -909,3 +909,86 @@ async def test_a_task_that_outlives_its_session_leaves_its_record_alone():
                 await contexts[0].chat(MESSAGES, max_tokens=2)
             assert (handle.activity, handle.counters.tool_calls, handle.counters.tool_s) == counters
     check_released(scheduler)
+
+
+async def test_a_shielded_wait_to_return_from_a_tool_is_ended_by_the_exit():
+    """A tool ends inside a shielded scope (cleanup that must run) while another session holds
+    the only slot: the session waits there to be re-admitted when the drain runs out. Nothing is
+    re-admitted once the scheduler closes, so the exit must wake that wait: left waiting, it held
+    the exit until the agent's own timeout (here 600 s; without one, for ever)."""
+    timed_out = []
+
+    async def agent(ctx):
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(600) as guard:
+                async with ctx.tool("flush-log"):  # parks at once (release): the hog takes the slot
+                    await anyio.sleep(1)
+            timed_out.append(guard.cancelled_caught)
+        await anyio.sleep(1000)
+
+    async with Scheduler(one_slot(tool_policy="release", drain_grace_s=5)) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        await anyio.sleep(0.5)
+        await scheduler.submit(await hold(1000), tenant="acme")
+        await anyio.sleep(1)
+        assert scheduler.statistics().queued_total == 1  # waits to return, behind the hog
+    assert anyio.current_time() == 6.5  # the block left at 1.5 s, then the drain's 5 s
+    assert timed_out == [False]
+    assert handle.state is SessionState.CANCELLED
+    check_released(scheduler)
+
+
+async def test_a_model_call_made_past_the_sessions_deadline_is_refused():
+    """Cleanup in a shielded scope after the session's deadline is past may not call the model:
+    the call raises `DeadlineExceeded` before it reaches the engine (the engine spent tokens on a
+    session already failed)."""
+    refused = []
+
+    async def agent(ctx):
+        try:
+            await anyio.sleep(100)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(1)  # cleanup that takes a moment, then a last word from the model
+                try:
+                    await ctx.chat(MESSAGES, max_tokens=4)
+                except DeadlineExceeded as exc:
+                    refused.append(str(exc))
+            raise
+
+    async with Scheduler(one_slot()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme", deadline_s=5)
+        with pytest.raises(SessionFailed):
+            await handle
+    assert len(refused) == 1 and "after its deadline" in refused[0]
+    assert isinstance(handle.error, DeadlineExceeded)
+    assert not scheduler.recorder.calls
+    check_released(scheduler)
+
+
+async def test_memory_stays_pinned_until_the_last_call_under_way_in_a_tool_period_ends():
+    """A tool period begins while two calls of the session are under way. The memory may be
+    moved only once the session is idle: when the shorter call ended it was made movable
+    already, under the longer call still at the engine."""
+    seen = []
+
+    async def agent(ctx):
+        async def call(max_tokens: int) -> None:
+            await ctx.chat(MESSAGES, max_tokens=max_tokens)
+            seen.append((max_tokens, ctx._handle.calls_in_flight, ctx.reservation.movable))
+
+        async def tool() -> None:
+            await anyio.sleep(0.01)
+            async with ctx.tool("search"):
+                await anyio.sleep(100)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 40)
+            tg.start_soon(call, 400)
+            tg.start_soon(tool)
+
+    s = settings(scheduler={"tool_policy": "keep"}, backend={"kind": "sim"})
+    async with Scheduler(s) as scheduler:
+        await (await scheduler.submit(agent, tenant="acme"))
+    assert seen == [(40, 1, False), (400, 0, True)]
+    check_released(scheduler)
