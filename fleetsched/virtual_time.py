@@ -82,13 +82,7 @@ class _TimerHandle(asyncio.TimerHandle):
     __slots__ = ()
 
     def __init__(self, when: float, callback: Callable[..., object], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop, context: Any) -> None:
-        self._context = contextvars.copy_context() if context is None else context
-        self._loop = loop
-        self._callback = callback
-        self._args = args
-        self._cancelled = False
-        self._repr = None
-        self._source_traceback = None
+        _Handle.__init__(self, callback, args, loop, contextvars.copy_context() if context is None else context)  # type: ignore[arg-type]
         self._when = when
         self._scheduled = False
 
