@@ -65,7 +65,7 @@ class _Handle(asyncio.Handle):
     __slots__ = ()
 
     def __init__(self, callback: Callable[..., object], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop, context: Any) -> None:
-        self._context = context
+        self._context = contextvars.copy_context() if context is None else context
         self._loop = loop
         self._callback = callback
         self._args = args
@@ -82,7 +82,7 @@ class _TimerHandle(asyncio.TimerHandle):
     __slots__ = ()
 
     def __init__(self, when: float, callback: Callable[..., object], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop, context: Any) -> None:
-        _Handle.__init__(self, callback, args, loop, contextvars.copy_context() if context is None else context)  # type: ignore[arg-type]
+        _Handle.__init__(self, callback, args, loop, context)  # type: ignore[arg-type]
         self._when = when
         self._scheduled = False
 
@@ -183,7 +183,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             return super().call_soon(callback, *args, context=context)
         if self._closed:  # type: ignore[attr-defined]
             raise RuntimeError("Event loop is closed")
-        handle = _Handle(callback, args, self, contextvars.copy_context() if context is None else context)
+        handle = _Handle(callback, args, self, context)
         self._ready.append(handle)  # type: ignore[attr-defined]
         return handle
 
