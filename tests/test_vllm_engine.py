@@ -26,6 +26,8 @@ def test_engine_backend_streams_and_aborts_in_process():
     result = json.loads(lines[-1])
     assert result["ok"], f"{result}\n{proc.stderr[-3000:]}"
     assert result["usage"]["completion_tokens"] == 12
+    # An engine kept to the exit by a call's exception was shut down again by its __del__ there.
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_engine_options_that_repeat_an_argument_of_its_own_are_refused_naming_it():

@@ -107,6 +107,18 @@ async def _stop_output_handler(engine: Any) -> None:
     await asyncio.wait({handler})
 
 
+def _shut_down(engine: Any) -> None:
+    """Shut `engine` down, once: its ``__del__`` shuts it down again, and where that ran at the
+    interpreter's exit it failed ("'NoneType' object is not callable", vLLM's globals gone). A
+    call's exception kept that long keeps the engine: its traceback holds vLLM's frames."""
+    engine.shutdown()
+    engine.shutdown = _already_shut_down
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    """What an engine shut down by `_shut_down` does when shut down again: nothing."""
+
+
 def _priority(body: ChatBody) -> int:
     """The request's priority (lower is sooner), checked as vLLM's server checks it (an int64):
     "5", True and 2.7 were read as 5, 1 and 2, and 2**70 failed inside the engine's client."""
@@ -256,7 +268,7 @@ class VLLMEngineBackend(Backend):
                     # server applies to what a request leaves out and the engine does not.
                     self._sampling_defaults = engine.model_config.get_diff_sampling_param()
                 except Exception as exc:  # the engine is up: shut it down, not left to the garbage collector
-                    await anyio.to_thread.run_sync(engine.shutdown)
+                    await anyio.to_thread.run_sync(_shut_down, engine)
                     del engine  # (see below)
                     raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
             self._engine = engine
@@ -541,4 +553,4 @@ class VLLMEngineBackend(Backend):
         finally:
             with anyio.CancelScope(shield=True):
                 await _stop_output_handler(engine)
-                await anyio.to_thread.run_sync(engine.shutdown)  # it joins the engine's processes: seconds, off the loop
+                await anyio.to_thread.run_sync(_shut_down, engine)  # it joins the engine's processes: seconds, off the loop

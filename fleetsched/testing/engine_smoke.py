@@ -15,7 +15,8 @@ choice, a model it does not serve and stream_options that are no object are refu
 completion's prompt is tokenised as it is, the answer is named after the call's request ID, and
 calls past the engine's queue limit are `Overloaded`. Then: messages parsed as vLLM's server
 parses them, the model's sampling defaults applied, closing with a call in flight (no error
-logged, the engine freed), and closing while the engine is being built. Prints one JSON line;
+logged, the engine freed), closing while the engine is being built, and an engine kept to the
+interpreter's exit by a call's exception (nothing fails at the exit). Prints one JSON line;
 exits 1 on failure. It is a script rather than a test because vLLM is not installed in the main
 virtualenv.
 """
@@ -224,6 +225,7 @@ async def check(model_dir: str) -> dict:
             raise AssertionError("a closed backend served a call")
     loaded_signals = {"max_waiting": max(w or 0 for _, w, _ in seen), "max_kv_cache_usage": max(k or 0 for _, _, k in seen)}
     await check_close_while_starting(model_dir)
+    await keep_an_error_to_exit(model_dir)
     return {"ok": True, "engine_start_s": round(started_s, 1), "start_ticks": ticks, "signals": loaded_signals, "usage": folded["usage"]}
 
 
@@ -312,6 +314,25 @@ async def check_close_while_starting(model_dir: str) -> None:
         with anyio.fail_after(120):
             await backend.aclose()
         assert start_failed.is_set(), "aclose returned while the engine was still being built"
+
+
+#: A call's exception, kept until the interpreter's exit (as a caller's error log may keep it).
+KEPT: list[BaseException] = []
+
+
+async def keep_an_error_to_exit(model_dir: str) -> None:
+    """A call's exception kept past `aclose` keeps the engine (its traceback holds vLLM's
+    frames), to the interpreter's exit: the engine's ``__del__`` shut it down again there, and
+    failed ("Exception ignored in: <function AsyncLLM.__del__>", a TypeError on stderr). The
+    test that runs this script reads its stderr."""
+    backend = VLLMEngineBackend(model_dir, max_num_seqs=2, max_num_batched_tokens=1024, max_model_len=1024, dtype="float32")
+    async with backend:
+        try:
+            await read_to_end(backend, {"messages": [{"role": "user", "content": "hi " * 3000}]})
+        except ContextTooLong as exc:
+            KEPT.append(exc)
+        await backend.aclose()
+    assert KEPT, "a prompt over max_model_len was not refused with ContextTooLong"
 
 
 async def check_constraints(backend: VLLMEngineBackend, request: dict, model_dir: str) -> None:
