@@ -66,6 +66,12 @@ class SchedulerClosed(FleetschedError, RuntimeError):
     """The scheduler is not running (not entered yet, or shutting down)."""
 
 
+class Deadlock(FleetschedError, RuntimeError):
+    """A run on virtual time stands still for good: every task waits, no timer is set, no worker
+    thread works, and nothing outside the loop woke it for a while (`fleetsched.virtual_time`).
+    The message names the tasks that wait and where."""
+
+
 class WouldBlock(FleetschedError):
     """A ``*_nowait()`` call could not proceed without waiting."""
 

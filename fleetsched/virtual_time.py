@@ -20,6 +20,12 @@ default limiter (as libraries start them; on trio, every ``trio.to_thread.run_sy
 asyncio loop for those its executor runs (``asyncio.to_thread``, ``loop.run_in_executor``). A
 thread that a cancellation left behind (``abandon_on_cancel``) holds nothing; one started any
 other way (``threading.Thread``, anyio with a limiter of its own) lets the clock jump meanwhile.
+
+A run in which every task waits with no timer set and no worker thread at work stands still for
+good unless something outside the loop wakes it (a thread, a socket). The asyncio loop waits
+`DEADLOCK_S` of real time for that, then raises `Deadlock` naming the tasks that wait and where
+(a scheduler fault of this kind hung a test run until CI's limit). trio's ``MockClock`` spins in
+that state instead, as trio does.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import contextvars
 import heapq
 import itertools
 import math
+import os
 import threading
 import time
 import weakref
 from asyncio import format_helpers
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -40,6 +48,8 @@ from typing import Any, Literal, TypeVar
 import anyio
 import anyio.to_thread
 import sniffio
+
+from .errors import Deadlock
 
 T = TypeVar("T")
 
@@ -54,6 +64,14 @@ _POLL_EVERY = 64
 #: Timers at least, and the cancelled share past which the timer heap is rebuilt (asyncio's values).
 _MIN_TIMERS_TO_PURGE = 100
 _PURGE_CANCELLED_FRACTION = 0.5
+#: Real seconds a `VirtualTimeLoop` waits, every task waiting with no timer set and no worker
+#: thread at work, for something outside it to wake it before it raises `Deadlock`.
+DEADLOCK_S = 60.0
+#: The waiting tasks a `Deadlock`'s message names at most.
+_DEADLOCK_TASKS_NAMED = 8
+#: Where the frames of the event loop's own libraries lie: a waiting task is named where it
+#: waits in other code (an ``anyio.Event().wait()`` in the caller's code, not inside anyio).
+_LIBRARY_DIRS = tuple(str(Path(m.__file__).parent) + os.sep for m in (asyncio, anyio))
 #: Real seconds the executor's threads get to finish at shutdown (asyncio's join timeout).
 EXECUTOR_JOIN_S = 300.0
 
@@ -108,8 +126,14 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     calls a timer with a thousand agents asleep.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deadlock_s: float = DEADLOCK_S) -> None:
+        """`deadlock_s`: the real seconds to wait, every task waiting with no timer set and no
+        worker thread at work, before raising `Deadlock` (``math.inf``: wait for good)."""
         super().__init__()
+        if not deadlock_s > 0:
+            self.close()
+            raise ValueError(f"deadlock_s must be > 0 (math.inf never raises), got {deadlock_s!r}")
+        self.deadlock_s = deadlock_s
         self._virtual_now = 0.0
         self._timer_seq = itertools.count()
         self._polls_skipped = 0
@@ -228,9 +252,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 self._virtual_now = max(self._virtual_now, timers[0][0])
         else:
             # No timer, or only those at infinity (`anyio.sleep_forever()`), which never fire (a
-            # real loop, and trio's autojump, do not reach them either): only another thread can
-            # wake the loop. Jumping there would set the clock to inf for the rest of the run.
-            self._poll(None)
+            # real loop, and trio's autojump, do not reach them either): only another thread or
+            # a socket can wake the loop. Jumping there would set the clock to inf for the rest
+            # of the run.
+            self._wait_for_outside()
         now = self._virtual_now
         while timers and timers[0][0] <= now:
             handle = heapq.heappop(timers)[2]
@@ -264,6 +289,14 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             context["source_traceback"] = handle._source_traceback  # type: ignore[attr-defined]
         self.call_exception_handler(context)
 
+    def _wait_for_outside(self) -> None:
+        """Wait for a thread or a socket to wake the loop, `deadlock_s` at most; raise `Deadlock` then."""
+        events = self._selector.select(None if self.deadlock_s == math.inf else self.deadlock_s)  # type: ignore[attr-defined]
+        if not events:
+            raise Deadlock(_deadlock_message(self))
+        self._polls_skipped = 0
+        self._process_events(events)  # type: ignore[attr-defined]
+
     def _poll(self, timeout: float | None) -> None:
         self._polls_skipped = 0
         self._process_events(self._selector.select(timeout))  # type: ignore[attr-defined]
@@ -282,6 +315,33 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         while timers and timers[0][2]._cancelled:
             self._timer_cancelled_count -= 1
             heapq.heappop(timers)[2]._scheduled = False  # type: ignore[attr-defined]
+
+
+def _deadlock_message(loop: VirtualTimeLoop) -> str:
+    waiting = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    named = ", ".join(f"{task.get_name()!r} at {_waits_at(task)}" for task in waiting[:_DEADLOCK_TASKS_NAMED])
+    more = f", and {len(waiting) - _DEADLOCK_TASKS_NAMED} more" if len(waiting) > _DEADLOCK_TASKS_NAMED else ""
+    return (
+        f"virtual time stands still at {loop.time():g} s: every task waits, no timer is set, no worker thread "
+        f"works, and nothing woke the loop for {loop.deadlock_s:g} s of real time (a deadlock). "
+        f"{len(waiting)} task{'s wait' if len(waiting) != 1 else ' waits'}: {named}{more}"
+    )
+
+
+def _waits_at(task: asyncio.Task[Any]) -> str:
+    """Where `task` waits: the innermost frame of its chain of awaits outside asyncio and anyio
+    (inside them where it has none: a task that runs ``anyio.Event().wait`` itself)."""
+    inner = outer = None
+    awaited: Any = task.get_coro()
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None) or getattr(awaited, "ag_frame", None)
+        if frame is not None:
+            inner = frame
+            if not frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+                outer = frame
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None) or getattr(awaited, "ag_await", None)
+    frame = outer or inner
+    return "?" if frame is None else f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 async def run_sync_in_thread(fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False) -> T:

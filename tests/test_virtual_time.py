@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import math
 import threading
 import time
 
@@ -12,7 +13,8 @@ import anyio
 import pytest
 import sniffio
 
-from fleetsched.virtual_time import run_sync_in_thread, run_virtual
+from fleetsched.errors import Deadlock
+from fleetsched.virtual_time import VirtualTimeLoop, run_sync_in_thread, run_virtual
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
@@ -331,3 +333,60 @@ def test_callbacks_and_timers_behave_as_on_asyncios_own_loop(debug):
     reported, seen, counts = run(VirtualTimeLoop())
     assert reported == [("Exception in callback test_callbacks_and_timers_behave_as_on_asyncios_own_loop.<locals>.fail()", "ValueError('boom')")]
     assert seen == ["main's", "unset", "fired"] and counts == [0, 1]
+
+
+def _run_with_deadlock_limit(fn, deadlock_s: float):
+    loop_factory = functools.partial(VirtualTimeLoop, deadlock_s=deadlock_s)
+    return anyio.run(fn, backend="asyncio", backend_options={"loop_factory": loop_factory})
+
+
+def test_a_run_that_can_never_go_on_raises_deadlock_naming_where_its_tasks_wait():
+    """Every task waiting on an event no one sets, with no timer and no thread: the loop blocked
+    for good (a scheduler fault of this kind hung CI). It raises `Deadlock` after `deadlock_s`
+    of real time, naming each waiting task and the line it waits at; the tasks are cancelled."""
+    ended: list[str] = []
+
+    async def waiter(event: anyio.Event) -> None:
+        try:
+            await event.wait()
+        finally:
+            ended.append("waiter")
+
+    async def main() -> None:
+        event = anyio.Event()
+        await anyio.sleep(5)  # the message gives the time it stood still at
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter, event, name="the-waiter")
+            await anyio.sleep_forever()  # a timer at infinity never fires: no timer to jump to
+
+    with pytest.raises(Deadlock) as raised:
+        _run_with_deadlock_limit(main, deadlock_s=0.2)
+    message = str(raised.value)
+    assert message.startswith("virtual time stands still at 5 s: every task waits, no timer is set"), message
+    assert "for 0.2 s of real time" in message
+    assert "'the-waiter' at test_virtual_time.py:" in message and "(waiter)" in message, message
+    assert "(main)" in message, message
+    assert ended == ["waiter"]
+
+
+def test_a_thread_of_its_own_that_wakes_the_loop_in_time_is_no_deadlock():
+    """A thread started outside anyio (the clock does not wait for it) that reports back through
+    ``call_soon_threadsafe`` before `deadlock_s` passes: the run goes on."""
+
+    async def main() -> str:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        worker = threading.Thread(target=lambda: (time.sleep(0.3), loop.call_soon_threadsafe(future.set_result, "woken")))
+        worker.start()
+        try:
+            return await future
+        finally:
+            worker.join()
+
+    assert _run_with_deadlock_limit(main, deadlock_s=30) == "woken"
+
+
+@pytest.mark.parametrize("deadlock_s", [0, -1.0, math.nan])
+def test_a_deadlock_limit_that_is_no_positive_time_is_refused(deadlock_s):
+    with pytest.raises(ValueError, match=r"^deadlock_s must be > 0"):
+        VirtualTimeLoop(deadlock_s=deadlock_s)
