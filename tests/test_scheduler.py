@@ -122,6 +122,21 @@ async def test_global_and_per_tenant_slots():
     check_released(scheduler)
 
 
+async def test_a_session_queued_at_its_tenants_cap_lets_another_tenants_session_pass():
+    """A free slot goes to the first queued session whose tenant is under its own cap; the one
+    ahead of it, at its tenant's, waits for that tenant's slot. (Admitted past its cap, the
+    scheduler's exit waited for good: the test run's time limit ends it.)"""
+    tenants = {"a": {"max_sessions": 1}, "b": {}}
+    log: list = []
+    async with Scheduler(settings(tenants, scheduler={"max_sessions": 2})) as scheduler:
+        for label, tenant in (("a1", "a"), ("a2", "a"), ("b1", "b")):
+            await scheduler.submit(sleeper(10, log, label), tenant=tenant)
+        await anyio.sleep(1)
+        assert scheduler.statistics().queued == {("a", "standard"): 1}
+    assert sorted(log) == [("a1", 0.0), ("a2", 10.0), ("b1", 0.0)]
+    check_released(scheduler)
+
+
 async def test_memory_gates_admission():
     s = settings(resources={"strategy": "counting", "devices": [{"name": "gpu0", "memory": "10GB"}]})
     log: list = []
