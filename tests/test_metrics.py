@@ -137,3 +137,78 @@ def test_calls_cancelled_with_their_session_have_their_own_outcome():
             return {s.labels["outcome"]: s.value for s in calls.samples if s.name.endswith("_total")}
 
     assert anyio.run(main) == {"ok": 1, "cancelled": 2, "error": 1}
+
+
+def collected(records, tenants=None) -> dict:
+    """The collector's families after `records` (CallRecords) were recorded: {name: {labels: value}}."""
+    from fleetsched.observability.metrics import SchedulerCollector
+    from fleetsched.observability.sla import SlaTracker
+    from fleetsched.scheduler import Scheduler
+    from fleetsched.settings import Settings
+
+    async def main() -> dict:
+        settings = Settings(backend={"kind": "instant"}, tenants=tenants or {"t": {}})
+        async with Scheduler(settings) as scheduler:
+            for record in records:
+                scheduler.recorder.add_call(record)
+            collector = SchedulerCollector(scheduler, SlaTracker(settings.tenants))
+            return {f.name: {(s.name, tuple(sorted(s.labels.items()))): s.value for s in f.samples} for f in collector.collect()}
+
+    return anyio.run(main)
+
+
+def test_a_time_exactly_on_a_bucket_bound_counts_in_that_bucket():
+    """Histogram buckets are "less than or equal": a TTFT of exactly 0.5 s is in le="0.5"."""
+    from fleetsched.scheduler import CallRecord
+
+    ttft = collected([CallRecord("t", 1, 0, 0.0, 0.0, 0.5, 1.0)])["fleetsched_ttft_seconds"]
+    labels = (("le", "0.5"), ("tenant", "t"), ("tier", "standard"))
+    assert ttft[("fleetsched_ttft_seconds_bucket", labels)] == 1
+
+
+def test_histograms_hold_successful_calls_and_ttft_only_calls_with_a_first_token():
+    """A failed call is in no histogram; a call without a first token only in the latency one."""
+    import math
+
+    from fleetsched.scheduler import CallRecord
+
+    families = collected(
+        [CallRecord("t", 1, 0, 0.0, 0.0, math.nan, 2.0), CallRecord("t", 1, 0, 0.0, 0.0, 0.5, 3.0, error="BackendUnavailable")]
+    )
+    key = (("tenant", "t"), ("tier", "standard"))
+    assert families["fleetsched_ttft_seconds"] == {}
+    assert families["fleetsched_call_latency_seconds"][("fleetsched_call_latency_seconds_count", key)] == 1
+    assert families["fleetsched_call_latency_seconds"][("fleetsched_call_latency_seconds_sum", key)] == 2.0
+
+
+def test_token_counters_count_prompt_and_completion_tokens_apart():
+    """fleetsched_prompt_tokens_total and fleetsched_completion_tokens_total each count their own tokens."""
+    from fleetsched.scheduler import CallRecord
+
+    families = collected([CallRecord("t", 1, 0, 0.0, 0.0, 0.5, 1.0, prompt_tokens=7, completion_tokens=3)])
+    assert families["fleetsched_prompt_tokens"][("fleetsched_prompt_tokens_total", (("tenant", "t"),))] == 7
+    assert families["fleetsched_completion_tokens"][("fleetsched_completion_tokens_total", (("tenant", "t"),))] == 3
+
+
+def test_the_admission_queue_depth_sums_the_tenants_of_a_tier():
+    """Two tenants' sessions queued in one tier read a depth of 2 for that tier."""
+    from fleetsched.observability.metrics import SchedulerCollector
+    from fleetsched.observability.sla import SlaTracker
+    from fleetsched.scheduler import Scheduler
+    from fleetsched.settings import Settings
+    from fleetsched.virtual_time import run_virtual
+
+    async def agent(ctx) -> None:
+        await anyio.sleep(10)
+
+    async def main() -> float:
+        settings = Settings(backend={"kind": "instant"}, scheduler={"max_sessions": 1}, tenants={"a": {}, "b": {}, "c": {}})
+        async with Scheduler(settings) as scheduler:
+            for tenant in ("a", "b", "c"):
+                await scheduler.submit(agent, tenant=tenant)
+            await anyio.sleep(1)
+            collector = SchedulerCollector(scheduler, SlaTracker(settings.tenants))
+            depth = next(f for f in collector.collect() if f.name == "fleetsched_queue_depth")
+            return next(s.value for s in depth.samples if s.labels == {"queue": "admission", "tier": "standard"})
+
+    assert run_virtual(main) == 2

@@ -615,3 +615,131 @@ def test_a_last_sample_taken_on_a_tick_replaces_the_tick_s():
     sampled = run_virtual(main)
     assert sampled["t"] == [0.0, 1.0, 2.0, 3.0]
     assert len(sampled["window"]) == 4 and all(len(v) == 4 for v in sampled["queued_calls"].values())
+
+
+def test_a_timeline_s_samples_count_from_its_start_and_accumulate_tokens():
+    """Timeline times count from its start, its tokens add up, and no events read null attainment."""
+    from fleetsched import Scheduler
+    from fleetsched.observability.sla import SlaTracker
+    from fleetsched.observability.timeline import Timeline
+    from fleetsched.scheduler import CallRecord
+    from fleetsched.virtual_time import run_virtual
+
+    from .helpers import settings
+
+    async def main():
+        await anyio.sleep(5)
+        async with Scheduler(settings({"acme": {"sla": {"ttft_p99_s": 1.0}}})) as scheduler:
+            timeline = Timeline(scheduler, SlaTracker(scheduler.settings.tenants))
+            for tokens in (10, 20):
+                scheduler.recorder.add_call(CallRecord("acme", 1, 0, 0.0, completion_tokens=tokens, error="Cancelled"))
+                timeline.sample()
+                await anyio.sleep(1)
+        return timeline.as_dict()
+
+    sampled = run_virtual(main)
+    assert sampled["t"] == [0.0, 1.0] and sampled["completion_tokens"] == [10, 30]
+    assert sampled["attainment"] == {"acme": [None, None]}
+
+
+def test_a_share_just_under_a_tenth_of_a_percent_reads_under_it():
+    """98.999 % of calls on time reads 98.9 %, not 99.0 %, in the tables."""
+    from fleetsched.report import share_text
+
+    assert (share_text(0.98999), share_text(1.0), share_text(None)) == ("98.9%", "100.0%", "-")
+
+
+def test_breach_events_are_timed_from_the_run_s_start():
+    """A breach's ``t`` in the report is seconds since the run's start, not the clock's reading."""
+    from types import SimpleNamespace
+
+    from fleetsched.report import _sla_section
+    from fleetsched.scheduler import CallRecord, Recorder
+    from fleetsched.settings import TenantSettings
+
+    recorder = Recorder()
+    recorder.add_call(CallRecord("t", 1, 0, 100.0, 100.0, 103.0, 105.0, 5, 10))  # TTFT 3 s, ends at 105
+    scheduler = SimpleNamespace(recorder=recorder, settings=SimpleNamespace(tenants={"t": TenantSettings(sla={"ttft_p99_s": 1.0})}))
+    section, _ = _sla_section(scheduler, 100.0, {})
+    assert [(e["t"], e["objective"], e["value"]) for e in section["events"]] == [(5.0, "ttft_p99", 3.0)]
+
+
+def test_a_tenant_s_ttft_and_latency_figures_are_its_p50_and_p99():
+    """The report's per-tenant TTFT and latency are the p50 and p99 (nearest rank) of its successful calls."""
+    from fleetsched import Scheduler
+    from fleetsched.report import build_report
+    from fleetsched.scheduler import CallRecord
+
+    from .helpers import settings
+
+    async def main():
+        async with Scheduler(settings({"t": {}})) as scheduler:
+            for i in range(1, 11):  # TTFTs 0.1 .. 1.0 s, latencies 1 .. 10 s
+                scheduler.recorder.add_call(CallRecord("t", 1, 0, 0.0, 0.0, i / 10, float(i), 5, 10))
+            return build_report(scheduler, duration_s=10.0, backend="instant")
+
+    (tenant,) = anyio.run(main)["tenants"]
+    assert (tenant["ttft_s"], tenant["latency_s"]) == ({"p50": 0.5, "p99": 1.0}, {"p50": 5.0, "p99": 10.0})
+
+
+def test_times_under_10_ms_show_a_tenth_of_a_millisecond():
+    """The tenant table writes 5 ms as 5.0 and 50 ms as 50."""
+    from fleetsched.report import _ms
+
+    assert (_ms(0.005), _ms(0.05), _ms(None)) == ("5.0", "50", "-")
+
+
+def _sla_cells(objective, target, value, met):
+    """The target, measured and verdict cells of a one-objective SLA row."""
+    o = {"target": target, "value": value, "attainment": 0.5, "met": met, "breaches": {}}
+    t = {"tenant": "t", "tier": "standard", "weight": 1.0, "sla": {"refused": {}, "objectives": {objective: o}}}
+    ((*_, shown_target, shown_value, _, verdict, _),) = sla_rows({"sla": {"feasibility": None}, "tenants": [t]})
+    return shown_target, shown_value, verdict
+
+
+def test_a_measured_time_under_10_ms_shows_a_decimal():
+    """A measured 2.5 ms reads "2.5 ms" beside a target of 100 ms, not "2 ms"."""
+    assert _sla_cells("ttft_p99", 0.1, 0.0025, True) == ("100 ms", "2.5 ms", "met")
+
+
+def test_a_measured_value_a_hair_over_its_target_shows_the_digits_that_tell_them_apart():
+    """500.0003 ms against 500 ms reads with as many decimals as it takes, up to 6."""
+    assert _sla_cells("ttft_p99", 0.5, 0.5000003, False)[1] == "500.0003 ms"
+
+
+def test_a_token_rate_under_its_target_by_less_than_the_rounding_reads_under_it():
+    """A min_tokens_per_s missed by less than the report's rounding reads "< 5" beside a target of 5."""
+    assert _sla_cells("min_tokens_per_s", 5, 5, False) == ("5", "< 5.0", "MISSED")
+
+
+def test_failed_sessions_count_cancelled_ones_among_those_that_ended():
+    """"2 of 5 sessions failed" counts done, failed and cancelled sessions as ended."""
+    from fleetsched.report import failed_sessions
+
+    tenant = {"sessions_done": 1, "sessions_failed": 2, "sessions_cancelled": 2, "session_errors": {"ContextTooLong": 2}}
+    assert failed_sessions({"tenants": [tenant]}) == "2 of 5 sessions failed (ContextTooLong 2)"
+
+
+def test_a_run_in_which_nothing_failed_is_not_a_run_in_which_nothing_worked():
+    """nothing_done is true only when sessions failed and none completed."""
+    from fleetsched.report import nothing_done
+
+    def report(done, failed):
+        return {"tenants": [{"sessions_done": done, "sessions_failed": failed, "sessions_cancelled": 3}]}
+
+    assert (nothing_done(report(0, 0)), nothing_done(report(0, 2)), nothing_done(report(1, 2))) == (False, True, False)
+
+
+def test_an_unreachable_tenant_s_ttft_row_alone_says_so():
+    """"(unreachable)" marks the TTFT p99 verdict of a flagged tenant, not its other objectives."""
+    objectives = {name: {"target": 1.0, "value": 0.5, "attainment": 1.0, "met": True, "breaches": {}} for name in ("ttft_p99", "latency_p95")}
+    t = {"tenant": "t", "tier": "standard", "weight": 1.0, "sla": {"refused": {}, "objectives": objectives}}
+    rows = sla_rows({"sla": {"feasibility": {"unreachable": [{"tenant": "t"}]}}, "tenants": [t]})
+    assert [(row[3], row[7]) for row in rows] == [("TTFT p99", "met (unreachable)"), ("call p95", "met")]
+
+
+def test_a_tenant_without_an_sla_lists_only_the_refusals_it_had():
+    """A tenant with no objectives gets a "no SLA" row naming its non-zero refusals only."""
+    t = {"tenant": "t", "tier": "batch", "weight": 2.0, "sla": {"refused": {"shed": 0, "rate_limited": 1234}, "objectives": {}}}
+    (row,) = sla_rows({"sla": {"feasibility": None}, "tenants": [t]})
+    assert row == ["t", "batch", "2", "-", "-", "-", "-", "no SLA", "1,234 rate-limited"]

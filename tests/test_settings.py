@@ -233,3 +233,38 @@ def test_a_key_written_in_clear_is_refused_without_being_repeated(section, tmp_p
     with pytest.raises(ConfigError) as caught:
         load_settings(config)
     assert "not in clear" in str(caught.value) and "sk-my-secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "reason"),
+    [
+        ({"tenants": {"a": {"sla": {"ttft_p99_s": 0}}}}, "tenants.a.sla.ttft_p99_s", "greater than 0"),
+        ({"tenants": {"a": {"api_keys": ["sha256:" + "ab" * 16]}}}, "tenants.a.api_keys", "sha256:<64 lowercase hex digits>"),
+        ({"dispatch": {"stream_interval": {"batch": 0}}}, "dispatch.stream_interval", "stream interval of 'batch' must be >= 1"),
+        ({"dispatch": {"min_share": {"batch": 1.0}}}, "dispatch.min_share", "share of 'batch' must be in [0, 1)"),
+        ({"dispatch": {"min_share": {"standard": 0.5, "batch": 0.5}}}, "dispatch.min_share", "shares must add up to less than 1"),
+        ({"dispatch": {"min_share": {"standard": 0.1, "Standard": 0.2}}}, "dispatch.min_share", "tier standard is named twice"),
+        ({"backend": {"sim": {"kv_cache_tokens": 100, "block_size": 128}}}, "backend.sim", "must hold at least one block"),
+        ({"backend": {"urls": ["http://gpu1", "http://gpu1:80"]}}, "backend.urls", "is the server of 'http://gpu1' again"),
+        ({"tenants": {}}, "tenants", "at least one tenant must be declared"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_its_field(overrides, key, reason):
+    """Each value that cannot work is a config error naming its field and why."""
+    error = refused(**overrides)
+    assert error.key == key and reason in error.reason
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"dispatch": {"min_window": 8, "max_window": 8}},
+        {"backend": {"retry_initial_s": 2, "retry_max_s": 2}},
+        {"workload": {"agents": [{"tenant": "default", "count": 1, "tool_dist": "uniform", "tool_s": 2, "tool_s_max": 2}]}},
+        {"tenants": {"a": {"memory_quota": "1GiB"}}, "workload": {"agents": [{"tenant": "a", "count": 1, "session_memory": "1GiB"}]}},
+        {"resources": {"devices": [{"name": "g", "memory": "1GiB"}]}, "workload": {"agents": [{"tenant": "default", "count": 1, "session_memory": "1GiB"}]}},
+    ],
+)
+def test_values_at_the_edge_of_what_works_load(overrides):
+    """Bounds are inclusive where the value still works: equal windows, backoffs, tool times, quota and device."""
+    assert load_settings(**overrides)

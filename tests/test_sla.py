@@ -340,3 +340,162 @@ async def test_live_attainment_sees_a_wait_for_admission_when_it_ends():
     rows, breaches = evaluate(scheduler.recorder, config.tenants)
     assert (by_name(rows)["a"]["admission_p99"].events, by_name(rows)["a"]["admission_p99"].met_events) == (2, 1)
     assert [(b.objective, b.at) for b in breaches] == [("admission_p99", 30.0)]
+
+
+def test_a_call_exactly_at_its_targets_meets_them():
+    """A TTFT and a call latency exactly at their targets count as met."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 0.5, "latency_p95_s": 2.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0.0, 0.0, 0.5, 2.0))
+    o = by_name(evaluate(recorder, tenants)[0])["a"]
+    assert (o["ttft_p99"].met_events, o["latency_p95"].met_events) == (1, 1)
+
+
+def test_a_call_queued_exactly_half_its_ttft_is_queued_too_long():
+    """A late call whose queue time is exactly half its TTFT breaches as queued, not engine slow."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0.0, 1.0, 2.0, 3.0))  # TTFT 2 s, 1 s of it queued
+    _, breaches = evaluate(recorder, tenants)
+    assert [b.reason for b in breaches] == ["queued"]
+
+
+def test_a_wait_for_admission_exactly_at_its_target_meets_it():
+    """A session admitted exactly at the TTFT target meets the admission objective."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 2.0})}
+    recorder = Recorder()
+    recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, 2.0, 5.0, 1, 5, 5))
+    o = by_name(evaluate(recorder, tenants)[0])["a"]
+    assert (o["admission_p99"].events, o["admission_p99"].met_events) == (1, 1)
+
+
+def test_a_session_done_exactly_at_its_deadline_meets_it():
+    """A session whose span equals its deadline meets the deadline objective."""
+    tenants = {"a": TenantSettings(sla={"deadline_s": 10.0})}
+    recorder = Recorder()
+    recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, 0.5, 10.0, 1, 5, 5))
+    rows, breaches = evaluate(recorder, tenants)
+    assert by_name(rows)["a"]["deadline"].met and breaches == []
+
+
+def test_one_session_of_a_hundred_past_its_deadline_misses_the_objective():
+    """The deadline objective needs every session on time: 99 of 100 misses it."""
+    tenants = {"a": TenantSettings(sla={"deadline_s": 10.0})}
+    recorder = Recorder()
+    for i in range(100):
+        recorder.add_session(SessionRecord("a", 0, "k", "done", float(i), i + 0.5, i + (12.0 if i == 0 else 5.0), 1, 5, 5))
+    result = by_name(evaluate(recorder, tenants)[0])["a"]["deadline"]
+    assert (result.events, result.met_events) == (100, 99) and result.met is False
+
+
+def test_a_late_session_whose_tools_took_exactly_half_its_span_is_in_its_tools():
+    """Tools of exactly half a late session's span make the breach in-tools."""
+    tenants = {"a": TenantSettings(sla={"deadline_s": 10.0})}
+    recorder = Recorder()
+    recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, 0.5, 12.0, 3, 15, 30, tool_s=6.0))
+    _, breaches = evaluate(recorder, tenants)
+    assert [b.reason for b in breaches] == ["in-tools"]
+
+
+def test_busy_time_of_an_interval_inside_another_adds_nothing():
+    """An interval contained in another adds nothing to the union's length."""
+    assert busy_time([(0, 10), (2, 4)]) == 10
+
+
+def test_an_objective_without_events_has_no_attainment():
+    """With nothing measured an objective's attainment is nan, not 0 %."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0})}
+    result = by_name(evaluate(Recorder(), tenants)[0])["a"]["ttft_p99"]
+    assert result.events == 0 and math.isnan(result.attainment)
+
+
+def test_measured_values_are_the_objectives_nearest_rank_percentiles():
+    """Latency and admission wait values are their p95 and p99 by nearest rank, not higher or lower ones."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1000.0, "latency_p95_s": 1000.0})}
+    recorder = Recorder()
+    for i in range(1, 101):  # latencies and waits 1..100 s
+        recorder.add_call(call(0.0, 0.0, 0.5, float(i)))
+        recorder.add_session(SessionRecord("a", 0, "k", "done", 0.0, float(i), 200.0, 1, 5, 5))
+    o = by_name(evaluate(recorder, tenants)[0])["a"]
+    assert (o["latency_p95"].value, o["admission_p95"].value, o["admission_p99"].value) == (95.0, 95.0, 99.0)
+
+
+def test_a_refused_call_s_time_is_no_backlog():
+    """min_tokens_per_s divides by the time of calls let through only, not of refused ones."""
+    tenants = {"a": TenantSettings(sla={"min_tokens_per_s": 5.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0.0, 0.0, 0.5, 1.0, tokens=10))
+    recorder.add_call(call(1.0, 1.0, math.nan, 10.0, tokens=0, error="RateLimited"))  # the backend's 429
+    rate = by_name(evaluate(recorder, tenants)[0])["a"]["min_tokens_per_s"]
+    assert rate.value == 10.0
+    tracker = SlaTracker(tenants, window_s=60)
+    tracker.update(recorder, now=10.0)
+    assert tracker.attainment("a", "min_tokens_per_s") == 0.5  # the rate met, the refusal missed
+
+
+def test_a_token_rate_exactly_at_its_target_meets_it():
+    """10 tokens over 2 backlogged seconds meets a min_tokens_per_s of 5, in the report and live."""
+    tenants = {"a": TenantSettings(sla={"min_tokens_per_s": 5.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0.0, 0.0, 0.5, 2.0, tokens=10))
+    assert by_name(evaluate(recorder, tenants)[0])["a"]["min_tokens_per_s"].met is True
+    tracker = SlaTracker(tenants, window_s=60)
+    tracker.update(recorder, now=2.0)
+    assert tracker.attainment("a", "min_tokens_per_s") == 1.0
+
+
+def test_an_event_exactly_one_window_old_is_still_in_the_window():
+    """The rolling window holds events from now - window_s on, that instant included."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0})}
+    recorder = Recorder()
+    recorder.add_call(call(0.0, 0.0, 5.0, 6.0))  # late, finished at 6
+    tracker = SlaTracker(tenants, window_s=10)
+    tracker.update(recorder, now=16.0)
+    assert tracker.attainment("a", "ttft_p99") == 0.0
+
+
+def test_a_tenant_exactly_at_its_required_share_stands_as_meeting_it():
+    """99 of 100 calls on time is a standing of 99 % that meets a p99 objective."""
+    tenants = {"a": TenantSettings(sla={"ttft_p99_s": 1.0})}
+    recorder = Recorder()
+    for i in range(100):
+        recorder.add_call(call(i, i, i + (2.0 if i == 0 else 0.5), i + 3))
+    tracker = SlaTracker(tenants, window_s=600)
+    tracker.update(recorder, now=110)
+    assert tracker.tenant_standing("a") == (0.99, True)
+
+
+def test_a_tenant_s_prompt_for_feasibility_is_its_shortest_first_prompt():
+    """Feasibility judges a tenant by the shortest first prompt among its agents."""
+    from fleetsched.observability.feasibility import first_prompt_tokens, tenant_prompt_tokens
+    from fleetsched.settings import Settings
+
+    settings = Settings(
+        tenants={"a": {}},
+        workload={"agents": [{"tenant": "a", "count": 1, "prompt_tokens": 1000}, {"tenant": "a", "count": 1, "prompt_tokens": 100}]},
+    )
+    assert tenant_prompt_tokens(settings) == {"a": first_prompt_tokens(settings.workload.agents[1])}
+
+
+def test_a_ttft_target_equal_to_the_idle_engine_s_is_reachable():
+    """Only a TTFT target below the idle engine's TTFT is flagged unreachable, not one equal to it."""
+    from fleetsched.observability.feasibility import unreachable
+    from fleetsched.settings import Settings
+
+    settings = Settings(tenants={"eq": {"sla": {"ttft_p99_s": 0.5}}, "below": {"sla": {"ttft_p99_s": 0.4}}})
+    flagged = unreachable(settings, {"eq": 0.5, "below": 0.5}, {"eq": 10, "below": 10})
+    assert [u.tenant for u in flagged] == ["below"]
+
+
+def test_a_tenant_whose_first_prompt_fills_the_context_gets_no_idle_ttft():
+    """The sim's feasibility gives no unloaded TTFT (and no unreachable flag) for a prompt over the context."""
+    from fleetsched.observability.feasibility import check_feasibility
+    from fleetsched.settings import Settings
+
+    settings = Settings(
+        backend={"kind": "sim", "sim": {"max_model_len": 512}},
+        tenants={"a": {"sla": {"ttft_p99_s": 1e-6}}},
+        workload={"agents": [{"tenant": "a", "count": 1, "prompt_tokens": 600}]},
+    )
+    result = anyio.run(check_feasibility, settings, None)
+    assert result["unloaded_ttft_s"] == {} and result["unreachable"] == []

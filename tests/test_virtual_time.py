@@ -390,3 +390,112 @@ def test_a_thread_of_its_own_that_wakes_the_loop_in_time_is_no_deadlock():
 def test_a_deadlock_limit_that_is_no_positive_time_is_refused(deadlock_s):
     with pytest.raises(ValueError, match=r"^deadlock_s must be > 0"):
         VirtualTimeLoop(deadlock_s=deadlock_s)
+
+
+def test_a_sleep_lasts_its_length_from_when_it_starts():
+    """A sleep started at t=10 ends its length later, not at that length from the clock's zero."""
+
+    async def main() -> float:
+        await anyio.sleep(10)
+        await anyio.sleep(5)
+        return anyio.current_time()
+
+    assert run_virtual(main) == 15.0
+
+
+def test_timers_due_at_the_same_time_fire_in_the_order_they_were_set():
+    """Timers of one time fire first in, first out: a simulation replays in the same order."""
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        fired: list[int] = []
+        for i in range(20):
+            loop.call_at(1.0, fired.append, i)
+        await anyio.sleep(2)
+        return fired
+
+    assert run_virtual(main) == list(range(20))
+
+
+def test_a_socket_ready_when_every_task_waits_is_read_before_the_clock_jumps():
+    """Data already on a socket wakes its reader at the current time, before the next timer."""
+    import socket
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        read_at: list[float] = []
+
+        async def reader() -> None:
+            await loop.sock_recv(a, 1)
+            read_at.append(loop.time())
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader)
+                await anyio.sleep(0)  # the reader waits on the socket
+                b.send(b"x")
+                await anyio.sleep(100)
+        finally:
+            a.close()
+            b.close()
+        return read_at[0]
+
+    assert run_virtual(main) == 0.0
+
+
+def test_callbacks_a_callback_schedules_run_in_the_next_round_after_the_timers_then_due():
+    """As on asyncio's own loop: a chain of call_soon callbacks lets a timer due meanwhile in."""
+
+    def run(loop: asyncio.AbstractEventLoop) -> list[object]:
+        seen: list[object] = []
+
+        def step(n: int) -> None:
+            seen.append(n)
+            if n == 0:
+                loop.call_later(0, seen.append, "timer")
+            if n < 3:
+                loop.call_soon(step, n + 1)
+
+        async def main() -> None:
+            loop.call_soon(step, 0)
+            await asyncio.sleep(0.01)
+
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+        return seen
+
+    assert run(VirtualTimeLoop()) == run(asyncio.new_event_loop()) == [0, 1, "timer", 2, 3]
+
+
+def test_a_callback_cancelled_before_it_runs_never_runs():
+    """A cancelled call_soon callback is skipped without a word to the exception handler."""
+
+    async def main() -> tuple[list[int], list[dict]]:
+        loop = asyncio.get_running_loop()
+        reported: list[dict] = []
+        loop.set_exception_handler(lambda _, context: reported.append(context))
+        seen: list[int] = []
+        loop.call_soon(seen.append, 1).cancel()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return seen, reported
+
+    assert run_virtual(main) == ([], [])
+
+
+def test_a_cancelled_timer_purged_from_the_heap_s_head_leaves_the_count():
+    """The cancelled count falls to 0 once a cancelled timer at the heap's head is dropped."""
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(1, lambda: None).cancel()
+        loop.call_later(2, lambda: None)
+        await anyio.sleep(0.5)
+        return len(loop._scheduled), loop._timer_cancelled_count  # type: ignore[attr-defined]
+
+    assert run_virtual(main) == (1, 0)
+
