@@ -15,6 +15,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from trio.testing import MockClock
 
 from fleetsched.backends.base import Backend, ChatBody, Chunk, make_chunk, usage_dict
 from fleetsched.backends.instant import InstantBackend
@@ -1459,3 +1460,319 @@ def test_max_completion_tokens_is_no_field_of_a_text_completion():
         assert reply.usage.completion_tokens == 3
         reply = c.completions.create(model="m", prompt="hi", max_tokens=2, extra_body={"max_completion_tokens": 9000})
         assert reply.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_health_says_starting_with_a_503_until_the_gateway_runs(anyio_backend):
+    """/health answers 503 "starting" before the gateway runs, so a load balancer sends it nothing yet."""
+    gateway = Gateway(gateway_settings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw") as c:
+        response = await c.get("/health")
+    assert response.status_code == 503 and response.json() == {"status": "starting"}
+
+
+def test_requests_without_a_valid_key_are_counted_under_the_empty_tenant(url):
+    """A 401 is counted as tenant "" in requests_total, which the admin sees."""
+    assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer fs-nobody"}).status_code == 401
+    text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+    assert re.search(r'fleetsched_gateway_requests_total\{tenant="",endpoint="models",code="401"\} [1-9]', text), text
+
+
+def test_a_body_nested_too_deep_to_parse_is_a_400(url):
+    """JSON nested deeper than the parser's recursion limit is a 400, not a 500."""
+    response = httpx.post(url + "/v1/chat/completions", content=b"[" * 100_000, headers={"authorization": f"Bearer {ACME}"})
+    assert response.status_code == 400 and response.json()["error"]["param"] is None
+
+
+def test_a_prompt_that_exactly_fills_the_context_is_refused_naming_the_prompt(url):
+    """A text prompt estimated at exactly the context (1,000 tokens) is a 400 whose param is "prompt"."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(url).completions.create(model="m", prompt="x" * 4000, max_tokens=1)
+    assert caught.value.body["code"] == "context_length_exceeded" and caught.value.body["param"] == "prompt"
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock()})])  # time stands still
+@pytest.mark.anyio
+async def test_a_chat_call_naming_no_max_tokens_is_charged_256_up_front_then_what_it_used(anyio_backend):
+    """Without max_tokens a chat call takes its prompt and 256 tokens, and gets back what it did not use."""
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "tokens_per_minute": 6000}})
+    gateway = Gateway(s)
+    headers = {"authorization": f"Bearer {GLOBEX}"}
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw", headers=headers) as c:
+        first = await c.post("/v1/chat/completions", json={"messages": MSG})
+        second = await c.post("/v1/chat/completions", json={"messages": MSG})
+    used = first.json()["usage"]
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) == 6000 - used["prompt_tokens"] - 256
+    assert int(second.headers["x-ratelimit-remaining-tokens"]) == 6000 - used["total_tokens"] - used["prompt_tokens"] - 256
+
+
+def test_the_in_flight_gauge_is_back_to_zero_once_a_call_is_answered(url):
+    """fleetsched_gateway_in_flight counts a call while it runs and drops back to 0 after."""
+    client(url).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+
+    def in_flight() -> str:
+        text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ACME}"}).text
+        return re.search(r'fleetsched_gateway_in_flight\{tenant="acme"\} (\S+)', text).group(1)
+
+    assert _wait_for(lambda: in_flight() == "0"), in_flight()
+
+
+def test_tokens_served_are_counted_per_tenant_streamed_or_not():
+    """fleetsched_gateway_tokens_total counts the prompt and completion tokens of every call served, streams included."""
+    with serve_in_thread(gateway_settings()) as (_, url):
+        c = client(url)
+        whole = c.chat.completions.create(model="m", messages=MSG, max_tokens=4)
+        list(c.chat.completions.create(model="m", messages=MSG, max_tokens=3, stream=True))
+        text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {ACME}"}).text
+    assert f'fleetsched_gateway_tokens_total{{tenant="acme",kind="completion"}} 7' in text
+    assert f'fleetsched_gateway_tokens_total{{tenant="acme",kind="prompt"}} {2 * whole.usage.prompt_tokens}' in text
+
+
+def test_a_call_refused_by_the_engine_gives_its_prompt_tokens_back():
+    """A 900-token prompt the engine refuses (400) costs no tokens: the same call, fixed, fits in 1,000 a minute."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "tokens_per_minute": 1000}}
+    long = {"messages": [{"role": "user", "content": "x" * 3560}], "max_tokens": 1}
+    with serve_in_thread(gateway_settings(tenants, backend={"kind": "sim"})) as (_, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        refused = httpx.post(url + "/v1/chat/completions", json={**long, "stream_interval": 0}, headers=headers)
+        assert refused.status_code == 400, refused.text
+        assert httpx.post(url + "/v1/chat/completions", json=long, headers=headers).status_code == 200
+
+
+def test_a_stream_left_before_any_count_is_charged_its_prompt():
+    """A stream whose client leaves before the engine counted anything keeps its prompt charged; only max_tokens comes back."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "tokens_per_minute": 100_000}}
+    with serve_in_thread(gateway_settings(tenants), backend=SlowBackend()) as (gw, url):
+        refunds = _noting_refunds(gw)
+        body = {"messages": MSG, "max_tokens": 50, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {ACME}"}) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        _until(lambda: refunds)
+    assert refunds == [("acme", 50, False)]
+
+
+def test_an_engine_s_status_is_passed_on_only_for_a_refusal_of_the_body():
+    """An engine's 4xx is passed on as it is, but a 429 or a 5xx from it is a 502, an invalid body stays a 400, and a shutdown's 503 says retry after 1 s."""
+    from fleetsched.errors import BackendError, InvalidRequest, SchedulerClosed
+
+    def caused_by(exc: Exception, status: int) -> Exception:
+        request = httpx.Request("POST", "http://r.invalid/v1/chat/completions")
+        exc.__cause__ = openai.APIStatusError("refused", response=httpx.Response(status, request=request), body=None)
+        return exc
+
+    assert _answer_for(caused_by(BackendError("r rejected the call (403)"), 403)).status_code == 403
+    assert _answer_for(caused_by(BackendError("r rejected the call (429)"), 429)).status_code == 502
+    assert _answer_for(caused_by(BackendError("r failed (500)"), 500)).status_code == 502
+    assert _answer_for(caused_by(InvalidRequest("top_k: bad"), 422)).status_code == 400
+    closed = _answer_for(SchedulerClosed("the gateway is shutting down"))
+    assert closed.status_code == 503 and closed.headers["retry-after"] == "1"
+
+
+def test_a_body_of_exactly_max_body_bytes_is_served():
+    """The body limit is inclusive: max_body_bytes bytes are read, one more is a 413."""
+    body = json.dumps({"messages": MSG, "max_tokens": 1}).encode()
+    body += b" " * (1000 - len(body))
+    with serve_in_thread(gateway_settings(gateway={"max_body_bytes": 1000})) as (_, url):
+        headers = {"authorization": f"Bearer {ACME}", "content-type": "application/json"}
+        assert httpx.post(url + "/v1/chat/completions", content=body, headers=headers).status_code == 200
+        assert httpx.post(url + "/v1/chat/completions", content=body + b" ", headers=headers).status_code == 413
+
+
+def test_remaining_tokens_never_go_below_zero_in_the_headers():
+    """A call larger than a full bucket leaves it in debt, but x-ratelimit-remaining-tokens says 0, not a negative."""
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "tokens_per_minute": 100}})
+    with serve_in_thread(s) as (_, url):
+        raw = client(url, GLOBEX).chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=150)
+    assert raw.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_a_reset_of_one_second_is_written_in_seconds():
+    """1 s reads "1s", not "1000ms", as OpenAI writes it."""
+    assert (duration_text(1), duration_text(0.999)) == ("1s", "999ms")
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("chat/completions", {"messages": MSG, "x\ud800": 1}, "(a key)"),
+        ("chat/completions", {"messages": MSG, "max_tokens": True}, "max_tokens"),
+        ("chat/completions", {"messages": MSG, "model": 5}, "model"),
+        ("chat/completions", {"messages": MSG, "stream": True, "stream_options": "usage"}, "stream_options"),
+        ("chat/completions", {"messages": MSG, "user": 5}, "user"),
+        ("chat/completions", {"messages": [5]}, "messages.0"),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text"),
+        ("chat/completions", {"messages": MSG, "functions": "search"}, "functions"),
+        ("completions", {"prompt": "x", "echo": "yes"}, "echo"),
+        ("completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("completions", {"prompt": ""}, "prompt"),
+    ],
+)
+def test_a_malformed_field_of_either_endpoint_is_a_400_naming_it(url, path, body, param):
+    """Each field the gateway checks, sent malformed, is a 400 whose param names it."""
+    content = json.dumps(body).encode()  # a lone surrogate travels escaped
+    response = httpx.post(f"{url}/v1/{path}", content=content, headers={"authorization": f"Bearer {ACME}"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_key_ring_refuses_a_key_hash_given_twice():
+    """One key hash given to two tenants, or to a tenant and the admin, is a config error, never a tenant picked by order."""
+    from fleetsched.errors import ConfigError
+
+    tenants = gateway_settings().tenants
+    twice = {"acme": tenants["acme"], "copy": tenants["acme"]}
+    with pytest.raises(ConfigError, match="also given to tenant 'acme'"):
+        KeyRing(twice)
+    with pytest.raises(ConfigError, match="gateway.admin_api_keys"):
+        KeyRing(tenants, [hash_key(ACME)])
+
+
+def test_the_bearer_scheme_is_read_case_insensitively_and_the_header_trimmed():
+    """`bearer KEY` and a header padded with spaces name the key's tenant, as RFC 9110 reads a scheme."""
+    ring = KeyRing(gateway_settings().tenants)
+    assert ring.identify_header(f"bearer {ACME}".encode()).tenant == "acme"
+    assert ring.identify_header(f"  Bearer {ACME} ".encode()).tenant == "acme"
+
+
+def test_a_text_completion_s_log_probabilities_name_the_token_itself_when_no_alternatives_are_asked():
+    """With logprobs 0 (over a chat backend), each token's top_logprobs holds the token itself, as vLLM's completions answer."""
+    with serve_in_thread(gateway_settings(backend={"kind": "sim"})) as (_, url):
+        body = {"prompt": "Once", "max_tokens": 2, "logprobs": 0}
+        reply = httpx.post(url + "/v1/completions", json=body, headers={"authorization": f"Bearer {ACME}"})
+    logprobs = reply.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 2
+    assert logprobs["top_logprobs"] == [{token: lp} for token, lp in zip(logprobs["tokens"], logprobs["token_logprobs"])]
+
+
+def test_a_collected_text_completion_has_a_finish_reason_and_usage_and_needs_an_id():
+    """Folded chunks without a finish reason or usage answer "stop" and zero usage; chunks without an id are a backend error."""
+    from fleetsched.errors import BackendError
+    from fleetsched.gateway.backend import collect_completion
+
+    folded = collect_completion([{"id": "cmpl-1", "choices": [{"index": 0, "text": "a"}]}])
+    assert folded["choices"][0]["finish_reason"] == "stop" and folded["usage"]["total_tokens"] == 0
+    with pytest.raises(BackendError):
+        collect_completion([{"choices": [{"index": 0, "text": "a"}]}])
+
+
+def test_the_latency_histogram_counts_each_bound_inclusively_and_sums_the_seconds():
+    """A call of 0.5 s falls in le="0.5"; one of 100 s only in +Inf; the sum adds both; a tenant name with a quote is escaped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fleetsched.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.record('a"b', "chat", 200, 0.5)
+    metrics.record('a"b', "chat", 200, 100.0)
+    samples = {(s.name, s.labels.get("le")): (s.labels["tenant"], s.value) for f in text_string_to_metric_families(metrics.render(None)) for s in f.samples}
+    assert samples[("fleetsched_gateway_request_seconds_bucket", "0.25")] == ('a"b', 0)
+    assert samples[("fleetsched_gateway_request_seconds_bucket", "0.5")] == ('a"b', 1)
+    assert samples[("fleetsched_gateway_request_seconds_bucket", "60.0")] == ('a"b', 1)
+    assert samples[("fleetsched_gateway_request_seconds_bucket", "+Inf")] == ('a"b', 2)
+    assert samples[("fleetsched_gateway_request_seconds_sum", None)] == ('a"b', 100.5)
+
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock()})])  # time stands still
+@pytest.mark.anyio
+async def test_a_call_short_by_less_than_a_second_of_tokens_gets_a_429(anyio_backend):
+    """A call its bucket cannot hold yet is refused with 429 and Retry-After 1 however short the wait."""
+    s = gateway_settings({"globex": {"api_keys": [hash_key(GLOBEX)], "tokens_per_minute": 60_000}}, gateway={"max_context_tokens": None})
+    gateway = Gateway(s, backend=InstantBackend(completion_tokens=10**6))  # uses all of max_tokens
+    headers = {"authorization": f"Bearer {GLOBEX}"}
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw", headers=headers) as c:
+        assert (await c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 59_996})).status_code == 200
+        short = await c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 496})  # 0.5 s of tokens short
+    assert short.status_code == 429 and short.headers["retry-after"] == "1", short.text
+
+
+def test_a_client_cannot_set_the_gateway_s_private_fields(url):
+    """A private field sent by the client (here: count the prompt as a text prompt) is dropped, so a chat prompt is counted with its template."""
+    content = [{"role": "user", "content": "y" * 400}]
+    reply = client(url).chat.completions.create(model="m", messages=content, max_tokens=1, extra_body={"fleetsched_text_prompt": True})
+    assert reply.usage.prompt_tokens == 104
+
+
+def test_tokens_of_a_call_whose_client_left_are_not_counted_as_served():
+    """tokens_total counts served calls only: a call whose client left before its answer adds nothing."""
+    s = gateway_settings(backend={"kind": "sim"}, gateway={"max_context_tokens": None})
+    with serve_in_thread(s) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 8000}, headers=headers, timeout=0.5)
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+        text = httpx.get(url + "/metrics", headers=headers).text
+    assert 'code="499"' in text and "fleetsched_gateway_tokens_total{" not in text
+
+
+def test_a_session_call_with_a_field_that_needs_another_opens_no_session(gateway):
+    """top_logprobs without logprobs is refused by the gateway itself, before the call's X-Session-ID opens a session."""
+    gw, url = gateway
+    before = len(gw.sessions)
+    body = {"messages": MSG, "max_tokens": 1, "top_logprobs": 2}
+    response = httpx.post(url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {ACME}", "x-session-id": "needs-logprobs"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    assert len(gw.sessions) == before
+
+
+def test_a_session_ended_by_its_client_leaves_the_scheduler_at_once():
+    """After DELETE /v1/sessions/{id} of an idle session, the scheduler runs no session for it (it was kept waiting for a call)."""
+    s = gateway_settings(gateway={"session_idle_s": 60})
+    with serve_in_thread(s) as (gw, url):
+        client(url).with_options(default_headers={"X-Session-ID": "s1"}).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+        assert gw.scheduler.statistics().running_total == 1
+        assert httpx.delete(url + "/v1/sessions/s1", headers={"authorization": f"Bearer {ACME}"}).status_code == 200
+        assert _wait_for(lambda: gw.scheduler.statistics().running_total == 0 and len(gw.sessions) == 0)
+
+
+def test_a_session_past_its_deadline_in_the_queue_leaves_its_id_refused():
+    """A session that passes its deadline before its first call is served marks its id: the next call is told to use a new X-Session-ID."""
+    tenants = {"a": {"api_keys": [hash_key(ACME)]}, "b": {"api_keys": [hash_key(GLOBEX)], "sla": {"deadline_s": 1}}}
+    s = gateway_settings(tenants, scheduler={"max_sessions": 1, "tool_policy": "keep"}, gateway={"session_idle_s": 60})
+    with serve_in_thread(s) as (_, url):
+
+        def post(key: str, session: str) -> httpx.Response:
+            headers = {"authorization": f"Bearer {key}", "x-session-id": session}
+            return httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}, headers=headers, timeout=10)
+
+        assert post(ACME, "holder").status_code == 200
+        assert post(GLOBEX, "late").status_code == 408
+        again = post(GLOBEX, "late")
+    assert again.status_code == 408 and "needs a new X-Session-ID" in again.json()["error"]["message"]
+
+
+def test_a_text_completion_reaches_vllm_without_the_gateway_s_marker():
+    """The gateway's private endpoint marker is removed before a text completion's body goes to a vLLM replica."""
+    import httpx2
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    sent: list[dict] = []
+
+    def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            sent.append(json.loads(request.content))
+            chunk = {"id": "cmpl-r", "object": "text_completion", "created": 0, "model": "m", "choices": [{"index": 0, "text": "ok", "logprobs": None, "finish_reason": "stop"}], "usage": usage_dict(2, 1)}
+            return httpx2.Response(200, content=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(), headers={"content-type": "text/event-stream"})
+
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler)))
+
+    metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    backend = VLLMServerBackend({"r": "http://r.invalid:8000"}, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
+    with serve_in_thread(gateway_settings(), backend=backend) as (_, url):
+        assert client(url).completions.create(model="m", prompt="Once upon", max_tokens=2).choices[0].text == "ok"
+    assert sent and not [key for key in sent[0] if key.startswith("fleetsched")], sent
+
+
+def test_a_tenant_sees_no_series_of_a_tenant_whose_name_contains_its_own():
+    """Tenant "ac" sees its own series only, not those of tenant "acme"."""
+    from fleetsched.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    for tenant in ("ac", "acme"):
+        metrics.record(tenant, "chat", 200, 0.1)
+        metrics.add_tokens(tenant, 3, 4)
+        metrics.in_flight[tenant] = 0
+    page = metrics.render("ac")
+    assert 'tenant="ac"' in page and "acme" not in page

@@ -559,3 +559,77 @@ async def test_a_reading_of_the_peers_low_for_a_moment_is_not_charged_twice():
     with anyio.move_on_after(5 * FAIR_SHARE_SYNC_S):
         await gateway._sync_fair_share()
     assert charged == [("acme", 30.0)]
+
+
+async def test_each_placement_pushes_its_expiry_back(redis_url):
+    """A session asked for again keeps its placement for another ttl from then, in memory and in Redis alike."""
+    for state in (MemoryState({}), RedisState({}, redis_url, instance="a", prefix=f"t-{uuid.uuid4().hex[:8]}")):
+        try:
+            assert await state.place("s1", Placement("one"), 0.3) == Placement("one")
+            assert await state.place("s1", Placement("two"), 30) == Placement("one")
+            await anyio.sleep(0.5)
+            assert await state.place("s1", Placement("two"), 30) == Placement("one")
+        finally:
+            await state.aclose()
+
+
+async def test_a_past_deadline_mark_expires_in_memory_too():
+    """An instance alone refuses a session past its deadline for the mark's ttl, then takes the id as a new session."""
+    state = MemoryState({})
+    await state.place("s1", Placement("one"), 5)
+    await state.mark_past_deadline("s1", 0.3)
+    assert await state.place("s1", Placement("two"), 5) is None
+    await anyio.sleep(0.5)
+    assert await state.place("s1", Placement("two"), 5) == Placement("two")
+
+
+async def test_many_sessions_in_memory_keep_the_live_placements_and_marks():
+    """Past 1,024 sessions the in-memory table drops only expired entries: a live past-deadline mark and placement stay."""
+    state = MemoryState({})
+    await state.place("kept", Placement("one"), 60)
+    await state.mark_past_deadline("late", 60)
+    for i in range(1100):
+        await state.place(f"s{i}", Placement("one"), 60)
+    assert await state.place("late", Placement("two"), 60) is None
+    assert await state.place("kept", Placement("two"), 60) == Placement("one")
+
+
+async def test_the_peers_service_to_a_tenant_not_configured_here_is_not_charged():
+    """The fair-share sync charges only tenants this instance knows; another deployment's tenant in Redis is skipped."""
+    from types import SimpleNamespace
+
+    from fleetsched.gateway.app import Gateway
+
+    charged = []
+    readings = iter([{"acme": 0.0, "ghost": 0.0}, {"acme": 10.0, "ghost": 50.0}])
+    gateway = Gateway(gateway_settings())
+
+    async def peer_usage():
+        try:
+            return next(readings)
+        except StopIteration:
+            await anyio.sleep_forever()
+
+    gateway.state.peer_usage = peer_usage
+    gateway.scheduler = SimpleNamespace(dispatcher=SimpleNamespace(charge_external=lambda t, c: charged.append((t, c))))
+    with anyio.move_on_after(3 * FAIR_SHARE_SYNC_S):
+        await gateway._sync_fair_share()
+    assert charged == [("acme", 10.0)]
+
+
+async def test_a_ttl_under_a_millisecond_still_places_a_session_in_redis(redis_url):
+    """An idle time below Redis's 1 ms resolution is rounded up, not sent as an expiry Redis refuses."""
+    state = RedisState({}, redis_url, instance="a", prefix=f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        assert await state.place("s1", Placement("one"), 0.0001) == Placement("one")
+        await state.mark_past_deadline("s1", 0.0001)
+    finally:
+        await state.aclose()
+
+
+def test_a_redis_database_that_is_no_number_is_refused_when_the_state_is_made():
+    """redis://host:port/x is a config error at once (redis-py read it as database 0, another deployment's state)."""
+    from fleetsched.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="the database is a number"):
+        RedisState({}, "redis://127.0.0.1:6379/x", instance="a")
