@@ -846,3 +846,395 @@ async def test_no_replica_to_ask_for_its_model_is_not_told_to_set_the_model(capl
     await backend.aclose()
     await http.aclose()
     assert "no vLLM replica listed its model" in caplog.text
+
+
+def test_a_breaker_closed_by_its_probe_lets_a_probe_through_at_the_next_outage():
+    """A breaker that its probe closed lets a probe through when it opens again."""
+    breaker = CircuitBreaker(failures=1, reset_s=1.0)
+    breaker.record_failure(0.0)
+    assert breaker.acquire(1.0) == "probe"
+    breaker.record_success()
+    breaker.record_failure(2.0)
+    assert breaker.acquire(3.0) == "probe"
+
+
+def test_a_probe_that_fails_after_another_call_closed_the_breaker_counts_as_one_failure():
+    """A probe failing after another call's success closed the breaker counts as one failure, not a reopening."""
+    breaker = CircuitBreaker(failures=2, reset_s=1.0)
+    breaker.record_failure(0.0)
+    breaker.record_failure(0.0)
+    assert breaker.acquire(1.0) == "probe"
+    breaker.record_success()  # a call granted before the breaker opened succeeds
+    breaker.record_failure(1.5, "probe")
+    assert breaker.state(1.5) == "closed"
+
+
+@pytest.mark.anyio
+async def test_a_call_the_replica_answers_resets_its_breaker_s_count():
+    """A call that the replica streams, or refuses with a 400, resets its breaker's count of failures."""
+    answers = [httpx2.Response(500, json={}), httpx2.Response(400, json={}), httpx2.Response(500, json={}), _ok(), httpx2.Response(500, json={})]
+    backend = _backend(answers, seen := [], retry_attempts=1, breaker_failures=2)
+    for _ in range(5):
+        with contextlib.suppress(BackendUnavailable, InvalidRequest):
+            await collect_stream(backend.stream_chat(BODY))
+    assert len(seen) == 5 and backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_probe_cancelled_before_its_first_chunk_frees_the_probe_s_slot():
+    """A probe call cancelled before its first chunk lets the next call probe the replica."""
+    backend = _backend([httpx2.Response(500, json={}), _streamed(then=3600.0), _ok()], seen := [], retry_attempts=1, breaker_failures=1, breaker_reset_s=1.0)
+    with pytest.raises(BackendUnavailable):
+        await collect_stream(backend.stream_chat(BODY))
+    await anyio.sleep(1.0)
+    with anyio.move_on_after(5.0):
+        await collect_stream(backend.stream_chat(BODY))  # the probe, cancelled
+    response, _ = await collect_stream(backend.stream_chat(BODY))
+    assert response["choices"][0]["message"]["content"] == "hi" and len(seen) == 3
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_call_routed_by_load_with_every_breaker_open_is_refused():
+    """A call routed by load when every replica's breaker is open is refused as a circuit open."""
+    backend = _backend([httpx2.Response(500, json={})], seen := [], retry_attempts=1, breaker_failures=1)
+    with pytest.raises(BackendUnavailable, match="failed with 500"):
+        await collect_stream(backend.stream_chat(BODY))
+    with pytest.raises(BackendUnavailable, match="circuit open"):
+        await collect_stream(backend.stream_chat(BODY))
+    assert len(seen) == 1
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_half_open_replica_takes_calls_routed_by_load():
+    """A replica whose breaker is half-open takes a call routed by load (its probe) when it is the least loaded."""
+    backend = VLLMServerBackend({"a": "http://a.invalid:1", "b": "http://b.invalid:2"}, breaker_failures=1, breaker_reset_s=1.0)
+    backend.replicas["a"].in_flight = 1
+    backend.replicas["b"].breaker.record_failure(anyio.current_time() - 2.0)
+    assert backend.pick_replica().name == "b"
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("asked", "retry_after_s"), [(None, 1.0), ("-5", 0.0), ("inf", 1.0)])
+async def test_a_429_asks_for_a_wait_that_is_a_finite_number_of_seconds_not_below_0(asked, retry_after_s):
+    """A 429's `Overloaded` asks 1 s where Retry-After says no finite number, and never less than 0 s."""
+    headers = {} if asked is None else {"retry-after": asked}
+    backend = _backend([httpx2.Response(429, headers=headers, json={})], [], retry_attempts=1)
+    with pytest.raises(Overloaded) as info:
+        await collect_stream(backend.stream_chat(BODY))
+    assert info.value.retry_after_s == retry_after_s
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_backoff_adds_up_to_the_initial_delay_of_jitter(monkeypatch):
+    """Each backoff adds a random wait of up to `retry_initial_s` (here drawn at its top)."""
+    import random
+
+    monkeypatch.setattr(random, "random", lambda: 1.0)
+    backend = _backend([httpx2.Response(500, json={}), _ok()], [], retry_attempts=2, retry_initial_s=1.0)
+    began = anyio.current_time()
+    await collect_stream(backend.stream_chat(BODY))
+    assert anyio.current_time() - began == pytest.approx(2.0)
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_422_answer_or_event_is_an_invalid_request():
+    """A 422, answered or reported in the stream, is an `InvalidRequest` and is not retried."""
+    for answer in (httpx2.Response(422, json={"message": "bad field"}), _event_stream(_error_event(422, "bad field"))):
+        backend = _backend([answer], seen := [])
+        with pytest.raises(InvalidRequest, match="422"):
+            await collect_stream(backend.stream_chat(BODY))
+        assert len(seen) == 1
+        await backend.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (httpx2.ConnectTimeout("timed out"), r"no connection within the connect timeout \(5 s\)"),
+        (httpx2.WriteTimeout("timed out"), r"the call could not be sent within the timeout .*: the server does not read"),
+    ],
+)
+async def test_a_timeout_before_the_call_went_out_says_which(error, said):
+    """A connect or write timeout is named as such, not as a replica that took the call and went silent."""
+
+    def failing(base_url: str, api_key: str) -> AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            raise error
+
+        return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler)))
+
+    backend = VLLMServerBackend("http://vllm.invalid:8000", retry_attempts=1, client_factory=failing)
+    with pytest.raises(BackendUnavailable, match=rf"^cannot reach vLLM replica r0 \(http://vllm.invalid:8000\): {said}"):
+        await collect_stream(backend.stream_chat(BODY))
+    await backend.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time
+@pytest.mark.anyio
+async def test_a_port_nothing_listens_on_is_named_a_refused_connection(anyio_backend):
+    """A replica whose port nothing listens on is named as a refused connection, with its URL."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    backend = VLLMServerBackend(url, retry_attempts=1)
+    with pytest.raises(BackendUnavailable, match=rf"^cannot reach vLLM replica r0 \({url}\): connection refused \(no server listens there\)"):
+        await collect_stream(backend.stream_chat(BODY))
+    await backend.aclose()
+
+
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_the_body_is_read_to_its_end_after_done(anyio_backend):
+    """The body is read to its end after [DONE], so that the connection is kept for the next call."""
+    read_to_end: list[bool] = []
+
+    async def body():
+        yield OK_STREAM
+        read_to_end.append(True)
+
+    backend = _backend([httpx2.Response(200, content=body(), headers={"content-type": "text/event-stream"})], [])
+    await collect_stream(backend.stream_chat(BODY))
+    assert read_to_end == [True]
+    await backend.aclose()
+
+
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_leaving_a_stream_early_closes_the_response(anyio_backend):
+    """Leaving the iteration after a chunk closes the HTTP response (vLLM aborts the request on disconnect)."""
+    closed: list[bool] = []
+
+    class Held(httpx2.AsyncByteStream):
+        async def __aiter__(self):
+            yield ROLE_CHUNK
+            await anyio.sleep(3600)
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    backend = _backend([httpx2.Response(200, stream=Held(), headers={"content-type": "text/event-stream"})], [])
+    async with contextlib.aclosing(backend.stream_chat(BODY)) as chunks:
+        async for _ in chunks:
+            break
+    assert closed and backend.replicas["r0"].in_flight == 0
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_503_event_mid_stream_leaves_the_breaker_closed():
+    """A 503 reported in the stream after its first chunk (the replica is busy) does not count against the breaker."""
+    backend = _backend([_event_stream(ROLE_CHUNK, _error_event(503, "overloaded"))], [], breaker_failures=1)
+    with pytest.raises(BackendUnavailable, match="overloaded"):
+        await collect_stream(backend.stream_chat(BODY))
+    assert backend.replicas["r0"].breaker.consecutive_failures == 0
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_stream_without_usage_ends_with_an_estimated_one():
+    """A stream that sends no usage ends with a usage chunk estimated from the body and the chunks with choices."""
+    from fleetsched.backends.base import estimate_prompt_tokens
+
+    no_usage = httpx2.Response(200, content=OK_STREAM.replace(OK_STREAM.split(b"\n\n")[2] + b"\n\n", b""), headers={"content-type": "text/event-stream"})
+    backend = _backend([no_usage], [])
+    chunks = [c async for c in backend.stream_chat(BODY)]
+    assert chunks[-1]["usage"] == {"prompt_tokens": estimate_prompt_tokens(BODY), "completion_tokens": 1, "total_tokens": estimate_prompt_tokens(BODY) + 1}
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_caller_s_stream_options_go_out_with_usage_switched_on():
+    """The caller's `stream_options` are sent, with `include_usage` on even where the caller turned it off."""
+    backend = _backend([_ok()], seen := [])
+    await collect_stream(backend.stream_chat({**BODY, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}))
+    assert seen[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    await backend.aclose()
+
+
+def _fleet(answers: dict[str, list[httpx2.Response | Exception]], **options) -> tuple[VLLMServerBackend, dict[str, int]]:
+    """A backend over mock replicas named as `answers`, each answering its calls in turn (an
+    exception is raised, as a transport's); with the count of calls each was sent."""
+    sent = dict.fromkeys(answers, 0)
+
+    def factory(base_url: str, api_key: str) -> AsyncOpenAI:
+        name = base_url.split("//")[1].split(".")[0]
+
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            sent[name] += 1
+            answer = answers[name].pop(0) if len(answers[name]) > 1 else answers[name][0]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler)))
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    options = {"retry_attempts": 3, "retry_initial_s": 1.0, **options}
+    return VLLMServerBackend({name: f"http://{name}.invalid:8000" for name in answers}, client_factory=factory, http_client=http, **options), sent
+
+
+@pytest.mark.anyio
+async def test_a_call_routed_by_load_leaves_an_unreachable_replica_at_once():
+    """A call routed by load goes from a replica it cannot reach to another at once, without retrying it."""
+    backend, sent = _fleet({"a": [httpx2.ConnectError("connection refused")], "b": [_ok()]})
+    response, _ = await collect_stream(backend.stream_chat(BODY))
+    assert response["choices"][0]["message"]["content"] == "hi" and sent == {"a": 1, "b": 1}
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_call_named_to_a_replica_does_not_fail_over():
+    """A call named to a replica that fails it is failed, not sent to another replica."""
+    backend, sent = _fleet({"a": [httpx2.Response(500, json={})], "b": [_ok()]}, retry_attempts=1)
+    with pytest.raises(BackendUnavailable, match="replica a .*failed with 500"):
+        await collect_stream(backend.stream_chat({**BODY, REPLICA_KEY: "a"}))
+    assert sent == {"a": 1, "b": 0}
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_call_refused_for_its_body_does_not_fail_over():
+    """A call that its replica refuses with a 400 is not sent to another replica."""
+    backend, sent = _fleet({"a": [httpx2.Response(400, json={})], "b": [_ok()]})
+    with pytest.raises(InvalidRequest):
+        await collect_stream(backend.stream_chat(BODY))
+    assert sent == {"a": 1, "b": 0}
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_call_falling_back_from_a_replica_never_fails_over_to_it():
+    """A call that avoids a replica (falling back from it) and fails on another is not sent to the avoided one."""
+    backend, sent = _fleet({"a": [_ok()], "b": [httpx2.Response(500, json={})]}, retry_attempts=1)
+    with pytest.raises(BackendUnavailable, match="replica b .*failed with 500"):
+        await collect_stream(backend.stream_chat({**BODY, AVOID_KEY: "a"}))
+    assert sent == {"a": 0, "b": 1}
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_signals_warn_once_about_a_replica_not_on_the_priority_policy(caplog):
+    """`signals` reads each replica's policy from /server_info once and warns about one that is not priority."""
+    policies = {"a": "FCFS", "b": "priority"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=_gauges("1"))
+        return httpx.Response(200, json={"vllm_config": {"scheduler_config": {"policy": policies[request.url.host.split(".")[0]]}}})
+
+    backend = VLLMServerBackend({name: f"http://{name}.invalid" for name in policies}, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    with caplog.at_level("WARNING", logger="fleetsched.backends.vllm_server"):
+        await backend.signals()
+        await backend.signals()
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["vLLM replica a"]
+    assert "runs the 'fcfs' scheduling policy" in caplog.text
+    assert await backend.scheduling_policy("b") == "priority"
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_signals_fail_when_no_replica_answers_its_metrics():
+    """`signals` raises `BackendUnavailable` when every replica answers /metrics with an error status."""
+    backend = _scraped({"a": 503, "b": 500})
+    with pytest.raises(BackendUnavailable, match="no vLLM replica answered /metrics"):
+        await backend.signals()
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_counter_missing_from_a_page_keeps_its_last_reading():
+    """A counter absent from a replica's page counts with the replica's last reading of it."""
+    pages: dict[str, str | int] = {"a": _gauges("0", preemptions="7")}
+    backend = _scraped(pages)
+    assert (await backend.signals()).preemptions_total == 7
+    pages["a"] = _gauges("2").split("# TYPE vllm:num_preemptions")[0]
+    signals = await backend.signals()
+    assert signals.waiting == 2 and signals.preemptions_total == 7
+    await backend.aclose()
+
+
+def test_token_and_finished_counts_are_summed_over_engines():
+    """Prompt, generation and finished counts are summed over a page's engines."""
+    page = parse_vllm_metrics(
+        "# TYPE vllm:prompt_tokens counter\n"
+        'vllm:prompt_tokens_total{engine="0",model_name="tiny"} 10.0\n'
+        'vllm:prompt_tokens_total{engine="1",model_name="tiny"} 5.0\n'
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{engine="0",model_name="tiny"} 7.0\n'
+        'vllm:generation_tokens_total{engine="1",model_name="tiny"} 1.0\n'
+        "# TYPE vllm:request_success counter\n"
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 2.0\n'
+        'vllm:request_success_total{engine="1",finished_reason="stop",model_name="tiny"} 3.0\n'
+    )
+    assert (page.prompt_tokens_total, page.generation_tokens_total, page.finished) == (15.0, 8.0, {"stop": 5.0})
+
+
+def test_merged_kv_cache_usage_is_the_mean_over_replicas():
+    """The KV cache usage merged over replicas is the mean of theirs."""
+    low, high = (parse_vllm_metrics(f'# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{engine="0"}} {v}\n').signals for v in (0.25, 0.75))
+    assert merge_signals([low, high]).kv_cache_usage == 0.5
+
+
+@pytest.mark.parametrize("count", ["true", "-1", "1.5"])
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_a_usage_count_that_is_no_count_of_tokens_is_named(count, anyio_backend):
+    """A usage count that is a boolean, negative or fractional fails the call, naming it."""
+    usage = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":%s}}\n\n' % count.encode()
+    backend = _backend([_event_stream(ROLE_CHUNK, usage)], [], retry_attempts=1)
+    with pytest.raises(BackendError, match=f"sent a usage whose completion_tokens is not a count: {count.title() if count == 'true' else count}"):
+        await collect_stream(backend.stream_chat(BODY))
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_consumer_cancelled_at_a_chunk_gets_no_further_chunk():
+    """A consumer cancelled while handling a chunk gets no further chunk, even from an answer already buffered."""
+    backend = _backend([_ok()], [])
+    got = []
+    with anyio.CancelScope() as scope:
+        async for chunk in backend.stream_chat(BODY):
+            got.append(chunk)
+            scope.cancel()
+    assert len(got) == 1 and backend.replicas["r0"].in_flight == 0
+    await backend.aclose()
+
+
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_a_call_that_fails_before_its_first_chunk_closes_its_response(anyio_backend):
+    """A call failed by an error event before its first chunk closes the HTTP response at once."""
+    closed: list[bool] = []
+
+    class Held(httpx2.AsyncByteStream):
+        async def __aiter__(self):
+            yield _error_event(400, "bad tool parser")
+            await anyio.sleep(3600)
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    backend = _backend([httpx2.Response(200, stream=Held(), headers={"content-type": "text/event-stream"})], [])
+    with pytest.raises(InvalidRequest):
+        await collect_stream(backend.stream_chat(BODY))
+    assert closed
+    await backend.aclose()
+
+
+def test_a_policy_label_is_read_in_lower_case():
+    """A policy label on an ``*_info`` series is reported in lower case."""
+    page = parse_vllm_metrics('# TYPE vllm:scheduler_config_info gauge\nvllm:scheduler_config_info{scheduling_policy="PRIORITY"} 1.0\n')
+    assert page.scheduling_policy == "priority"
+
+
+def test_a_finished_count_without_its_reason_is_left_out():
+    """A ``request_success`` sample without a ``finished_reason`` label is left out of the finished counts."""
+    page = parse_vllm_metrics('# TYPE vllm:request_success counter\nvllm:request_success_total{model_name="tiny"} 3.0\n')
+    assert page.finished == {}
