@@ -446,3 +446,24 @@ async def test_a_stream_left_early_is_recorded_alike_through_ctx_stream_and_the_
         assert handle.counters.calls == 1 and handle.counters.completion_tokens == record.completion_tokens > 0
         events = report["tenants"][0]["sla"]["objectives"]["latency_p95"]["events"]
         assert events == (0 if error else 1), agent.__name__
+
+
+async def test_a_call_naming_a_model_not_served_is_a_404_naming_the_model_field():
+    """A call naming a model the backend does not serve is a 404 whose param is model, as vLLM answers it."""
+
+    async def agent(ctx):
+        with pytest.raises(openai.NotFoundError) as refused:
+            await ctx.openai.chat.completions.create(model="other-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        return refused.value.body["param"], refused.value.code
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        assert await scheduler.run(agent, tenant="acme") == ("model", "model_not_found")
+    check_released(scheduler)
+
+
+def test_a_retry_after_is_at_least_1_s():
+    """An error answer's Retry-After is at least 1 second, also for a wait of 0."""
+    from fleetsched.agents.transport import response_for
+    from fleetsched.errors import Overloaded
+
+    assert response_for(Overloaded("shed", retry_after_s=0)).headers["retry-after"] == "1"

@@ -776,3 +776,17 @@ async def test_sessions_started_at_once_count_toward_their_tenants_fair_share():
         await scheduler.submit(noting("a1"), tenant="a")
     assert order == ["b1", "b2", "a1"]
     check_released(scheduler)
+
+
+async def test_a_call_naming_another_model_goes_out_naming_it():
+    """A call that names a model is sent naming it, not the session's: the sim refuses one it does not serve."""
+    from fleetsched.errors import UnknownModel
+
+    async def agent(ctx):
+        with pytest.raises(UnknownModel, match="other-model"):
+            await ctx.chat([{"role": "user", "content": "hi"}], model="other-model", max_tokens=2)
+        return (await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=2))["model"]
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        assert await scheduler.run(agent, tenant="acme") == scheduler.settings.backend.model
+    check_released(scheduler)

@@ -14,7 +14,7 @@ import re
 import anyio
 import pytest
 
-from fleetsched.backends.base import Received, collect_chat, estimate_prompt_tokens, tools_text
+from fleetsched.backends.base import Received, collect_chat, estimate_prompt_tokens, output_so_far, tools_text
 from fleetsched.backends.instant import InstantBackend
 from fleetsched.backends.chat_options import echoed, output_params, response_role, template_kwargs
 from fleetsched.backends.sampling import constraint_params
@@ -1111,3 +1111,165 @@ async def test_an_answer_carries_the_null_fields_vllm_sends():
         chunks = [chunk async for chunk in backend.stream_chat(body(16, 3))]
     for choice in [whole["choices"][0], *(chunk["choices"][0] for chunk in chunks if chunk["choices"])]:
         assert choice["logprobs"] is None and choice["stop_reason"] is None
+
+
+# Each (field, a value vLLM 0.32 takes at the edge of its range, one just past it or of a type it
+# refuses), as `fleetsched.backends.sampling.RULES` holds them.
+SAMPLING_EDGES = [
+    ("temperature", 2.0, 2.01), ("min_p", 1.0, 1.5), ("presence_penalty", 2.0, 2.5), ("frequency_penalty", -2.0, -2.5),
+    ("repetition_penalty", 0.01, 0), ("repetition_penalty", 1.1, math.inf), ("min_tokens", 0, -1),
+    ("seed", 2**63 - 1, 2**63), ("seed", -(2**63), True), ("ignore_eos", True, 5), ("stop_token_ids", [0, 1], 5),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "taken", "refused"), SAMPLING_EDGES)
+async def test_a_sampling_field_takes_its_limit_and_refuses_past_it_naming_the_field(field, taken, refused):
+    """A sampling field takes a value at its limit and refuses one past it (or of a wrong type), naming the field."""
+    async with SimBackend(flat()) as backend:
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), field: taken})]
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+        with pytest.raises(InvalidRequest, match=f"^{field}: expected"):
+            backend.stream_chat({**body(16, 4), field: refused})
+
+
+async def test_top_logprobs_must_be_whole_and_needs_logprobs_only_above_0():
+    """top_logprobs of 2.5 is refused naming top_logprobs; 0 is taken without logprobs."""
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match="^top_logprobs: expected an integer"):
+            backend.stream_chat({**body(16, 4), "logprobs": True, "top_logprobs": 2.5})
+        response, _ = await backend.complete_chat({**body(16, 4), "top_logprobs": 0})
+        assert response["usage"]["completion_tokens"] == 4 and response["choices"][0]["logprobs"] is None
+
+
+async def test_a_fractional_logit_bias_and_a_structural_tag_of_structures_are_taken():
+    """A fractional logit bias, and a structural tag in its older form (structures and triggers), are taken."""
+    tag = {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": OBJECT_SCHEMA, "end": "</a>"}], "triggers": ["<a>"]}
+    async with SimBackend(flat()) as backend:
+        for extra in ({"logit_bias": {"50": 0.5}}, {"response_format": tag}):
+            chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), **extra})]
+            assert chunks[-1]["usage"]["completion_tokens"] == 4, extra
+
+
+def test_a_logit_bias_below_minus_100_is_clamped_as_vllm_clamps_it():
+    """A logit bias under -100 reaches the engine as -100."""
+    assert constraint_params({"logit_bias": {"7": -1000, "8": "-inf"}}) == {"logit_bias": {7: -100.0, 8: -100.0}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": OBJECT_SCHEMA, "description": 5}}}, "response_format.json_schema.description"),
+        ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+    ],
+)  # fmt: skip
+async def test_constraint_fields_of_the_wrong_type_are_refused_naming_the_field(extra, field):
+    """A schema description that is no string, and a regex that is no string, are refused naming the field."""
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match=f"^{re.escape(field)}: expected a string"):
+            backend.stream_chat({**body(16, 4), **extra})
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"watermarking": "maybe"}, "watermarking"), ({"media_io_kwargs": {"video": {"num_frames": 4}}}, "media_io_kwargs"),
+        ({"cache_salt": "a@b"}, "cache_salt"), ({"cache_salt": 5}, "cache_salt"), ({"vllm_xargs": [1]}, "vllm_xargs"),
+        ({"repetition_detection": {"max_pattern_size": -1, "min_count": 2}}, "repetition_detection.max_pattern_size"),
+    ],
+)  # fmt: skip
+async def test_more_chat_options_vllm_refuses_are_refused_naming_the_field(extra, field):
+    """A watermarking that is no flag, per-call media options, a salt with @ or of no string, xargs of no object and a negative pattern size are refused, naming the field."""
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match=f"^{re.escape(field)}: "):
+            backend.stream_chat({**body(16, 4), **extra})
+
+
+async def test_repetition_detection_takes_equal_sizes_and_a_count_of_2():
+    """Repetition detection with its minimum pattern size equal to its maximum and a count of 2 is taken."""
+    detection = {"max_pattern_size": 2, "min_pattern_size": 2, "min_count": 2}
+    async with SimBackend(flat()) as backend:
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), "repetition_detection": detection})]
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def forced_arguments(properties: dict, required: list) -> dict:
+    """The arguments the sim answers for a tool of these parameters that the call requires."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": properties, "required": required}}}
+    async with SimBackend(flat()) as backend:
+        response, _ = await backend.complete_chat({**body(16, 400), "tools": [tool], "tool_choice": "required"})
+    return json.loads(response["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+
+
+async def test_a_forced_call_fills_unions_empty_enums_and_untyped_objects():
+    """A oneOf takes its first option, an empty enum its type's empty value, and properties without a type make an object."""
+    properties = {
+        "n": {"oneOf": [{"type": "integer"}, {"type": "string"}]}, "s": {"type": "string", "enum": []},
+        "o": {"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+    }  # fmt: skip
+    assert await forced_arguments(properties, ["n", "s", "o"]) == {"n": 0, "s": "", "o": {"a": False}}
+
+
+async def test_a_forced_call_of_a_schema_that_refers_to_itself_nests_8_deep():
+    """A schema that refers to itself is answered with its objects nested 8 deep, then empty."""
+    node: dict = {"type": "object", "properties": {}, "required": ["child"]}
+    node["properties"]["child"] = node
+    arguments, depth = await forced_arguments({"child": node}, ["child"]), 0
+    while arguments:
+        arguments, depth = arguments["child"], depth + 1
+    assert depth == 8
+
+
+async def test_a_forced_calls_first_streamed_delta_names_its_id_and_type():
+    """The first streamed delta of a forced call carries its id and type "function", as the collected answer does."""
+    async with SimBackend(flat()) as backend:
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 40), "tools": [TOOL], "tool_choice": "required"})]
+    (first,) = chunks[1]["choices"][0]["delta"]["tool_calls"]
+    assert first["type"] == "function" and first["id"] == collect_chat(chunks)["choices"][0]["message"]["tool_calls"][0]["id"]
+
+
+async def test_a_stream_with_usage_on_every_chunk_collects_to_its_last_usage():
+    """Collected, a stream with usage on every chunk has its last chunk's usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    async with SimBackend(flat(stream_interval=4)) as backend:
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 10), "stream_options": options})]
+    assert collect_chat(chunks)["usage"] == {"prompt_tokens": 16, "completion_tokens": 10, "total_tokens": 26}
+
+
+async def test_a_stream_cut_before_its_end_collects_to_one_choice_ending_stop():
+    """Collected, a stream cut before its finish reason (or before any chunk) still has one choice, ending "stop"."""
+    async with SimBackend(flat()) as backend:
+        chunks = [chunk async for chunk in backend.stream_chat(body(16, 4))]
+    for cut in (chunks[:2], []):
+        (choice,) = collect_chat(cut)["choices"]
+        assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "".join(c["choices"][0]["delta"]["content"] for c in cut)
+
+
+async def test_a_streamed_forced_call_collects_to_a_call_with_no_content_and_counts_as_output():
+    """A streamed forced call collects to its call (its id kept) with content null, and each of its chunks counts as output received."""
+    async with SimBackend(flat()) as backend:
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 40), "tools": [TOOL], "tool_choice": "required"})]
+    (call,) = collect_chat(chunks)["choices"][0]["message"]["tool_calls"]
+    assert call["id"].startswith("chatcmpl-tool-") and collect_chat(chunks)["choices"][0]["message"]["content"] is None
+    assert output_so_far(chunks[1], 0) == 1 and "tool_calls" in chunks[1]["choices"][0]["delta"]
+
+
+def test_the_output_received_never_falls_when_a_chunk_says_less():
+    """The output counted so far stays where it was when a chunk's usage says less."""
+    assert output_so_far({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}, 5) == 5
+
+
+async def test_the_largest_max_tokens_is_refused_only_as_past_the_context():
+    """A max_tokens of 2**31 - 1 is a count: the sim refuses it as longer than the model's context (ContextTooLong), naming max_tokens."""
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(ContextTooLong, match="^max_tokens=2147483647 cannot be greater") as info:
+            backend.stream_chat(body(16, 2**31 - 1))
+    assert info.value.param == "max_tokens"
+
+
+async def test_a_max_tokens_as_long_as_the_context_is_cut_not_refused():
+    """A max_tokens equal to the model's context is cut to what the prompt leaves; one past it is ContextTooLong."""
+    async with SimBackend(flat(max_model_len=256, kv_cache_tokens=1024)) as backend:
+        response, _ = await backend.complete_chat(body(250, 256))
+        assert response["usage"]["completion_tokens"] == 6 and response["choices"][0]["finish_reason"] == "length"
+        with pytest.raises(ContextTooLong, match="^max_tokens=257 cannot be greater"):
+            backend.stream_chat(body(16, 257))

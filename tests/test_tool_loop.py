@@ -486,3 +486,42 @@ async def test_max_refusals_must_be_a_count():
         with pytest.raises(SessionFailed) as info:
             await scheduler.run(agent, tenant="acme")
     assert str(info.value.__cause__) == "max_refusals must be >= 0 (an integer), got -1"
+
+
+async def test_a_reply_of_whitespace_alone_is_answered_as_an_empty_one():
+    """A reply of whitespace alone is no answer: the model is told its reply was empty, counted as an error."""
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, max_turns=2)
+
+    async with InstantBackend(text=" \n ") as backend, Scheduler(settings(), backend=backend) as scheduler:
+        loop = await scheduler.run(agent, tenant="acme")
+    assert (loop.stopped, loop.answer, loop.tool_errors) == ("turn_limit", None, 2)
+    check_released(scheduler)
+
+
+async def test_a_model_call_with_null_arguments_runs_the_tool_with_none():
+    """A tool call from the model whose arguments are null runs the tool without arguments."""
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS)
+
+    call = {"id": "c1", "function": {"name": "explode", "arguments": None}}
+    async with ToolCallsBackend([call]) as backend, Scheduler(settings(), backend=backend) as scheduler:
+        loop = await scheduler.run(agent, tenant="acme")
+    check_released(scheduler)
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"] == ["error: tool 'explode' raised RuntimeError: disk full"]
+
+
+async def test_a_refusal_whose_wait_ends_at_the_deadline_is_raised_at_once():
+    """A refused model call whose wait would end exactly at the session's deadline is raised at once, not waited out."""
+    calc = [{"name": "add", "arguments": {"a": 6, "b": 7}}]
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, script=[calc] * 3)
+
+    async with Scheduler(settings({"edge": {"requests_per_minute": 3, "sla": {"deadline_s": 20}}})) as scheduler:
+        with pytest.raises(SessionFailed) as refused:
+            await scheduler.run(agent, tenant="edge")
+    assert "requests_per_minute (3)" in str(refused.value.__cause__) and "retry after 20.0 s" in str(refused.value.__cause__)
+    check_released(scheduler)

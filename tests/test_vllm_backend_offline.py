@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 from fleetsched.backends.base import AVOID_KEY, FALLBACK_KEY, REPLICA_KEY, collect_chat, collect_stream
 from fleetsched.backends.metrics import merge_signals, parse_vllm_metrics
 from fleetsched.backends.vllm_server import CircuitBreaker, VLLMServerBackend
-from fleetsched.errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded
+from fleetsched.errors import BackendError, BackendUnavailable, ContextTooLong, InvalidRequest, Overloaded
 
 from .helpers import virtual_loop
 
@@ -732,6 +732,18 @@ async def test_the_field_vllm_names_in_its_400_reaches_the_client():
         _ = [c async for c in backend.stream_chat({**BODY, "top_k": 0})]
     assert refused.value.param == "top_k"
     assert json.loads(response_for(refused.value).content)["error"]["param"] == "top_k"
+
+
+@pytest.mark.anyio
+async def test_a_400_that_names_max_model_len_is_context_too_long():
+    """A vLLM 400 whose message speaks of its max_model_len is ContextTooLong, naming the field vLLM names."""
+    said = "'max_tokens' is too large: 5000. This model's max_model_len is 4096 and you requested 5000 tokens."
+    refusal = {"error": {"object": "error", "message": said, "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+    backend = _backend([httpx2.Response(400, json=refusal)], [])
+    with pytest.raises(ContextTooLong) as refused:
+        _ = [c async for c in backend.stream_chat({**BODY, "max_tokens": 5000})]
+    assert refused.value.param == "max_tokens"
+    await backend.aclose()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real socket: real time

@@ -185,3 +185,41 @@ async def test_a_planned_session_writes_its_prompt_when_it_starts():
     for session in planned:
         await session.agent(Recorder())
     assert prompts == expected
+
+
+def test_an_exponential_tool_time_averages_tool_s():
+    """An exponential tool time draws durations whose mean is tool_s."""
+    from fleetsched.settings import AgentMix
+
+    mix, rng = AgentMix(tenant="acme", count=1, tool_s=10, tool_dist="exponential"), workload.random.Random(1)
+    draws = [workload.tool_time(mix, rng) for _ in range(4000)]
+    assert 9 < sum(draws) / len(draws) < 11
+
+
+@pytest.mark.anyio
+async def test_a_uniform_tool_time_from_0_is_a_tool_call_between_turns():
+    """A mix whose tool time is uniform from 0 makes a tool call between each pair of turns."""
+    mix = {"tenant": "acme", "count": 1, "turns": 3, "max_tokens": 2, "tool_s": 0, "tool_dist": "uniform", "tool_s_max": 2}
+    s = settings(workload={"agents": [mix]})
+    async with Scheduler(s) as scheduler:
+        (handle,) = await run_workload(scheduler, s.workload)
+    assert handle.state is SessionState.DONE and handle.counters.tool_calls == 2
+    check_released(scheduler)
+
+
+def test_an_at_of_true_is_refused_not_read_as_1_s(tmp_path):
+    """A trace line whose at is true is refused, naming the line, not read as 1 second."""
+    trace = write(tmp_path / "t.jsonl", {"at": True, "tenant": "acme"})
+    with pytest.raises(ConfigError, match="workload.trace line 1"):
+        plan(WorkloadSettings(trace=trace), ACME)
+
+
+@pytest.mark.anyio
+async def test_a_mix_s_session_memory_is_what_its_sessions_reserve():
+    """Each session of a mix that sets session_memory asks the scheduler for that memory."""
+    mix = {"tenant": "acme", "count": 1, "turns": 1, "max_tokens": 2, "session_memory": "2GB"}
+    s = settings(workload={"agents": [mix]})
+    async with Scheduler(s) as scheduler:
+        (handle,) = await run_workload(scheduler, s.workload)
+    assert handle.state is SessionState.DONE and handle.memory == 2 * 10**9
+    check_released(scheduler)
