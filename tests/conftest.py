@@ -1,4 +1,8 @@
+import os
+import threading
+
 import pytest
+import pytest_timeout
 import trio.testing
 
 pytest_plugins = ["fleetsched.testing.fixtures"]
@@ -10,10 +14,26 @@ def anyio_backend():
     return ("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})
 
 
-@pytest.hookimpl(wrapper=True, trylast=True)
-def pytest_runtest_call(item):
-    """Name the test in its captured output: a test past its time limit (pytest-timeout's thread
-    method) is reported by a dump of every thread's stack and that output, and a test's coroutine
-    is on no thread's stack."""
-    print(f"[test {item.nodeid}]")
-    return (yield)
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's thread method, naming the test that ran out of time: its dump of every
+    thread's stack alone does not (a test's coroutine is on no thread's stack). Written to file
+    descriptor 2, which the dump prints among the captured output."""
+    if settings.method != "thread":
+        return None
+
+    def expire() -> None:
+        os.write(2, f"\n{item.nodeid} ran past its time limit ({settings.timeout:g} s)\n".encode())
+        pytest_timeout.timeout_timer(item, settings)
+
+    timer = threading.Timer(settings.timeout, expire)
+    timer.daemon = True
+
+    def cancel() -> None:
+        timer.cancel()
+        timer.join()
+
+    item.cancel_timeout = cancel
+    timer.start()
+    return True
