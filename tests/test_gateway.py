@@ -354,7 +354,7 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
         (b'{"messages": [{"role": "user", "content": 5}]}', "messages.0.content"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": true}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', "n"),
         # Every call reaches vLLM streamed, where it refuses them speaking of a stream=True the
         # client never sent (the sim ignored them).

@@ -1118,7 +1118,7 @@ async def test_an_answer_carries_the_null_fields_vllm_sends():
 SAMPLING_EDGES = [
     ("temperature", 2.0, 2.01), ("min_p", 1.0, 1.5), ("presence_penalty", 2.0, 2.5), ("frequency_penalty", -2.0, -2.5),
     ("repetition_penalty", 0.01, 0), ("repetition_penalty", 1.1, math.inf), ("min_tokens", 0, -1),
-    ("seed", 2**63 - 1, 2**63), ("seed", -(2**63), True), ("ignore_eos", True, 5), ("stop_token_ids", [0, 1], 5),
+    ("seed", 2**63 - 1, 2**63), ("seed", -(2**63), -(2**63) - 1), ("ignore_eos", True, 5), ("stop_token_ids", [0, 1], 5),
 ]  # fmt: skip
 
 
@@ -1130,6 +1130,42 @@ async def test_a_sampling_field_takes_its_limit_and_refuses_past_it_naming_the_f
         assert chunks[-1]["usage"]["completion_tokens"] == 4
         with pytest.raises(InvalidRequest, match=f"^{field}: expected"):
             backend.stream_chat({**body(16, 4), field: refused})
+
+
+# Values of another type that vLLM 0.32's server reads as its request model's type (pydantic's
+# lax mode), each answered 200 there, and values of the kind it refuses with a 400 (seen on the
+# CPU server with the tiny model).
+LAX_TAKEN = [
+    ("temperature", "0.5"), ("temperature", True), ("temperature", " 0.5"), ("top_p", "1"), ("presence_penalty", True),
+    ("repetition_penalty", "1.1"), ("seed", "5"), ("seed", 5.0), ("seed", "5.0"), ("seed", " 5 "), ("seed", True),
+    ("top_k", "2"), ("top_k", True), ("top_k", 2.0), ("min_tokens", "1"), ("min_tokens", 1.0), ("min_tokens", True),
+    ("stop_token_ids", [1.0, "1", True]), ("prompt_logprobs", False), ("prompt_logprobs", 0.0),
+    ("ignore_eos", "yes"), ("ignore_eos", 1), ("ignore_eos", "off"), ("ignore_eos", 0.0),
+]  # fmt: skip
+LAX_REFUSED = [("seed", 5.5), ("seed", 2**63), ("ignore_eos", 5), ("stop_token_ids", 5), ("temperature", "inf"), ("min_p", "nan"), ("top_k", "two")]
+
+
+@pytest.mark.parametrize(("field", "value"), LAX_TAKEN)
+async def test_a_sampling_value_vllms_server_reads_as_its_type_is_taken(field, value):
+    """temperature "0.5", seed "5", top_k 2.0, ignore_eos "yes": vLLM's server takes them, and
+    the sim refused them, so an agent that worked there failed on the sim."""
+    async with SimBackend(flat()) as backend:
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), field: value})]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize(("field", "value"), LAX_REFUSED)
+async def test_a_sampling_value_vllms_server_cannot_read_is_refused_naming_the_field(field, value):
+    async with SimBackend(flat()) as backend:
+        with pytest.raises(InvalidRequest, match=f"^{field}: expected"):
+            backend.stream_chat({**body(16, 4), field: value})
+
+
+async def test_min_tokens_given_as_text_holds_a_stop_string_back_as_a_number_does():
+    """A min_tokens of "3" (vLLM reads it as 3) keeps a stop string from ending the answer sooner."""
+    async with SimBackend(flat()) as backend:
+        answers = [(await backend.complete_chat({**body(16, 8), "stop": "tok", "min_tokens": m}))[0] for m in (3, "3")]
+    assert answers[0]["usage"] == answers[1]["usage"] and answers[0]["usage"]["completion_tokens"] == 3
 
 
 async def test_top_logprobs_must_be_whole_and_needs_logprobs_only_above_0():

@@ -21,44 +21,95 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 #: The most stop strings vLLM 0.32 takes (its default VLLM_MAX_STOP_STRINGS).
 MAX_STOP_STRINGS = 4
 
 
-def _is_stop(value: object) -> bool:
+def lax_int(value: object) -> int | None:
+    """`value` as vLLM's request model reads an integer field, in pydantic's lax mode (true is 1,
+    2.0 is 2, "5" and " 5.0 " are 5), if 64-bit (a larger seed was vLLM's EngineGenerateError);
+    None for a value it refuses (2.5, "x", inf, a list)."""
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            try:
+                value = float(value.strip())
+            except ValueError:
+                return None
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value == int(value)):
+            return None
+        value = int(value)
+    if not isinstance(value, int):
+        return None
+    value = int(value)  # true is 1
+    return value if -(2**63) <= value < 2**63 else None
+
+
+def lax_number(value: object) -> float | None:
+    """`value` as vLLM's request model reads a number field, in pydantic's lax mode (true is 1.0,
+    "0.5" is 0.5); None for a value it refuses. Infinities and NaN come back as they are: vLLM
+    parses "inf" and then refuses it as out of range, as `RULES` do."""
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _stop(value: object) -> object:
     """A ``stop`` vLLM takes: a non-empty string, or a list of at most `MAX_STOP_STRINGS` of them."""
     if isinstance(value, str):
-        return value != ""
-    return isinstance(value, list) and len(value) <= MAX_STOP_STRINGS and all(isinstance(v, str) and v for v in value)
+        return value or None
+    if isinstance(value, list) and len(value) <= MAX_STOP_STRINGS and all(isinstance(v, str) and v for v in value):
+        return value
+    return None
 
 
-def _between(low: float, high: float) -> Callable[[object], bool]:
-    return lambda value: _is_number(value) and low <= value <= high  # type: ignore[operator]
+def _flag(value: object) -> bool | None:
+    return is_true(value) if is_flag(value) else None
 
 
-#: Per key: whether a value is one vLLM 0.32 takes (its SamplingParams' ranges), and what it
-#: takes in words. A key absent or null is left to the engine's default.
-RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "temperature": (_between(0.0, 2.0), "a number from 0 to 2"),
-    "top_p": (lambda v: _is_number(v) and 0.0 < v <= 1.0, "a number over 0, at most 1"),
-    "min_p": (_between(0.0, 1.0), "a number from 0 to 1"),
-    "presence_penalty": (_between(-2.0, 2.0), "a number from -2 to 2"),
-    "frequency_penalty": (_between(-2.0, 2.0), "a number from -2 to 2"),
-    "repetition_penalty": (lambda v: _is_number(v) and v > 0.0, "a number over 0"),
-    "top_k": (lambda v: is_int(v) and v >= -1, "an integer, 0 (or -1) for none or at least 1"),
-    "seed": (is_int, "a 64-bit integer"),
-    "min_tokens": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
-    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
-    "stop": (_is_stop, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them"),
-    # A negative ID is out of every vocabulary; one past the model's end is left to vLLM.
-    "stop_token_ids": (lambda v: isinstance(v, list) and all(is_int(i) and i >= 0 for i in v), "a list of token IDs (integers >= 0)"),
+def _token_ids(value: object) -> list[int] | None:
+    """A list of token IDs (integers >= 0, lax); a negative ID is out of every vocabulary, one
+    past the model's end is left to vLLM."""
+    if not isinstance(value, list):
+        return None
+    ids = [lax_int(v) for v in value]
+    return None if any(i is None or i < 0 for i in ids) else ids  # type: ignore[return-value]
+
+
+def _between(low: float, high: float) -> Callable[[float], bool]:
+    return lambda value: low <= value <= high  # NaN and infinities fail
+
+
+def _any(_: object) -> bool:
+    return True
+
+
+#: Per key: how vLLM's request model reads its value (None where it refuses the value's type),
+#: whether the value read is one vLLM 0.32 takes (its SamplingParams' ranges), and what it takes
+#: in words. A key absent or null is left to the engine's default. Values are read laxly, as
+#: the server reads them: temperature "0.5", seed "5", top_k 2.0 and ignore_eos "yes" are taken
+#: there, and the sim refused them.
+RULES: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
+    "temperature": (lax_number, _between(0.0, 2.0), "a number from 0 to 2"),
+    "top_p": (lax_number, lambda v: 0.0 < v <= 1.0, "a number over 0, at most 1"),
+    "min_p": (lax_number, _between(0.0, 1.0), "a number from 0 to 1"),
+    "presence_penalty": (lax_number, _between(-2.0, 2.0), "a number from -2 to 2"),
+    "frequency_penalty": (lax_number, _between(-2.0, 2.0), "a number from -2 to 2"),
+    "repetition_penalty": (lax_number, lambda v: 0.0 < v < math.inf, "a number over 0"),
+    "top_k": (lax_int, lambda v: v >= -1, "an integer, 0 (or -1) for none or at least 1"),
+    "seed": (lax_int, _any, "a 64-bit integer"),
+    "min_tokens": (lax_int, lambda v: v >= 0, "an integer >= 0"),
+    "ignore_eos": (_flag, _any, "true or false"),
+    "stop": (_stop, _any, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them"),
+    "stop_token_ids": (_token_ids, _any, "a list of token IDs (integers >= 0)"),
     # Every call reaches the engine streamed (the dispatcher observes its first token), and vLLM
     # refuses prompt log probabilities on a stream: its 400 spoke of a stream=True never sent.
-    "prompt_logprobs": (lambda v: v == 0 and is_int(v), "0 or none: fleetsched streams every call, and vLLM serves no prompt log probabilities on a stream"),
+    "prompt_logprobs": (lax_int, lambda v: v == 0, "0 or none: fleetsched streams every call, and vLLM serves no prompt log probabilities on a stream"),
 }
 #: The keys `check_sampling` looks at: those of `RULES`, and those `pairs_problem` and
 #: `constraints_problem` do.
@@ -70,10 +121,19 @@ _KEYS = frozenset(RULES) | {"logprobs", "top_logprobs", "tools", "tool_choice"} 
 def rule_problem(body: Mapping[str, Any], key: str) -> tuple[str, str] | None:
     """(`key`, what is wrong) if `body`'s value for `key` breaks its rule in `RULES`, else None."""
     value = body.get(key)
-    ok, expected = RULES[key]
-    if value is None or ok(value):
+    if value is None:
+        return None
+    read, ok, expected = RULES[key]
+    taken = read(value)
+    if taken is not None and ok(taken):
         return None
     return key, f"expected {expected}, got {value!r:.80}"
+
+
+def sampling_values(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of `body`'s keys of `RULES`, as vLLM reads them (``"5"`` a seed of 5, ``"yes"``
+    true), for a body `check_sampling` passed; absent and null keys left out."""
+    return {key: RULES[key][0](body[key]) for key in RULES if body.get(key) is not None}
 
 
 def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
@@ -87,7 +147,7 @@ def check_sampling(body: Mapping[str, Any], max_tokens: int) -> None:
         problem = rule_problem(body, key)
         if problem is not None:
             raise InvalidRequest(f"{problem[0]}: {problem[1]}")
-    min_tokens = body.get("min_tokens")
+    min_tokens = lax_int(body.get("min_tokens"))
     if min_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens: expected at most max_tokens ({max_tokens}), got {min_tokens}")
     problem = pairs_problem(body) or constraints_problem(body)

@@ -47,13 +47,9 @@ from .base import (
     wants_continuous_usage,
 )
 from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, response_role, template_kwargs
-from .sampling import RULES as SAMPLING_RULES, check_sampling, constraint_params, is_true
+from .sampling import check_sampling, constraint_params, is_true, sampling_values
 
 _request_ids = itertools.count(1)
-
-# Body keys that map one to one onto vLLM SamplingParams (`check_sampling` checks them; a str
-# `stop` becomes a list).
-_SAMPLING_KEYS = tuple(key for key in SAMPLING_RULES if key != "stop")
 
 #: Fields that ask for what this backend does not do, refused when set (they were dropped: the
 #: answer came without what was asked for), with what it lacks.
@@ -390,10 +386,9 @@ class VLLMEngineBackend(Backend):
             )
         # What the call leaves out comes from the model's defaults, as on vLLM's server.
         options = {key: value for key, value in defaults.items() if key != "max_tokens"}
-        options.update({key: body[key] for key in _SAMPLING_KEYS if body.get(key) is not None})
-        stop = body.get("stop")
-        if stop is not None:
-            options["stop"] = [stop] if isinstance(stop, str) else stop
+        options.update(sampling_values(body))  # as the server reads them: a seed "5" is 5 (a float there killed the engine core)
+        if isinstance(options.get("stop"), str):
+            options["stop"] = [options["stop"]]
         # Tokens a streamed chunk, as the dispatcher asks per tier: it was dropped unread.
         if body.get("stream_interval") is not None:
             options["stream_interval"] = checked_stream_interval(body["stream_interval"])

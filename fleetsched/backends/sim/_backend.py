@@ -63,7 +63,7 @@ from ..base import (
     wants_continuous_usage,
 )
 from ..chat_options import check_chat_options
-from ..sampling import check_sampling, is_true
+from ..sampling import check_sampling, is_true, lax_int
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
 from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, block_hashes, prompt_text
 from ._tools import forced_tool_call
@@ -140,7 +140,7 @@ def stop_match(body: ChatBody, max_tokens: int) -> tuple[int, str, int] | None:
     `max_tokens`. Returns (its tokens, the string, the characters of text kept: up to the string,
     or through it with ``include_stop_str_in_output``), or None where none matches in time."""
     stops = body["stop"]
-    first = body.get("min_tokens") or 1
+    first = lax_int(body.get("min_tokens")) or 1  # as vLLM reads it ("2" is 2)
     best: tuple[int, str, int] | None = None
     for stop in [stops] if isinstance(stops, str) else stops:
         # The answer repeats one token's text: a string that occurs at all first ends within
