@@ -1111,9 +1111,10 @@ def test_a_text_completion_fails_over_from_a_dead_replica_before_its_first_chunk
 def test_a_text_completion_takes_logprobs_as_a_count(url):
     """In /v1/completions `logprobs` is how many log probabilities per token (an integer, vLLM's
     CompletionRequest and OpenAI's API); only chat's is true or false. The gateway refused every
-    count with "logprobs: must be true or false", and let `true` through."""
+    count with "logprobs: must be true or false", and let `true` through. As vLLM reads it, true
+    is 1 and 2.0 is 2, and text is refused."""
     headers = {"authorization": f"Bearer {ACME}"}
-    for logprobs, status in ((2, 200), (0, 200), (-1, 200), (True, 400), (-2, 400), ("2", 400)):
+    for logprobs, status in ((2, 200), (0, 200), (-1, 200), (True, 200), (2.0, 200), (-2, 400), ("2", 400)):
         body = {"prompt": "Once upon", "max_tokens": 1, "logprobs": logprobs}
         response = httpx.post(url + "/v1/completions", json=body, headers=headers)
         assert response.status_code == status, (logprobs, response.text)
@@ -1596,14 +1597,14 @@ def test_a_reset_of_one_second_is_written_in_seconds():
     "path, body, param",
     [
         ("chat/completions", {"messages": MSG, "x\ud800": 1}, "(a key)"),
-        ("chat/completions", {"messages": MSG, "max_tokens": True}, "max_tokens"),
+        ("chat/completions", {"messages": MSG, "max_tokens": 2.5}, "max_tokens"),
         ("chat/completions", {"messages": MSG, "model": 5}, "model"),
         ("chat/completions", {"messages": MSG, "stream": True, "stream_options": "usage"}, "stream_options"),
         ("chat/completions", {"messages": MSG, "user": 5}, "user"),
         ("chat/completions", {"messages": [5]}, "messages.0"),
         ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text"),
         ("chat/completions", {"messages": MSG, "functions": "search"}, "functions"),
-        ("completions", {"prompt": "x", "echo": "yes"}, "echo"),
+        ("completions", {"prompt": "x", "echo": "maybe"}, "echo"),
         ("completions", {"prompt": ["a", "b"]}, "prompt"),
         ("completions", {"prompt": ""}, "prompt"),
     ],
@@ -1776,3 +1777,17 @@ def test_a_tenant_sees_no_series_of_a_tenant_whose_name_contains_its_own():
         metrics.in_flight[tenant] = 0
     page = metrics.render("ac")
     assert 'tenant="ac"' in page and "acme" not in page
+
+
+def test_counts_and_flags_given_as_vllms_server_reads_them_are_taken(url):
+    """max_tokens "3" (or 3.0, or true for 1), stream "yes" and ignore_eos 1 are taken, as vLLM's
+    server reads them (pydantic's lax mode); the gateway refused them with a 400."""
+    headers = {"authorization": f"Bearer {ACME}"}
+    for max_tokens, count in (("3", 3), (3.0, 3), (True, 1)):
+        body = {"messages": MSG, "max_tokens": max_tokens, "ignore_eos": 1}
+        response = httpx.post(url + "/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == count, response.text
+    body = {"messages": MSG, "max_tokens": "2", "stream": "yes"}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert [line for line in response.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"

@@ -431,7 +431,7 @@ async def test_an_agent_that_is_not_an_async_function_is_named_as_such():
         ({"messages": MESSAGES, "n": 0}, "produces one choice per request (n=1), got n=0"),
         ({"messages": MESSAGES, "temperature": "hot"}, "temperature: expected a number from 0 to 2, got 'hot'"),
         ({"messages": MESSAGES, "tools": "x"}, "tools: expected a list of tools, got 'x'"),
-        ({"messages": MESSAGES, "max_tokens": "8"}, "max_tokens: expected an integer >= 1, got '8'"),
+        ({"messages": MESSAGES, "max_tokens": "eight"}, "max_tokens: expected an integer >= 1, got 'eight'"),
         ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens: expected an integer >= 1, got 2.5"),
         ({"messages": MESSAGES, "max_tokens": -4}, "max_tokens: expected an integer >= 1, got -4"),
         # 0 was taken for "none named": the call ran to the default length (the in-process vLLM

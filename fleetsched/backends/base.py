@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..errors import BackendError, ContextTooLong, InvalidRequest
+from .sampling import lax_whole
 
 if TYPE_CHECKING:
     from ..resources.kv_sizing import KVCacheCapacity
@@ -515,11 +516,8 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     value = body.get(field)
     if value is None:
         return default
-    try:
-        count = int(value)
-    except (TypeError, ValueError, OverflowError):
-        count = 0
-    if count < 1 or count != value or isinstance(value, bool):  # "8", 2.5 and True are not counts
+    count = lax_whole(value)  # as vLLM's server reads it: "8" and 8.0 are 8, true is 1; 2.5 is refused
+    if count is None or count < 1:
         raise InvalidRequest(f"{field}: expected an integer >= 1, got {value!r:.80}")
     if count > MAX_TOKENS_LIMIT:
         raise InvalidRequest(f"{field}: expected at most {MAX_TOKENS_LIMIT}, got {value!r:.80}")

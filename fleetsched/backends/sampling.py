@@ -29,6 +29,12 @@ def lax_int(value: object) -> int | None:
     """`value` as vLLM's request model reads an integer field, in pydantic's lax mode (true is 1,
     2.0 is 2, "5" and " 5.0 " are 5), if 64-bit (a larger seed was vLLM's EngineGenerateError);
     None for a value it refuses (2.5, "x", inf, a list)."""
+    count = lax_whole(value)
+    return count if count is not None and -(2**63) <= count < 2**63 else None
+
+
+def lax_whole(value: object) -> int | None:
+    """`lax_int` without its 64-bit bounds: for a field whose own bounds a caller names."""
     if isinstance(value, str):
         try:
             value = int(value.strip())
@@ -41,10 +47,7 @@ def lax_int(value: object) -> int | None:
         if not (math.isfinite(value) and value == int(value)):
             return None
         value = int(value)
-    if not isinstance(value, int):
-        return None
-    value = int(value)  # true is 1
-    return value if -(2**63) <= value < 2**63 else None
+    return int(value) if isinstance(value, int) else None  # true is 1
 
 
 def lax_number(value: object) -> float | None:

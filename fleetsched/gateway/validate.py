@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..backends.sampling import pairs_problem, rule_problem
+from ..backends.sampling import is_flag, is_true, lax_int, pairs_problem, rule_problem
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -56,24 +56,31 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
     return None
 
 
-def _integer(body: Mapping[str, Any], name: str, low: int, high: int = 2**31 - 1) -> int | None:
+def _integer(body: dict[str, Any], name: str, low: int, high: int = 2**31 - 1, text: bool = True) -> int | None:
+    """The integer `body` gives for `name`, read as vLLM's server reads it ("8" and 8.0 are 8,
+    true is 1; no text where `text` is false), and written back as that integer for what reads
+    the body after."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise Invalid(name, f"must be an integer, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise Invalid(name, f"must be between {low} and {high}, got {value}")
-    return value
+    count = None if isinstance(value, str) and not text else lax_int(value)
+    if count is None:
+        raise Invalid(name, f"must be an integer, got {value!r:.40}")
+    if not low <= count <= high:
+        raise Invalid(name, f"must be between {low} and {high}, got {count}")
+    body[name] = count
+    return count
 
 
-def _common(body: Mapping[str, Any]) -> None:
+def _common(body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise Invalid("model", "must be a string")
-    for name in ("stream", "ignore_eos", "echo"):
-        if name in body and body[name] is not None and not isinstance(body[name], bool):
-            raise Invalid(name, "must be true or false")
+    for name in ("stream", "ignore_eos", "echo"):  # read as vLLM's server reads them ("yes", 1), written back as booleans
+        if body.get(name) is not None:
+            if not is_flag(body[name]):
+                raise Invalid(name, "must be true or false")
+            body[name] = is_true(body[name])
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise Invalid("stream_options", "must be an object")
@@ -169,6 +176,6 @@ def check_completion(body: Any) -> dict[str, Any]:
         body.pop(chat_field, None)
     # In a text completion `logprobs` is how many log probabilities to return per token (an
     # integer, as in vLLM's CompletionRequest: -1 for the whole vocabulary), not chat's flag.
-    _integer(body, "logprobs", -1)
+    _integer(body, "logprobs", -1, text=False)  # vLLM's own check refuses "2" (true and 2.0 pass)
     _common(body)
     return body
