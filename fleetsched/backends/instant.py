@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from ..errors import InvalidRequest
 from .base import Backend, ChatBody, Chunk, estimate_prompt_tokens, make_chunk, new_completion_id, requested_max_tokens, usage_dict
 from .chat_options import check_chat_options
-from .sampling import check_sampling
+from .sampling import check_sampling, lax_int
 
 
 class InstantBackend(Backend):
@@ -31,7 +31,7 @@ class InstantBackend(Backend):
         prompt = estimate_prompt_tokens(body)
         if "prompt" not in body and not body.get("messages"):
             raise InvalidRequest("messages: a chat request needs a non-empty list of messages")
-        if body.get("n") not in (None, 1):
+        if body.get("n") is not None and lax_int(body["n"]) != 1:  # "1" is 1, as vLLM reads it
             raise InvalidRequest(f"n: the instant backend produces one choice per request (n=1), got n={body['n']!r}")
         check_sampling(body, max_tokens)
         check_chat_options(body)

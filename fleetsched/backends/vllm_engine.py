@@ -47,7 +47,7 @@ from .base import (
     wants_continuous_usage,
 )
 from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, response_role, template_kwargs
-from .sampling import check_sampling, constraint_params, is_true, sampling_values
+from .sampling import check_sampling, constraint_params, is_true, lax_int, sampling_values
 
 _request_ids = itertools.count(1)
 
@@ -355,7 +355,7 @@ class VLLMEngineBackend(Backend):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if body.get("n") not in (None, 1):  # the chunks carry one choice
+        if body.get("n") is not None and lax_int(body["n"]) != 1:  # the chunks carry one choice ("1" is 1, as vLLM reads it)
             raise InvalidRequest(f"n: the in-process vLLM engine backend gives one choice a call, not {body['n']!r:.20}")
         defaults = self._sampling_defaults
         # As vLLM's server: a call that names no length gets the model's default, or may fill the

@@ -399,7 +399,7 @@ class SimBackend(Backend):
         if named and named != self.model:  # as vLLM's server refuses it (no model named: its own)
             raise UnknownModel(f"The model `{named!s:.200}` does not exist. Valid aliases: {self.model}.", param="model")
         n = body.get("n")
-        if n not in (None, 1):
+        if n is not None and lax_int(n) != 1:  # "1" is 1, as vLLM reads it
             raise InvalidRequest(f"n: the sim backend produces one choice per request (n=1), got n={n!r}")
         priority = body.get("priority", 0)
         if priority is None:
