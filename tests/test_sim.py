@@ -1140,9 +1140,9 @@ LAX_TAKEN = [
     ("repetition_penalty", "1.1"), ("seed", "5"), ("seed", 5.0), ("seed", "5.0"), ("seed", " 5 "), ("seed", True),
     ("top_k", "2"), ("top_k", True), ("top_k", 2.0), ("min_tokens", "1"), ("min_tokens", 1.0), ("min_tokens", True),
     ("stop_token_ids", [1.0, "1", True]), ("prompt_logprobs", False), ("prompt_logprobs", 0.0),
-    ("ignore_eos", "yes"), ("ignore_eos", 1), ("ignore_eos", "off"), ("ignore_eos", 0.0), ("n", "1"), ("n", 1.0),
+    ("ignore_eos", "yes"), ("ignore_eos", 1), ("ignore_eos", "off"), ("ignore_eos", 0.0), ("n", "1"), ("n", 1.0), ("priority", "5"), ("priority", True), ("priority", 2.0),
 ]  # fmt: skip
-LAX_REFUSED = [("seed", 5.5), ("seed", 2**63), ("ignore_eos", 5), ("stop_token_ids", 5), ("temperature", "inf"), ("min_p", "nan"), ("top_k", "two")]
+LAX_REFUSED = [("priority", 2.7), ("seed", 5.5), ("seed", 2**63), ("ignore_eos", 5), ("stop_token_ids", 5), ("temperature", "inf"), ("min_p", "nan"), ("top_k", "two")]
 
 
 @pytest.mark.parametrize(("field", "value"), LAX_TAKEN)

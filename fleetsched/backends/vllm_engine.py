@@ -116,14 +116,15 @@ def _already_shut_down(timeout: float | None = None) -> None:
 
 
 def _priority(body: ChatBody) -> int:
-    """The request's priority (lower is sooner), checked as vLLM's server checks it (an int64):
-    "5", True and 2.7 were read as 5, 1 and 2, and 2**70 failed inside the engine's client."""
+    """The request's priority (lower is sooner), read as vLLM's server reads it (an int64, lax:
+    "5" and 5.0 are 5, true is 1; 2.7 was read as 2, and 2**70 failed inside the engine's client)."""
     priority = body.get("priority")
     if priority is None:
         return 0
-    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+    read = lax_int(priority)
+    if read is None:
         raise InvalidRequest(f"priority: expected a 64-bit integer (lower is sooner), got {priority!r:.80}")
-    return priority
+    return read
 
 
 class _EngineStats:

@@ -146,10 +146,10 @@ async def check(model_dir: str) -> dict:
         # later call hung), a seed past 64 bits was vLLM's EngineGenerateError, a number for stop
         # a TypeError, a negative temperature vLLM's own VLLMValidationError; max_tokens 0 was
         # taken for none named (the answer filled the context), n=2 gave one choice silently.
-        # A priority "5" was taken as 5, and 2**70 failed in the engine's client (EngineGenerateError).
+        # A priority of 2.7 was taken as 2, and 2**70 failed in the engine's client (EngineGenerateError).
         bad = (
             ("max_tokens", 0), ("n", 2), ("seed", 1.5), ("seed", 2**70), ("top_k", 2.5), ("stop", 5), ("stop_token_ids", [1.5]),
-            ("temperature", -1), ("priority", "5"), ("priority", 2**70), ("stream_interval", 0), ("logprobs", True),
+            ("temperature", -1), ("priority", 2.7), ("priority", 2**70), ("stream_interval", 0), ("logprobs", True),
         )  # fmt: skip
         for field, value in bad:
             try:
@@ -161,7 +161,7 @@ async def check(model_dir: str) -> dict:
                 raise AssertionError(f"{field}={value!r} was not refused with InvalidRequest")
         # Values vLLM's server reads as their fields' types (pydantic's lax mode) are taken, and
         # reach the engine as those types: a float seed there killed the engine core's thread.
-        lax = {"seed": "5", "top_k": 2.0, "temperature": "0.5", "min_tokens": "1", "stop_token_ids": [1.0], "ignore_eos": "yes"}
+        lax = {"priority": "5", "seed": "5", "top_k": 2.0, "temperature": "0.5", "min_tokens": "1", "stop_token_ids": [1.0], "ignore_eos": "yes"}
         with anyio.fail_after(30):
             taken = [c async for c in backend.stream_chat({**request, **lax})][-1]["usage"]
         assert taken["completion_tokens"] == 12, taken

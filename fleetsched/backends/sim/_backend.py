@@ -404,8 +404,11 @@ class SimBackend(Backend):
         priority = body.get("priority", 0)
         if priority is None:
             priority = 0
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequest(f"priority: expected an integer (lower is sooner), got {priority!r}")
+        elif type(priority) is not int:  # read as vLLM's server reads it: "5" and 5.0 are 5, true is 1
+            read = lax_int(priority)
+            if read is None:
+                raise InvalidRequest(f"priority: expected an integer (lower is sooner), got {priority!r}")
+            priority = read
         if self._fcfs:
             priority = 0  # vLLM ignores it under fcfs
         check_chat_options(body)  # the options' types first, as vLLM's request model checks them
