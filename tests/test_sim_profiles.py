@@ -36,6 +36,15 @@ def test_unknown_profile_names_the_shipped_ones(tmp_path):
         load_settings(config)
 
 
+def test_a_shipped_name_is_the_shipped_profile_beside_a_file_of_that_name(tmp_path, monkeypatch):
+    """Only a path ending in .toml is read as a file: a file named like a shipped profile is not."""
+    (tmp_path / "tiny-cpu-vllm").write_text("not a profile")
+    monkeypatch.chdir(tmp_path)
+    from fleetsched.backends.sim._profiles import PROFILE_DIR
+
+    assert load_profile("tiny-cpu-vllm").path == PROFILE_DIR / "tiny-cpu-vllm.toml"
+
+
 def test_profile_from_a_file_round_trips(tmp_path):
     path = tmp_path / "mine.toml"
     path.write_text(dump_profile({"description": "x"}, {"step_base_s": 0.5, "max_num_seqs": 3}, {"err": [0.1, 0.2]}))
@@ -43,6 +52,15 @@ def test_profile_from_a_file_round_trips(tmp_path):
     config.write_text(f'[backend.sim]\nprofile = "{path}"\n')
     sim = load_settings(config).backend.sim
     assert (sim.step_base_s, sim.max_num_seqs) == (0.5, 3)
+
+
+def test_a_dumped_profile_loads_back_table_by_table(tmp_path):
+    """Every table, with booleans, lists and inline tables of strings, reads back as written."""
+    fit = {"err": [0.1, 0.2], "converged": True, "shape": {"note": "two\nlines", "ok": False}}
+    path = tmp_path / "mine.toml"
+    path.write_text(dump_profile({"description": "x"}, {"step_base_s": 0.5}, fit))
+    profile = load_profile(str(path))
+    assert (profile.name, profile.info, profile.sim, profile.fit) == ("mine", {"description": "x"}, {"step_base_s": 0.5}, fit)
 
 
 @pytest.mark.parametrize("text", ["notes\r\nfrom a Windows file", "red \x1b[31mtext\x1b[0m", "nul\x00, del\x7f", 'tab\t, quote " and \\'])
@@ -65,6 +83,7 @@ def test_a_profile_s_text_with_control_characters_loads_back(tmp_path, text):
         # Left unread without a word: the profile ran on the defaults.
         (b'[sim]\nprofile = "hermes3-70b-4xa100"\n', r"mine\.toml: \[sim\] names a profile \('hermes3-70b-4xa100'\)"),
         (b"[simm]\nstep_base_s = 1\n[sim]\n", r"mine\.toml: unknown table \[simm\]"),
+        (b'sim = "fast"\n', r"mine\.toml: no \[sim\] table of SimSettings fields"),  # a [sim] that is no table
     ],
 )
 def test_a_profile_that_is_not_toml_is_named(tmp_path, content, message):

@@ -673,3 +673,246 @@ def test_the_sla_table_rounds_attainment_down():
     objective.update(attainment=0.9899, met=False)
     cells = [cell for row in sla_rows(report) for cell in row]
     assert "98.9%" in cells and "99.0%" not in cells
+
+
+def _search_with_verdicts(monkeypatch, verdict, unreachable=(), note=None):
+    """Stand the simulations of a search in by `verdict(sessions, seed)` (a list of SlaChecks
+    missed), as `test_the_search_looks_past_fleets_refused_only_by_their_own_rate_limits` does."""
+    import fleetsched.simulate as simulate_module
+
+    def fake_simulate(settings, duration_s, loop):
+        report = {"duration_s": duration_s, "wall_s": 0.0, "sla": {"feasibility": {"unreachable": [{"message": m} for m in unreachable], "note": note}}}
+        return report, (sum(m.count for m in settings.workload.agents), settings.workload.seed)
+
+    monkeypatch.setattr(simulate_module, "simulate", fake_simulate)
+    monkeypatch.setattr(simulate_module, "sla_checks", lambda ran, settings, duration_s: verdict(*ran))
+    monkeypatch.setattr(simulate_module, "throughput_text", lambda report: "")
+
+
+def _one_tenant(count: int) -> Settings:
+    return Settings(tenants={"a": {"sla": {"ttft_p99_s": 1.0}}}, workload={"agents": [{"tenant": "a", "count": count}]})
+
+
+def test_the_search_bisects_to_the_last_fleet_before_the_first_miss(monkeypatch):
+    """Fleets of 50 and more miss: grown 4, 8, ... 64, then bisected to 49, the next run 50."""
+    from fleetsched.simulate import SlaCheck
+
+    _search_with_verdicts(monkeypatch, lambda n, seed: [SlaCheck("a", "ttft_p99_s", 1.0, 2.0)] if n >= 50 else [])
+    result = find_max_sessions(_one_tenant(4), 60.0, echo=lambda _: None)
+    assert (result["max_sessions"], result["first_miss"], result["bounded_by_limit"]) == (49, 50, False)
+    assert result["smallest_misses"] is None and result["agents"] == {"a-0": 49}
+
+
+def test_a_search_that_reaches_its_limit_runs_the_limit_and_says_it_is_bounded(monkeypatch):
+    """Every fleet meets: grown by doubling up to the limit itself (64), which is the answer."""
+    _search_with_verdicts(monkeypatch, lambda n, seed: [])
+    result = find_max_sessions(_one_tenant(4), 60.0, echo=lambda _: None, limit=64)
+    assert result["bounded_by_limit"] and result["max_sessions"] == 64 and list(result["probes"]) == [4, 8, 16, 32, 64]
+
+
+def test_a_search_bounded_only_by_rate_limits_at_its_limit_is_not_bounded_by_it(monkeypatch):
+    """Fleets of 32 and more are refused only by their own rate limits up to the limit: the
+    answer (31) is below the limit, so the search is not bounded by it."""
+    from fleetsched.simulate import RATE_LIMITED, SlaCheck
+
+    _search_with_verdicts(monkeypatch, lambda n, seed: [SlaCheck("a", RATE_LIMITED, 0, 5)] if n >= 32 else [])
+    result = find_max_sessions(_one_tenant(4), 60.0, echo=lambda _: None, limit=64)
+    assert result["max_sessions"] == 31 and not result["bounded_by_limit"] and result["first_miss"] == 32
+
+
+def test_the_start_up_check_s_messages_are_taken_from_the_first_probe_only(monkeypatch):
+    """Each probe's report repeats them: the result lists each message and note once."""
+    _search_with_verdicts(monkeypatch, lambda n, seed: [], unreachable=["objective x cannot be met"], note="a note")
+    result = find_max_sessions(_one_tenant(4), 60.0, echo=lambda _: None, limit=64)
+    assert len(result["probes"]) > 1 and result["unreachable"] == ["objective x cannot be met"] and result["notes"] == ["a note"]
+
+
+def test_a_miss_names_its_seed_only_when_sizes_are_repeated(monkeypatch):
+    """With --repeats the miss says which run missed; with one run there is no seed to name."""
+    from fleetsched.simulate import SlaCheck
+
+    _search_with_verdicts(monkeypatch, lambda n, seed: [SlaCheck("a", "ttft_p99_s", 1.0, 2.0)] if n >= 50 - 10 * seed else [])
+    lines: list[str] = []
+    assert find_max_sessions(_one_tenant(4), 60.0, echo=lines.append)["max_sessions"] == 49
+    assert any("misses a.ttft_p99_s (2 vs 1)" in line for line in lines) and not any("seed" in line for line in lines)
+    lines.clear()
+    assert find_max_sessions(_one_tenant(4), 60.0, echo=lines.append, repeats=2)["max_sessions"] == 39
+    assert any(line.endswith("misses a.ttft_p99_s (2 vs 1) (seed 1, run 2 of 2) [0.0 s wall]") for line in lines)
+
+
+def test_a_smallest_fleet_refused_by_rate_limits_is_no_miss_when_a_larger_one_meets(monkeypatch):
+    """smallest_misses says what the smallest fleet missed only when no fleet meets."""
+    from fleetsched.simulate import RATE_LIMITED, SlaCheck
+
+    def verdict(n, seed):
+        return [SlaCheck("a", RATE_LIMITED, 0, 5)] if n < 4 else [SlaCheck("a", "ttft_p99_s", 1.0, 2.0)] if n >= 20 else []
+
+    _search_with_verdicts(monkeypatch, verdict)
+    result = find_max_sessions(_one_tenant(1), 60.0, echo=lambda _: None)
+    assert result["max_sessions"] == 19 and 1 in result["rate_limited"] and result["smallest_misses"] is None
+
+
+def test_parse_duration_takes_a_year_and_no_more():
+    """365 days is the longest --duration taken; a day more is refused."""
+    assert parse_duration("365d") == 365 * 86400
+    with pytest.raises(ValueError, match="at most 365 days"):
+        parse_duration("366d")
+
+
+def test_scale_fleet_rounds_each_entry_to_the_nearest():
+    """2:1 scaled to 5 sessions is 3 and 2 (3.33 and 1.67 rounded), not 3 and 1."""
+    assert [m.count for m in scale_fleet(fleet(count=2).workload.agents, 5)] == [3, 2]
+
+
+def _checks(recorder, **sla):
+    from types import SimpleNamespace
+
+    settings = Settings(tenants={"live": {"sla": sla}, "idle": {"sla": {"ttft_p99_s": 1.0}}})
+    return {(c.tenant, c.metric): c for c in sla_checks(SimpleNamespace(recorder=recorder), settings, 100.0)}
+
+
+def _session(state: str, span: float, error: str | None = None):
+    from fleetsched.scheduler.records import SessionRecord
+
+    return SessionRecord("live", 0, "k", state, 0.0, 0.0, span, 1, 10, 10, error=error)
+
+
+def test_a_tenant_of_no_calls_or_sessions_has_no_checks():
+    """A tenant with an SLA that the workload never ran is not held to it (nothing measured)."""
+    from fleetsched.scheduler import CallRecord, Recorder
+
+    recorder = Recorder()
+    recorder.add_call(CallRecord("live", 0, 0, 0.0, 0.0, 0.1, 1.0, 5, 10))
+    recorder.add_session(_session("done", 1.0))
+    checks = _checks(recorder, ttft_p99_s=1.0)
+    assert not any(tenant == "idle" for tenant, _ in checks) and all(c.ok for c in checks.values())
+
+
+def test_min_tokens_per_s_is_met_at_exactly_the_target():
+    """100 tokens in the one second the tenant was backlogged meets 100 tok/s."""
+    from fleetsched.scheduler import CallRecord, Recorder
+
+    recorder = Recorder()
+    recorder.add_call(CallRecord("live", 0, 0, 0.0, 0.0, 0.1, 1.0, 5, 100))
+    assert _checks(recorder, min_tokens_per_s=100.0)[("live", "min_tokens_per_s")].ok
+
+
+def test_min_tokens_per_s_with_no_backlog_is_none_measured():
+    """A tenant whose sessions never made a call has no rate to show: it misses, 'none measured'."""
+    from fleetsched.scheduler import Recorder
+
+    recorder = Recorder()
+    recorder.add_session(_session("cancelled", 5.0))
+    check = _checks(recorder, min_tokens_per_s=10.0)[("live", "min_tokens_per_s")]
+    assert not check.ok and check.measured == "none measured"
+
+
+@pytest.mark.parametrize(
+    ("session", "met"),
+    [
+        (_session("done", 100.0), True),  # done at the deadline: met
+        (_session("failed", 99.0), True),  # failed for another reason within it: its span counts
+        (_session("cancelled", 100.0), False),  # unfinished at the deadline: missed it
+        (_session("failed", 99.0, "DeadlineExceeded"), False),  # ended by its deadline: missed
+    ],
+)
+def test_a_session_misses_its_deadline_unless_it_ended_before_it_or_was_done(session, met):
+    """Only a done session may span the deadline exactly; one its deadline ended missed it."""
+    from fleetsched.scheduler import Recorder
+
+    recorder = Recorder()
+    recorder.add_session(session)
+    assert _checks(recorder, deadline_s=100.0)[("live", "deadline_s")].ok is met
+
+
+def test_a_fleet_that_misses_more_than_its_rate_limits_is_past_the_edge(monkeypatch):
+    """Refused by its rate limits and late too: a miss, not a fleet within the engine's edge."""
+    from fleetsched.simulate import RATE_LIMITED, SlaCheck
+
+    def verdict(n, seed):
+        refused = [SlaCheck("a", RATE_LIMITED, 0, 5)] if n >= 20 else []
+        return refused + ([SlaCheck("a", "ttft_p99_s", 1.0, 2.0)] if n >= 50 else [])
+
+    _search_with_verdicts(monkeypatch, verdict)
+    result = find_max_sessions(_one_tenant(4), 60.0, echo=lambda _: None, limit=256)
+    assert result["max_sessions"] == 19 and not result["bounded_by_limit"] and 64 not in result["rate_limited"]
+
+
+def test_a_search_of_one_entry_where_the_smallest_misses_names_one_session(tmp_path, capsys):
+    """One entry: the smallest fleet is one session, said in the singular, with no 'of each kind'."""
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.a]\nsla = { ttft_p99_s = 0.0001 }\n[[workload.agents]]\ntenant = "a"\ncount = 4\n')
+    assert cli_main(["simulate", str(config), "--duration", "20s", "--find-max-sessions"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("no fleet meets every SLA: the smallest, 1 session, misses a.ttft_p99_s (")
+
+
+def test_the_search_s_answer_says_the_next_miss_and_that_each_size_ran_once(tmp_path, capsys, monkeypatch):
+    """Fleets refused by their rate limits below the answer are no note; one run a size is noted."""
+    from fleetsched.simulate import RATE_LIMITED, SlaCheck
+
+    def verdict(n, seed):
+        return [SlaCheck("a", RATE_LIMITED, 0, 5)] if 7 <= n <= 45 else [SlaCheck("a", "ttft_p99_s", 1.0, 2.0)] if n >= 74 else []
+
+    _search_with_verdicts(monkeypatch, verdict)
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.a]\nsla = { ttft_p99_s = 1 }\n[[workload.agents]]\ntenant = "a"\ncount = 4\n')
+    assert cli_main(["simulate", str(config), "--duration", "1m", "--find-max-sessions"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == "largest fleet meeting every SLA: 73 sessions {'a-0': 73}; the next fleet run, 74 sessions, misses"
+    assert "each size ran once" in err
+    assert cli_main(["simulate", str(config), "--duration", "1m", "--find-max-sessions", "--repeats", "2"]) == 0
+    assert "each size ran once" not in capsys.readouterr().err
+
+
+def test_a_deadline_missed_by_an_unfinished_session_says_so(monkeypatch):
+    """A deadline missed by a session cut at it reads 'a session ended past it', not 'inf'."""
+    import math
+
+    from fleetsched.simulate import SlaCheck
+
+    _search_with_verdicts(monkeypatch, lambda n, seed: [SlaCheck("a", "deadline_s", 100.0, math.inf)] if n >= 8 else [])
+    lines: list[str] = []
+    find_max_sessions(_one_tenant(4), 100.0, echo=lines.append)
+    assert any("misses a.deadline_s (a session ended past it vs 100)" in line for line in lines)
+
+
+def test_a_probe_as_long_as_the_objectives_is_long_enough(tmp_path, capsys, monkeypatch):
+    """--duration 1m holds a fleet to 60 s objectives: the search runs, and notes none unseen."""
+    from fleetsched.simulate import SlaCheck
+
+    _search_with_verdicts(monkeypatch, lambda n, seed: [SlaCheck("a", "ttft_p99_s", 60.0, 90.0)] if n >= 8 else [])
+    config = tmp_path / "fleet.toml"
+    config.write_text('[tenants.a]\nsla = { ttft_p99_s = 60, deadline_s = 60 }\n[[workload.agents]]\ntenant = "a"\ncount = 4\n')
+    assert cli_main(["simulate", str(config), "--duration", "1m", "--find-max-sessions"]) == 0
+    out, err = capsys.readouterr()
+    assert "largest fleet meeting every SLA: 7 sessions" in out and "cannot see" not in err
+
+
+def test_a_config_with_nothing_to_run_is_a_config_error(tmp_path, capsys):
+    """No agents and no trace: without --duration there is nothing to simulate, said as run says it."""
+    config = tmp_path / "empty.toml"
+    config.write_text("[tenants.a]\n")
+    assert cli_main(["simulate", str(config)]) == 2
+    assert "config error: workload: the config describes no sessions to run (agents or a trace)" in capsys.readouterr().err
+
+
+def test_a_run_cut_at_its_duration_says_nothing_of_a_drain(tmp_path, capsys):
+    """With drain_grace_s = 0 the run ends at --duration: no word of sessions given time to finish."""
+    config = tmp_path / "fleet.toml"
+    config.write_text('[scheduler]\ndrain_grace_s = 0\n[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 40\nmax_tokens = 16\ntool_s = 1\n')
+    assert cli_main(["simulate", str(config), "--duration", "10s"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "10 s simulated in" in out and "then up to" not in out
+
+
+def test_duration_needs_agents_and_the_search_needs_duration(tmp_path, capsys):
+    """--duration holds the config's agents (a trace alone is refused), and the search needs it."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"tenant": "a", "turns": 1}\n')
+    config = tmp_path / "trace.toml"
+    config.write_text(f'[tenants.a]\n[workload]\ntrace = "{trace}"\n')
+    assert cli_main(["simulate", str(config), "--duration", "10s"]) == 2
+    assert "config error: workload.agents: --duration holds a fleet of the config's agents, and it describes none" in capsys.readouterr().err
+    config.write_text('[tenants.a]\nsla = { ttft_p99_s = 1 }\n[[workload.agents]]\ntenant = "a"\ncount = 2\n')
+    assert cli_main(["simulate", str(config), "--find-max-sessions"]) == 2
+    assert "config error: --duration: --find-max-sessions needs --duration" in capsys.readouterr().err
