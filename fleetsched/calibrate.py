@@ -465,7 +465,11 @@ def main(argv: list[str]) -> int:
             raise
         print(f"fleetsched calibrate: {args.url}: {error}", file=sys.stderr)
         return 1
-    fit = fit_profile(base, [s.measurement() for s in samples])
+    try:
+        fit = fit_profile(base, [s.measurement() for s in samples])
+    except ValueError as exc:  # no profile fits, or one whose steps take no time (the sim would refuse it)
+        print(f"fleetsched calibrate: {args.url}: {exc}; no profile written", file=sys.stderr)
+        return 1
     print("fit: " + ", ".join(f"{n} = {v:.4g}" for n, v in zip(PARAMS, fit.theta)))
     print("\n".join(fit_table(fit)))
     ttft = fit.max_ttft_rel_err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -62,6 +63,7 @@ def _calibrate(url: str, out: str, *extra: str) -> int:
         (json.dumps({"choices": ["x"]}),),
         (TEXT, json.dumps({"choices": [], "usage": "lots"})),
         (TEXT, json.dumps({"choices": [], "usage": {"prompt_tokens": "64", "completion_tokens": 1}})),
+        (TEXT, json.dumps({"choices": [], "usage": {"prompt_tokens": True, "completion_tokens": 1}})),  # a bool is no count
     ],
 )
 def test_a_stream_of_json_not_of_openais_shape_is_one_line(chunks, tmp_path, capsys):
@@ -98,6 +100,22 @@ def test_a_server_that_counts_no_prompt_tokens_is_refused_after_one_probe(tmp_pa
     ]
 
 
+class _CountsATokenIn64Characters(_Streams):
+    """Counts one prompt token in 64 characters: fewer than any tokenizer of this text makes."""
+
+    def answer(self, body: dict[str, Any]) -> None:
+        usage = {"prompt_tokens": len(body["prompt"]) // 64, "completion_tokens": body["max_tokens"]}
+        self.chunks = (TEXT, json.dumps({"choices": [], "usage": usage}))
+        super().answer(body)
+
+
+def test_a_server_that_counts_a_token_past_32_characters_is_refused(tmp_path, capsys):
+    """A token spans 32 characters at most: 1 token for a 64-character prompt is no count of it."""
+    with _http_server(_CountsATokenIn64Characters) as url:
+        assert _calibrate(url, str(tmp_path / "p.toml")) == 1
+    assert "the server counted 1 prompt tokens for a 64-character prompt (a token is 32 characters at most)" in capsys.readouterr().err
+
+
 class _Silent(_Streams):
     """Takes each completion and never answers it (until `release` is set)."""
 
@@ -120,3 +138,66 @@ def test_a_server_that_never_answers_is_given_up_after_the_read_timeout(tmp_path
     assert err.strip().splitlines() == [
         f"fleetsched calibrate: {url}: ReadTimeout: the server sent nothing for 0.5 s (is it stuck? --read-timeout waits longer)"
     ]
+
+
+class _CountsAsVllm(_Streams):
+    """Counts a prompt token every 4 characters and generates every token asked for, the first
+    at once and the rest a millisecond a token later (a fit to answers that take their first
+    token's time and no more gives the engine's steps no time, and calibrate writes no profile)."""
+
+    def answer(self, body: dict[str, Any]) -> None:
+        usage = {"prompt_tokens": len(body["prompt"]) // 4, "completion_tokens": body["max_tokens"]}
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()  # no length: the answer ends with the connection
+        self.close_connection = True
+        self.wfile.write(f"data: {TEXT}\n\n".encode())
+        self.wfile.flush()
+        time.sleep(0.001 * body["max_tokens"])  # wall-clock ok: a stand-in server's decoding
+        self.wfile.write("".join(f"data: {chunk}\n\n" for chunk in (TEXT, json.dumps({"choices": [], "usage": usage}), "[DONE]")).encode())
+
+
+def test_a_sweep_writes_the_profile_it_fitted_with_the_engine_shape_given(tmp_path, capsys):
+    """The profile holds the costs as printed (4 significant digits), the engine shape from the
+    command line, and the sweep's record."""
+    from fleetsched.backends.sim._fit import PARAMS
+    from fleetsched.backends.sim._profiles import load_profile
+
+    out = tmp_path / "p.toml"
+    with _http_server(_CountsAsVllm) as url:
+        assert _calibrate(url, str(out), "--max-num-seqs", "16", "--max-model-len", "512", "--shapes", "64:16,64:64") == 0
+    printed = dict(item.split(" = ") for item in capsys.readouterr().out.split("fit: ", 1)[1].splitlines()[0].split(", "))
+    profile = load_profile(str(out))
+    assert {k: profile.sim[k] for k in PARAMS} == {k: float(printed[k]) for k in PARAMS}
+    shape = {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "block_size": 128, "kv_cache_tokens": 524288, "max_model_len": 512}
+    assert {k: profile.sim[k] for k in shape} == shape
+    assert profile.fit["concurrency"] == [1, 1] and profile.fit["max_tokens"] == [16, 64] and profile.fit["max_ttft_p50_rel_err"] >= 0
+
+
+def test_a_sweep_that_fails_on_more_than_the_server_is_not_blamed_on_it():
+    """An error group with an error of the sweep's own beside the server's is raised, not one line."""
+    import httpx
+
+    from fleetsched.calibrate import _server_error
+
+    assert _server_error(ExceptionGroup("sweep", [httpx.ReadError(""), KeyError("x")])) is None
+    assert _server_error(ExceptionGroup("sweep", [httpx.ReadError(""), RuntimeError("x")])) == "ReadError (the server closed the connection: did it stop?)"
+
+
+class _RecordsBodies(_CountsAsVllm):
+    bodies: list[dict[str, Any]] = []
+
+    def answer(self, body: dict[str, Any]) -> None:
+        self.bodies.append(body)
+        super().answer(body)
+
+
+def test_the_sweep_asks_for_a_stream_interval_only_past_one_token(tmp_path, capsys):
+    """The sweep's requests leave the field out at --stream-interval 1 (vLLM's default) and send 16 by default."""
+    with _http_server(_RecordsBodies) as url:
+        assert _calibrate(url, str(tmp_path / "p.toml"), "--stream-interval", "1") == 0
+        measured = [body for body in _RecordsBodies.bodies if body["max_tokens"] == 16]  # not the warm-up's or probes'
+        assert measured and not any("stream_interval" in body for body in measured)
+        _RecordsBodies.bodies.clear()
+        assert _calibrate(url, str(tmp_path / "p.toml")) == 0
+    assert {body.get("stream_interval") for body in _RecordsBodies.bodies if body["max_tokens"] == 16} == {16}

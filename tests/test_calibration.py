@@ -42,6 +42,12 @@ def test_varied_answers_are_drawn_from_the_seed_and_all_generated():
     assert loop.requests == 40 and loop.generated_tokens == sum(map(sum, lengths))
 
 
+def test_varied_answers_are_a_token_long_at_least():
+    """A spread wider than the answer draws from 1 token up, never 0 or fewer."""
+    lengths = Workload(4, 100, 8, rounds=25, max_tokens_spread=16).answer_lengths()
+    assert min(min(client) for client in lengths) == 1 and max(max(client) for client in lengths) <= 24
+
+
 def test_equal_answers_move_in_waves_and_varied_ones_spread_out():
     # Equal answers end together, so every client sends again at once and waits behind the others
     # in the front end and the prefill; varied answers end apart. The real CPU vLLM showed the
@@ -406,6 +412,55 @@ def test_a_front_end_turn_that_fits_nothing_is_passed_over():
     request waits two turns, so that one is longer than every time measured and no non-negative
     profile fits it. Before: that one point ended the whole fit with 'no non-negative profile
     fits these measurements', though shorter turns fit (0 among them)."""
-    fit = fit_profile(SimSettings(), [Measurement(Workload(2, 100, 10), 500.0, 0.05, 0.05)])
-    assert all(t >= 0 for t in fit.theta) and fit.theta[5] < 0.025
-    assert fit.max_throughput_rel_err < 0.1  # the figures disagree: a TTFT longer than a request takes
+    # The figures disagree (a TTFT longer than a request takes), and what fits them gives the
+    # engine's steps no time: that, not "no non-negative profile", is the error now.
+    with pytest.raises(ValueError, match="gives an engine step no time"):
+        fit_profile(SimSettings(), [Measurement(Workload(2, 100, 10), 500.0, 0.05, 0.05)])
+
+
+def test_a_ttft_of_zero_is_taken_as_not_measured():
+    """0 (like None) says the TTFT was not measured: the measurement is taken, and the fit
+    reports no TTFT error for it."""
+    fit = fit_profile(SimSettings(), [Measurement(Workload(2, 100, 10), 500.0, 0.0, 0.0)])
+    assert fit.max_ttft_rel_err is None and fit.points[0].ttft_p50_rel_err is None
+
+
+def test_fitting_an_unknown_parameter_is_refused_by_name():
+    """A misspelt name in `fit` is named, with the names known."""
+    with pytest.raises(ValueError, match=r"unknown parameters \['step_bse_s'\]; known: step_base_s"):
+        fit_profile(SimSettings(), [Measurement(Workload(2, 100, 10), 500.0)], fit=("step_bse_s",))
+
+
+@pytest.mark.parametrize("ttft", [None, 0.05])  # 0.05: the front-end turn is searched, and no turn fits either
+def test_no_non_negative_profile_is_an_error_not_a_fit(ttft):
+    """The pinned costs alone take longer than measured: no non-negative step base fits."""
+    with pytest.raises(ValueError, match="no non-negative profile fits these measurements"):
+        fit_profile(SimSettings(step_per_token_s=1.0), [Measurement(Workload(1, 100, 10), 1000.0, None, ttft)], fit=("step_base_s", "request_serial_s"))
+
+
+
+def test_a_ttft_measured_as_a_mean_only_is_matched_with_a_front_end_turn():
+    """Mean TTFTs alone (no median) still set the grid of front-end turns searched: the fit
+    finds a turn and matches them (unsearched, it found none: 15 % off)."""
+    truth = SimSettings(step_base_s=0.004, step_per_token_s=3e-5, step_per_seq_s=2e-4, request_overhead_s=0.03, request_serial_s=0.002)
+    theta = theta_of(truth)
+    measurements = []
+    for workload in (Workload(1, 64, 16), Workload(8, 64, 16)):
+        loop = closed_loop(truth, workload)
+        measurements.append(Measurement(workload, loop.throughput(theta), sum(loop.ttft_s(theta)) / len(loop.ttft)))
+    fit = fit_profile(SimSettings(), measurements, fit=("step_base_s", "request_overhead_s", "request_serial_s"))
+    assert fit.theta[5] > 0 and fit.max_throughput_rel_err < 0.1
+    for m in measurements:
+        loop = closed_loop(truth, m.workload, fit.theta)
+        assert sum(loop.ttft_s(fit.theta)) / len(loop.ttft) == pytest.approx(m.ttft_mean_s, rel=0.05)
+
+
+def test_measurements_that_show_no_decoding_fit_no_profile_and_say_why():
+    """A sweep whose requests took their first token's time and no more (a server that sends a
+    whole answer in one chunk) fit every step cost to 0: calibrate wrote that profile and exited
+    0, and the sim then refused to load it ("an engine step would take no time")."""
+    from fleetsched.calibrate import Sample
+
+    sample = Sample(1, 64, 16, 1, 1600.0, 0.01, 0.01)
+    with pytest.raises(ValueError, match="gives an engine step no time .* does the server stream the tokens as it makes them"):
+        fit_profile(SimSettings(), [sample.measurement()])

@@ -312,7 +312,8 @@ def fit_profile(
     from another) and the profile the first round's loops run under. Each round runs the loops
     under the last round's profile and solves for a new one; the best of the rounds (least
     squared relative error, each judged on its own loops) is returned, usually after 2-4 rounds,
-    once the schedules stop changing. Raises ValueError when no non-negative profile fits.
+    once the schedules stop changing. Raises ValueError when no non-negative profile fits, or
+    when the one that fits gives an engine step no time.
 
     The front-end turn (``request_serial_s``) changes the schedules more than it changes any sum:
     a round that solves it to 0 lines every request up again, and no later round can see it. The
@@ -343,7 +344,7 @@ def fit_profile(
         grids = {SERIAL: [share * quickest for share in SERIAL_GRID], DELAY: [share * quickest / clients for share in DELAY_GRID]}
         searched = [(i, grid) for i, grid in grids.items() if free[i]]
     if not searched:
-        return _alternate(base, measurements, start, fixed, free, ttft_weight)[1]
+        return _steps_take_time(_alternate(base, measurements, start, fixed, free, ttft_weight)[1])
     pinned = [f and i not in (SERIAL, DELAY) for i, f in enumerate(free)]
     held = list(fixed)  # the searched parameters' values, each the best found once searched
     best: tuple[float, Fit | None] = (math.inf, None)
@@ -361,7 +362,23 @@ def fit_profile(
         held[i] = best[1].theta[i]
     # Last, every cost free, from the best schedule found.
     assert best[1] is not None
-    return min(best, _alternate(base, measurements, list(best[1].theta), fixed, free, ttft_weight), key=lambda fit: fit[0])[1]
+    return _steps_take_time(min(best, _alternate(base, measurements, list(best[1].theta), fixed, free, ttft_weight), key=lambda fit: fit[0])[1])
+
+
+def _steps_take_time(fit: Fit | None) -> Fit:
+    """`fit`, unless its engine steps take no time (the sim refuses such a profile: calibrate
+    wrote one and exited 0, and the profile then failed to load): measurements in which every
+    request took its first token's time and no more, as from a server that sends a whole answer
+    in one chunk, fit every step cost to 0."""
+    assert fit is not None
+    base, per_token, _, per_seq, *_ = fit.theta
+    if not (base or per_token or per_seq):
+        raise ValueError(
+            "the profile that fits these measurements gives an engine step no time (step_base_s, step_per_token_s "
+            "and step_per_seq_s all 0): each request took about its first token's time and no more, so nothing was "
+            "seen of decoding; does the server stream the tokens as it makes them?"
+        )
+    return fit
 
 
 def _search(at: Callable[[float], tuple[float, Fit | None]], grid: Sequence[float]) -> tuple[float, Fit | None]:
