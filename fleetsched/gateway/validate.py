@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..backends.sampling import is_flag, is_true, lax_int, pairs_problem, rule_problem
+from ..backends.sampling import is_flag, is_true, lax_whole, pairs_problem, rule_problem
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -63,7 +63,7 @@ def _integer(body: dict[str, Any], name: str, low: int, high: int = 2**31 - 1, t
     value = body.get(name)
     if value is None:
         return None
-    count = None if isinstance(value, str) and not text else lax_int(value)
+    count = None if isinstance(value, str) and not text else lax_whole(value)
     if count is None:
         raise Invalid(name, f"must be an integer, got {value!r:.40}")
     if not low <= count <= high:
