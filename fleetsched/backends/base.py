@@ -516,7 +516,7 @@ def requested_max_tokens(body: ChatBody, default: int = 256) -> int:
     value = body.get(field)
     if value is None:
         return default
-    count = lax_whole(value)  # as vLLM's server reads it: "8" and 8.0 are 8, true is 1; 2.5 is refused
+    count = value if type(value) is int else lax_whole(value)  # as vLLM's server reads it: "8" and 8.0 are 8, true is 1; 2.5 is refused
     if count is None or count < 1:
         raise InvalidRequest(f"{field}: expected an integer >= 1, got {value!r:.80}")
     if count > MAX_TOKENS_LIMIT:

@@ -404,7 +404,7 @@ class SimBackend(Backend):
         priority = body.get("priority", 0)
         if priority is None:
             priority = 0
-        elif type(priority) is not int:  # read as vLLM's server reads it: "5" and 5.0 are 5, true is 1
+        elif not isinstance(priority, int) or isinstance(priority, bool):  # read as vLLM's server reads it: "5" and 5.0 are 5, true is 1 (a tier, an int, as it is)
             read = lax_int(priority)
             if read is None:
                 raise InvalidRequest(f"priority: expected an integer (lower is sooner), got {priority!r}")
