@@ -40,9 +40,9 @@ import threading
 import time
 import weakref
 from asyncio import format_helpers
-from pathlib import Path
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
