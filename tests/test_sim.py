@@ -16,7 +16,7 @@ import pytest
 
 from fleetsched.backends.base import Received, collect_chat, estimate_prompt_tokens, output_so_far, tools_text
 from fleetsched.backends.instant import InstantBackend
-from fleetsched.backends.chat_options import echoed, output_params, response_role, template_kwargs
+from fleetsched.backends.chat_options import echoed, output_params, prompt_cut, response_role, template_kwargs
 from fleetsched.backends.sampling import constraint_params
 from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, SimEngine
 from fleetsched.errors import BackendError, BackendUnavailable, UnknownModel
@@ -826,9 +826,13 @@ BAD_CHAT_OPTIONS = [
     ({"documents": [{"title": 1}]}, "documents"), ({"documents": "text"}, "documents"), ({"reasoning_effort": "huge"}, "reasoning_effort"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),  # an empty prompt
+    ({"truncate_prompt_tokens": False}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": "x"}, "truncate_prompt_tokens"),
     ({"truncation_side": "middle"}, "truncation_side"),
     ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": "a/b"}, "cache_salt"), ({"cache_salt": "s" * 129}, "cache_salt"),
     ({"thinking_token_budget": -2}, "thinking_token_budget"), ({"thinking_token_budget": 1.5}, "thinking_token_budget"),
+    ({"thinking_token_budget": "5"}, "thinking_token_budget"), ({"thinking_token_budget": 5.0}, "thinking_token_budget"),  # vLLM reads it strictly
+    ({"repetition_detection": {"max_pattern_size": 2.5, "min_count": 3}}, "repetition_detection.max_pattern_size"),
+    ({"repetition_detection": {"max_pattern_size": 2, "min_count": "x"}}, "repetition_detection.min_count"),
     ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "repetition_detection.min_count"),
     ({"repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}}, "repetition_detection.min_pattern_size"),
     ({"vllm_xargs": {"a": {"b": 1}}}, "vllm_xargs"),
@@ -855,6 +859,22 @@ GOOD_CHAT_OPTIONS = [
     {"include_stop_str_in_output": 1, "skip_special_tokens": False, "spaces_between_special_tokens": "off", "watermarking": False},
     {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}, "thinking_token_budget": -1, "vllm_xargs": {"a": 1, "b": ["x", 2.5]}},
 ]  # fmt: skip
+
+
+async def test_integer_chat_options_are_read_laxly_as_vllms_server_reads_them():
+    """truncate_prompt_tokens "100" or 100.0 and repetition_detection's sizes "2" or 3.0, which
+    vLLM's request model reads as integers (checked against vLLM 0.32's): the sim refused them.
+    The prompt is cut as by 100, and the engine backend is handed the integers read."""
+    async with SimBackend(flat(max_model_len=256)) as backend:
+        for size in ("100", 100.0, " 100 ", "100.0"):
+            response, _ = await backend.complete_chat({**body(1000, 10), "truncate_prompt_tokens": size})
+            assert response["usage"]["prompt_tokens"] == 100, size
+        detection = {"max_pattern_size": "2", "min_pattern_size": True, "min_count": 3.0}
+        chunks = [chunk async for chunk in backend.stream_chat({**body(16, 4), "repetition_detection": detection})]
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert prompt_cut({"truncate_prompt_tokens": "-1"}) == -1 and prompt_cut({}) is None
+    assert output_params({"repetition_detection": detection}) == {"repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 1, "min_count": 3}}
+    assert estimate_prompt_tokens({"prompt": "x" * 20_000, "truncate_prompt_tokens": "100"}) == 100
 
 
 async def test_chat_options_vllm_takes_are_taken():

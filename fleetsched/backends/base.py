@@ -417,7 +417,9 @@ def _truncated(body: ChatBody, tokens: int) -> int:
     """`tokens`, or the ``truncate_prompt_tokens`` that `body` cuts its prompt to, if fewer (-1,
     the model's context, is left to the engine; a size that is no count, to the checks)."""
     size = body.get("truncate_prompt_tokens")
-    if type(size) is int and 0 < size < tokens:
+    if size is not None and type(size) is not int:
+        size = lax_whole(size)  # "5" is 5, as vLLM reads it
+    if size is not None and 0 < size < tokens:
         return size
     return tokens
 

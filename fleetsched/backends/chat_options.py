@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidRequest
-from .sampling import is_flag, is_int, is_true
+from .sampling import is_flag, is_int, is_true, lax_int
 
 #: The boolean fields, each with its default on vLLM's server (they are read laxly, as its
 #: request model reads them: "yes" is true).
@@ -49,6 +49,13 @@ def flag(body: Mapping[str, Any], key: str) -> bool:
     its default. `body` must have passed `check_chat_options`."""
     value = body.get(key)
     return FLAGS[key] if value is None else is_true(value)
+
+
+def prompt_cut(body: Mapping[str, Any]) -> int | None:
+    """The ``truncate_prompt_tokens`` of `body` as vLLM's server reads it (laxly: "5" and 5.0 are
+    5), None where it is absent or null. `body` must have passed `check_chat_options`."""
+    value = body.get("truncate_prompt_tokens")
+    return None if value is None else lax_int(value)
 
 
 def check_chat_options(body: Mapping[str, Any]) -> None:
@@ -111,8 +118,9 @@ def _tokenize_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     ``cache_salt`` that is no string of 1 to `MAX_CACHE_SALT_LENGTH` characters without @, /, \\
     or NUL."""
     truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and not (is_int(truncate) and (truncate >= 1 or truncate == -1)):
-        # 0 passes vLLM's type check, then leaves an empty prompt, which it refuses.
+    size = None if truncate is None else lax_int(truncate)  # read laxly, as vLLM's request model reads it: "5" is 5
+    if truncate is not None and not (size is not None and (size >= 1 or size == -1)):
+        # 0 (or false) passes vLLM's type check, then leaves an empty prompt, which it refuses.
         return "truncate_prompt_tokens", f"expected an integer >= 1 (the prompt tokens kept), or -1 for the model's context, got {truncate!r:.80}"
     side = body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
@@ -135,10 +143,10 @@ def _extras_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
     if detection is not None:
         if not isinstance(detection, Mapping):
             return "repetition_detection", f'expected an object ({{"max_pattern_size": ..., "min_count": ...}}), got {detection!r:.80}'
-        sizes = {key: detection.get(key, 0) for key in _DETECTION_FIELDS}
+        sizes = repetition_sizes(detection)
         for key, value in sizes.items():
-            if not (is_int(value) and value >= 0):
-                return f"repetition_detection.{key}", f"expected an integer >= 0, got {value!r:.80}"
+            if value is None or value < 0:
+                return f"repetition_detection.{key}", f"expected an integer >= 0, got {detection[key]!r:.80}"
         if sizes["min_pattern_size"] > sizes["max_pattern_size"]:
             maximum, minimum = sizes["max_pattern_size"], sizes["min_pattern_size"]
             return "repetition_detection.min_pattern_size", f"expected at most max_pattern_size ({maximum}), got {minimum}"
@@ -152,6 +160,12 @@ def _extras_problem(body: Mapping[str, Any]) -> tuple[str, str] | None:
         ):
             return "vllm_xargs", f"expected an object of strings, numbers or lists of them, got {xargs!r:.80}"
     return None
+
+
+def repetition_sizes(detection: Mapping[str, Any]) -> dict[str, int | None]:
+    """The fields of a ``repetition_detection`` object as vLLM reads them (laxly: "2" and 2.0 are
+    2; left out, 0), None for a value it refuses."""
+    return {key: lax_int(detection.get(key, 0)) for key in _DETECTION_FIELDS}
 
 
 # -- the fields as the engine takes them ------------------------------------------------------------
@@ -197,7 +211,7 @@ def output_params(body: Mapping[str, Any]) -> dict[str, Any]:
         params["thinking_token_budget"] = body["thinking_token_budget"]
     detection = body.get("repetition_detection")
     if detection is not None:
-        params["repetition_detection"] = {key: detection[key] for key in _DETECTION_FIELDS if key in detection}
+        params["repetition_detection"] = {key: size for key, size in repetition_sizes(detection).items() if key in detection}  # as read: "2" is 2
     if body.get("vllm_xargs"):
         params["extra_args"] = dict(body["vllm_xargs"])
     return params

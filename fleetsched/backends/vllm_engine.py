@@ -46,7 +46,7 @@ from .base import (
     usage_dict,
     wants_continuous_usage,
 )
-from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, response_role, template_kwargs
+from .chat_options import FLAGS, check_chat_options, echoed, flag, output_params, prompt_cut, response_role, template_kwargs
 from .sampling import check_sampling, constraint_params, is_true, lax_int, sampling_values
 
 _request_ids = itertools.count(1)
@@ -337,7 +337,7 @@ class VLLMEngineBackend(Backend):
         past the context refused."""
         from vllm.renderers.params import TokenizeParams
 
-        truncate = body.get("truncate_prompt_tokens")
+        truncate = prompt_cut(body)  # as read: "5" is 5
         if truncate is not None and truncate > self._max_model_len:  # vLLM's words for it read as a prompt too long
             raise InvalidRequest(f"truncate_prompt_tokens: expected at most the model's context ({self._max_model_len} tokens), got {truncate}")
         return TokenizeParams(

@@ -406,15 +406,15 @@ async def check_chat_fields(backend: VLLMEngineBackend, request: dict, model_dir
     echoed = await answer({**prefix, **forms[2], "echo": True})
     assert echoed[0]["choices"][0]["delta"]["role"] == "assistant" and text(echoed).startswith("The answer is"), echoed[0]
     tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
-    forms = ({}, {"chat_template_kwargs": {"tools": tools}}, {"truncate_prompt_tokens": 3})
-    plain, with_tools, cut = [(await answer(form))[-1]["usage"]["prompt_tokens"] for form in forms]
-    assert with_tools > plain > cut == 3, (plain, with_tools, cut)
+    forms = ({}, {"chat_template_kwargs": {"tools": tools}}, {"truncate_prompt_tokens": 3}, {"truncate_prompt_tokens": "3"})
+    plain, with_tools, cut, cut_as_text = [(await answer(form))[-1]["usage"]["prompt_tokens"] for form in forms]
+    assert with_tools > plain > cut == cut_as_text == 3, (plain, with_tools, cut, cut_as_text)  # "3" is 3, as the server reads it
     # The rest reach the engine as the server passes them, and the call is served.
     rest = {"cache_salt": "tenant-a", "vllm_xargs": {"k": 1}, "documents": [{"title": "t", "text": "x"}], "reasoning_effort": "low"}
     served = await answer({**rest, "watermarking": False, "spaces_between_special_tokens": False, "add_special_tokens": True})
     assert served[-1]["usage"]["completion_tokens"] == 12, served[-1]
     # Answers of one token repeated end once the repeat is seen, not at max_tokens.
-    repeated = await answer({"logit_bias": {str(x): 100}, "repetition_detection": {"max_pattern_size": 2, "min_count": 3}})
+    repeated = await answer({"logit_bias": {str(x): 100}, "repetition_detection": {"max_pattern_size": "2", "min_count": 3.0}})  # read laxly
     assert repeated[-1]["usage"]["completion_tokens"] < 12, repeated[-1]
     refused = (
         ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),

@@ -62,7 +62,7 @@ from ..base import (
     usage_dict,
     wants_continuous_usage,
 )
-from ..chat_options import check_chat_options
+from ..chat_options import check_chat_options, prompt_cut
 from ..sampling import check_sampling, is_true, lax_int
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
 from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, block_hashes, prompt_text
@@ -465,7 +465,7 @@ class SimBackend(Backend):
         the last tokens kept (``truncation_side`` "left", a generating model's default), or the
         first ("right"); -1 is the model's context, less a token for the answer when the call
         asks for a length. A size over the context is refused."""
-        size = body["truncate_prompt_tokens"]  # -1 or an integer >= 1 (`check_chat_options`)
+        size = prompt_cut(body)  # -1 or an integer >= 1 (`check_chat_options`)
         context = self._max_model_len
         if size > context:
             raise InvalidRequest(f"truncate_prompt_tokens: expected at most the model's context ({context} tokens), got {size}", param="truncate_prompt_tokens")
