@@ -344,6 +344,28 @@ async def test_stream_options_are_refused_where_vllm_refuses_them():
     check_released(scheduler)
 
 
+async def test_stream_is_read_as_vllm_reads_it():
+    """``"stream": "false"`` (a body built from text, sent with ``extra_body``) was read by
+    truthiness: the call was streamed, and the SDK, which asked for one answer, returned the
+    events' raw text. A word for false is false, as vLLM's server and the gateway read it, and one
+    that is no flag a 400 naming the field."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def agent(ctx):
+        answers = []
+        for flag in ("false", "no", 0):
+            response = await ctx.openai.chat.completions.create(model=ctx.model, messages=messages, extra_body={"stream": flag})
+            answers.append(response.choices[0].message.content)
+        with pytest.raises(openai.BadRequestError, match="stream: must be true or false") as info:
+            await ctx.openai.chat.completions.create(model=ctx.model, messages=messages, extra_body={"stream": "maybe"})
+        assert info.value.body["param"] == "stream"
+        return answers
+
+    async with Scheduler(settings()) as scheduler:
+        assert await scheduler.run(agent, tenant="acme") == ["ok", "ok", "ok"]
+    check_released(scheduler)
+
+
 async def test_the_sdks_parse_and_stream_helpers_get_a_whole_answer_on_the_sim():
     # The sim ended every answer with finish_reason "length", also where the call named no
     # max_tokens: the SDK's `.parse()` and `.stream(...).get_final_completion()` raised

@@ -992,3 +992,25 @@ async def test_memory_stays_pinned_until_the_last_call_under_way_in_a_tool_perio
         await (await scheduler.submit(agent, tenant="acme"))
     assert seen == [(40, 1, False), (400, 0, True)]
     check_released(scheduler)
+
+
+async def test_a_session_past_its_deadline_fails_with_deadline_exceeded_through_the_sdk_too():
+    """Work that no cancellation cuts (blocking code, a shielded scope, a thread) ran past the
+    session's deadline, and the agent's next call was through ``ctx.openai``: the call was refused
+    as past the deadline, a 408 to the SDK, and the session failed with the SDK's
+    `APIStatusError`, not `DeadlineExceeded`, as ``ctx.chat`` fails it. The refusal now lets the
+    session's own cancellation in first."""
+
+    async def agent(ctx):
+        await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=4)
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(10)  # past the deadline, uncut
+        return await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=4)
+
+    async with Scheduler(one_slot()) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme", deadline_s=5)
+        with pytest.raises(SessionFailed) as info:
+            await handle
+    assert isinstance(handle.error, DeadlineExceeded) and isinstance(info.value.__cause__, DeadlineExceeded)
+    assert len(scheduler.recorder.calls) == 1
+    check_released(scheduler)

@@ -525,3 +525,26 @@ async def test_a_refusal_whose_wait_ends_at_the_deadline_is_raised_at_once():
             await scheduler.run(agent, tenant="edge")
     assert "requests_per_minute (3)" in str(refused.value.__cause__) and "retry after 20.0 s" in str(refused.value.__cause__)
     check_released(scheduler)
+
+
+async def test_a_tool_error_whose_message_cannot_be_read_is_still_a_tool_error():
+    """A tool raised an exception whose own ``__str__`` raises: that escaped the loop, and the
+    session failed with it (in a task group's ExceptionGroup), the tool's error and the turns
+    done lost. The model is told, as of any tool's failure."""
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no message")
+
+    async def broken() -> str:
+        raise Unprintable()
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], [Tool("broken", broken)], script=[[{"name": "broken"}]])
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        loop = await scheduler.run(agent, tenant="acme")
+    assert loop.stopped == "answer" and loop.tool_errors == 1
+    (said,) = [m["content"] for m in loop.messages if m["role"] == "tool"]
+    assert said.startswith("error: tool 'broken' raised Unprintable: (its message could not be read")
+    check_released(scheduler)

@@ -250,12 +250,12 @@ async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
             if inspect.isawaitable(result):  # an async function's, or a callable's that returns one
                 result = await result
     except Exception as exc:  # a tool's failure is the model's to handle, not the session's
-        return f"error: tool {name!r} raised {type(exc).__name__}: {exc}"
+        return f"error: tool {name!r} raised {type(exc).__name__}: {_said(exc)}"
     except BaseException as exc:
         # A CancelledError of the tool's own (a future something else cancelled) ended its task
         # as if cancelled: the model was given an empty result, counted as no error.
         if stray_cancelled_error(exc):
-            return f"error: tool {name!r} raised CancelledError: {exc}"
+            return f"error: tool {name!r} raised CancelledError: {_said(exc)}"
         raise
     if scope.cancelled_caught:
         return f"error: tool {name!r} did not finish within {tool.timeout_s:g} s"
@@ -265,6 +265,15 @@ async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
         return json.dumps(result, allow_nan=False)  # NaN and infinity are no JSON
     except (TypeError, ValueError, RecursionError) as exc:
         return f"error: tool {name!r} returned a {type(result).__name__} that is not JSON ({exc})"
+
+
+def _said(exc: BaseException) -> str:
+    """`str(exc)`, or what its failure was: an exception whose own ``__str__`` raised escaped
+    the loop (the session failed with that error, the tool's lost), where the model was to be told."""
+    try:
+        return str(exc)
+    except Exception as failure:
+        return f"(its message could not be read: its __str__ raised {type(failure).__name__})"
 
 
 def _function(call: Any) -> Mapping[str, Any]:

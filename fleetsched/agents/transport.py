@@ -27,6 +27,7 @@ import anyio
 import httpx
 
 from ..backends.base import REQUEST_ID_KEY, Chunk, model_list
+from ..backends.sampling import is_flag, is_true
 from ..errors import BackendError, BackendUnavailable, ContextTooLong, DeadlineExceeded, InvalidRequest, Overloaded, RateLimited, UnknownModel
 
 if TYPE_CHECKING:
@@ -320,7 +321,12 @@ class SessionTransport(httpx.AsyncBaseTransport):
                 raise ValueError("the request body must be a JSON object with a `messages` list")
         except ValueError as exc:
             return error_response(400, f"malformed request: {exc}", "invalid_request_error")
-        streaming = bool(body.pop("stream", False))
+        stream = body.pop("stream", None)
+        if stream is not None and not is_flag(stream):  # as vLLM's server and the gateway refuse it
+            return error_response(400, f"stream: must be true or false, got {stream!r:.80}", "invalid_request_error", param="stream")
+        # Read as they read it: "false" and "no" are false (bool() took any word for true, and the
+        # SDK, which asked for one answer, was sent a stream of events).
+        streaming = stream is not None and is_true(stream)
         options = body.pop("stream_options", None)
         if options is not None and (not streaming or not isinstance(options, dict)):  # refused as vLLM refuses it
             said = "an object" if streaming else "set only with stream=true"

@@ -335,6 +335,11 @@ class Dispatcher:
         if due_in < math.inf:
             due = min(due, now + due_in)
         if now > deadline:
+            # The session's own cancellation (its deadline's) goes first where it is due, not yet
+            # delivered (the time passed in work no cancellation cuts): it fails the session with
+            # `DeadlineExceeded`, where this refusal, a 408 to `ctx.openai`, failed it with the
+            # SDK's `APIStatusError`. A shielded cleanup, or a task outside the session, gets it.
+            await anyio.lowlevel.checkpoint()
             raise DeadlineExceeded(f"session {session} made a model call {now - deadline:.3f} s after its deadline")
         estimate = estimate_prompt_tokens(body)
         if tier in self._shed_tiers and tenant in self._shed_after_s:
