@@ -381,6 +381,10 @@ def test_too_large_400_names_the_limit(url):
         (b'{"messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": {"continuous_usage_stats": 3}}', "stream_options.continuous_usage_stats"),
         # Options of a stream for a call that is not one: vLLM and OpenAI refuse them (it was served).
         (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}', "stream_options"),
+        # vLLM answers a structured_outputs that is no object with a 500, which opened the
+        # replica's circuit breaker for every tenant (test_a_tenant_s_bad_structured_outputs_...).
+        (b'{"messages": [{"role": "user", "content": "x"}], "structured_outputs": true}', "structured_outputs"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "structured_outputs": ["yes", "no"]}', "structured_outputs"),
         (b"\xff\xfe", None),
         # Unpaired surrogates: the echoed model broke the answer (a cut stream, an ERROR log).
         (b'{"model": "m\\ud800", "messages": [{"role": "user", "content": "x"}], "stream": true}', "model"),
@@ -1073,6 +1077,34 @@ def test_a_completions_stream_that_fails_is_answered_as_a_chat_stream_would_be()
         for stream in (False, True):
             response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": stream}, headers=headers, timeout=10)
             assert response.status_code == 200 and "live" in response.text, response.text
+
+
+def test_a_refusal_vllm_reports_in_its_stream_keeps_the_field_it_names():
+    """vLLM reports some refusals in a stream it began with 200 (a logit_bias token out of the
+    vocabulary, top_logprobs over --max-logprobs: ``{"error": {..., "param": "logit_bias",
+    "code": 400}}``), and every call reaches it streamed. The gateway's 400 had ``"param":
+    null`` where vLLM's own answer to the call names the field."""
+    import httpx2
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    event = {"error": {"message": "token_id(s) [99999] in logit_bias contain out-of-vocab token ids.", "type": "BadRequestError", "param": "logit_bias", "code": 400}}
+
+    def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            return httpx2.Response(200, content=f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode(), headers={"content-type": "text/event-stream"})
+
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler)))
+
+    metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    backend = VLLMServerBackend({"r": "http://r.invalid:8000"}, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
+    with serve_in_thread(gateway_settings(), backend=backend) as (_, url):
+        for endpoint, body in (("chat/completions", {"messages": MSG}), ("completions", {"prompt": "Once"})):
+            for stream in (False, True):
+                call = {**body, "max_tokens": 1, "logit_bias": {"99999": 1}, "stream": stream}
+                response = httpx.post(f"{url}/v1/{endpoint}", json=call, headers={"authorization": f"Bearer {ACME}"}, timeout=10)
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["param"] == "logit_bias", (endpoint, stream, response.text)
 
 
 def test_a_session_calls_the_replica_its_memory_is_reserved_on():
@@ -1791,3 +1823,47 @@ def test_counts_and_flags_given_as_vllms_server_reads_them_are_taken(url):
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         assert [line for line in response.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
+
+
+def test_a_tenant_s_bad_structured_outputs_do_not_open_the_replica_s_breaker_for_everyone():
+    """vLLM 0.32 answers a ``structured_outputs`` that is not an object (true, a list) with a
+    500 ("'bool' object has no attribute 'get'"). The gateway passed it on and took the 500 for
+    the replica down: five such calls of one tenant opened the replica's circuit breaker, and
+    every tenant's chat calls were answered 502 "circuit open" for `breaker_reset_s`. Refused
+    with a 400 naming the field, they never reach the replica; an object is passed on."""
+    import httpx2
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    sent: list[dict] = []
+
+    def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            body = json.loads(request.content)
+            sent.append(body)
+            given = body.get("structured_outputs")
+            if given is not None and not isinstance(given, dict):  # as vLLM 0.32's server answers it
+                error = {"message": f"'{type(given).__name__}' object has no attribute 'get'", "type": "InternalServerError", "param": None, "code": 500}
+                return httpx2.Response(500, json={"error": error})
+            chunks = (
+                make_chunk("chatcmpl-r", "m", 0, role="assistant", content="ok"),
+                make_chunk("chatcmpl-r", "m", 0, finish_reason="stop", usage=usage_dict(2, 1)),
+            )
+            events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+            return httpx2.Response(200, content=events.encode(), headers={"content-type": "text/event-stream"})
+
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler)))
+
+    metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    backend = VLLMServerBackend({"r": "http://r.invalid:8000"}, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
+    with serve_in_thread(gateway_settings(), backend=backend) as (_, url):
+        for endpoint, body in (("chat/completions", {"messages": MSG}), ("completions", {"prompt": "Once"})):
+            for _ in range(6):
+                bad = {**body, "max_tokens": 1, "structured_outputs": True}
+                response = httpx.post(f"{url}/v1/{endpoint}", json=bad, headers={"authorization": f"Bearer {ACME}"})
+                assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs", response.text
+        assert not [b for b in sent if "structured_outputs" in b], sent
+        # Another tenant is served, and an object goes on to the replica.
+        assert client(url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1).choices[0].message.content == "ok"
+        reply = client(url).chat.completions.create(model="m", messages=MSG, max_tokens=1, extra_body={"structured_outputs": {"choice": ["ok"]}})
+        assert reply.choices[0].message.content == "ok" and sent[-1]["structured_outputs"] == {"choice": ["ok"]}

@@ -145,7 +145,7 @@ OK_STREAM = _sse(
 )  # fmt: skip
 
 
-def _backend(responses: list[httpx2.Response], seen: list[dict], **options) -> VLLMServerBackend:
+def _backend(responses: list[httpx2.Response], seen: list[dict], health: int = 404, **options) -> VLLMServerBackend:
     def handler(request: httpx2.Request) -> httpx2.Response:
         seen.append(json.loads(request.content))
         return responses.pop(0)
@@ -154,8 +154,8 @@ def _backend(responses: list[httpx2.Response], seen: list[dict], **options) -> V
         client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
         return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=client)
 
-    # /metrics and /server_info answer 404: the scheduling policy stays unknown.
-    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    # /metrics and /server_info answer 404: the scheduling policy stays unknown; /health `health`.
+    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(health if request.url.path == "/health" else 404)))
     options = {"retry_attempts": 4, "retry_initial_s": 1.0, "retry_max_s": 8.0, **options}
     return VLLMServerBackend("http://vllm.invalid:8000", client_factory=factory, http_client=http, **options)
 
@@ -476,6 +476,27 @@ def _error_event(code: int, message: str) -> bytes:
 
 
 ROLE_CHUNK = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("in_stream", [False, True])
+@pytest.mark.parametrize("health", [200, 503, 404])
+async def test_a_5xx_counts_against_the_replica_only_where_its_health_is_not_200(health, in_stream):
+    """vLLM 0.32 answers some bodies it cannot serve with a 500 while its engine is well (a
+    ``structured_outputs`` of true): five such calls of one tenant opened the breaker, and every
+    tenant's calls were refused for its reset period. A 5xx, before the answer or in its stream,
+    counts against the replica only where its /health does not answer 200 just after."""
+    failing = _event_stream(ROLE_CHUNK, _error_event(500, "Internal server error")) if in_stream else httpx2.Response(500, json={})
+    backend = _backend([failing, _ok()], seen := [], health=health, retry_attempts=1, breaker_failures=1)
+    with pytest.raises(BackendUnavailable, match="500"):
+        _ = [c async for c in backend.stream_chat(BODY)]
+    state = backend.replicas["r0"].breaker.state(anyio.current_time())
+    assert state == ("closed" if health == 200 else "open")
+    if health == 200:
+        chunks = [c async for c in backend.stream_chat(BODY)]  # the next call is served
+        assert chunks[-1]["usage"]["total_tokens"] == 6
+    assert len(seen) == 1 + (health == 200)
+    await backend.aclose()
 
 
 @pytest.mark.anyio

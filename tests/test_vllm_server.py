@@ -285,6 +285,21 @@ async def test_a_model_the_server_does_not_serve_is_a_404_naming_the_model(vllm_
     }
 
 
+@pytest.mark.vllm
+async def test_a_500_vllm_answers_for_a_body_does_not_open_the_breaker(vllm_server):
+    """vLLM 0.32 answers a ``structured_outputs`` that is no object with a 500 ("'bool' object
+    has no attribute 'get'") while its engine is well: calls like it, from one tenant, opened the
+    replica's breaker (1 here, 5 by default), and every tenant's calls were refused for its reset
+    period. Its /health answers 200 just after, so the 500 is the call's: the next call is served."""
+    async with VLLMServerBackend(vllm_server.url, retry_attempts=1, breaker_failures=1) as backend:
+        for _ in range(2):
+            with pytest.raises(BackendError, match="500"):
+                _ = [c async for c in backend.stream_chat({**body(4), "structured_outputs": True})]
+        assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
+        served = [c async for c in backend.stream_chat(body(4))]
+    assert served[-1]["usage"]["completion_tokens"] == 4
+
+
 async def test_circuit_breaker_opens_against_a_dead_port():
     dead = f"http://127.0.0.1:{free_port()}"
     async with VLLMServerBackend(

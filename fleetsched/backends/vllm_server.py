@@ -10,7 +10,10 @@ and an unreachable one is retried like any other, unless the body says the calle
 itself (`FALLBACK_KEY`, as the dispatcher does for a session's replica): then it is given up at once.
 
 A replica's breaker opens after calls that found it down (unreachable, a 5xx but 503), not after
-answers that it is busy (429, 503: the caller gets `Overloaded` with the wait asked). A call that
+answers that it is busy (429, 503: the caller gets `Overloaded` with the wait asked). A 5xx is
+the replica's failure only where its ``/health`` does not answer 200 just after: vLLM answers
+some bodies it cannot serve with a 500 while its engine is well, and five of them from one
+tenant opened the breaker for every tenant's calls. A call that
 the dispatcher falls back from a session's replica with (`AVOID_KEY`) goes to another replica, or
 fails at once where none can take it.
 
@@ -183,9 +186,11 @@ class _ErrorEvent(Exception):
     """A failure vLLM reported inside a stream it had begun with 200 (an event ``{"error": {...}}``,
     its create_streaming_error_response), with the HTTP code it would have answered, if any."""
 
-    def __init__(self, message: str, status_code: int | None) -> None:
+    def __init__(self, message: str, status_code: int | None, param: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        #: The field the event names (``"param": "logit_bias"``), as vLLM's answer with the code would.
+        self.param = param
 
 
 def _as_event(exc: BaseException) -> BaseException:
@@ -193,8 +198,8 @@ def _as_event(exc: BaseException) -> BaseException:
     ``openai.APIError`` carrying the event's body, as its streams raise it on the completions
     path, which the SDK parses); otherwise `exc` itself."""
     if type(exc) is openai.APIError and isinstance(exc.body, Mapping):
-        code = exc.body.get("code")
-        return _ErrorEvent(exc.message, code if type(code) is int else None)
+        code, param = exc.body.get("code"), exc.body.get("param")
+        return _ErrorEvent(exc.message, code if type(code) is int else None, param if isinstance(param, str) else None)
     return exc
 
 
@@ -268,7 +273,7 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
     if isinstance(exc, _ErrorEvent):
         said = f"{where} failed the call in its stream ({exc.status_code}): {exc}"
         if exc.status_code in (400, 422):
-            return invalid_request(said)
+            return invalid_request(said, exc.param)
         if _retryable_answer(exc):
             return BackendUnavailable(said)
         return BackendError(said)
@@ -308,6 +313,9 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
 
 #: Seconds to open a connection to a replica (then `backend.read_timeout_s` for each read).
 CONNECT_TIMEOUT_S = 5.0
+
+#: Seconds a replica's ``/health`` has to answer after a 5xx, for the 5xx to be the call's alone.
+HEALTH_TIMEOUT_S = 2.0
 
 #: A transport error's reason when the server was silent past `backend.read_timeout_s`.
 TIMED_OUT = "no answer within the read timeout (backend.read_timeout_s)"
@@ -418,8 +426,9 @@ class _EventStream:
                 error = chunk["error"]
                 message = error.get("message", error) if isinstance(error, dict) else error
                 code = error.get("code") if isinstance(error, dict) else None
+                param = error.get("param") if isinstance(error, dict) else None
                 # Translated (and retried, before the first chunk) by its code, as an answer with it.
-                raise _ErrorEvent(str(message), code if isinstance(code, int) else None)
+                raise _ErrorEvent(str(message), code if isinstance(code, int) else None, param if isinstance(param, str) else None)
             usage = chunk.get("usage")
             if usage is not None:  # on every chunk of a stream with continuous usage: no copy made
                 _check_counts(usage)
@@ -593,7 +602,7 @@ class VLLMServerBackend(Backend):
             except Exception as exc:
                 if isinstance(exc, BackendError):
                     raise
-                if _retryable(exc) and not _busy(exc):
+                if _retryable(exc) and not _busy(exc) and not (_status(exc) is not None and await self._healthy(target)):
                     breaker.record_failure(anyio.current_time())
                 if _unreachable(exc):  # it was reached: the connection broke (the server died, say)
                     raise BackendUnavailable(
@@ -639,7 +648,14 @@ class VLLMServerBackend(Backend):
             if _status(exc) is not None and (not _retryable(exc) or _busy(exc)):
                 breaker.record_success()  # it answered: the replica is up (the body was wrong, or it is busy)
             elif _retryable(exc):
-                breaker.record_failure(anyio.current_time(), grant)
+                healthy = False
+                try:  # a 5xx answered by a replica whose engine is well was the call's failure
+                    healthy = _status(exc) is not None and await self._healthy(target)
+                finally:
+                    if healthy:
+                        breaker.record_success()
+                    else:
+                        breaker.record_failure(anyio.current_time(), grant)
             else:
                 breaker.release(grant)  # cancelled: no verdict
             if isinstance(exc, Exception) and not isinstance(exc, BackendError):
@@ -647,6 +663,17 @@ class VLLMServerBackend(Backend):
             raise
         breaker.record_success()
         return opened
+
+    async def _healthy(self, target: Replica) -> bool:
+        """Whether `target` answers ``/health`` with 200 within `HEALTH_TIMEOUT_S`: vLLM's server
+        does while its engine is alive (a dead one is a 503), so a 5xx it answered just before was
+        the call's, not the replica's."""
+        try:
+            response = await self._http.get(f"{target.url}/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            logger.debug("vLLM replica %s: /health failed: %r", target.name, exc)
+            return False
+        return response.status_code == 200
 
     def _create_kwargs(self, request: dict[str, Any]) -> dict[str, Any]:
         try:

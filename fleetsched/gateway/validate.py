@@ -105,6 +105,13 @@ def _common(body: dict[str, Any]) -> None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise Invalid("user", "must be a string")
+    # vLLM 0.32's server answers one that is not an object with a 500 ("'bool' object has no
+    # attribute 'get'"), which the backend takes for a replica down: retried, and counted by its
+    # circuit breaker, so five such calls of one tenant had every tenant's chat calls answered
+    # 502 "circuit open" for `breaker_reset_s`.
+    constraints = body.get("structured_outputs")
+    if constraints is not None and not isinstance(constraints, dict):
+        raise Invalid("structured_outputs", f'must be an object ({{"choice": ["yes", "no"]}}, say), got {constraints!r:.40}')
 
 
 def check_chat(body: Any) -> dict[str, Any]:
