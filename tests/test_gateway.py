@@ -351,7 +351,8 @@ def test_too_large_400_names_the_limit(url):
         (b"{not json", None),
         (b"[1, 2]", None),
         (b'{"messages": []}', "messages"),
-        (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
+        (b'{"messages": [{"role": 5, "content": "x"}]}', "messages.0.role"),
+        (b'{"messages": [{"content": "x"}]}', "messages.0.role"),
         (b'{"messages": [{"role": "user", "content": 5}]}', "messages.0.content"),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
@@ -1156,6 +1157,20 @@ def test_a_text_completion_takes_logprobs_as_a_count(url):
     response = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
     assert httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": True}, headers=headers).status_code == 200
+    # Chat's flag is read as vLLM reads it: "yes" and 1 are true (the gateway refused them).
+    for flag in ("yes", 1):
+        assert httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": flag}, headers=headers).status_code == 200, flag
+
+
+def test_any_role_is_taken_as_vllm_takes_it(url):
+    """vLLM's server takes a message of any role (its custom message type: Llama 3's "ipython"
+    tool role, say), leaving it to the model's chat template; the gateway refused every role but
+    six with a 400, so a client that worked against vLLM failed behind it."""
+    headers = {"authorization": f"Bearer {ACME}"}
+    for role in ("ipython", "wizard", ""):
+        messages = [*MSG, {"role": role, "content": "42"}]
+        response = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, headers=headers)
+        assert response.status_code == 200, (role, response.text)
 
 
 def test_a_malformed_session_id_does_not_use_up_a_request_of_the_rate_limit():
