@@ -147,7 +147,9 @@ class GatewaySettings(_Section):
     max_context_tokens: int | None = Field(None, ge=1)
     """The backend's context (max model length) in tokens: a request whose prompt fills it, or
     whose max_tokens exceeds it, is refused before it is queued, as vLLM refuses it (a longer
-    max_tokens than the prompt leaves is cut by the engine). None: taken from the backend
+    max_tokens than the prompt leaves is cut by the engine). A vLLM backend's prompts are left to
+    the engine, which counts them with its tokenizer (the gateway's estimate is 4 characters a
+    token). None: taken from the backend
     settings where they say it, else unchecked."""
     max_body_bytes: int = Field(4 << 20, ge=1)
     """Largest request body accepted (413 above)."""

@@ -104,6 +104,15 @@ def test_refusals_are_4xx_never_500(gateway_url):
         c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"top_k": "many"})
 
 
+def test_a_prompt_that_fits_is_not_refused_by_the_estimate(gateway_url):
+    """The gateway estimates a prompt at 4 characters a token: 800 tokens of " continuously"
+    (13 characters each, one token to the tiny model's tokenizer) read 2,604, over the 2,048 of
+    gateway.max_context_tokens, and were refused though they fit. A vLLM backend's prompts are
+    left to the engine, which counts them."""
+    reply = client(gateway_url).completions.create(model="fleetsched-tiny", prompt=" continuously" * 800, max_tokens=2)
+    assert reply.usage.prompt_tokens <= 1000 and reply.usage.completion_tokens == 2
+
+
 def test_a_completions_refusal_names_the_replica_url(gateway_url, vllm_server):
     """The engine refuses a completions call (a top_k that is no number): the 400 names the
     replica's URL, as the chat path's does (before: its name only)."""

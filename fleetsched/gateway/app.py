@@ -138,6 +138,10 @@ class Gateway:
         self.backend = GatewayBackend(backend if backend is not None else create_backend(settings.backend))
         self.metrics = GatewayMetrics()
         self.max_context = context_limit(settings)
+        # The sim's and the instant backend's prompts are as long as the gateway estimates them
+        # (4 characters a token); a vLLM counts with its tokenizer, and refuses a prompt too long
+        # itself: the estimate refused prompts that fit (800 tokens of " continuously" read 2,604).
+        self._prompts_counted_here = settings.backend.kind in ("sim", "instant")
         self.scheduler: Scheduler | None = None
         self.sessions: SessionTable | None = None
         self.model = settings.backend.model  # the model served: the settings', else the server's (`running`)
@@ -415,7 +419,7 @@ class Gateway:
         max_tokens = requested_max_tokens(body, default=0)
         if self.max_context is not None:
             try:  # refused as vLLM refuses it; a max_tokens the prompt leaves no room for is cut there
-                completion_room(self.max_context, prompt, max_tokens, max_tokens_field(body))
+                completion_room(self.max_context, prompt if self._prompts_counted_here else 0, max_tokens, max_tokens_field(body))
             except ContextTooLong as exc:
                 message = f"{exc} (gateway.max_context_tokens; the prompt is about {prompt} tokens)"
                 param = exc.param if prompt < self.max_context else "messages" if endpoint == "chat" else "prompt"
