@@ -807,6 +807,70 @@ def test_shutdown_answers_calls_waiting_for_admission_at_once():
     assert answers[0].status_code == 503 and "shutting down" in answers[0].json()["error"]["message"]
 
 
+class HoldingBackend(InstantBackend):
+    """Answers at once, but a call whose last message says "hold" waits `wait_s` first."""
+
+    name = "holding"
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(completion_tokens=1)
+        self.wait_s = wait_s
+
+    async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        if body["messages"][-1]["content"] == "hold":
+            await anyio.sleep(self.wait_s)
+        async for chunk in super().stream_chat(body):
+            yield chunk
+
+
+@pytest.mark.parametrize("end", ["deadline", "shutdown"])
+def test_a_session_call_waiting_for_re_admission_is_answered_when_its_session_ends(end):
+    """One slot, tools released. Session "a" (deadline 1.5 s) made a call and lent its slot
+    while its client was away; "b"'s slow call holds the slot when "a"'s next call comes, so
+    it waits for re-admission. Then "a" passes its deadline, or the server shuts down: the call
+    gets its 408 at the deadline, or the shutdown's 503 (before: no answer ever: its agent had
+    taken the call's turn from the queue, and a session's end released only the turns still
+    queued; the call waited for its client to give up, and held the shutdown as long)."""
+    import threading
+
+    sla = {"deadline_s": 1.5} if end == "deadline" else {}
+    tenants = {"a": {"api_keys": [hash_key(ACME)], "sla": sla}, "b": {"api_keys": [hash_key(GLOBEX)]}}
+    s = gateway_settings(tenants, scheduler={"max_sessions": 1, "tool_policy": "release"}, gateway={"session_idle_s": 60})
+    answers: dict[str, httpx.Response | Exception] = {}
+
+    def call(name: str, key: str, content: str = "hi") -> None:
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        headers = {"authorization": f"Bearer {key}", "x-session-id": name}
+        try:
+            answers[name] = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+        except Exception as exc:  # the client gave up: no answer came
+            answers[name] = exc
+
+    with serve_in_thread(s, backend=HoldingBackend(wait_s=4)) as (gw, url):
+        call("a", ACME)
+        assert answers.pop("a").status_code == 200
+        holder = threading.Thread(target=call, args=("b", GLOBEX, "hold"))
+        holder.start()
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 1)
+        waiting = threading.Thread(target=call, args=("a", ACME))
+        waiting.start()
+        assert _wait_for(lambda: gw.scheduler.statistics().queued_total == 1)
+        start = time.monotonic()
+        if end == "deadline":
+            waiting.join(10)
+            assert time.monotonic() - start < 3  # at a's deadline, not after b's call (4 s) nor never
+            assert _wait_for(lambda: len(gw.sessions) == 1)  # "b" alone
+    waiting.join(10)
+    holder.join(10)
+    answer = answers["a"]
+    assert isinstance(answer, httpx.Response), answer
+    if end == "deadline":
+        assert answer.status_code == 408
+    else:
+        assert answer.status_code == 503 and "shutting down" in answer.json()["error"]["message"]
+        assert answers["b"].status_code == 200  # the call under way finished
+
+
 def test_a_session_past_its_deadline_ends_its_call_and_refuses_its_id():
     """Tenant deadline 1 s; each call streams one chunk, then waits 30 s (before: a call under
     way ran past the deadline to its end, and the next call of the id silently began a new

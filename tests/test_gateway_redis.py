@@ -517,6 +517,34 @@ async def test_the_peers_service_is_the_total_less_this_instance_s_own(redis_url
         await b.aclose()
 
 
+async def test_the_peers_service_is_counted_on_after_the_usage_counters_are_lost(redis_url):
+    """The counters' hash lost (a Redis restarted without persistence, flushed, or the key
+    evicted): each instance's own service, counted in its memory, still held all its past
+    service, so the peers' read far below 0 (-670 here) and the fair-share sync charged none of
+    their service until they made up everything read before (hours of service: the instances
+    no longer counted each other). The peers' service goes on from where it was."""
+    import redis
+
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    a = RedisState({}, redis_url, instance="a", prefix=prefix)
+    b = RedisState({}, redis_url, instance="b", prefix=prefix)
+    try:
+        await a.add_usage("acme", 720.0)
+        await b.add_usage("acme", 100.0)
+        assert await a.peer_usage() == {"acme": 100.0} and await b.peer_usage() == {"acme": 720.0}
+        with redis.Redis.from_url(redis_url) as r:
+            r.delete(f"{prefix}:usage")
+        await b.add_usage("acme", 50.0)
+        assert await a.peer_usage() == {"acme": 150.0}  # read before its own first write
+        await a.add_usage("acme", 10.0)
+        await b.add_usage("globex", 5.0)
+        assert await a.peer_usage() == {"acme": 150.0, "globex": 5.0}
+        assert await b.peer_usage() == {"acme": 730.0, "globex": 0.0}
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 async def test_the_service_of_a_call_cut_short_is_shared_with_the_peers(redis_url):
     """Only a call answered 200 added its service to Redis: one cut by its deadline (408) or its
     client after the engine made 320 tokens was charged here and left the peers unaware."""

@@ -67,6 +67,10 @@ class GatewaySession:
     #: Calls waiting for their turn, and turns handed out so far.
     waiting: int = 0
     served: int = 0
+    #: A turn the session's agent took from its queue and has not granted yet: it waits for
+    #: re-admission after a tool period in which the session's slot was lent. A session that
+    #: ends then (its deadline, a shutdown) releases it too (`SessionTable._close`).
+    held: _Turn | None = None
 
     def __post_init__(self) -> None:
         self.send, self.receive = anyio.create_memory_object_stream[_Turn](math.inf)
@@ -199,12 +203,14 @@ class SessionTable:
                                 next_turn = session.receive.receive_nowait()
                             except anyio.WouldBlock:
                                 pass
+                        session.held = next_turn  # out of the queue: released by `_close` if the session ends first
                         if next_turn is None or next_turn.last:  # idle for idle_s, or ended by its client
                             self._close(session)
                             assert session.handle is not None
                             session.handle.cancel()  # leaves the tool without waiting for re-admission
                             await anyio.sleep_forever()
                     turn = next_turn
+                    session.held = None
             finally:
                 # Ended by its deadline: its id stays refused a while (not once its client ended it).
                 if anyio.current_time() >= ctx.deadline and not session.ended_by_client:
@@ -231,6 +237,8 @@ class SessionTable:
         self._ending.discard(session)
         if self._sessions.get(session.key) is session:
             del self._sessions[session.key]
+        if session.held is not None:  # its agent took it, then waited for re-admission
+            session.held.ready.set()
         while True:  # a call that raced with the expiry goes ahead without the session
             try:
                 session.receive.receive_nowait().ready.set()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -250,6 +251,15 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return ARGV[1]
 """
 
+# KEYS[1]: the usage hash. ARGV: the tenant, the cost, an epoch to mark the hash with where it
+# has none. Returns the hash's epoch: a new one once the hash was lost (a Redis restarted
+# without persistence, flushed, or the key evicted), its totals with it.
+_ADD_USAGE = """
+redis.call('HSETNX', KEYS[1], '', ARGV[3])
+redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('HGET', KEYS[1], '')
+"""
+
 #: What a session's key holds once it passed its deadline (never a placement's JSON).
 _PAST_DEADLINE = "past-deadline"
 
@@ -284,9 +294,19 @@ class RedisState(SharedState):
         # which expired (an instance cut off for an hour) or was evicted: its past service then
         # read as its peers' and was charged again.
         self._own: dict[str, float] = {}
+        # The usage hash's epoch (its field "", which no tenant's name is) that `_own` counts
+        # in. When the hash is lost its totals start again from 0 while `_own` held all this
+        # instance's past service: the peers' service read below 0, and the fair-share sync
+        # charged none of it until it made up everything read before (hours of service).
+        self._epoch: bytes | None = None
+        # The peers' service read in past epochs, and last read in this one, per tenant: what
+        # `peer_usage` answers goes on from where it was when the hash was lost.
+        self._carried: dict[str, float] = {}
+        self._read: dict[str, float] = {}
         self._take = self._redis.register_script(_TAKE)
         self._refund = self._redis.register_script(_REFUND)
         self._place = self._redis.register_script(_PLACE)
+        self._add_usage = self._redis.register_script(_ADD_USAGE)
         self._closed = False
 
     @property
@@ -330,14 +350,33 @@ class RedisState(SharedState):
         # (made up at the next read), never counted as the peers'.
         self._own[tenant] = self._own.get(tenant, 0.0) + cost
         try:
-            await self._redis.hincrbyfloat(self._usage, tenant, cost)
+            # A number, so that an instance that reads the field as a tenant's total still can.
+            proposed = str(secrets.randbits(52))
+            epoch = await self._add_usage(keys=[self._usage], args=[tenant, cost, proposed])
         except BaseException:
             self._own[tenant] -= cost
             raise
+        if epoch != self._epoch:  # the hash was lost: this call's service is all it holds of ours
+            self._new_epoch(epoch)
+            self._own[tenant] = cost
 
     async def peer_usage(self) -> dict[str, float]:
         total = await self._redis.hgetall(self._usage)
-        return {k.decode(): float(v) - self._own.get(k.decode(), 0.0) for k, v in total.items()}
+        epoch = total.pop(b"", None)
+        if epoch != self._epoch:
+            self._new_epoch(epoch)
+        read = {k.decode(): float(v) - self._own.get(k.decode(), 0.0) for k, v in total.items()}
+        self._read.update(read)
+        return {tenant: self._carried.get(tenant, 0.0) + value for tenant, value in read.items()}
+
+    def _new_epoch(self, epoch: bytes | None) -> None:
+        """The usage hash is a new one (or gone: None): its totals start from 0, and so does
+        this instance's own service in it; the peers' service read so far is carried over."""
+        for tenant, value in self._read.items():
+            self._carried[tenant] = self._carried.get(tenant, 0.0) + max(0.0, value)
+        self._read = {}
+        self._own = {}
+        self._epoch = epoch
 
     def _session(self, session: str) -> str:
         return f"{self._prefix}:session:{session}"
