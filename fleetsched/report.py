@@ -254,6 +254,13 @@ def load_report(path: str | Path) -> dict[str, Any]:
         raise ReportSchemaError(f"{path}: not a JSON run report (nested too deeply)") from None
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != SCHEMA:
+        if isinstance(data, dict) and schema is None and {"max_sessions", "probes"} <= data.keys():
+            # What `simulate --find-max-sessions --report` writes: "no 'schema' field" read as a
+            # report cut short or edited, where it is another document altogether.
+            raise ReportSchemaError(
+                f"{path}: a capacity search's result (simulate --find-max-sessions), not a run report: it has no plots; "
+                "for a run report of the fleet it found, run `fleetsched simulate CONFIG --report RUN.json` without --find-max-sessions"
+            )
         found = f"schema {schema!r}" if schema else "no 'schema' field"
         raise ReportSchemaError(f"{path}: {found}, but this fleetsched reads only {SCHEMA!r}{_version_hint(schema)}")
     missing = [name for name in _SECTIONS if name not in data]

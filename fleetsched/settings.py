@@ -450,7 +450,9 @@ class SimSettings(_Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_profile(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("profile"):
+        # `is not None`, not truth: an empty name (`--profile "$PROFILE"` with the variable unset,
+        # or `profile = ""`) ran the default engine without a word, its report naming profile "".
+        if isinstance(data, dict) and data.get("profile") is not None:
             from .backends.sim._profiles import load_profile
 
             profile = load_profile(str(data["profile"]))

@@ -97,6 +97,32 @@ def test_a_session_budget_larger_than_the_cache_is_a_config_error(tiny_config, t
     assert "fleetsched simulate: config error: resources.kv_cache.context_tokens" in capsys.readouterr().err
 
 
+def test_a_workload_session_memory_larger_than_the_cache_is_a_config_error(tiny_config, tmp_path, capsys):
+    """A tenant's (or an agent mix's) session_memory over the cache's 16 MiB: no such session
+    could be admitted. Checked at load without a cache (`Settings.inadmissible`), but with the
+    cache left to the scheduler's start: every one was rejected at submission, and `run` and
+    `simulate` exited 0."""
+    head = (
+        '[backend.sim]\nkv_cache_tokens = 8192\nblock_size = 128\nmax_model_len = 1024\n'
+        f'[resources.kv_cache]\nconfig = "{tiny_config}"\ncontext_tokens = 512\n'
+    )
+    config = tmp_path / "fleet.toml"
+    config.write_text(head + '[tenants.big]\nsession_memory = "1GB"\n[[workload.agents]]\ntenant = "big"\ncount = 2\nturns = 1\n')
+    assert cli.main(["run", str(config), "--no-live"]) == 2
+    err = capsys.readouterr().err
+    assert "fleetsched: config error: workload.agents.0: a session reserves 1,000,000,000 bytes (tenants.big.session_memory)" in err
+    assert "more than the largest KV cache holds (replica 'sim'" in err
+    assert simulate.main([str(config)]) == 2
+    assert "fleetsched simulate: config error: workload.agents.0" in capsys.readouterr().err
+    config.write_text(head + '[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\nsession_memory = "32MiB"\n')
+    assert simulate.main([str(config)]) == 2
+    assert "(workload.agents.0.session_memory), more than the largest KV cache" in capsys.readouterr().err
+    # One that fits runs.
+    config.write_text(head + '[tenants.a]\nsession_memory = "1MiB"\n[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\n')
+    assert simulate.main([str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sessions"] == {"done": 2}
+
+
 async def test_a_tenant_s_own_session_memory_still_wins(tiny_config):
     settings = sim_settings(tiny_config)
     settings = settings.model_copy(update={"tenants": {"small": settings.tenants["default"].model_copy(update={"session_memory": 1 << 20})}})

@@ -44,3 +44,23 @@ def test_json_nested_too_deeply_is_not_a_run_report(tmp_path, capsys):
     assert render_main([str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err == f"fleetsched report: {path}: not a JSON run report (nested too deeply)\n"
+
+
+def test_a_capacity_search_s_result_is_named_for_what_it_is(tmp_path, capsys):
+    """`simulate --find-max-sessions --report` writes the search's result, which `report`
+    refuses (docs/report-schema.md); before, it said "no 'schema' field", as of a report cut
+    short or edited by hand."""
+    from fleetsched.simulate import main as simulate_main
+
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[scheduler]\nmax_sessions = 2\n[tenants.a]\nsla = { ttft_p99_s = 1 }\n'
+        '[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\nmax_tokens = 8\n'
+    )
+    result = tmp_path / "search.json"
+    assert simulate_main([str(config), "--duration", "5s", "--find-max-sessions", "--report", str(result), "--json"]) == 0
+    capsys.readouterr()
+    assert render_main([str(result), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{result}: a capacity search's result (simulate --find-max-sessions), not a run report" in err
+    assert "no 'schema' field" not in err

@@ -145,3 +145,12 @@ def test_sim_fidelity_refuses_a_url_with_no_real(capsys):
         sim_fidelity.main(["--url", "http://127.0.0.1:1", "--no-real", "--no-speed"])
     assert exited.value.code == 2
     assert "--url names the server of the real-vLLM comparison" in capsys.readouterr().err
+
+
+def test_an_empty_profile_name_is_refused_not_ignored(tmp_path):
+    """`profile = ""` (or `--profile "$PROFILE"` with the variable unset) ran the default engine
+    without a word, and the report named its profile ""."""
+    config = tmp_path / "c.toml"
+    config.write_text('[backend.sim]\nprofile = ""\n')
+    with pytest.raises(ConfigError, match=r"backend\.sim: no sim profile ''"):
+        load_settings(config)

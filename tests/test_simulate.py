@@ -916,3 +916,12 @@ def test_duration_needs_agents_and_the_search_needs_duration(tmp_path, capsys):
     config.write_text('[tenants.a]\nsla = { ttft_p99_s = 1 }\n[[workload.agents]]\ntenant = "a"\ncount = 2\n')
     assert cli_main(["simulate", str(config), "--find-max-sessions"]) == 2
     assert "config error: --duration: --find-max-sessions needs --duration" in capsys.readouterr().err
+
+
+def test_an_empty_profile_on_the_command_line_is_refused(tmp_path, capsys):
+    """`--profile ""` ran the config on the default engine, its note saying the config's
+    [backend.sim] was replaced, and the report's sim.profile read ""."""
+    config = tmp_path / "c.toml"
+    config.write_text('[backend.sim]\nmax_num_seqs = 4\n[tenants.a]\n[[workload.agents]]\ntenant = "a"\ncount = 1\nturns = 1\n')
+    assert cli_main(["simulate", str(config), "--profile", "", "--json"]) == 2
+    assert "no sim profile ''" in capsys.readouterr().err
