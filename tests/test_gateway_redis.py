@@ -471,6 +471,28 @@ def test_a_redis_that_stops_answering_holds_no_call_for_long():
     assert unlimited_s < 3.0 and limited_s < 3.0, (unlimited_s, limited_s)
 
 
+def test_a_session_this_instance_runs_goes_on_while_redis_is_away():
+    """A session's calls looked its placement up in Redis each time: with Redis frozen, a session
+    already running here (of a tenant without limits) had every call refused with a 503. It goes
+    on; a new session still needs the shared placement, a 503."""
+    with redis_server() as (url, process):
+        with serve_in_thread(gateway_settings(gateway={"redis_url": url})) as (gateway, gateway_url):
+            def call(session_id: str) -> object:
+                headers = {"X-Session-ID": session_id}
+                return client(gateway_url, ACME).with_options(default_headers=headers).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+
+            call("s1")
+            process.send_signal(signal.SIGSTOP)
+            try:
+                reply = call("s1")
+                with pytest.raises(openai.APIStatusError) as refused:
+                    call("s2")
+            finally:
+                process.send_signal(signal.SIGCONT)
+            assert len(gateway.sessions) == 1
+    assert reply.usage.completion_tokens == 1 and refused.value.status_code == 503
+
+
 async def test_a_bucket_stored_by_a_clock_ahead_is_not_emptied(redis_url):
     """A failover to a Redis whose clock is behind (or a step back): the level read was the stored
     one plus a negative refill, and a tenant with 59 of 60 requests left waited 61 s."""

@@ -108,7 +108,13 @@ class SessionTable:
         try:
             placement = await self._state.place(key, proposal, self._idle_s)
         except Exception as exc:  # Redis away: a 503 to retry, not our 500
-            raise StateUnavailable.from_error(exc) from exc
+            running = self._sessions.get(key)
+            if running is None or running.closed:
+                raise StateUnavailable.from_error(exc) from exc
+            # A session this instance runs goes on (its deadline is kept here too): only a new
+            # one needs the shared placement. Its calls were refused with the rest.
+            logger.warning("session %r goes on without the shared state: %s: %s", key, type(exc).__name__, exc)
+            placement = running.placement
         if placement is None:
             raise DeadlineExceeded(
                 f"session {session_id!r} passed its deadline (sla.deadline_s); a new session needs a new X-Session-ID"
