@@ -342,6 +342,27 @@ async def test_live_attainment_sees_a_wait_for_admission_when_it_ends():
     assert [(b.objective, b.at) for b in breaches] == [("admission_p99", 30.0)]
 
 
+def test_agents_whose_later_turns_exceed_the_context_are_named_at_start():
+    """The first call fits, and the conversation a later turn sends (the answers and tool results
+    so far) does not: every session failed with ContextTooLong on its fifth turn, and the note at
+    start said nothing (it looked at the first call alone). Four turns fit, and are not named."""
+    from fleetsched.observability.feasibility import last_prompt_tokens, over_context
+    from fleetsched.settings import Settings
+    from fleetsched.simulate import simulate
+
+    def settings(turns: int) -> Settings:
+        agent = {"tenant": "a", "count": 2, "turns": turns, "prompt_tokens": 400, "max_tokens": 128, "tool_s": 0.1}
+        return Settings(tenants={"a": {}}, backend={"kind": "sim", "sim": {"max_model_len": 1024}}, workload={"agents": [agent]})
+
+    fits, over = settings(4), settings(5)
+    assert over_context(fits) == []
+    (message,) = over_context(over)
+    last = last_prompt_tokens(over.workload.agents[0])
+    assert last > 1024 and f"its last (turn 5) up to {last}" in message and "later calls may fail with ContextTooLong" in message
+    failed = [simulate(s, 60)[0]["sessions"].get("failed", 0) for s in (fits, over)]
+    assert failed[0] == 0 and failed[1] > 0  # as the note said (simulate keeps the 2 running: each fails in turn)
+
+
 def test_a_call_exactly_at_its_targets_meets_them():
     """A TTFT and a call latency exactly at their targets count as met."""
     tenants = {"a": TenantSettings(sla={"ttft_p99_s": 0.5, "latency_p95_s": 2.0})}

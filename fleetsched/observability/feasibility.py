@@ -80,6 +80,20 @@ def first_prompt_tokens(mix: AgentMix) -> int:
     )
 
 
+def last_prompt_tokens(mix: AgentMix) -> int:
+    """The prompt of an agent's last call, as the dispatcher estimates it, where every answer
+    before it took its whole max_tokens (the sim's do): the conversation so far, each answer
+    and tool result included (`scripted_chat_agent`)."""
+    from ..agents.workload import SYSTEM_PROMPT
+
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "x" * 4 * mix.prompt_tokens}]
+    for turn in range(mix.turns - 1):
+        messages.append({"role": "assistant", "content": "x" * 4 * mix.max_tokens})
+        if mix.tool_s or mix.tool_s_max:
+            messages.append({"role": "user", "content": f"tool result {turn}: " + "x" * 4 * 16})
+    return estimate_prompt_tokens({"messages": messages})
+
+
 def probe_body() -> tuple[dict[str, Any], int]:
     body = {"messages": [{"role": "user", "content": _PROBE_TEXT}], "max_tokens": 1}
     return body, estimate_prompt_tokens(body)
@@ -185,6 +199,13 @@ def over_context(settings: Settings, traced: list[tuple[str, AgentMix]] | None =
                 continue
         if room < mix.max_tokens:
             out.append(f"{agent}: the model's context of {limit} leaves {room} of its max_tokens {mix.max_tokens}, and its answers will be cut short")
+            continue
+        last = last_prompt_tokens(mix)
+        if last >= limit:  # the first fits; a later turn's, the conversation so far, does not
+            out.append(
+                f"{agent}, its last (turn {mix.turns}) up to {last} (the answers before it at their max_tokens "
+                f"{mix.max_tokens}), over the model's context of {limit}: its later calls may fail with ContextTooLong"
+            )
     return out
 
 
