@@ -363,6 +363,25 @@ def test_agents_whose_later_turns_exceed_the_context_are_named_at_start():
     assert failed[0] == 0 and failed[1] > 0  # as the note said (simulate keeps the 2 running: each fails in turn)
 
 
+def test_agents_that_outgrow_their_kv_cache_budget_are_named_at_start():
+    """With [resources.kv_cache] a session reserves `context_tokens`; agents whose conversations
+    reach more (the last turn's prompt and answer) were admitted without a word, though the
+    engine may then run out of blocks and preempt, which admission is there to prevent. An agent
+    whose tenant sets its own session_memory is left to the user."""
+    from fleetsched.observability.feasibility import over_budget
+    from fleetsched.settings import load_settings
+
+    settings = load_settings("examples/kv_admission.toml")
+    assert over_budget(settings) == []  # 4,096 tokens a session: both kinds fit
+    kv_cache = settings.resources.kv_cache.model_copy(update={"context_tokens": 256})
+    tight = settings.model_copy(update={"resources": settings.resources.model_copy(update={"kv_cache": kv_cache})})
+    (agents, reports) = over_budget(tight)
+    assert agents.startswith("workload.agents[0] (tool-agent): its sessions reach about ") and "context_tokens (256)" in agents
+    assert reports.startswith("workload.agents[1] (summariser)")
+    sized = tight.tenants["reports"].model_copy(update={"session_memory": 10**9})
+    assert len(over_budget(tight.model_copy(update={"tenants": {**tight.tenants, "reports": sized}}))) == 1
+
+
 def test_a_call_exactly_at_its_targets_meets_them():
     """A TTFT and a call latency exactly at their targets count as met."""
     tenants = {"a": TenantSettings(sla={"ttft_p99_s": 0.5, "latency_p95_s": 2.0})}

@@ -160,7 +160,7 @@ async def check_feasibility(settings: Settings, backend: Backend, model: str | N
             floors = {name: measured for name in prompts}
             prompts = {name: probe_body()[1] for name in prompts}
     flagged = unreachable(settings, floors, prompts)
-    too_long = over_context(settings, traced)
+    too_long = over_context(settings, traced) + over_budget(settings)
     if too_long:
         note = "; ".join([*too_long, *([note] if note else [])])
     return {
@@ -205,6 +205,29 @@ def over_context(settings: Settings, traced: list[tuple[str, AgentMix]] | None =
             out.append(
                 f"{agent}, its last (turn {mix.turns}) up to {last} (the answers before it at their max_tokens "
                 f"{mix.max_tokens}), over the model's context of {limit}: its later calls may fail with ContextTooLong"
+            )
+    return out
+
+
+def over_budget(settings: Settings) -> list[str]:
+    """With ``[resources.kv_cache]``, the workload's agents whose sessions reach more context (the
+    last turn's prompt and its answer) than ``context_tokens`` reserves for them: admission then
+    holds less than they use, and the engine may run out of blocks and preempt, which it is there
+    to prevent. Agents whose tenant or mix sets ``session_memory`` are the user's to size."""
+    kv_cache = settings.resources.kv_cache
+    if kv_cache is None:
+        return []
+    out = []
+    for index, mix in enumerate(settings.workload.agents):
+        tenant = settings.tenants.get(mix.tenant)
+        if mix.session_memory is not None or (tenant is not None and tenant.session_memory is not None):
+            continue
+        peak = last_prompt_tokens(mix) + mix.max_tokens
+        if peak > kv_cache.context_tokens:
+            out.append(
+                f"workload.agents[{index}] ({mix.kind or mix.tenant}): its sessions reach about {peak} tokens of context, more "
+                f"than resources.kv_cache.context_tokens ({kv_cache.context_tokens}) reserves: admitted sessions may outgrow "
+                "the KV cache, and the engine preempt"
             )
     return out
 
