@@ -98,6 +98,9 @@ def test_models_and_health(url):
     assert [m.id for m in client(url).models.list()] == ["fleetsched-tiny"]
     # The SDK's models.retrieve got "no such endpoint: /v1/models/fleetsched-tiny", a 404.
     assert client(url).models.retrieve("fleetsched-tiny").id == "fleetsched-tiny"
+    # With the model's context, as vLLM lists it (gateway.max_context_tokens here).
+    listed = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {ACME}"}).json()["data"][0]
+    assert listed["max_model_len"] == 1000 and client(url).models.retrieve("fleetsched-tiny").max_model_len == 1000
     with pytest.raises(openai.NotFoundError, match="The model `gpt-4o` does not exist: this gateway serves `fleetsched-tiny`"):
         client(url).models.retrieve("gpt-4o")
     head = httpx.head(url + "/health")

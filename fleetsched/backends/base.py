@@ -296,9 +296,14 @@ def merge_logprobs(folded: dict[str, list[Any]] | None, part: Any) -> dict[str, 
     return folded
 
 
-def model_list(model: str) -> dict[str, Any]:
-    """The ``/v1/models`` answer for one served model, in the OpenAI wire format."""
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fleetsched"}]}
+def model_list(model: str, max_model_len: int | None = None) -> dict[str, Any]:
+    """The ``/v1/models`` answer for one served model, in the OpenAI wire format; with its
+    context in tokens where known, as vLLM's server lists it (``max_model_len``: clients size
+    their prompts by it)."""
+    entry: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "fleetsched"}
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return {"object": "list", "data": [entry]}
 
 
 def chat_completion(

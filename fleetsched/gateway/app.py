@@ -310,7 +310,7 @@ class Gateway:
             )
             return
         if endpoint == "models":
-            await _send(send, 200, _dumps(model_list(self.model)))
+            await _send(send, 200, _dumps(model_list(self.model, self.max_context)))
         elif endpoint == "model":
             await self._model(path.removeprefix(_MODELS_PATH), send)
         elif endpoint == "session":
@@ -341,7 +341,7 @@ class Gateway:
         if name != self.model:
             await _error(send, model_not_found(f"The model `{name}` does not exist: this gateway serves `{self.model}`"))
             return
-        await _send(send, 200, _dumps(model_list(self.model)["data"][0]))
+        await _send(send, 200, _dumps(model_list(self.model, self.max_context)["data"][0]))
 
     async def _metrics(self, identity: Identity, send: Send) -> None:
         extra: list[str] = []
