@@ -206,6 +206,32 @@ def test_a_collected_answer_keeps_a_reasoning_model_s_thinking_and_stop_reason()
     assert plain["message"] == {"role": "assistant", "content": "hi"} and plain["stop_reason"] is None
 
 
+def test_a_collected_answer_keeps_the_token_ids_and_fingerprint_vllm_streams():
+    """With ``return_token_ids`` (and ``return_prompt_text``) vLLM streams the prompt's token IDs
+    and text on the first chunk and each choice's on its chunks, and its fingerprint on the last;
+    its non-streamed answer has them whole. The fold dropped them, so ctx.chat and non-streamed
+    SDK calls through a vllm-server backend lost what a direct call returns."""
+
+    def chunk(delta: dict, token_ids: list[int] | None = None, **top) -> dict:
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {"id": "c1", "model": "m", "created": 1, "choices": [choice], **top}
+
+    chunks = [
+        chunk({"role": "assistant", "content": ""}, prompt_token_ids=[0, 3, 306], prompt_text="<s>hi"),
+        chunk({"content": "sw"}, [353]),
+        chunk({"content": "or"}, [349, 350]),
+        {"id": "c1", "model": "m", "created": 1, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}, "system_fingerprint": "vllm-0.32.0"},
+    ]
+    response = collect_chat(chunks)
+    assert response["prompt_token_ids"] == [0, 3, 306] and response["prompt_text"] == "<s>hi"
+    assert response["system_fingerprint"] == "vllm-0.32.0"
+    assert response["choices"][0]["token_ids"] == [353, 349, 350]
+    plain = collect_chat([chunk({"content": "hi"})])
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+
+
 def _streamed(*parts: bytes, then: BaseException | float | None = None) -> httpx2.Response:
     """An event stream of `parts`, then (`then`) an error raised, or a stall of that many seconds."""
 

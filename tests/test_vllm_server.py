@@ -15,6 +15,7 @@ from contextlib import aclosing
 import anyio
 import httpx
 import pytest
+from openai import AsyncOpenAI
 
 from fleetsched.backends.base import Received, collect_chat
 from fleetsched.backends.metrics import VLLMMetrics, parse_vllm_metrics
@@ -216,6 +217,29 @@ async def test_an_agents_request_id_reaches_the_engine(vllm_server):
         (given, named, answer_id), (_, made, made_answer_id) = await (await scheduler.submit(agent, tenant="acme"))
     assert named == given and answer_id == f"chatcmpl-{given}"
     assert made.startswith("req_") and made_answer_id == f"chatcmpl-{made}"
+
+
+@pytest.mark.vllm
+async def test_a_collected_call_returns_the_token_ids_and_fingerprint_as_vllm_does(vllm_server):
+    """A non-streamed call with ``return_token_ids`` through ctx.openai and ctx.chat has the
+    prompt's and the answer's token IDs and the server's fingerprint, as the same call made to
+    the server directly has them (the backend streams, and the fold dropped them)."""
+    call = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, extra_body={"return_token_ids": True})
+    async with AsyncOpenAI(base_url=vllm_server.base_url, api_key="EMPTY") as client:
+        direct = await client.chat.completions.create(model=MODEL, **call)
+
+    async def agent(ctx):
+        sdk = await ctx.openai.chat.completions.create(model=ctx.model, **call)
+        plain = await ctx.chat(call["messages"], max_tokens=3, temperature=0, return_token_ids=True)
+        return sdk, plain
+
+    async with Scheduler(settings(backend={"kind": "vllm-server", "urls": [vllm_server.url]})) as scheduler:
+        sdk, plain = await (await scheduler.submit(agent, tenant="acme"))
+    assert direct.prompt_token_ids and direct.choices[0].token_ids and direct.system_fingerprint
+    for answer in (sdk.model_dump(), plain):
+        assert answer["prompt_token_ids"] == direct.prompt_token_ids
+        assert answer["choices"][0]["token_ids"] == direct.choices[0].token_ids
+        assert answer["system_fingerprint"] == direct.system_fingerprint
 
 
 @pytest.mark.vllm

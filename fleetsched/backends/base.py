@@ -213,12 +213,16 @@ def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
     completion_id, model, created = "", "", 0
     choices: dict[int, _Choice] = {}
     usage: dict[str, int] | None = None
+    extras: dict[str, Any] = {}
     for chunk in chunks:
         completion_id = chunk.get("id", completion_id)
         model = chunk.get("model", model)
         created = chunk.get("created", created)
         if chunk.get("usage"):
             usage = chunk["usage"]
+        for key in _RESPONSE_EXTRAS:
+            if chunk.get(key) is not None:
+                extras[key] = chunk[key]
         for choice in chunk.get("choices") or ():
             index = choice.get("index", 0)
             folded = choices.get(index)
@@ -227,7 +231,15 @@ def collect_chat(chunks: Iterable[Chunk]) -> dict[str, Any]:
             folded.add(choice)
     response = chat_completion(completion_id, model, created, {}, "stop", usage or usage_dict(0, 0))
     response["choices"] = [choice.result(index) for index, choice in sorted(choices.items())] or [_Choice().result(0)]
+    response.update(extras)
     return response
+
+
+#: The fields of a streamed answer's chunks that vLLM's non-streamed answer has at its top level:
+#: ``system_fingerprint`` (on its last chunk), and with ``return_token_ids`` / ``return_prompt_text``,
+#: ``prompt_token_ids`` and ``prompt_text`` (on its first). They were dropped: a call collected
+#: whole lost them, which a direct non-streamed call to the server has.
+_RESPONSE_EXTRAS = ("system_fingerprint", "prompt_token_ids", "prompt_text")
 
 
 #: The delta fields `_Choice` folds on their own (the rest of its text is joined as it comes).
@@ -240,7 +252,7 @@ class _Choice:
     as older vLLM servers name it) with the ``stop_reason``, as vLLM's non-streamed answer has
     them (they were dropped: a reasoning model's thinking reached a streaming caller only)."""
 
-    __slots__ = ("content", "texts", "tool_calls", "finish_reason", "stop_reason", "logprobs")
+    __slots__ = ("content", "texts", "tool_calls", "finish_reason", "stop_reason", "logprobs", "token_ids")
 
     def __init__(self) -> None:
         self.content: list[str] = []
@@ -249,6 +261,7 @@ class _Choice:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: dict[str, list[Any]] | None = None
+        self.token_ids: list[int] | None = None  # with ``return_token_ids``: each chunk's, joined
 
     def add(self, choice: Mapping[str, Any]) -> None:
         delta = choice.get("delta") or {}
@@ -270,6 +283,11 @@ class _Choice:
             slot["function"]["arguments"] += function.get("arguments") or ""
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         self.logprobs = merge_logprobs(self.logprobs, choice.get("logprobs"))
+        token_ids = choice.get("token_ids")
+        if isinstance(token_ids, list):
+            if self.token_ids is None:
+                self.token_ids = []
+            self.token_ids.extend(token_ids)
 
     def result(self, index: int) -> dict[str, Any]:
         """The choice as a ``chat.completion`` response lists it."""
@@ -278,7 +296,10 @@ class _Choice:
         message.update((key, "".join(parts)) for key, parts in self.texts.items())
         if self.tool_calls:
             message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        return {"index": index, "message": message, "logprobs": self.logprobs, "finish_reason": self.finish_reason or "stop", "stop_reason": self.stop_reason}
+        result = {"index": index, "message": message, "logprobs": self.logprobs, "finish_reason": self.finish_reason or "stop", "stop_reason": self.stop_reason}
+        if self.token_ids is not None:  # as vLLM's non-streamed choice has them (``return_token_ids``)
+            result["token_ids"] = self.token_ids
+        return result
 
 
 def merge_logprobs(folded: dict[str, list[Any]] | None, part: Any) -> dict[str, list[Any]] | None:
