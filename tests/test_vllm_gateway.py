@@ -113,12 +113,18 @@ def test_a_prompt_that_fits_is_not_refused_by_the_estimate(gateway_url):
     assert reply.usage.prompt_tokens <= 1000 and reply.usage.completion_tokens == 2
 
 
-def test_a_completions_refusal_names_the_replica_url(gateway_url, vllm_server):
-    """The engine refuses a completions call (a top_k that is no number): the 400 names the
-    replica's URL, as the chat path's does (before: its name only)."""
-    with pytest.raises(openai.BadRequestError) as info:
-        client(gateway_url).completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=4, extra_body={"top_k": "many"})
-    assert vllm_server.url in info.value.message
+def test_a_refusal_names_the_replica_not_its_address(gateway_url, vllm_server):
+    """The engine refuses a call (a top_k that is no number): the 400 a tenant's client gets
+    names the replica (r0), as the chat path's and the completions path's do alike, but not its
+    address: it told every tenant where the operator's servers are."""
+    c = client(gateway_url)
+    with pytest.raises(openai.BadRequestError) as completion:
+        c.completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=4, extra_body={"top_k": "many"})
+    with pytest.raises(openai.BadRequestError) as chat:
+        c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"top_k": "many"})
+    for info in (completion, chat):
+        assert "vLLM replica r0 rejected the call" in info.value.message and vllm_server.url not in info.value.message
+        assert "://" not in info.value.message
 
 
 def test_client_disconnect_aborts_at_the_engine(gateway_url, vllm_server):

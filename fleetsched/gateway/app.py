@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
@@ -675,8 +676,25 @@ def _invalid(message: str, param: str | None, *, code: str = "invalid_request_er
     return error_response(400, message, "invalid_request_error", code=code, param=param)
 
 
+#: A replica's address in an error's message ("vLLM replica r0 (http://10.0.0.5:8000)").
+_REPLICA_ADDRESS = re.compile(r"(vLLM replica \S+) \([a-z][a-z0-9+.-]*://[^)\s]*\)")
+
+
 def _answer_for(exc: BaseException) -> httpx.Response:
-    """The HTTP answer for an exception raised by a call."""
+    """The HTTP answer for an exception raised by a call. A tenant's client is told which
+    replica failed by its name (``backend.urls`` maps names to addresses), not where the
+    operator's servers are; the failures the gateway logs keep the address."""
+    answer = _answer_with_addresses(exc)
+    body = json.loads(answer.content)
+    message = body.get("error", {}).get("message")
+    if not isinstance(message, str) or "://" not in message:
+        return answer
+    body["error"]["message"] = _REPLICA_ADDRESS.sub(r"\1", message)
+    headers = {name: answer.headers[name] for name in ("retry-after", "x-should-retry") if name in answer.headers}
+    return httpx.Response(answer.status_code, json=body, headers=headers)
+
+
+def _answer_with_addresses(exc: BaseException) -> httpx.Response:
     cause = exc.__cause__
     status = getattr(cause, "status_code", None)
     refused = isinstance(exc, BackendError) and not isinstance(exc, InvalidRequest)  # those: 400 below
