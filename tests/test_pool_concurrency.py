@@ -5,6 +5,8 @@ Each test failed before its fix (found by a probe of the pools under concurrency
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import pytest
 
@@ -148,3 +150,88 @@ async def test_a_waiter_cancelled_as_its_quota_refuses_it_is_just_cancelled(kind
         pool.set_quota("t", 4 * PAGE)  # ... and refused before it runs
     assert outcome == ["cancelled"]
     assert pool.statistics().waiting == 0
+
+
+@pytest.mark.parametrize("settle", [True, False])
+async def test_a_reservation_turning_movable_lets_a_fragmented_waiter_in(settle):
+    """Before: a waiter refused for fragmentation waited on when a reservation beside its hole
+    turned movable (on-demand compaction could now make room) unless settling happened to move
+    something, and the release listeners (the scheduler's admission) were not told either: the
+    pool stood still until some later release."""
+    pool = ExtentPool([DeviceSpec("g0", 10 * PAGE)], page_size=PAGE, strategy="first-fit", settle=settle)
+    pool.reserve_nowait(PAGE)  # [0, 1): pinned
+    idle = pool.reserve_nowait(PAGE)  # [1, 2): turns movable below
+    gap_a = pool.reserve_nowait(2 * PAGE)  # [2, 4)
+    pool.reserve_nowait(2 * PAGE)  # [4, 6): pinned
+    gap_b = pool.reserve_nowait(2 * PAGE)  # [6, 8)
+    pool.reserve_nowait(2 * PAGE)  # [8, 10): pinned
+    gap_a.release()
+    gap_b.release()  # free: [2, 4), [6, 8); no 3 pages in a row, and nothing movable
+    heard: list[float] = []
+    pool.add_release_listener(lambda: heard.append(anyio.current_time()))
+    granted: list[float] = []
+
+    async def want() -> None:
+        await pool.acquire(3 * PAGE, owner="w")
+        granted.append(anyio.current_time())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want)
+        await anyio.sleep(1)
+        assert pool.statistics().waiting == 1
+        idle.movable = True  # moving it to [6, 7) opens [1, 4)
+        with anyio.move_on_after(10):
+            while not granted:
+                await anyio.sleep(1)
+        tg.cancel_scope.cancel()
+    assert granted == [1.0]
+    assert heard and heard[0] == 1.0
+    assert pool.statistics().waiting == 0
+    pool.check_invariants()
+
+
+async def test_a_move_callback_failing_halfway_through_compaction_still_serves_the_waiters():
+    """On-demand compaction for a `reserve_nowait` whose move callback raises on the second move:
+    the first move stays made, and here it joins the free pages into a run a waiter fits in.
+    Before: nothing served the waiters then, and the waiter waited on until some later release."""
+    pool = ExtentPool([DeviceSpec("g0", 6 * PAGE)], page_size=PAGE, strategy="first-fit", settle=False)
+    before = pool.reserve_nowait(2 * PAGE)  # [0, 2)
+    idle = [pool.reserve_nowait(PAGE), pool.reserve_nowait(PAGE)]  # [2, 3), [3, 4)
+    after = pool.reserve_nowait(2 * PAGE)  # [4, 6)
+    before.release()
+    after.release()  # free: [0, 2), [4, 6)
+    calls: list = []
+
+    def copy(r, move) -> None:
+        calls.append(move)
+        if len(calls) == 2:
+            raise OSError("copy failed")
+
+    granted: list[float] = []
+
+    async def want() -> None:
+        await pool.acquire(3 * PAGE, owner="w", priority=1)
+        granted.append(anyio.current_time())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(want)  # 4 pages free, no 3 in a row, nothing movable: waits
+        await anyio.sleep(1)
+        def refuse(r, move) -> None:
+            raise OSError("not yet")
+
+        pool.set_move_callback(refuse)  # (were turning movable to serve the waiter, it fails at once)
+        for r in idle:
+            with contextlib.suppress(OSError):
+                r.movable = True
+        assert pool.statistics().waiting == 1
+        pool.set_move_callback(copy)
+        with pytest.raises(OSError, match="copy failed"):
+            pool.reserve_nowait(4 * PAGE, owner="big")  # moves [2, 3) to [4, 5), then fails
+        assert len(calls) == 2 and idle[0].offset == 4 * PAGE  # [0, 3) is free now
+        with anyio.move_on_after(10):
+            while not granted:
+                await anyio.sleep(1)
+        tg.cancel_scope.cancel()
+    assert granted == [1.0]
+    assert pool.statistics().waiting == 0
+    pool.check_invariants()

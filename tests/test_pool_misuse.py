@@ -367,3 +367,18 @@ def test_a_grow_whose_room_by_moving_fails_keeps_its_pages():
     other = pool.reserve_nowait(4, owner="other")
     assert other.offset >= r.offset + r.size or other.offset + other.size <= r.offset
     accounts_agree(pool)
+
+
+@pytest.mark.parametrize("kind", ["extent", "counting"])
+def test_a_shrink_is_allowed_while_a_lowered_quota_is_still_below_what_is_held(kind):
+    """Before: a tenant holding more than its lowered quota could not shrink part of the way
+    (QuotaExceeded, "could never fit"), although a shrink only gives memory back."""
+    devices = [DeviceSpec("g0", 16 * MB)]
+    pool = ExtentPool(devices, page_size=MB, quotas={"t": 8 * MB}) if kind == "extent" else CountingPool(devices, quotas={"t": 8 * MB})
+    r = pool.reserve_nowait(6 * MB, tenant="t")
+    pool.set_quota("t", 3 * MB)
+    assert r.resize_nowait(4 * MB) is False  # still over the quota, but less so
+    assert r.nbytes == 4 * MB and pool.statistics().by_tenant == {"t": 4 * MB}
+    with pytest.raises(QuotaExceeded):
+        r.resize_nowait(5 * MB)  # growing past the quota is still refused
+    assert r.nbytes == 4 * MB and pool.statistics().allocated == 4 * MB

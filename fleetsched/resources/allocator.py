@@ -331,8 +331,15 @@ class ExtentPool(MemoryPool):
 
     def _movable_changed(self, reservation: Reservation, movable: bool) -> None:
         super()._movable_changed(reservation, movable)
-        if movable and self.settle and not self._compacting:
-            self._settle_from(reservation.device, self._hole_beside(reservation))
+        if not movable or self._compacting:
+            return
+        # A request refused for fragmentation (a waiter, or the scheduler's queue, which retries
+        # on the release listeners) may fit now by moving this reservation (`_place_by_moving`):
+        # serve them as after a release, not only when settling moved something.
+        if self.settle:
+            self._settle_from(reservation.device, self._hole_beside(reservation), serve=self.compact)
+        elif self.compact:
+            super()._released_memory()
 
     def _pinning(self, reservation: Reservation) -> None:
         """A session about to be pinned (its tool call over, its model call next) moves one last
@@ -344,9 +351,9 @@ class ExtentPool(MemoryPool):
             if page is not None:
                 self._settle_from(reservation.device, page)
 
-    def _settle_from(self, device: str, page: int | None) -> None:
+    def _settle_from(self, device: str, page: int | None, *, serve: bool = False) -> None:
         """Settle the hole at `page` (if any) first, then the holes queued; serve waiters if
-        anything moved."""
+        anything moved (or `serve`)."""
         if page is not None:
             self._holes.appendleft((device, page))
         try:
@@ -354,7 +361,7 @@ class ExtentPool(MemoryPool):
         except BaseException:  # a move callback raised: the moves before it still count
             super()._released_memory()
             raise
-        if moved:
+        if moved or serve:
             super()._released_memory()  # larger free runs: serve waiters, tell listeners
 
     def _hole_beside(self, r: Reservation) -> int | None:

@@ -402,7 +402,12 @@ class MemoryPool(ABC):
                 f"{self._quotas[tenant or '']:,} byte quota; {nbytes:,} more do not fit"
             )
         held_before = self._by_tenant.get(tenant or "", 0)
-        reservation = self._try_place(nbytes, owner, tenant, priority, device, key=key, ends_at=ends_at)
+        moves = self.moves
+        try:
+            reservation = self._try_place(nbytes, owner, tenant, priority, device, key=key, ends_at=ends_at)
+        except BaseException:  # a move callback raised, compacting to make room for it
+            self._serve_after_partial_moves(moves)
+            raise
         if reservation is None:
             raise WouldBlock(f"no device has {nbytes:,} contiguous bytes free")
         try:
@@ -435,16 +440,21 @@ class MemoryPool(ABC):
             raise RequestTooLarge(nbytes, capacity, reservation.device)
         tenant = reservation.tenant
         quota = self._quotas.get(tenant) if tenant is not None else None
-        if quota is not None and nbytes > quota:
-            raise QuotaExceeded(tenant or "", nbytes, quota)
         delta = nbytes - reservation.nbytes
+        if quota is not None and nbytes > quota and delta > 0:  # a shrink only gives back
+            raise QuotaExceeded(tenant or "", nbytes, quota)
         if delta > 0 and self._quota_blocks(tenant, delta):
             raise QuotaWouldBlock(
                 f"tenant {tenant!r} holds {self._by_tenant.get(tenant or '', 0):,} of its "
                 f"{quota or 0:,} byte quota; growing by {delta:,} does not fit"
             )
         old_size, old_offset = reservation.size, reservation.offset
-        placed = self._resize(reservation, nbytes)
+        moves = self.moves
+        try:
+            placed = self._resize(reservation, nbytes)
+        except BaseException:  # a move callback raised
+            self._serve_after_partial_moves(moves)
+            raise
         if placed is None:
             if self._free_bytes(reservation.device) + old_size >= nbytes:
                 self._count_refusal(reservation)
@@ -547,13 +557,31 @@ class MemoryPool(ABC):
         """Memory came free (a release, a shrink, a compaction): serve waiters, tell listeners."""
         self._serve()
 
+    def _serve_after_partial_moves(self, moves: int) -> None:
+        """A move callback raised while the pool made room by moving reservations: the moves made
+        before it stay made (`self.moves` was `moves`), and may have joined free runs that a
+        waiter fits in. Serve the waiters and tell the listeners; the callback's error is the one
+        that propagates, so a second failure is only logged."""
+        if self.moves == moves:
+            return
+        try:
+            self._released_memory()
+        except Exception:
+            logger.exception("memory pool: serving the waiters after a failed move failed")
+
     def _serve(self) -> None:
         """Serve the waiters and tell the listeners (the line may have moved)."""
         failed: BaseException | None = None
+        moves = self.moves
         try:
             self._wake()
         except Exception as exc:  # a move callback failed placing a waiter: the listeners still hear
             failed = exc
+            if self.moves != moves:  # the moves made before the failing one may let waiters in
+                try:
+                    self._wake()
+                except Exception:
+                    logger.exception("memory pool: serving the waiters after a failed move failed")
         for listener in list(self._listeners):
             try:
                 listener()
