@@ -426,7 +426,8 @@ class MemoryPool(ABC):
         may overlap the old) before the pages left can go to anyone else; if it raises, the
         reservation stays as it was and the error propagates. Shrinking frees the tail and hands
         it to waiters; the memory that comes free may have the pool move idle reservations, this
-        one among them. Raises `WouldBlock` when the device has no room, `QuotaWouldBlock` when
+        one among them (a move callback that raises then propagates out of the resize, which is
+        made, as out of a release). Raises `WouldBlock` when the device has no room, `QuotaWouldBlock` when
         the tenant's quota is full, `RequestTooLarge` / `QuotaExceeded` when `nbytes` could never
         fit, ValueError for a released reservation or one of another pool.
         """
