@@ -517,16 +517,26 @@ async def test_a_bucket_stored_by_a_clock_ahead_is_not_emptied(redis_url):
         await state.aclose()
 
 
+@contextlib.asynccontextmanager
+async def two_instances(redis_url: str):
+    """Two instances' shared state on a key prefix of their own: (prefix, a, b)."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    a = RedisState({}, redis_url, instance="a", prefix=prefix)
+    b = RedisState({}, redis_url, instance="b", prefix=prefix)
+    try:
+        yield prefix, a, b
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 async def test_the_peers_service_is_the_total_less_this_instance_s_own(redis_url):
     """An instance's own service was kept in a key that expired after an hour without writing
     (cut off from Redis) or under eviction: its past service then read as its peers' and its
     dispatcher charged the tenant again (720 -> 1,440 with no call). It is counted in memory."""
     import redis
 
-    prefix = f"t-{uuid.uuid4().hex[:8]}"
-    a = RedisState({}, redis_url, instance="a", prefix=prefix)
-    b = RedisState({}, redis_url, instance="b", prefix=prefix)
-    try:
+    async with two_instances(redis_url) as (prefix, a, b):
         await a.add_usage("acme", 720.0)
         await b.add_usage("acme", 100.0)
         await b.add_usage("globex", 5.0)
@@ -534,9 +544,6 @@ async def test_the_peers_service_is_the_total_less_this_instance_s_own(redis_url
         assert await b.peer_usage() == {"acme": 720.0, "globex": 0.0}
         with redis.Redis.from_url(redis_url) as r:
             assert [k.decode() for k in r.keys(f"{prefix}:*")] == [f"{prefix}:usage"]  # nothing else to lose
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_the_peers_service_is_counted_on_after_the_usage_counters_are_lost(redis_url):
@@ -547,10 +554,7 @@ async def test_the_peers_service_is_counted_on_after_the_usage_counters_are_lost
     no longer counted each other). The peers' service goes on from where it was."""
     import redis
 
-    prefix = f"t-{uuid.uuid4().hex[:8]}"
-    a = RedisState({}, redis_url, instance="a", prefix=prefix)
-    b = RedisState({}, redis_url, instance="b", prefix=prefix)
-    try:
+    async with two_instances(redis_url) as (prefix, a, b):
         await a.add_usage("acme", 720.0)
         await b.add_usage("acme", 100.0)
         assert await a.peer_usage() == {"acme": 100.0} and await b.peer_usage() == {"acme": 720.0}
@@ -562,9 +566,6 @@ async def test_the_peers_service_is_counted_on_after_the_usage_counters_are_lost
         await b.add_usage("globex", 5.0)
         assert await a.peer_usage() == {"acme": 150.0, "globex": 5.0}
         assert await b.peer_usage() == {"acme": 730.0, "globex": 0.0}
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_the_service_of_a_call_cut_short_is_shared_with_the_peers(redis_url):

@@ -21,6 +21,13 @@ GB = 10**9
 pytestmark = pytest.mark.anyio
 
 
+async def until_granted(granted: list[float], within_s: float = 10) -> None:
+    """Wait (virtual time) until `granted` holds a grant, or `within_s` passed."""
+    with anyio.move_on_after(within_s):
+        while not granted:
+            await anyio.sleep(1)
+
+
 async def test_a_grow_that_moves_hands_the_extent_it_left_to_a_waiter():
     """Before: growing by moving freed the old extent without serving waiters, so a waiter that
     fits there now waited on until some later release."""
@@ -43,9 +50,7 @@ async def test_a_grow_that_moves_hands_the_extent_it_left_to_a_waiter():
         assert pool.statistics().waiting == 1
         assert grower.resize_nowait(5 * PAGE)  # moves to [8, 13); [0, 7) is free now
         assert grower.offset == 8 * PAGE
-        with anyio.move_on_after(10):
-            while not granted:
-                await anyio.sleep(1)
+        await until_granted(granted)
         tg.cancel_scope.cancel()
     assert granted == [1.0]
     assert pool.statistics().waiting == 0
@@ -180,9 +185,7 @@ async def test_a_reservation_turning_movable_lets_a_fragmented_waiter_in(settle)
         await anyio.sleep(1)
         assert pool.statistics().waiting == 1
         idle.movable = True  # moving it to [6, 7) opens [1, 4)
-        with anyio.move_on_after(10):
-            while not granted:
-                await anyio.sleep(1)
+        await until_granted(granted)
         tg.cancel_scope.cancel()
     assert granted == [1.0]
     assert heard and heard[0] == 1.0
@@ -228,9 +231,7 @@ async def test_a_move_callback_failing_halfway_through_compaction_still_serves_t
         with pytest.raises(OSError, match="copy failed"):
             pool.reserve_nowait(4 * PAGE, owner="big")  # moves [2, 3) to [4, 5), then fails
         assert len(calls) == 2 and idle[0].offset == 4 * PAGE  # [0, 3) is free now
-        with anyio.move_on_after(10):
-            while not granted:
-                await anyio.sleep(1)
+        await until_granted(granted)
         tg.cancel_scope.cancel()
     assert granted == [1.0]
     assert pool.statistics().waiting == 0
