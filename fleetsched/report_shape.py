@@ -54,6 +54,7 @@ class _Tenant(_Shape):
     weight: float
     sessions_done: _Count
     sessions_failed: _Count
+    sessions_cancelled: _Count = 0  # the tenant table's "cancelled" column
     calls: _Count
     ttft_s: _Percentiles
     latency_s: _Percentiles

@@ -126,6 +126,23 @@ def test_a_report_cut_short_or_holding_nan_is_refused_by_name(report, tmp_path, 
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc: a directory that cannot be written, even by root")
+def test_the_page_is_written_in_utf_8_whatever_the_locale(report, tmp_path):
+    """The page declares UTF-8; under a locale of another encoding (ASCII here, cp1252 on
+    Windows) a tenant's name outside it failed the page ("cannot plot its figures"), or was
+    written in the locale's encoding."""
+    import os
+
+    path = tmp_path / "run.json"
+    write_report(_edited(report, lambda r: r["tenants"][0].__setitem__("tenant", "ünï 日本")), path)
+    env = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "fleetsched.cli", "report", str(path), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, encoding="utf-8", cwd=ROOT, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "<td>ünï 日本</td>" in (tmp_path / "out" / "index.html").read_bytes().decode("utf-8")
+
+
 def test_an_out_directory_that_cannot_be_written_is_one_line(report, tmp_path, capsys):
     """Before: a FileNotFoundError traceback from the first plot's savefig (the directory
     exists, so making it succeeded)."""
@@ -187,6 +204,9 @@ def _edited(report, edit):
         (lambda r: r["timeline"]["attainment"].__setitem__("pager", [0.5]), r"timeline\.attainment\.pager: 1 values for the \d+ times of timeline\.t"),
         (lambda r: r["timeline"].__setitem__("in_flight", "3"), r"timeline\.in_flight: Input should be a valid list"),
         (lambda r: r.pop("memory"), r"memory: Field required"),
+        # The tenant table's "cancelled" column: a list was a TypeError traceback, a string "cannot plot its figures".
+        (lambda r: r["tenants"][0].__setitem__("sessions_cancelled", []), r"tenants\.0\.sessions_cancelled: Input should be a valid integer \(got \[\]\)"),
+        (lambda r: r["tenants"][0].__setitem__("sessions_cancelled", "3"), r"tenants\.0\.sessions_cancelled: Input should be a valid integer \(got '3'\)"),
     ],
 )
 def test_a_report_edited_by_hand_is_refused_naming_the_field(report, tmp_path, capsys, edit, message):
@@ -205,6 +225,7 @@ def test_a_report_edited_by_hand_is_refused_naming_the_field(report, tmp_path, c
     [
         (lambda r: r.__setitem__("calls", -3), r"calls: Input should be greater than or equal to 0 \(got -3\)"),
         (lambda r: r["tenants"][0].__setitem__("sessions_done", -1), r"tenants\.0\.sessions_done: Input should be greater than or equal to 0"),
+        (lambda r: r["tenants"][0].__setitem__("sessions_cancelled", -4), r"tenants\.0\.sessions_cancelled: Input should be greater than or equal to 0"),
         (lambda r: r.__setitem__("duration_s", -5.0), r"duration_s: Input should be greater than or equal to 0"),
         (lambda r: r["tenants"][0]["sla"]["objectives"]["ttft_p99"].__setitem__("attainment", 1.5), r"tenants\.0\.sla\.objectives\.ttft_p99\.attainment: Input should be less than or equal to 1 \(got 1\.5\)"),
         (lambda r: r["timeline"]["attainment"]["pager"].__setitem__(0, -0.5), r"timeline\.attainment\.pager\.0: Input should be greater than or equal to 0"),
@@ -354,6 +375,34 @@ def test_time_axes_read_in_milliseconds_and_seconds(low, high, expected):
     labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text() and low <= t.get_position()[0] <= high]
     plt.close(fig)
     assert all(label in labels for label in expected) and not any("$" in label for label in labels), labels
+
+
+def test_names_starting_with_an_underscore_keep_their_legend_entries(report, tmp_path, monkeypatch):
+    """matplotlib leaves out of a legend every artist whose label starts with "_": a tenant named
+    "_pager" had no entry in the TTFT and rolling attainment plots (its line drawn, unnamed), a
+    device "_gpu0" none in the memory plot."""
+    from matplotlib.figure import Figure
+
+    from fleetsched.observability.render import plot_memory, plot_sla_attainment, plot_ttft_cdf
+
+    def rename(r):
+        r["tenants"][0]["tenant"] = "_pager"
+        for metric in r["distributions"].values():
+            metric["tenant"]["_pager"] = metric["tenant"].pop("pager")
+        r["timeline"]["attainment"]["_pager"] = r["timeline"]["attainment"].pop("pager")
+        r["memory"]["devices"][0]["name"] = "_gpu0"
+        for series in ("memory_allocated_bytes", "fragmentation"):
+            r["timeline"][series]["_gpu0"] = r["timeline"][series].pop("gpu0")
+
+    edited = _edited(report, rename)
+    assert edited["tenants"][0]["tier"] == "critical"
+    legends = []
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *args, **kwargs: legends.extend(text.get_text().lstrip("\u200b") for ax in fig.axes if ax.get_legend() for text in ax.get_legend().get_texts())
+    )
+    for plot in (plot_ttft_cdf, plot_sla_attainment, plot_memory):
+        plot(edited, tmp_path / "plot.png")
+    assert {"_pager (critical)", "_pager", "_gpu0 allocated", "_gpu0 total", "_gpu0"} <= set(legends), legends
 
 
 def test_the_sla_chart_names_objectives_as_the_tables_do_and_only_those_measured(report, tmp_path, monkeypatch):
@@ -680,6 +729,27 @@ def test_a_tenant_s_ttft_and_latency_figures_are_its_p50_and_p99():
 
     (tenant,) = anyio.run(main)["tenants"]
     assert (tenant["ttft_s"], tenant["latency_s"]) == ({"p50": 0.5, "p99": 1.0}, {"p50": 5.0, "p99": 10.0})
+
+
+def test_the_throughput_is_of_the_duration_the_report_writes():
+    """`throughput_tok_s` is `completion_tokens` over `duration_s` as written (rounded to the
+    millisecond), and null where that reads 0: from the unrounded duration, a run of 0.8 ms read
+    0.001 s beside 20,000 tok/s for its 16 tokens, and one of 0.4 ms 0.0 s beside 40,000 tok/s."""
+    from fleetsched import Scheduler
+    from fleetsched.report import build_report
+    from fleetsched.scheduler import CallRecord
+
+    from .helpers import settings
+
+    async def main(duration_s):
+        async with Scheduler(settings({"t": {}})) as scheduler:
+            scheduler.recorder.add_call(CallRecord("t", 1, 0, 0.0, 0.0, 0.0001, 0.0003, 5, 16))
+            return build_report(scheduler, duration_s=duration_s, backend="instant")
+
+    short = anyio.run(main, 0.0008)
+    assert (short["duration_s"], short["completion_tokens"], short["throughput_tok_s"]) == (0.001, 16, 16000.0)
+    shorter = anyio.run(main, 0.0004)
+    assert (shorter["duration_s"], shorter["throughput_tok_s"]) == (0.0, None)
 
 
 def test_times_under_10_ms_show_a_tenth_of_a_millisecond():

@@ -34,6 +34,14 @@ def _pyplot() -> Any:
     return plt
 
 
+def _label(name: str) -> str:
+    """A tenant's or device's name as a legend label. matplotlib leaves out of a legend every
+    artist whose label starts with "_": a tenant "_internal" had no entry in the TTFT and
+    attainment plots (its line drawn, unnamed), a device "_gpu0" none in the memory plot. A
+    zero-width space before such a name keeps its entry, and reads the same."""
+    return "\u200b" + name if name.startswith("_") else name
+
+
 def _seconds_text(value: float, _position: object = None) -> str:
     return f"{value * 1e3:g} ms" if value < 1 else f"{value:g} s"
 
@@ -74,7 +82,7 @@ def plot_ttft_cdf(report: dict[str, Any], path: Path) -> None:
     colors = [c for c in plt.rcParams["axes.prop_cycle"].by_key()["color"] if to_hex(c) not in taken]
     for i, t in enumerate(report["tenants"]):
         color = colors[i % len(colors)]
-        _cdf(by_tenant, dist["tenant"].get(t["tenant"]), f"{t['tenant']} ({t['tier']})", color=color)
+        _cdf(by_tenant, dist["tenant"].get(t["tenant"]), _label(f"{t['tenant']} ({t['tier']})"), color=color)
         target = t["sla"]["objectives"].get("ttft_p99", {}).get("target")
         if target is not None:
             by_tenant.axvline(target, color=color, linestyle="--", linewidth=1)
@@ -166,11 +174,11 @@ def plot_memory(report: dict[str, Any], path: Path) -> None:
     else:
         t = tl["t"]
         for device, values in tl["memory_allocated_bytes"].items():
-            line = mem.plot(t, [v / 1e9 for v in values], label=f"{device} allocated")[0]
+            line = mem.plot(t, [v / 1e9 for v in values], label=_label(f"{device} allocated"))[0]
             if device in totals:
-                mem.axhline(totals[device] / 1e9, color=line.get_color(), linestyle="--", linewidth=0.8, label=f"{device} total")
+                mem.axhline(totals[device] / 1e9, color=line.get_color(), linestyle="--", linewidth=0.8, label=_label(f"{device} total"))
         for device, values in tl["fragmentation"].items():
-            frag.plot(t, [100 * v for v in values], label=device)
+            frag.plot(t, [100 * v for v in values], label=_label(device))
         mem.legend(fontsize=8, loc="best")
         frag.legend(fontsize=8, loc="best")
     mem.set_title("Memory reserved by sessions, per device")
@@ -220,7 +228,7 @@ def plot_sla_attainment(report: dict[str, Any], path: Path) -> None:
             values = tl["attainment"].get(t["tenant"])
             if values is None:  # a report edited by hand, or merged: nothing to draw for this tenant
                 continue
-            over_time.plot(tl["t"], [None if v is None else 100 * v for v in values], label=t["tenant"])
+            over_time.plot(tl["t"], [None if v is None else 100 * v for v in values], label=_label(t["tenant"]))
         over_time.set_ylim(0, 105)
         if over_time.get_legend_handles_labels()[0]:
             over_time.legend(fontsize=8, loc="best")
@@ -298,7 +306,10 @@ def render(report: dict[str, Any], out: Path) -> list[Path]:
         write(report, out / name)
         paths.append(out / name)
     index = out / "index.html"
-    index.write_text(render_html(report))
+    # UTF-8, as the page says (<meta charset="utf-8">), whatever the locale's encoding: an ASCII
+    # or cp1252 one failed the page of a tenant "ünï 日本" ("cannot plot its figures"), or wrote
+    # its name in another encoding than the page declares.
+    index.write_text(render_html(report), encoding="utf-8")
     return [*paths, index]
 
 
