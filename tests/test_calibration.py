@@ -363,7 +363,9 @@ def test_calibrate_sends_the_api_key_a_server_asks_for(tmp_path, capsys, monkeyp
 def test_calibrate_prints_the_profile_it_cannot_write(vllm_server, capsys):
     """--out is checked before the sweep, but a write can still fail after it (/dev/full: ENOSPC,
     for any user). Before: an OSError traceback, and the sweep's measurements were lost."""
-    args = ["--url", vllm_server.url, "--out", "/dev/full", "--concurrency", "1", "--shapes", "16:4", "--rounds", "1", "--repeats", "1"]
+    # Two loads and answers long enough to show decoding: one point of 4 tokens (the sweep it
+    # had) could fit a profile of steps taking no time, which is refused before the write.
+    args = ["--url", vllm_server.url, "--out", "/dev/full", "--concurrency", "1,4", "--shapes", "16:32", "--rounds", "1", "--repeats", "1"]
     assert calibrate_main(args) == 1
     out, err = capsys.readouterr()
     assert "fleetsched calibrate: cannot write /dev/full: [Errno 28] No space left on device" in err and "Traceback" not in err
