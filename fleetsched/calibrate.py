@@ -125,6 +125,8 @@ async def one_request(
     ttft = None
     usage = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code == 401:
+            raise RuntimeError(_unauthorized(client, "POST /v1/completions"))
         if response.is_error:
             await response.aread()
             raise RuntimeError(
@@ -172,11 +174,19 @@ def _excerpt(text: str) -> str:
     return " ".join(text[:300].split())
 
 
+def _unauthorized(client: httpx.AsyncClient, request: str) -> str:
+    """What a 401 to `request` means: a key wanted, or the key given refused (it said "wants an
+    API key (give --api-key" to a user who gave one, and "refused a prompt" with --model)."""
+    if "authorization" in client.headers:
+        return f"{request} answered 401 Unauthorized: the server refused the API key given (--api-key, or VLLM_API_KEY)"
+    return f"{request} answered 401 Unauthorized: the server wants an API key (give --api-key, or set VLLM_API_KEY)"
+
+
 async def served_model(client: httpx.AsyncClient) -> str:
     """The first model the server lists (GET /v1/models); RuntimeError when it lists none."""
     response = await client.get("/v1/models")
     if response.status_code == 401:
-        raise RuntimeError("GET /v1/models answered 401 Unauthorized: the server wants an API key (give --api-key, or set VLLM_API_KEY)")
+        raise RuntimeError(_unauthorized(client, "GET /v1/models"))
     try:
         return first_listed_model(response)
     except (httpx.HTTPStatusError, ValueError):  # not JSON, or not OpenAI's shape
@@ -184,6 +194,17 @@ async def served_model(client: httpx.AsyncClient) -> str:
             f"GET /v1/models answered {response.status_code} with no model ({_excerpt(response.text)}): "
             "is this a vLLM server? (give --model to skip the question)"
         ) from None
+
+
+async def server_max_model_len(client: httpx.AsyncClient, model: str) -> int | None:
+    """The context length the server lists for `model` (vLLM's ``max_model_len`` in GET
+    /v1/models), or None when it lists none."""
+    try:
+        listed = (await client.get("/v1/models")).json()["data"]
+        lengths = [entry.get("max_model_len") for entry in listed if entry.get("id") == model]
+    except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError):
+        return None
+    return lengths[0] if lengths and type(lengths[0]) is int and lengths[0] > 0 else None
 
 
 async def prompt_chars(client: httpx.AsyncClient, model: str, tokens: int) -> int:
@@ -276,6 +297,13 @@ async def sweep(
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(read_timeout_s), limits=limits, headers=headers) as client:
         if model is None:
             model = await served_model(client)
+        limit = await server_max_model_len(client, model)
+        for prompt, max_tokens in shapes:  # the server refuses such a prompt, or cuts its answer
+            if limit is not None and prompt + max_tokens > limit:
+                raise RuntimeError(
+                    f"--shapes {prompt}:{max_tokens}: {prompt} prompt + {max_tokens} completion tokens exceed the server's "
+                    f"max_model_len of {limit} (give --shapes that fit it, and --max-model-len {limit})"
+                )
         # Warm up (first requests pay for compilation and caches).
         await measure(client, model, 4, 200, 8, 1)
         points = list(itertools.product(shapes, concurrencies))
@@ -370,12 +398,14 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 def _url(text: str) -> str:
     """A server root, http://host:port or https://host:port, checked as the benches check theirs
-    (`http_url`): a port past 65535 passes httpx and fails only at the connect, an OverflowError."""
+    (`http_url`): a port past 65535 passes httpx and fails only at the connect, an OverflowError.
+    A trailing / and /v1 are taken off, as the vllm-server backend takes them off its URLs: the
+    OpenAI base URL (http://host:port/v1) asked for /v1/v1/models, a 404."""
     try:
         httpx.URL(text)  # first: its reason (an invalid IPv6 address) says more than urlsplit's ValueError
     except httpx.InvalidURL as exc:
         raise argparse.ArgumentTypeError(f"not a URL: {exc}") from None
-    return http_url(text)
+    return http_url(text).rstrip("/").removesuffix("/v1")
 
 
 def _out_file(text: str) -> str:
@@ -407,7 +437,7 @@ def _server_error(exc: BaseException, read_timeout_s: float = READ_TIMEOUT_S) ->
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fleetsched calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True, type=_url, help="the vLLM server's root URL (without /v1)")
+    parser.add_argument("--url", required=True, type=_url, help="the vLLM server's root URL (a trailing /v1 is taken off)")
     parser.add_argument("--out", required=True, type=_out_file, metavar="PROFILE.toml")
     parser.add_argument("--model", help="served model name (default: the server's first)")
     parser.add_argument(

@@ -52,7 +52,8 @@ def _streaming(*chunks: str) -> type[_Streams]:
 
 
 def _calibrate(url: str, out: str, *extra: str) -> int:
-    return calibrate_main(["--url", url, "--out", out, "--concurrency", "1", "--shapes", "64:16", "--repeats", "1", "--rounds", "1", *extra])
+    # Two prompt lengths: from one, the fit may put decoding on the context alone (refused).
+    return calibrate_main(["--url", url, "--out", out, "--concurrency", "1", "--shapes", "64:16,256:16", "--repeats", "1", "--rounds", "1", *extra])
 
 
 @pytest.mark.parametrize(
@@ -201,3 +202,55 @@ def test_the_sweep_asks_for_a_stream_interval_only_past_one_token(tmp_path, caps
         _RecordsBodies.bodies.clear()
         assert _calibrate(url, str(tmp_path / "p.toml")) == 0
     assert {body.get("stream_interval") for body in _RecordsBodies.bodies if body["max_tokens"] == 16} == {16}
+
+
+class _RoutesAsVllm(_CountsAsVllm):
+    """`_CountsAsVllm` with vLLM's routes only: any other path is a 404, as vLLM's own."""
+
+    def do_GET(self) -> None:
+        if self.path != "/v1/models":
+            return self._answer(404, "application/json", '{"detail":"Not Found"}')
+        super().do_GET()
+
+    def do_POST(self) -> None:
+        if self.path != "/v1/completions":
+            return self._answer(404, "application/json", '{"detail":"Not Found"}')
+        super().do_POST()
+
+
+@pytest.mark.parametrize("suffix", ["/", "/v1", "/v1/"])
+def test_a_url_with_the_openai_v1_suffix_is_the_servers_root(suffix, tmp_path, capsys):
+    """The OpenAI base URL (http://host:port/v1), as the vllm-server backend takes it. Before:
+    GET /v1/v1/models answered 404, and calibrate asked whether the server was vLLM at all."""
+    out = tmp_path / "p.toml"
+    with _http_server(_RoutesAsVllm) as url:
+        assert _calibrate(url + suffix, str(out)) == 0, capsys.readouterr().err
+    assert f"fleetsched calibrate --url {url}:" in out.read_text()
+
+
+class _ListsAContextLength(_CountsAsVllm):
+    """`_CountsAsVllm` listing its model with a context length of 256 tokens, as vLLM lists it."""
+
+    posts: list[dict[str, Any]] = []
+
+    def do_GET(self) -> None:
+        model = {"id": "tiny", "object": "model", "max_model_len": 256}
+        self._answer(200, "application/json", json.dumps({"object": "list", "data": [model]}))
+
+    def answer(self, body: dict[str, Any]) -> None:
+        self.posts.append(body)
+        super().answer(body)
+
+
+def test_shapes_past_the_servers_context_length_are_refused_before_the_sweep(tmp_path, capsys):
+    """Before: the default shapes' 384-token prompt on a server started with --max-model-len 256
+    ended the sweep after its warm-up with "the server refused a 384-character prompt with 1
+    max_tokens", naming no shape; a shape whose answer the server cut was measured as asked."""
+    with _http_server(_ListsAContextLength) as url:
+        assert _calibrate(url, str(tmp_path / "p.toml"), "--shapes", "64:16,200:64") == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"fleetsched calibrate: {url}: --shapes 200:64: 200 prompt + 64 completion tokens exceed the server's max_model_len of 256 "
+        "(give --shapes that fit it, and --max-model-len 256)"
+    ]
+    assert _ListsAContextLength.posts == []
+    assert not (tmp_path / "p.toml").exists()

@@ -466,3 +466,33 @@ def test_measurements_that_show_no_decoding_fit_no_profile_and_say_why():
     sample = Sample(1, 64, 16, 1, 1600.0, 0.01, 0.01)
     with pytest.raises(ValueError, match="gives an engine step no time .* does the server stream the tokens as it makes them"):
         fit_profile(SimSettings(), [sample.measurement()])
+
+
+def test_measurements_that_cannot_tell_a_steps_cost_from_its_contexts_say_so():
+    """One prompt length at one load: the context grows with the tokens, and the fit may put a
+    step's whole cost on its context, a profile the sim refuses (its steps of no context would
+    take no time). It was told "nothing was seen of decoding; does the server stream", though
+    decoding was seen; the sweep is what to widen."""
+    truth = SimSettings(step_base_s=1e-6, step_per_token_s=0, step_per_context_token_s=2e-5, step_per_seq_s=0, request_overhead_s=0, request_serial_s=0)
+    theta = [0.0, *theta_of(truth)[1:]]  # the context's cost alone
+    workload = Workload(1, 64, 16)
+    loop = closed_loop(truth, workload)
+    measured = Measurement(workload, loop.throughput(theta), sum(loop.ttft_s(theta)) / len(loop.ttft), loop.ttft_p50_s(theta))
+    with pytest.raises(ValueError, match=r"puts an engine step's whole cost on its context .* sweep more prompt lengths \(--shapes\) or loads"):
+        fit_profile(SimSettings(), [measured])
+
+
+def test_calibrate_says_when_the_api_key_given_is_refused(tmp_path, capsys, monkeypatch):
+    """Before: a wrong key was told "the server wants an API key (give --api-key", and with
+    --model a missing key was "the server refused a 200-character prompt" (HTTP 401)."""
+    out = tmp_path / "p.toml"
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    args = ["--out", str(out), "--concurrency", "1", "--repeats", "1", "--rounds", "1"]
+    with _http_server(_WantsAKey) as url:
+        assert calibrate_main(["--url", url, *args, "--api-key", "wrong"]) == 1
+        assert "GET /v1/models answered 401 Unauthorized: the server refused the API key given (--api-key" in capsys.readouterr().err
+        assert calibrate_main(["--url", url, *args, "--model", "tiny"]) == 1
+        assert "POST /v1/completions answered 401 Unauthorized: the server wants an API key (give --api-key" in capsys.readouterr().err
+        assert calibrate_main(["--url", url, *args, "--model", "tiny", "--api-key", "wrong"]) == 1
+        assert "POST /v1/completions answered 401 Unauthorized: the server refused the API key given" in capsys.readouterr().err
+    assert not out.exists()

@@ -371,7 +371,15 @@ def _steps_take_time(fit: Fit | None) -> Fit:
     request took its first token's time and no more, as from a server that sends a whole answer
     in one chunk, fit every step cost to 0."""
     assert fit is not None
-    base, per_token, _, per_seq, *_ = fit.theta
+    base, per_token, per_context, per_seq, *_ = fit.theta
+    if not (base or per_token or per_seq) and per_context:
+        # Decoding was seen, and put on the context alone: one prompt length at one load cannot
+        # tell a step's fixed cost from its context's (the context grows with the tokens).
+        raise ValueError(
+            "the profile that fits these measurements puts an engine step's whole cost on its context (step_base_s, "
+            "step_per_token_s and step_per_seq_s all 0), which the sim cannot run: the sweep cannot tell one from the "
+            "other; sweep more prompt lengths (--shapes) or loads (--concurrency)"
+        )
     if not (base or per_token or per_seq):
         raise ValueError(
             "the profile that fits these measurements gives an engine step no time (step_base_s, step_per_token_s "
