@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,11 @@ def test_a_log_path_given_as_text_is_a_path(tmp_path):
     log = tmp_path / "vllm.log"
     log.write_text("one\ntwo\n")
     assert VLLMServer(log_path=str(log)).log_tail() == "one\ntwo"
+
+
+def test_a_venv_and_model_given_as_text_are_paths():
+    """VLLMServer(venv=".venv-vllm") raised a TypeError where it joined the venv's paths."""
+    from fleetsched.testing.vllm_server import VLLMServer
+
+    server = VLLMServer(venv=".venv-vllm", model_dir=".cache/tiny-model")
+    assert server.venv == Path(".venv-vllm") and server.model_dir == Path(".cache/tiny-model")

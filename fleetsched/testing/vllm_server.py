@@ -190,8 +190,10 @@ class VLLMServer:
     """How long the last `start` took until ``/health`` answered."""
 
     def __post_init__(self) -> None:
+        # Given as text, say (`vllm_server(venv=".venv-vllm")`: the venv's was a TypeError).
+        self.venv, self.model_dir = Path(self.venv), Path(self.model_dir)
         if self.log_path is not None:
-            self.log_path = Path(self.log_path)  # given as text, say
+            self.log_path = Path(self.log_path)
 
     @property
     def url(self) -> str:
