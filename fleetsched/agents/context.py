@@ -7,6 +7,7 @@ its tool time, so the scheduler knows the session's pace.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -23,6 +24,18 @@ if TYPE_CHECKING:
     from ..resources.memory import Reservation
     from ..scheduler.dispatcher import Dispatcher
     from ..scheduler.session import SessionHandle
+
+logger = logging.getLogger(__name__)
+
+
+def _idle(reservation: Reservation) -> None:
+    """Mark `reservation` movable: its session is idle. The pool may serve its waiters and tell
+    its owner's listeners then (the room a move would open), and a callback of theirs that
+    raised failed this session, which had only gone into a tool: logged, as after a release."""
+    try:
+        reservation.movable = True
+    except Exception:
+        logger.exception("a callback of the memory pool failed as %r went idle", reservation)
 
 
 class _Chunks:
@@ -214,7 +227,7 @@ class SessionContext:
             self._tool_idle = True
             handle.activity = TOOL
             if handle.reservation is not None and not handle.calls_in_flight:
-                handle.reservation.movable = True  # idle: a compaction may move its memory meanwhile
+                _idle(handle.reservation)  # a compaction may move its memory meanwhile
             if self._pace is not None:
                 self._pace.tool_started(handle, name, now)
         try:
@@ -280,7 +293,7 @@ class SessionContext:
         if self._tool_idle and not handle.calls_in_flight:
             # The last call under way ended inside a tool period that began after it: idle now.
             if handle.reservation is not None:
-                handle.reservation.movable = True
+                _idle(handle.reservation)
             if self._pace is not None:
                 self._pace.call_ended(handle)
 
