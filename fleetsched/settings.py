@@ -666,13 +666,12 @@ class Settings(BaseSettings):
                 raise ValueError(f"workload.agents.{i}: {reason}")
         return self
 
-    def inadmissible(self, mix: AgentMix, where: str) -> str | None:
-        """Why every session of `mix` (declared at `where`) would be rejected at submission, or
-        None: more memory than its tenant's quota or than any device holds. Such a mix is refused
-        as a config error (the run would only count its sessions failed)."""
+    def session_memory_of(self, mix: AgentMix, where: str) -> tuple[int, str]:
+        """The memory a session of `mix` (declared at `where`) reserves, and the key that sets
+        it: the mix's own, else its tenant's, else the scheduler's."""
         tenant = self.tenants[mix.tenant]
-        memory, source = next(
-            (value, key)
+        return next(
+            (int(value), key)
             for value, key in (
                 (mix.session_memory, f"{where}.session_memory"),
                 (tenant.session_memory, f"tenants.{mix.tenant}.session_memory"),
@@ -680,6 +679,15 @@ class Settings(BaseSettings):
             )
             if value is not None
         )
+
+    def inadmissible(self, mix: AgentMix, where: str, cache: tuple[str, int] | None = None) -> str | None:
+        """Why every session of `mix` (declared at `where`) would be rejected at submission, or
+        None: more memory than its tenant's quota or than any device holds. Such a mix is refused
+        as a config error (the run would only count its sessions failed). With
+        ``[resources.kv_cache]`` the devices are the servers' caches, read when the scheduler
+        starts: `cache` is then the largest (its replica, its bytes), unknown before."""
+        tenant = self.tenants[mix.tenant]
+        memory, source = self.session_memory_of(mix, where)
         held = "resources.devices"
         if self.resources.kv_cache is None:
             largest = max(int(device.memory) for device in self.resources.devices)
@@ -688,15 +696,19 @@ class Settings(BaseSettings):
                 held += ", in whole pages of resources.page_size"
         elif source == "scheduler.session_memory":
             return None  # sized from the servers' caches when the scheduler starts
-        else:
+        elif cache is None:
             largest = None  # the devices are read when the scheduler starts
+        else:
+            replica, largest = cache
+            held = f"replica {replica!r}"
         if tenant.memory_quota is not None and memory > tenant.memory_quota:
             limit = f"the memory_quota of tenant {mix.tenant!r} ({int(tenant.memory_quota):,} bytes)"
         elif largest is not None and memory > largest:
-            limit = f"the largest device holds ({held}: {largest:,} bytes)"
+            device = "device" if cache is None else "KV cache"
+            limit = f"the largest {device} holds ({held}: {largest:,} bytes)"
         else:
             return None
-        return f"a session reserves {int(memory):,} bytes ({source}), more than {limit}: no such session could be admitted"
+        return f"a session reserves {memory:,} bytes ({source}), more than {limit}: no such session could be admitted"
 
     @classmethod
     def settings_customise_sources(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..errors import BackendError, ContextTooLong, InvalidRequest
+from .chat_options import prompt_cut
 from .sampling import lax_whole
 
 if TYPE_CHECKING:
@@ -442,9 +443,7 @@ def estimate_prompt_tokens(body: ChatBody) -> int:
 def _truncated(body: ChatBody, tokens: int) -> int:
     """`tokens`, or the ``truncate_prompt_tokens`` that `body` cuts its prompt to, if fewer (-1,
     the model's context, is left to the engine; a size that is no count, to the checks)."""
-    size = body.get("truncate_prompt_tokens")
-    if size is not None and type(size) is not int:
-        size = lax_whole(size)  # "5" is 5, as vLLM reads it
+    size = prompt_cut(body)
     if size is not None and 0 < size < tokens:
         return size
     return tokens

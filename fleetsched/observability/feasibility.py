@@ -73,21 +73,22 @@ def tenant_prompt_tokens(settings: Settings, traced: list[tuple[str, AgentMix]] 
 
 def first_prompt_tokens(mix: AgentMix) -> int:
     """The prompt of an agent's first call (system prompt included), as the dispatcher estimates it."""
-    from ..agents.workload import SYSTEM_PROMPT
-
-    return estimate_prompt_tokens(
-        {"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "x" * 4 * mix.prompt_tokens}]}
-    )
+    return _prompt_tokens(mix, turns=1)
 
 
 def last_prompt_tokens(mix: AgentMix) -> int:
     """The prompt of an agent's last call, as the dispatcher estimates it, where every answer
     before it took its whole max_tokens (the sim's do): the conversation so far, each answer
     and tool result included (`scripted_chat_agent`)."""
+    return _prompt_tokens(mix, turns=mix.turns)
+
+
+def _prompt_tokens(mix: AgentMix, turns: int) -> int:
+    """The prompt of the call of `mix`'s turn `turns` (1: the first), answers at their max_tokens."""
     from ..agents.workload import SYSTEM_PROMPT
 
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "x" * 4 * mix.prompt_tokens}]
-    for turn in range(mix.turns - 1):
+    for turn in range(turns - 1):
         messages.append({"role": "assistant", "content": "x" * 4 * mix.max_tokens})
         if mix.tool_s or mix.tool_s_max:
             messages.append({"role": "user", "content": f"tool result {turn}: " + "x" * 4 * 16})
@@ -219,8 +220,7 @@ def over_budget(settings: Settings) -> list[str]:
         return []
     out = []
     for index, mix in enumerate(settings.workload.agents):
-        tenant = settings.tenants.get(mix.tenant)
-        if mix.session_memory is not None or (tenant is not None and tenant.session_memory is not None):
+        if settings.session_memory_of(mix, f"workload.agents.{index}")[1] != "scheduler.session_memory":
             continue
         peak = last_prompt_tokens(mix) + mix.max_tokens
         if peak > kv_cache.context_tokens:

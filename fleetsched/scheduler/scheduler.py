@@ -280,19 +280,9 @@ class Scheduler:
         # A workload's sessions that set their own memory were left unchecked at load (the caches
         # were not read yet): every one of them was rejected at submission, and `run` exited 0.
         for i, mix in enumerate(self.settings.workload.agents):
-            tenant = self.settings.tenants.get(mix.tenant)
-            if mix.session_memory is not None:
-                memory, source = mix.session_memory, f"workload.agents.{i}.session_memory"
-            elif tenant is not None and tenant.session_memory is not None:
-                memory, source = tenant.session_memory, f"tenants.{mix.tenant}.session_memory"
-            else:
-                continue
-            if int(memory) > sized.devices[largest]:
-                raise ConfigError(
-                    f"workload.agents.{i}",
-                    f"a session reserves {int(memory):,} bytes ({source}), more than the largest KV cache holds "
-                    f"(replica {largest!r}: {sized.devices[largest]:,} bytes): no such session could be admitted",
-                )
+            reason = self.settings.inadmissible(mix, f"workload.agents.{i}", cache=(largest, sized.devices[largest]))
+            if reason is not None:
+                raise ConfigError(f"workload.agents.{i}", reason)
         devices = [DeviceSettings(name=name, memory=memory) for name, memory in sized.devices.items()]
         resources = self.settings.resources.model_copy(update={"devices": devices, "page_size": sized.page_size})
         self.pool = create_pool(resources, self._quotas)
