@@ -350,6 +350,26 @@ async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objec
 
 
 @pytest.mark.anyio
+async def test_the_wait_predicted_after_the_first_calls_end_counts_their_output():
+    """The first calls are charged no output (no call has ended to predict it from), the later
+    ones their predicted output: a service rate measured in the first calls' costs made the
+    next backlog's wait 20 times too long (a fresh gateway shed batch calls with a Retry-After
+    of 187 s where its backlog cleared in 11 s)."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, shed_after_s={"bulk": 60.0})
+    async with anyio.create_task_group() as warm:  # measure the service rate: 4 calls of 1 s, 3 of them queued
+        for _ in range(4):
+            warm.start_soon(partial(dispatcher.chat, body("warm", max_tokens=100), tenant="std", tier=Tier.STANDARD))
+    async with anyio.create_task_group() as tg:
+        for _ in range(12):  # twelve seconds of work queued
+            tg.start_soon(partial(dispatcher.chat, body("queued", max_tokens=100), tenant="std", tier=Tier.STANDARD))
+        await anyio.sleep(0.5)
+        assert 8.0 < dispatcher.predicted_wait_s() < 16.0
+        await dispatcher.chat(body("served", max_tokens=100), tenant="bulk", tier=Tier.BATCH)  # not shed
+    assert dispatcher.statistics().shed == 0
+
+
+@pytest.mark.anyio
 async def test_a_ttft_objective_of_zero_sheds_no_call_while_nothing_waits():
     """Shed only when the predicted wait exceeds the objective: an idle dispatcher predicts no
     wait, and a call that need not wait at all is served."""

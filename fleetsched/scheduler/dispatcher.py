@@ -405,8 +405,12 @@ class Dispatcher:
                 prompt = estimate
             unused = estimate + record.max_tokens - prompt - output
             self._limits.refund(record.tenant, unused, now, request=record.error in _INVALID)
-        # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds.
-        self._measure_rate(now, self._cost(estimate, record))
+        # Measured in the units of the queue's costs, so queued cost over rate is a wait in seconds:
+        # the prompt's estimate and the output the call made, which the queued calls' predicted
+        # output stands for. Not its own predicted output: the first calls are predicted none (no
+        # call has ended yet), and a rate measured in their costs read the next backlog, charged
+        # its output, as 20 times longer than it was (batch calls shed, Retry-After 187 s).
+        self._measure_rate(now, estimate * INPUT_WEIGHT + output * OUTPUT_WEIGHT)
         # Correct what was charged (the prompt estimate, and the larger of the predicted output
         # and the output streamed) to what the call used: the usage's counts, or for a call cut
         # short, the output it received.
