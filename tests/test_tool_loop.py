@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import re
 import threading
@@ -385,6 +386,12 @@ async def multiply(a: float, b: float) -> str:
         ({"script": [{"name": "add"}]}, ValueError, "script turn 0: expected a list of tool calls, got {'name': 'add'}"),
         # Refused only when the loop reached that turn, its model calls made and paid for.
         ({"script": [[{"name": "add"}], [{"arguments": {}}]]}, ValueError, "script turn 1: a tool call needs a 'name'"),
+        # The Tool given for its name: the sim took it into the conversation, a vLLM server's body
+        # failed to encode ("Object of type Tool is not JSON serializable", blamed on the replica).
+        ({"script": [[{"name": TOOLS[0]}]]}, ValueError, "script turn 0: a tool call's 'name' must be a tool's name (a str), got Tool(name='add'"),
+        # A bare TypeError ("Object of type date is not JSON serializable") at that turn, mid-session.
+        ({"script": [[{"name": "add"}], [{"name": "add", "arguments": {"a": datetime.date(2026, 1, 1)}}]]}, ValueError,
+         "script turn 1: the arguments for 'add' are not JSON (Object of type date is not JSON serializable)"),
     ],
 )
 async def test_bad_arguments_to_the_loop_name_what_was_wrong(arguments, error, message):
@@ -548,3 +555,28 @@ async def test_a_tool_error_whose_message_cannot_be_read_is_still_a_tool_error()
     (said,) = [m["content"] for m in loop.messages if m["role"] == "tool"]
     assert said.startswith("error: tool 'broken' raised Unprintable: (its message could not be read")
     check_released(scheduler)
+
+
+async def test_a_tool_s_text_with_a_lone_surrogate_goes_to_the_model_escaped():
+    """Python decodes a file name or a command's output that is not UTF-8 with "surrogateescape":
+    such a result (or a tool's error naming it) went into the conversation as it was, which has no
+    UTF-8, and a vLLM server's request could not be sent: the session failed at its next call."""
+
+    async def listing() -> str:
+        return "report.txt\ncaf\udce9.txt"
+
+    async def missing() -> str:
+        raise RuntimeError("cannot open caf\udce9.txt")
+
+    tools = [Tool("listing", listing), Tool("missing", missing)]
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], tools, script=[[{"name": "listing"}, {"name": "missing"}]])
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        loop = await scheduler.run(agent, tenant="acme")
+    check_released(scheduler)
+    results = [m["content"] for m in loop.messages if m["role"] == "tool"]
+    assert results == ["report.txt\ncaf\\udce9.txt", "error: tool 'missing' raised RuntimeError: cannot open caf\\udce9.txt"]
+    assert all(result.encode("utf-8") for result in results)  # sendable
+    assert loop.tool_errors == 1

@@ -5,6 +5,7 @@ served by a mock transport. Virtual time (trio MockClock, from conftest)."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import http.server
 import json
 import re
@@ -385,6 +386,29 @@ async def test_a_body_without_messages_is_an_invalid_request():
     with pytest.raises(InvalidRequest, match="messages"):
         _ = [c async for c in backend.stream_chat(body)]
     assert seen == [] and backend.replicas["r0"].in_flight == 0
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({"temperature": float("nan")}, "Out of range float values are not JSON compliant"),
+        ({"metadata": {"due": datetime.date(2026, 1, 1)}}, "Object of type date is not JSON serializable"),
+        # A tool's text with a lone surrogate (decoded with "surrogateescape", say).
+        ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "ls: \udcff"}]}, "surrogates not allowed"),
+    ],
+)
+async def test_a_body_that_cannot_be_sent_as_json_is_an_invalid_request(extra, said):
+    """It was a `BackendError` naming the replica ("vLLM replica r0 (...): Object of type date is not
+    JSON serializable"), a 500 to ctx.openai, where the sim refuses such a body as invalid."""
+    seen: list[dict] = []
+    backend = _backend([], seen, breaker_failures=1)
+    with pytest.raises(InvalidRequest, match="the request cannot be sent as JSON") as info:
+        _ = [c async for c in backend.stream_chat({**BODY, **extra})]
+    assert said in str(info.value)
+    assert seen == [] and backend.replicas["r0"].in_flight == 0
+    assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
     await backend.aclose()
 
 

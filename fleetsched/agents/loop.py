@@ -176,13 +176,26 @@ def _check_arguments(messages: Any, tools: Any, max_turns: Any, script: Any) -> 
     for turn, steps in enumerate(script):
         if isinstance(steps, (str, bytes, Mapping)) or not isinstance(steps, Iterable):
             raise ValueError(f"script turn {turn}: expected a list of tool calls, got {steps!r:.80}")
-        steps = list(steps)
+        checked = []
         for step in steps:
             if not isinstance(step, Mapping):
                 raise ValueError(f"script turn {turn}: expected a list of tool calls, got {step!r:.80} in it")
             if "name" not in step:
                 raise ValueError(f"script turn {turn}: a tool call needs a 'name', got {step!r:.80}")
-        turns.append(steps)
+            # A name that is no str (the Tool itself, say) went into the conversation as the call's
+            # name: the sim took it, a vLLM server's body could not be sent ("not JSON serializable").
+            if not isinstance(step["name"], str) or not step["name"]:
+                raise ValueError(f"script turn {turn}: a tool call's 'name' must be a tool's name (a str), got {step['name']!r:.80}")
+            # Arguments are sent as JSON text: encoded here, where a value JSON cannot hold (a date)
+            # is named, not as a bare TypeError after the turns before it were made and paid for.
+            arguments = step.get("arguments", {})
+            if not isinstance(arguments, str):
+                try:
+                    arguments = json.dumps(arguments)
+                except (TypeError, ValueError, RecursionError) as exc:
+                    raise ValueError(f"script turn {turn}: the arguments for {step['name']!r} are not JSON ({exc})") from None
+            checked.append({**step, "arguments": arguments})
+        turns.append(checked)
     return messages, tools, turns
 
 
@@ -210,7 +223,7 @@ async def _run_calls(ctx: SessionContext, calls: list[Any], tools: Mapping[str, 
     results = [""] * len(calls)
 
     async def run(index: int, call: Any) -> None:
-        results[index] = await _run_one(call, tools)
+        results[index] = _sendable(await _run_one(call, tools))
 
     names = "+".join(sorted({str(_function(c).get("name")) for c in calls}))
     async with ctx.tool(names):
@@ -265,6 +278,20 @@ async def _run_one(call: Any, tools: Mapping[str, Tool]) -> str:
         return json.dumps(result, allow_nan=False)  # NaN and infinity are no JSON
     except (TypeError, ValueError, RecursionError) as exc:
         return f"error: tool {name!r} returned a {type(result).__name__} that is not JSON ({exc})"
+
+
+def _sendable(text: str) -> str:
+    """A tool's result or error `text` as it can go to the model: a lone surrogate (in a file name
+    or a command's output that Python decoded with "surrogateescape") written as its escape, as
+    `json.dumps` writes it in a result that is not text. Such a text has no UTF-8: a vLLM server's
+    request could not be sent, and the session failed at its next model call (the sim took it)."""
+    if text.isascii():  # the usual: nothing to look at
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _said(exc: BaseException) -> str:

@@ -737,7 +737,15 @@ class VLLMServerBackend(Backend):
         and dumping a pydantic model, which on a small machine costs more than the engine's work.
         """
         opened = target.client.chat.completions.with_streaming_response.create(**kwargs)
-        response = await opened.__aenter__()
+        try:
+            response = await opened.__aenter__()
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, json.JSONDecodeError):  # an answer read, not the body sent
+                raise
+            # The body is encoded as JSON in UTF-8 before it goes out: a value JSON cannot hold
+            # (NaN, a date, a lone surrogate in a tool's text) is the caller's to change, as the
+            # sim refuses it. It was a BackendError naming the replica (a 500 to ctx.openai).
+            raise InvalidRequest(f"the request cannot be sent as JSON: {exc}") from exc
         stream = _EventStream(opened, response.iter_lines(), self.timeout.read or math.inf)
         try:
             # Another service there (a proxy's page, say) answers 200 too: it was retried as a
