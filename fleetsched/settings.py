@@ -680,12 +680,15 @@ class Settings(BaseSettings):
             if value is not None
         )
 
-    def inadmissible(self, mix: AgentMix, where: str, cache: tuple[str, int] | None = None) -> str | None:
+    def inadmissible(
+        self, mix: AgentMix, where: str, cache: tuple[str, int] | None = None, sized: int | None = None
+    ) -> str | None:
         """Why every session of `mix` (declared at `where`) would be rejected at submission, or
         None: more memory than its tenant's quota or than any device holds. Such a mix is refused
         as a config error (the run would only count its sessions failed). With
         ``[resources.kv_cache]`` the devices are the servers' caches, read when the scheduler
-        starts: `cache` is then the largest (its replica, its bytes), unknown before."""
+        starts: `cache` is then the largest (its replica, its bytes), and `sized` what a session
+        of ``context_tokens`` reserves in them, both unknown before."""
         tenant = self.tenants[mix.tenant]
         memory, source = self.session_memory_of(mix, where)
         held = "resources.devices"
@@ -695,7 +698,12 @@ class Settings(BaseSettings):
                 largest -= largest % int(self.resources.page_size)
                 held += ", in whole pages of resources.page_size"
         elif source == "scheduler.session_memory":
-            return None  # sized from the servers' caches when the scheduler starts
+            if sized is None:
+                return None  # sized from the servers' caches when the scheduler starts
+            # Held against the caches already (the scheduler's check of context_tokens), but not
+            # against the tenant's quota: every session of a tenant whose quota is smaller was
+            # rejected at submission, and `run` exited 0.
+            memory, source, largest = sized, "resources.kv_cache.context_tokens", None
         elif cache is None:
             largest = None  # the devices are read when the scheduler starts
         else:

@@ -123,6 +123,26 @@ def test_a_workload_session_memory_larger_than_the_cache_is_a_config_error(tiny_
     assert json.loads(capsys.readouterr().out)["sessions"] == {"done": 2}
 
 
+def test_a_tenant_quota_smaller_than_the_sized_session_is_a_config_error(tiny_config, tmp_path, capsys):
+    """A session of 512 tokens reserves 1 MiB of the cache, more than tenant q's quota of 1 MB.
+    Without the cache the same quota under scheduler.session_memory is refused at load; sized from
+    the cache it was left unchecked: every session of q was rejected at submission, and `run` and
+    `simulate` exited 0."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[backend.sim]\nkv_cache_tokens = 8192\nblock_size = 128\nmax_model_len = 1024\n'
+        f'[resources.kv_cache]\nconfig = "{tiny_config}"\ncontext_tokens = 512\n'
+        '[tenants.a]\n[tenants.q]\nmemory_quota = "1MB"\n'
+        '[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\n[[workload.agents]]\ntenant = "q"\ncount = 2\nturns = 1\n'
+    )
+    assert cli.main(["run", str(config), "--no-live"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: workload.agents.1: a session reserves 1,048,576 bytes (resources.kv_cache.context_tokens)" in err
+    assert "more than the memory_quota of tenant 'q' (1,000,000 bytes)" in err
+    assert simulate.main([str(config)]) == 2
+    assert "fleetsched simulate: config error: workload.agents.1" in capsys.readouterr().err
+
+
 async def test_a_tenant_s_own_session_memory_still_wins(tiny_config):
     settings = sim_settings(tiny_config)
     settings = settings.model_copy(update={"tenants": {"small": settings.tenants["default"].model_copy(update={"session_memory": 1 << 20})}})

@@ -790,3 +790,51 @@ async def test_a_call_naming_another_model_goes_out_naming_it():
     async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
         assert await scheduler.run(agent, tenant="acme") == scheduler.settings.backend.model
     check_released(scheduler)
+
+
+async def test_a_session_back_from_a_tool_is_re_admitted_on_its_replica_where_it_fits():
+    """Devices named after the replicas: a session's calls go to the replica its memory is on,
+    whose prefix cache holds its conversation. A session parked in a tool (release) came back
+    wherever the pool placed it then: here on r1, the device with the most free memory once
+    another session took 3 GB of r0 meanwhile, and its next call went to r1 without its prefix.
+    It is re-admitted on r0, where its memory still fits."""
+    from fleetsched.backends.base import REPLICA_KEY
+    from fleetsched.backends.instant import InstantBackend
+
+    class Replicated(InstantBackend):
+        replicas = {"r0": None, "r1": None}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.served: list[tuple[str, str]] = []  # (the call's message, the replica it went to)
+
+        async def stream_chat(self, body):
+            self.served.append((body["messages"][0]["content"], body.get(REPLICA_KEY)))
+            body = {key: value for key, value in body.items() if not key.startswith("fleetsched_")}
+            async for chunk in super().stream_chat(body):
+                yield chunk
+
+    backend = Replicated()
+    devices = [{"name": "r0", "memory": "10GB"}, {"name": "r1", "memory": "10GB"}]
+    s = settings(scheduler={"tool_policy": "release"}, resources={"strategy": "counting", "devices": devices})
+    placed: list[str] = []
+
+    async def agent(ctx):
+        placed.append(ctx.reservation.device)
+        await ctx.chat([{"role": "user", "content": "before"}], max_tokens=4)
+        async with ctx.tool("search"):  # parks: its memory goes back to the pool
+            await anyio.sleep(5)
+        placed.append(ctx.reservation.device)
+        await ctx.chat([{"role": "user", "content": "after"}], max_tokens=4)
+        return ctx._handle.parked_count
+
+    async with Scheduler(s, backend=backend) as scheduler:
+        session = await scheduler.submit(agent, tenant="acme", memory=2 * GB)
+        await anyio.sleep(1)
+        other = await scheduler.submit(sleeper(20), tenant="acme", memory=3 * GB)
+        assert await session == 1
+        assert other.reservation.device == "r0"
+        await other
+    assert placed == ["r0", "r0"]
+    assert backend.served == [("before", "r0"), ("after", "r0")]
+    check_released(scheduler)

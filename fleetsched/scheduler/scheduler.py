@@ -277,10 +277,13 @@ class Scheduler:
                 f"the largest KV cache holds (replica {largest!r}: {capacities[largest].tokens:,} tokens, "
                 f"{sized.devices[largest]:,} bytes): no session could be admitted",
             )
-        # A workload's sessions that set their own memory were left unchecked at load (the caches
-        # were not read yet): every one of them was rejected at submission, and `run` exited 0.
+        # A workload's sessions were left unchecked at load (the caches were not read yet): those
+        # that set their own memory, and those of a tenant whose quota is smaller than the budget's
+        # bytes. Every one of them was rejected at submission, and `run` exited 0.
         for i, mix in enumerate(self.settings.workload.agents):
-            reason = self.settings.inadmissible(mix, f"workload.agents.{i}", cache=(largest, sized.devices[largest]))
+            reason = self.settings.inadmissible(
+                mix, f"workload.agents.{i}", cache=(largest, sized.devices[largest]), sized=sized.session_bytes
+            )
             if reason is not None:
                 raise ConfigError(f"workload.agents.{i}", reason)
         devices = [DeviceSettings(name=name, memory=memory) for name, memory in sized.devices.items()]
@@ -499,6 +502,7 @@ class Scheduler:
                         owner=handle,
                         tenant=handle.tenant,
                         priority=int(handle.tier),
+                        device=handle._replica if handle._readmit is not None else None,
                         ends_at=self._ends_at(handle, now),
                     )
                 except QuotaWouldBlock:
@@ -850,6 +854,9 @@ class Scheduler:
             # Re-admitted with what it holds now: it came back with its size at submission, and
             # the bytes it had grown to (`ctx.reservation.resize_nowait`) went to others.
             handle.memory = reservation.nbytes
+            # Its calls went to this replica (affinity): re-admitted elsewhere, a session lost its
+            # conversation's prefix cache at every tool call it parked in.
+            handle._replica = reservation.device if reservation.device in self.dispatcher.replicas else None
             self._give_back(reservation)  # admits the next sessions through the release listener
         self._admit_ready()
 

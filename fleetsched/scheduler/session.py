@@ -104,6 +104,9 @@ class SessionHandle:
         self.timestamps: dict[SessionState, float] = {}
         self.counters = SessionCounters()
         self.reservation: Reservation | None = None
+        #: The replica its memory was on when it parked in a tool, where it is re-admitted if its
+        #: memory fits there (that replica's prefix cache holds its conversation); else None.
+        self._replica: str | None = None
         self._memory_since = 0.0  # when it was given the memory it holds (admitted, re-admitted)
         self.result: Any = None
         self.error: BaseException | None = None
