@@ -143,6 +143,36 @@ def test_a_tenant_quota_smaller_than_the_sized_session_is_a_config_error(tiny_co
     assert "fleetsched simulate: config error: workload.agents.1" in capsys.readouterr().err
 
 
+def test_a_trace_line_that_could_never_be_admitted_in_the_cache_is_a_config_error(tiny_config, tmp_path, capsys):
+    """A trace line's session_memory over the cache's 16 MiB, or a line of a tenant whose quota
+    is smaller than the sized session: checked at load against no cache, and not at the
+    scheduler's start as the agents are, every such session was rejected at submission, and
+    `run` and `simulate` exited 0 with the trace's other sessions done."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"tenant": "a", "turns": 1}\n\n{"at": 1, "tenant": "a", "turns": 1, "session_memory": "32MiB"}\n')
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[backend.sim]\nkv_cache_tokens = 8192\nblock_size = 128\nmax_model_len = 1024\n'
+        f'[resources.kv_cache]\nconfig = "{tiny_config}"\ncontext_tokens = 512\n'
+        f'[tenants.a]\n[tenants.q]\nmemory_quota = "1MB"\n[workload]\ntrace = "{trace}"\n'
+    )
+    assert simulate.main([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "fleetsched simulate: config error: workload.trace line 3: a session reserves 33,554,432 bytes" in err
+    assert "more than the largest KV cache holds (replica 'sim'" in err
+    assert cli.main(["run", str(config), "--no-live"]) == 2
+    assert "fleetsched: config error: workload.trace line 3" in capsys.readouterr().err
+    trace.write_text('{"tenant": "a", "turns": 1}\n{"at": 1, "tenant": "q", "turns": 1}\n')
+    assert simulate.main([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "config error: workload.trace line 2: a session reserves 1,048,576 bytes (resources.kv_cache.context_tokens)" in err
+    assert "more than the memory_quota of tenant 'q' (1,000,000 bytes)" in err
+    # One that fits runs.
+    trace.write_text('{"tenant": "a", "turns": 1}\n{"at": 1, "tenant": "a", "turns": 1, "session_memory": "1MiB"}\n')
+    assert simulate.main([str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sessions"] == {"done": 2}
+
+
 async def test_a_tenant_s_own_session_memory_still_wins(tiny_config):
     settings = sim_settings(tiny_config)
     settings = settings.model_copy(update={"tenants": {"small": settings.tenants["default"].model_copy(update={"session_memory": 1 << 20})}})

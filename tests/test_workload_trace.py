@@ -149,7 +149,7 @@ def test_a_trace_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     with the settings it was checked against."""
     parsed = []
     parse = workload._parse_trace
-    monkeypatch.setattr(workload, "_parse_trace", lambda lines, settings: parsed.append(settings) or parse(lines, settings))
+    monkeypatch.setattr(workload, "_parse_trace", lambda lines, settings, *kv: parsed.append(settings) or parse(lines, settings, *kv))
     trace = write(tmp_path / "t.jsonl", {"at": 1, "tenant": "acme"}, {"at": 2, "tenant": "acme"})
     first = plan(WorkloadSettings(trace=trace), ACME)
     assert [p.at for p in plan(WorkloadSettings(trace=trace))] == [p.at for p in first] == [1.0, 2.0]

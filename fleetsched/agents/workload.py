@@ -106,19 +106,24 @@ class PlannedSession:
     agent: Agent
 
 
-#: The last trace parsed: (its path, a digest of its text), the settings it was checked against
-#: (None: not checked), and its sessions. A run reads its trace up to four times (the command
-#: line's check and count, the start-up note, the replay), and a trace may hold a million lines.
-_last_trace: tuple[tuple[Path, bytes], Settings | None, list[tuple[float, AgentMix]]] | None = None
+#: The last trace parsed: (its path, a digest of its text), the settings and KV cache it was
+#: checked against (None: not checked), and its sessions. A run reads its trace up to five times
+#: (the command line's check and count, the scheduler's start, the start-up note, the replay),
+#: and a trace may hold a million lines.
+_last_trace: tuple[tuple[Path, bytes], tuple[Settings, tuple[str, int] | None, int | None] | None, list[tuple[float, AgentMix]]] | None = None
 
 
-def read_trace(path: Path, settings: Settings | None = None) -> list[tuple[float, AgentMix]]:
+def read_trace(
+    path: Path, settings: Settings | None = None, cache: tuple[str, int] | None = None, sized: int | None = None
+) -> list[tuple[float, AgentMix]]:
     """The sessions of a JSONL trace as (arrival offset, agent mix of one). Raises `ConfigError`
     naming the line and the field that is wrong; with `settings`, a tenant they do not declare
-    too, and a session that could never be admitted (as `Settings` refuses such an agent mix).
+    too, and a session that could never be admitted (as `Settings` refuses such an agent mix;
+    with ``[resources.kv_cache]``, against the largest cache, `cache`, and the session's budget
+    in it, `sized`, once they are known: `Settings.inadmissible`).
 
     The text is parsed again only when it changed since the last trace parsed, or when
-    `settings` differ from those it was checked against."""
+    `settings` (or the cache) differ from those it was checked against."""
     global _last_trace
     try:
         data = path.read_bytes()
@@ -128,14 +133,19 @@ def read_trace(path: Path, settings: Settings | None = None) -> list[tuple[float
     except UnicodeDecodeError as exc:
         raise ConfigError("workload.trace", f"{path} is not UTF-8 text (byte {exc.start}): a trace is JSON lines") from None
     key = (path.resolve(), hashlib.blake2b(data).digest())
-    if _last_trace is not None and _last_trace[0] == key and (settings is None or settings == _last_trace[1]):
-        return list(_last_trace[2])
-    sessions = _parse_trace(text.splitlines(), settings)
-    _last_trace = (key, settings, sessions)
+    if _last_trace is not None and _last_trace[0] == key:
+        checked = _last_trace[1]
+        # Checked against a cache, it was checked against none too.
+        if settings is None or (checked is not None and checked[0] == settings and (cache, sized) in ((None, None), checked[1:])):
+            return list(_last_trace[2])
+    sessions = _parse_trace(text.splitlines(), settings, cache, sized)
+    _last_trace = (key, None if settings is None else (settings, cache, sized), sessions)
     return list(sessions)
 
 
-def _parse_trace(lines: list[str], settings: Settings | None) -> list[tuple[float, AgentMix]]:
+def _parse_trace(
+    lines: list[str], settings: Settings | None, cache: tuple[str, int] | None, sized: int | None
+) -> list[tuple[float, AgentMix]]:
     sessions = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -161,7 +171,7 @@ def _parse_trace(lines: list[str], settings: Settings | None) -> list[tuple[floa
         if settings is not None:
             if mix.tenant not in settings.tenants:
                 raise ConfigError(f"{key}: tenant", f"{mix.tenant!r} is not a declared tenant")
-            reason = settings.inadmissible(mix, key)
+            reason = settings.inadmissible(mix, key, cache, sized)
             if reason is not None:
                 raise ConfigError(key, reason)
         if len(sessions) == MAX_WORKLOAD_SESSIONS:  # as workload.agents: a bigger trace filled memory for minutes

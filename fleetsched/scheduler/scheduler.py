@@ -286,6 +286,12 @@ class Scheduler:
             )
             if reason is not None:
                 raise ConfigError(f"workload.agents.{i}", reason)
+        # So were a trace's lines, each checked at load against no cache: the run exited 0 with
+        # the trace's other sessions done.
+        if self.settings.workload.trace is not None:
+            from ..agents.workload import read_trace  # it imports the scheduler
+
+            read_trace(self.settings.workload.trace, self.settings, cache=(largest, sized.devices[largest]), sized=sized.session_bytes)
         devices = [DeviceSettings(name=name, memory=memory) for name, memory in sized.devices.items()]
         resources = self.settings.resources.model_copy(update={"devices": devices, "page_size": sized.page_size})
         self.pool = create_pool(resources, self._quotas)
