@@ -7,15 +7,19 @@
     fleetsched report RUN.json --out DIR
     fleetsched serve --config CONFIG
 
-A bad config exits with code 2 and a message naming the key and the reason.
+A bad config exits with code 2 and a message naming the key and the reason; Ctrl-C with 130,
+SIGTERM with 143, each after a clean stop and one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import warnings
+from typing import Any
 
 import anyio
 from rich.console import Console
@@ -110,8 +114,45 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     return report
 
 
+#: Whether SIGTERM stopped the command (`_terminate`), not Ctrl-C.
+_terminated = False
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The ``fleetsched`` command: its exit status (130 when stopped by Ctrl-C, as shells count it)."""
+    """The ``fleetsched`` command: its exit status (130 when stopped by Ctrl-C, 143 by SIGTERM,
+    as shells count them)."""
+    global _terminated
+    _terminated = False
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread (a caller's own thread): signals are not ours to take
+        previous = None
+    try:
+        return _stopped_or(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM (`kill`, `timeout`, a service manager, `docker stop`) stops the command as Ctrl-C
+    does. Its default killed the process where it stood, with no word: the live dashboard left
+    half drawn and the terminal's cursor hidden, nothing closed; as a container's first process
+    it was not stopped at all (the kernel ignores a default signal there) until killed. It hands
+    the signal to SIGINT's handler of the moment (the event loop's cancels the run, as it does
+    on Ctrl-C; Python's own raises KeyboardInterrupt)."""
+    global _terminated
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):  # SIGINT ignored (a shell's background job): SIGTERM still ends it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    _terminated = True
+    handler(signal.SIGINT, frame)
+
+
+def _stopped_or(argv: list[str] | None) -> int:
+    """The command's exit status, or that of its stop by Ctrl-C or SIGTERM, with one line."""
     try:
         return _main(argv)
     except BrokenPipeError:  # `... --json | head`: the reader has all it wanted
@@ -124,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         if group.split(KeyboardInterrupt)[1] is not None:
             raise
         _quiet_unstarted_tasks()
+    if _terminated:
+        print("fleetsched: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     print("fleetsched: interrupted", file=sys.stderr)
     return 130
 
@@ -188,7 +232,9 @@ def _main(argv: list[str] | None) -> int:
     with gc_thresholds(SERVING):
         try:
             report = anyio.run(_run, settings, args, console)
-            if report is None or nothing_done(report):
+            # Tables that could not be written (a full disk under `> run.log`) fail the run as
+            # a report that could not be written does.
+            if report is None or nothing_done(report) or console.write_error is not None:
                 return 1
         except ConfigError as exc:  # found as the scheduler starts: a KV cache smaller than a session's budget
             print(f"fleetsched: config error: {exc}", file=sys.stderr)

@@ -231,9 +231,19 @@ def save_json(text: str, path: str | Path, command: str) -> bool:
     """Write a run's JSON `text` to `path` (``--report``); whether it was written. A write that
     fails (the path was checked before the run, yet a disk fills or a directory goes) prints
     the JSON on stdout and says so on stderr: the run's figures are not lost with a traceback."""
+    target = Path(path)
+    emptied = False
     try:
-        Path(path).write_text(text)
-    except OSError as exc:
+        with target.open("w") as file:
+            emptied = True
+            file.write(text)
+    except BaseException as exc:
+        # Emptied, then cut short (a full disk, a file size limit, Ctrl-C): what was written is no
+        # report, and was left at `path` for `fleetsched report` to refuse ("not a JSON run report").
+        if emptied and target.is_file():  # not /dev/full or a pipe
+            target.unlink(missing_ok=True)
+        if not isinstance(exc, OSError):
+            raise
         print(text)
         print(f"{command}: cannot write {path} ({exc.strerror or exc}); the report is printed above", file=sys.stderr)
         return False
@@ -314,13 +324,31 @@ def table_console() -> Any:
     """The console `run` and `simulate` print their tables (and `run` its progress) on: a
     terminal's width, else 160 columns (logs and CI: the tables are not squeezed to 80). Once
     stdout's reader has gone, it prints nothing: rich's own console exits (SystemExit 1), which
-    stopped a run part-way, with a traceback, where its progress lines went to ``| head``."""
+    stopped a run part-way, with a traceback, where its progress lines went to ``| head``. Once
+    stdout cannot be written (its `write_error` says why), it prints nothing either."""
     from rich.console import Console
 
     class _Console(Console):
+        #: Why stdout could not be written, once it could not; None while it can.
+        write_error: str | None = None
+
         def on_broken_pipe(self) -> None:
             self.quiet = True
             drop_stdout()
+
+        def _write_buffer(self) -> None:
+            try:
+                super()._write_buffer()
+            except BrokenPipeError:
+                raise  # the reader has gone: `on_broken_pipe`
+            except OSError as exc:
+                # A full disk under `run > run.log`, an I/O error: raised from a progress line,
+                # it ended the run with a traceback, and its report was not written. Said once;
+                # the run goes on without stdout.
+                self.write_error = exc.strerror or str(exc)
+                self.quiet = True
+                drop_stdout()
+                print(f"fleetsched: cannot write to stdout ({self.write_error}); its output is dropped", file=sys.stderr)
 
     console = _Console()
     return console if console.is_terminal else _Console(width=160)
@@ -580,6 +608,10 @@ _SLA_SPARED = ("tier", "weight")
 #: The SLA table's columns that fold inside their words where nothing else makes it fit.
 _SLA_FOLDED = ("verdict", "breaches (reason)")
 
+#: Where even folded the SLA table is too wide (a terminal under about 80 columns), it is
+#: printed as two, each row named by its tenant and objective: the figures, then the verdicts.
+_SLA_PARTS = (("tenant", "objective", "target", "measured", "attained"), ("tenant", "objective", "verdict", "breaches (reason)"))
+
 
 class _SlaTable:
     """The SLA table, laid out as the terminal it is printed on allows: every column, or without
@@ -598,10 +630,10 @@ class _SlaTable:
         longest = max(cell_len(word) for text in [column, *(row[i] for row in self.rows)] for word in text.split())
         return min(longest, NAME_MIN) if column == "tenant" else longest
 
-    def _table(self, columns: tuple[str, ...], fold: bool) -> Any:
+    def _table(self, columns: tuple[str, ...], fold: bool, titled: bool = True) -> Any:
         from rich.table import Table
 
-        table = Table(title=self.title)
+        table = Table(title=self.title if titled else None)
         for column in columns:
             justify = "right" if column in ("weight", "target", "measured", "attained") else "left"
             if fold and column in _SLA_FOLDED:
@@ -624,8 +656,12 @@ class _SlaTable:
             # where rich drew them 104-106 wide.
             lines = Segment.split_lines(console.render(table, options))
             if max((Segment.get_line_length(line) for line in lines), default=0) <= options.max_width:
-                break
-        yield table
+                yield table
+                return
+        # Drawn whole, the last table ran past the right edge, where the terminal cut off the
+        # breaches and then the verdicts (under 73 columns, no MISSED was to be seen).
+        for n, part in enumerate(_SLA_PARTS):
+            yield self._table(part, fold=True, titled=not n)
 
 
 def sla_table(report: dict[str, Any]) -> Any:

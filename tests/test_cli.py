@@ -258,6 +258,42 @@ def test_ctrl_c_stops_a_run_with_one_line_and_status_130():
     assert run.returncode == 130 and err == "fleetsched: interrupted\n"
 
 
+def test_sigterm_stops_a_run_on_a_terminal_cleanly_with_one_line_and_status_143():
+    """SIGTERM (`kill`, `timeout`, a service manager) killed the run where it stood: no word,
+    the live dashboard left half drawn and the terminal's cursor hidden (status -15)."""
+    import pty
+    import threading
+
+    controller, terminal = pty.openpty()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fleetsched.cli", "run", "examples/quickstart.toml"],
+        cwd=ROOT, stdout=terminal, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
+        env={**os.environ, "COLUMNS": "120", "LINES": "40"},
+    )
+    os.close(terminal)
+    shown = bytearray()
+
+    def read() -> None:  # the terminal's side, read as it comes: a full pty would block the run
+        try:
+            while chunk := os.read(controller, 65536):
+                shown.extend(chunk)
+        except OSError:  # the run has gone (EIO)
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        time.sleep(3)  # the quick start runs for about 18 s
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=30)
+        reader.join(timeout=10)
+    finally:
+        os.close(controller)
+    assert run.returncode == 143 and err == "fleetsched: terminated\n", (run.returncode, err[-2000:])
+    assert b"\x1b[?25l" in shown  # the dashboard was drawn, its cursor hidden, and shown again
+    assert shown.rfind(b"\x1b[?25h") > shown.rfind(b"\x1b[?25l")
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
 def test_ctrl_c_stops_a_simulation_with_one_line_and_status_130(loop):
     """Before, on trio: a traceback of the KeyboardInterrupt in an exception group, status 1."""
@@ -482,6 +518,40 @@ def test_a_reader_of_stdout_that_stops_early_loses_no_report(command, tmp_path):
     _, err = child.communicate(timeout=120)
     assert child.returncode == 0 and "Traceback" not in err, err[-2000:]
     assert json.loads(report.read_text())["sessions"] == {"done": 4}
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_run_whose_stdout_cannot_be_written_goes_on_and_writes_its_report(tmp_path):
+    """`fleetsched run ... > run.log` on a full disk: the first progress line's write raised
+    out of the run (an exception group traceback, status 1), which stopped part-way with no
+    report. It goes on, says once that its output is dropped, and fails only with status 1."""
+    config, report = tmp_path / "fleet.toml", tmp_path / "r.json"
+    config.write_text(PIPED_RUN)
+    argv = [sys.executable, "-m", "fleetsched.cli", "run", str(config), "--report", str(report)]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(argv, cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr == "fleetsched: cannot write to stdout (No space left on device); its output is dropped\n"
+    assert json.loads(report.read_text())["sessions"] == {"done": 4}
+
+
+def test_a_report_cut_short_by_a_full_disk_leaves_no_broken_file(tmp_path):
+    """The disk fills as the report is written (here: a file size limit, which fails the write
+    as a full disk does): the report was printed and said not written, yet its first part was
+    left at the path, which `fleetsched report` then refused as "not a JSON run report"."""
+    import resource
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG), not the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    config, report = tmp_path / "fleet.toml", tmp_path / "r.json"
+    config.write_text(PIPED_RUN)
+    argv = [sys.executable, "-m", "fleetsched.cli", "run", str(config), "--no-live", "--report", str(report)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=limited)
+    assert done.returncode == 1 and f"cannot write {report} (File too large); the report is printed above" in done.stderr, done.stderr
+    assert '"schema": "fleetsched.run/2"' in done.stdout
+    assert not report.exists()
 
 
 def test_a_metrics_host_without_a_port_is_refused():

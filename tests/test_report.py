@@ -617,6 +617,23 @@ def test_a_long_breach_reason_is_folded_not_cut_at_the_terminal_s_edge(report, w
     assert "rate-limited" in breaches, lines  # folded, not cut
 
 
+@pytest.mark.parametrize("width", [56, 64, 72])
+def test_the_sla_table_of_a_narrow_terminal_shows_every_verdict(report, width):
+    """Under about 80 columns even the folded table was drawn wider than the terminal, which
+    cut it at its right edge: the breaches went first, then the verdicts (no MISSED to be seen).
+    It is printed as two tables there: the figures, then the verdicts and breaches."""
+    from fleetsched.report import sla_rows, sla_table
+
+    lines = _printed(sla_table(report), width, crop=False)
+    assert max(map(len, lines)) <= width, lines
+    rows = sla_rows(report)
+    verdicts = [line.split("│")[3].strip() for line in lines if line.startswith("│") and line.split("│")[1].strip()]
+    assert verdicts[-len(rows):] == [row[7] for row in rows], lines
+    assert "MISSED" in verdicts, lines  # the fixture's run misses objectives
+    text = " ".join(lines)
+    assert all(row[6] in text for row in rows), lines  # each attainment whole
+
+
 def test_a_long_run_s_timeline_stays_on_one_grid_as_it_thins():
     """Past its size the timeline keeps every other sample and samples half as often. It dropped
     the sample just taken, so the next came an interval and a half after the last kept: gaps of
