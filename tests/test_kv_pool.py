@@ -257,3 +257,58 @@ def test_a_model_directory_without_its_config_names_the_file_it_looked_for(tmp_p
     # It named the directory ("cannot read .../model: No such file or directory"), which exists.
     with pytest.raises(ValidationError, match=f"cannot read {tmp_path / 'config.json'}: No such file or directory"):
         sim_settings(tmp_path)
+
+
+def replicas_backend(*names: str) -> Any:
+    """A vLLM server backend over replicas `names` that each report 1 GiB of the tiny model's
+    cache on /metrics (no call is made to them)."""
+    import httpx
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    page = '# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="4096"} 1.0\n'
+    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=page)))
+    return VLLMServerBackend({name: f"http://{name}.invalid:8000" for name in names}, model="tiny", http_client=http)
+
+
+async def test_sessions_are_spread_over_the_replicas_and_come_back_to_theirs_after_a_tool(tiny_config):
+    """A session's calls go to the replica its memory is on. The pool packed sessions onto the
+    fullest device, so every session, and every call, went to r0 while r1 stood idle (a run with
+    two real replicas: 55 calls on r0, none on r1). Spread, a session re-admitted after a tool in
+    which it gave its memory back still goes to its replica, where its conversation is cached."""
+    placed: list[str] = []
+    before_tool: list[Any] = []
+    after_tool: list[tuple[str, str]] = []
+    release = anyio.Event()
+
+    async def agent(ctx) -> None:
+        placed.append(ctx.reservation.device)
+        await release.wait()
+        before = ctx.reservation.device
+        if before == "r1":
+            return
+        before_tool.append(ctx)
+        async with ctx.tool("search"):  # back one after the other, r1 empty by then
+            await anyio.sleep(5 + before_tool.index(ctx))
+        after_tool.append((before, ctx.reservation.device))
+        with anyio.fail_after(10):  # held, for the next ones back
+            while len(after_tool) < 3:
+                await anyio.sleep(0.5)
+
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000", "http://r1.invalid:8000"]},
+        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
+        scheduler={"max_sessions": 100, "tool_policy": "release"},
+    )
+    backend = replicas_backend("r0", "r1")
+    async with Scheduler(settings, backend=backend) as scheduler:
+        handles = [await scheduler.submit(agent, tenant="default") for _ in range(6)]
+        await anyio.sleep(1)
+        assert sorted(placed) == ["r0"] * 3 + ["r1"] * 3, placed
+        # r1's sessions end, r0's give their memory back in a tool: the second back found r1
+        # emptier than r0, and went there.
+        release.set()
+        for handle in handles:
+            await handle
+    await backend.aclose()
+    assert after_tool == [("r0", "r0")] * 3, after_tool

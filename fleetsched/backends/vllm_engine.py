@@ -19,10 +19,12 @@ closing the backend fails the calls in flight.
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import anyio
@@ -61,6 +63,15 @@ _NOT_SERVED = {
     "ec_transfer_params": "transfers no encoder cache (disaggregated serving)",
 }
 
+
+#: The engine arguments `VLLMEngineBackend.from_settings` takes from `BackendSettings`, and the
+#: fields that set them (the model: ``engine_model_path``, or ``model`` where that is unset).
+_SETTINGS = {
+    "max_num_seqs": "engine_max_num_seqs",
+    "max_num_batched_tokens": "engine_max_num_batched_tokens",
+    "max_model_len": "engine_max_model_len",
+    "scheduling_policy": "engine_scheduling_policy",
+}
 
 #: Seconds a call the engine turned away as busy is told to wait (its queue limit reached).
 BUSY_RETRY_AFTER_S = 1.0
@@ -214,6 +225,8 @@ class VLLMEngineBackend(Backend):
         self._start_lock = anyio.Lock()
         self._in_flight = 0
         self._closed = False
+        #: The settings each engine argument came from, where built `from_settings`.
+        self._settings_of: dict[str, str] = {}
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> VLLMEngineBackend:
@@ -226,7 +239,23 @@ class VLLMEngineBackend(Backend):
             scheduling_policy=settings.engine_scheduling_policy,
         )
         options.update(overrides)
-        return cls(settings.engine_model_path or settings.model, **options)
+        backend = cls(settings.engine_model_path or settings.model, **options)
+        backend._settings_of = {arg: f"backend.{field}" for arg, field in _SETTINGS.items() if arg not in overrides}
+        backend._settings_of["model"] = "backend.engine_model_path" if settings.engine_model_path else "backend.model"
+        return backend
+
+    def _settings_in(self, said: str) -> str:
+        """The settings behind the engine arguments that vLLM's error `said` names (the model by
+        its path), for a backend built `from_settings`. vLLM names its own arguments: "User-specified
+        max_model_len (4096) is greater than the derived max_model_len", to a user who had set
+        nothing (4,096 is backend.engine_max_model_len's default), and with the advice to set an
+        environment variable rather than the setting."""
+        named = [
+            f"{setting} = {self.engine_args[arg]!r} is vLLM's {arg}"
+            for arg, setting in self._settings_of.items()
+            if (str(self.engine_args[arg]) in said if arg == "model" else re.search(rf"\b{arg}\b", said))
+        ]
+        return f" (in the settings: {'; '.join(named)})" if named else ""
 
     async def start(self) -> None:
         """Build the engine (idempotent). Raises `BackendUnavailable` when vLLM is missing or fails,
@@ -236,6 +265,12 @@ class VLLMEngineBackend(Backend):
                 raise BackendUnavailable(f"the vLLM engine backend for {self.model!r} is closed")
             if self._engine is not None:
                 return
+            model = str(self.model)
+            if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().exists():
+                # A path, not a Hub name: vLLM took it for one ("Repo id must be in the form
+                # 'repo_name' or 'namespace/repo_name'").
+                setting = self._settings_of.get("model", "model")
+                raise BackendUnavailable(f"vLLM engine for {model!r} failed to start: {setting}: no such directory")
             try:
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.v1.engine.async_llm import AsyncLLM
@@ -254,7 +289,7 @@ class VLLMEngineBackend(Backend):
                     build = partial(AsyncLLM.from_engine_args, args, stat_loggers=[self._stats.logger_factory()])
                     engine = await anyio.to_thread.run_sync(build)
                 except Exception as exc:
-                    raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}") from exc
+                    raise BackendUnavailable(f"vLLM engine for {self.model!r} failed to start: {exc}{self._settings_in(str(exc))}") from exc
                 try:
                     if self._closed:
                         raise RuntimeError("the backend was closed while the engine started")

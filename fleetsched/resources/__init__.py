@@ -60,13 +60,14 @@ __all__ = [
 ]
 
 
-def create_pool(settings: ResourceSettings, quotas: Mapping[str, int] | None = None) -> MemoryPool:
+def create_pool(settings: ResourceSettings, quotas: Mapping[str, int] | None = None, *, spread: bool = False) -> MemoryPool:
     """Build the memory pool that `settings.strategy` names, over `settings.devices`.
 
-    "counting" gives a `CountingPool`; every name in `STRATEGIES` an `ExtentPool` with pages of
-    `settings.page_size` that compacts as `settings.compact` and `settings.compact_threshold` say
-    (give it a move callback with `ExtentPool.set_move_callback`). Raises ValueError for an
-    unknown name.
+    "counting" gives a `CountingPool` (which places where the most is free); every name in
+    `STRATEGIES` an `ExtentPool` with pages of `settings.page_size` that compacts as
+    `settings.compact` and `settings.compact_threshold` say (give it a move callback with
+    `ExtentPool.set_move_callback`), and that packs sessions onto the fullest device unless told to
+    `spread` them (devices that are vLLM replicas). Raises ValueError for an unknown name.
     """
     devices = [DeviceSpec(d.name, int(d.memory)) for d in settings.devices]
     if settings.strategy == "counting":
@@ -79,6 +80,7 @@ def create_pool(settings: ResourceSettings, quotas: Mapping[str, int] | None = N
             quotas=quotas,
             compact=settings.compact,
             compact_threshold=settings.compact_threshold,
+            spread=spread,
         )
     known = ", ".join(["counting", *STRATEGIES])
     raise ValueError(f"resources.strategy: unknown strategy {settings.strategy!r}; known: {known}")

@@ -7,7 +7,10 @@ strategies that round to classes). The rounding is reported as internal fragment
 Placement over several devices: a `device=` preference wins when the request fits there;
 otherwise every device's strategy proposes an offset and the pool keeps the device whose
 placement leaves the lowest fragmentation rate, then the least free memory (pack, so whole
-devices stay free for large requests), then the device listed first.
+devices stay free for large requests), then the device listed first. With ``spread``, the most
+free memory instead: for devices that are engines of their own (vLLM replicas' KV caches, whose
+sessions' calls go where their memory is), packed, one replica took every call while the others
+stood idle.
 
 Compaction, over reservations flagged `Reservation.movable` only, in four ways:
 
@@ -75,8 +78,11 @@ class ExtentPool(MemoryPool):
         settle: bool | None = None,
         settle_moves: int | None = 2,
         move_callback: Callable[[Reservation, Move], None] | None = None,
+        spread: bool = False,
     ) -> None:
         super().__init__(devices, quotas=quotas)
+        #: Place on the device with the most free memory (see the module docstring), not the least.
+        self.spread = spread
         if compact_threshold is not None and (
             isinstance(compact_threshold, bool)
             or not isinstance(compact_threshold, (int, float))
@@ -162,7 +168,8 @@ class ExtentPool(MemoryPool):
                 continue
             if len(self._spaces) == 1:  # nothing to compare it with
                 return self._commit(name, offset, n, nbytes)
-            key = (self._fragmentation_after(space, offset, n), space.free_pages - n, index)
+            left = space.free_pages - n
+            key = (self._fragmentation_after(space, offset, n), -left if self.spread else left, index)
             if best is None or key < best[0]:
                 best = (key, name, offset, n)
         if best is None:

@@ -147,6 +147,15 @@ def _failure_of(exc: BaseException) -> BaseException | None:
     return None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else exc
 
 
+def _replica_devices(backend: Backend, devices: list[DeviceSettings]) -> bool:
+    """Whether the pool's `devices` are replicas of `backend` (several, each an engine of its own,
+    to which its sessions' calls go): the pool then spreads sessions over them rather than pack
+    them onto one (it packed, and one replica took every call while the others stood idle)."""
+    replicas = getattr(backend, "replicas", None)
+    names = {device.name for device in devices}
+    return isinstance(replicas, (Mapping, frozenset, set)) and len(names) > 1 and names <= set(replicas)
+
+
 def _ended_by(error: BaseException) -> SessionState:
     """How a session that never ran ends on `error`: rejected (`SessionRejected`: it never can),
     failed, or cancelled (Ctrl-C, say: no failure of the session's)."""
@@ -183,7 +192,8 @@ class Scheduler:
         #: `resources.kv_cache`: the pool is built over the backend's KV caches on entering.
         self._size_from_caches = pool is None and self.settings.resources.kv_cache is not None
         if pool is None:
-            pool = create_pool(self.settings.resources, quotas)
+            spread = _replica_devices(self.backend, self.settings.resources.devices)
+            pool = create_pool(self.settings.resources, quotas, spread=spread)
         else:
             for name, quota in quotas.items():
                 pool.set_quota(name, quota)
@@ -294,7 +304,7 @@ class Scheduler:
             read_trace(self.settings.workload.trace, self.settings, cache=(largest, sized.devices[largest]), sized=sized.session_bytes)
         devices = [DeviceSettings(name=name, memory=memory) for name, memory in sized.devices.items()]
         resources = self.settings.resources.model_copy(update={"devices": devices, "page_size": sized.page_size})
-        self.pool = create_pool(resources, self._quotas)
+        self.pool = create_pool(resources, self._quotas, spread=_replica_devices(self.backend, devices))
         self._session_memory = sized.session_bytes
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
