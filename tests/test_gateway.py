@@ -1034,10 +1034,10 @@ async def test_the_gateway_starts_and_stops_on_the_embedded_sim_backend(anyio_ba
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
-async def test_a_startup_failure_tells_the_server_why_in_one_line(anyio_backend):
-    # Here: no vLLM in this environment for the in-process engine. The message reached uvicorn
-    # wrapped in two ExceptionGroup reprs.
-    gateway = Gateway(gateway_settings(backend={"kind": "vllm-engine", "engine_model_path": "/nonexistent"}))
+async def test_a_startup_failure_tells_the_server_why_in_one_line(anyio_backend, tmp_path):
+    # Here: no vLLM in this environment for the in-process engine (a model directory that exists:
+    # one that does not is said first). The message reached uvicorn wrapped in two ExceptionGroup reprs.
+    gateway = Gateway(gateway_settings(backend={"kind": "vllm-engine", "engine_model_path": str(tmp_path)}))
     messages, sent = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}], []
 
     async def receive():

@@ -493,6 +493,46 @@ def test_a_session_this_instance_runs_goes_on_while_redis_is_away():
     assert reply.usage.completion_tokens == 1 and refused.value.status_code == 503
 
 
+def test_a_frozen_redis_holds_no_answer_of_a_tenant_without_limits_and_counts_its_service_once():
+    """Each call's end waited for its fair-share write to Redis: with Redis frozen (SIGSTOP), every
+    answer of a tenant without limits, which needs nothing of Redis, came REDIS_TIMEOUT_S (1 s)
+    late, and a session's twice that. The sync writes each instance's service since it started
+    instead, a total that a write landing late or sent again never counts twice: once Redis is
+    back, the peer is charged that service once, and the instance that served it not at all."""
+    with redis_server() as (url, process):
+        s = gateway_settings(gateway={"redis_url": url})
+        with serve_in_thread(s) as (one, url_one), serve_in_thread(s) as (two, _):
+            c = httpx.Client(base_url=url_one, timeout=30)
+
+            def call(session: str | None = None) -> tuple[dict, float]:
+                headers = {"authorization": f"Bearer {ACME}", **({"x-session-id": session} if session else {})}
+                start = time.monotonic()
+                with c.stream("POST", "/v1/chat/completions", json={"messages": MSG, "max_tokens": 3}, headers=headers) as answer:
+                    answer.read()  # to the answer's end
+                return answer.json(), time.monotonic() - start
+
+            time.sleep(2 * FAIR_SHARE_SYNC_S)  # both syncs took their baseline
+            replies = [call()[0], call("s1")[0]]
+            process.send_signal(signal.SIGSTOP)
+            try:
+                plain = [call() for _ in range(3)]
+                in_session = [call("s1") for _ in range(2)]
+            finally:
+                process.send_signal(signal.SIGCONT)
+            replies += [reply for reply, _ in plain + in_session]
+            served = sum(r["usage"]["prompt_tokens"] * INPUT_WEIGHT + r["usage"]["completion_tokens"] * OUTPUT_WEIGHT for r in replies)
+            deadline = time.monotonic() + 10
+            while two.scheduler.dispatcher._queue.counter("acme") < served and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(3 * FAIR_SHARE_SYNC_S)  # the writes that timed out land, and are read again
+            counted = one.scheduler.dispatcher._queue.counter("acme"), two.scheduler.dispatcher._queue.counter("acme")
+            c.close()
+    assert max(seconds for _, seconds in plain) < 0.5, plain
+    # A session's call still looks its placement up (one REDIS_TIMEOUT_S), not its write too.
+    assert max(seconds for _, seconds in in_session) < 1.5, in_session
+    assert counted == (served, served)
+
+
 async def test_a_bucket_stored_by_a_clock_ahead_is_not_emptied(redis_url):
     """A failover to a Redis whose clock is behind (or a step back): the level read was the stored
     one plus a negative refill, and a tenant with 59 of 60 requests left waited 61 s."""
@@ -568,6 +608,46 @@ async def test_the_peers_service_is_counted_on_after_the_usage_counters_are_lost
         assert await b.peer_usage() == {"acme": 730.0, "globex": 0.0}
 
 
+async def test_the_service_written_again_counts_once_and_an_instance_restarted_counts_anew(redis_url):
+    """Each instance writes its service so far at every sync: written again (a write that timed
+    out, sent again) it counts once; an instance restarted under the same name counts from 0
+    again, beside what it served before (a field that is only raised would hide it)."""
+    async with two_instances(redis_url) as (prefix, a, b):
+        await a.add_usage("acme", 100.0)
+        for _ in range(3):
+            await a.peer_usage()
+        assert await b.peer_usage() == {"acme": 100.0}
+        again = RedisState({}, redis_url, instance="a", prefix=prefix)
+        try:
+            await again.add_usage("acme", 30.0)
+            assert await b.peer_usage() == {"acme": 130.0}
+            assert await again.peer_usage() == {"acme": 100.0}  # its former self's: the sync's baseline
+        finally:
+            await again.aclose()
+
+
+async def test_the_fields_of_a_process_gone_silent_are_dropped_and_its_service_still_counted(redis_url, monkeypatch):
+    """The usage hash held a field per tenant for every process that ever ran, read at every
+    sync: it grew at each restart. A process silent for USAGE_SILENCE_S is dropped from it; its
+    peers still count what they read of it, and one that was only cut off writes it back."""
+    import redis.asyncio as redis
+
+    from fleetsched.gateway import state
+
+    monkeypatch.setattr(state, "USAGE_SILENCE_S", 1)
+    async with two_instances(redis_url) as (prefix, a, b):
+        await a.add_usage("acme", 100.0)
+        assert await b.peer_usage() == {"acme": 100.0}
+        await anyio.sleep(2.2)  # Redis's clock counts whole seconds
+        assert await b.peer_usage() == {"acme": 100.0}  # a's fields dropped, what b read kept
+        async with redis.Redis.from_url(redis_url) as r:
+            fields = await r.hkeys(f"{prefix}:usage")
+            assert not [f for f in fields if f.endswith(a._incarnation)], fields
+            assert b"acme\x00" + b._incarnation not in fields  # b served none: none written
+        await a.add_usage("acme", 20.0)  # back: its totals so far, written again
+        assert await b.peer_usage() == {"acme": 120.0}
+
+
 async def test_the_service_of_a_call_cut_short_is_shared_with_the_peers(redis_url):
     """Only a call answered 200 added its service to Redis: one cut by its deadline (408) or its
     client after the engine made 320 tokens was charged here and left the peers unaware."""
@@ -581,6 +661,7 @@ async def test_the_service_of_a_call_cut_short_is_shared_with_the_peers(redis_ur
             done = _Outcome()
             done.sent, done.prompt_tokens, done.completion_tokens = True, 10, 320
             await gateway._settle("acme", 10, 400, done, status)
+        await gateway.state.peer_usage()  # its fair-share sync's round writes them, off the calls' path
         assert await peer.peer_usage() == {"acme": 3 * (10 * INPUT_WEIGHT + 320 * OUTPUT_WEIGHT)}
     finally:
         await gateway.state.aclose()

@@ -206,7 +206,8 @@ class Gateway:
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _sync_fair_share(self) -> None:
-        """Charge this instance's fair-share counters with the service its peers gave.
+        """Charge this instance's fair-share counters with the service its peers gave, and write
+        the service this instance gave for them (`SharedState.peer_usage`).
 
         The first counters read are the baseline. While Redis cannot be reached (from the start,
         too) the local counters stand alone, calls get 503 at the rate limits, and the sync tries
@@ -229,9 +230,9 @@ class Gateway:
                 if last is None:  # the baseline
                     last = dict(by_peers)
                 else:
-                    # Charged up to each tenant's highest reading: one low for a moment (this
-                    # instance's own service counted, its write not yet in Redis) is made up when
-                    # the write lands, not charged twice.
+                    # Charged up to each tenant's highest reading: one low for a moment is made
+                    # up when it rises again, not charged twice. (The shared state keeps each
+                    # peer's highest total, so its readings do not go down.)
                     for tenant, total in by_peers.items():
                         peers = total - last.get(tenant, 0.0)
                         if peers > 0:
@@ -610,15 +611,18 @@ class Gateway:
         if served:
             self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
         # The service the engine counted is shared whatever the status: a call cut short by its
-        # deadline or its client (408, 499) left the other instances unaware of it.
+        # deadline or its client (408, 499) left the other instances unaware of it. Counted in
+        # memory: the fair-share sync writes it for them, off the answer's path (written here, it
+        # held every answer's end for REDIS_TIMEOUT_S while Redis hung, tenants without limits'
+        # too, which need nothing of Redis).
         cost = done.prompt_tokens * INPUT_WEIGHT + done.completion_tokens * OUTPUT_WEIGHT
+        if cost:
+            self.state.count_usage(tenant, cost)
         # Shielded (a client that leaves must not lose the refund) but bounded: a Redis that
         # stops answering held the end of every answer.
         with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S) as settling:
             try:
                 await self.state.refund(tenant, unused, request=invalid)
-                if cost and self.state.shared:
-                    await self.state.add_usage(tenant, cost)
             except Exception as exc:
                 logger.warning("could not settle a call of tenant %r in the shared state: %s: %s", tenant, type(exc).__name__, exc)
         if settling.cancelled_caught:
@@ -629,8 +633,8 @@ class Gateway:
 #: end (nginx's "client closed request"): such calls went uncounted, or counted as served.
 CLIENT_CLOSED_REQUEST = 499
 
-#: Seconds a call's settling (its refund and fair-share service, in Redis) may take before it is
-#: given up (and logged): the answer's end waits for it.
+#: Seconds a call's settling (its refund, in Redis, for a tenant with rate limits) may take before
+#: it is given up (and logged): the answer's end waits for it.
 SETTLE_TIMEOUT_S = 2.0
 
 #: The statuses of a call refused as invalid: it used none of the tenant's requests per minute.

@@ -7,9 +7,11 @@ balancer act as one gateway). `create_state` picks from the settings.
 - Rate limits: a requests-per-minute and a tokens-per-minute token bucket per tenant, as in
   `fleetsched.resources.ratelimit`. In Redis both are taken or neither, in one Lua script on the
   Redis server's clock, so instances never race nor disagree about time.
-- Fair-share counters: the service each tenant got (VTC cost: prompt 1, output 2), in total, and
-  what this instance added, counted in its memory, so that each instance's dispatcher counts what
-  its peers served and never its own service twice.
+- Fair-share counters: the service each tenant got (VTC cost: prompt 1, output 2). Each instance
+  counts its own in its memory, as it serves, and writes its totals so far to fields of its own
+  at each fair-share sync, off the calls' path; the peers' service is the sum of the other
+  instances' fields, so that each instance's dispatcher counts what its peers served and never
+  its own service twice.
 - Session placement: which instance and replica serve a session, first writer wins, expiring
   after the session's idle time. A session that passed its deadline leaves a mark in its place
   instead, so that every instance refuses its id for an idle period.
@@ -77,12 +79,19 @@ class SharedState(ABC):
         (a call refused as invalid, which was served nothing)."""
 
     @abstractmethod
+    def count_usage(self, tenant: str, cost: float) -> None:
+        """Count `cost` of service this instance gave `tenant` (fair-share counters), in its
+        memory: the peers learn it at the next `peer_usage` (the fair-share sync's), which writes
+        it. No wait on a call's path."""
+
     async def add_usage(self, tenant: str, cost: float) -> None:
-        """Count `cost` of service this instance gave `tenant` (fair-share counters)."""
+        """`count_usage`, and write it for the peers at once."""
+        self.count_usage(tenant, cost)
 
     @abstractmethod
     async def peer_usage(self) -> dict[str, float]:
-        """Service given to each tenant so far by the other instances."""
+        """Service given to each tenant so far by the other instances (with shared state, this
+        instance's own service counted so far is written first, for them)."""
 
     @abstractmethod
     async def place(self, session: str, proposal: Placement, ttl_s: float) -> Placement | None:
@@ -131,7 +140,7 @@ class MemoryState(SharedState):
         if tenant in self.limits:
             self._buckets.refund(tenant, tokens, anyio.current_time(), request=request)
 
-    async def add_usage(self, tenant: str, cost: float) -> None:
+    def count_usage(self, tenant: str, cost: float) -> None:
         pass  # no peers to tell
 
     async def peer_usage(self) -> dict[str, float]:
@@ -251,14 +260,49 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return ARGV[1]
 """
 
-# KEYS[1]: the usage hash. ARGV: the tenant, the cost, an epoch to mark the hash with where it
-# has none. Returns the hash's epoch: a new one once the hash was lost (a Redis restarted
-# without persistence, flushed, or the key evicted), its totals with it.
-_ADD_USAGE = """
-redis.call('HSETNX', KEYS[1], '', ARGV[3])
-redis.call('HINCRBYFLOAT', KEYS[1], ARGV[1], ARGV[2])
-return redis.call('HGET', KEYS[1], '')
+# KEYS[1]: the usage hash. ARGV[1]: the writing process's incarnation; ARGV[2]: the seconds of
+# silence after which an incarnation's fields are dropped; then pairs of a field (a tenant's name,
+# NUL, the incarnation) and the service that process gave the tenant so far. A field is only ever
+# raised: a write that lands late (its answer timed out, a newer one went first) or is sent again
+# never lowers it nor adds twice, as an increment did. Each incarnation's last write is its field
+# NUL + incarnation, on Redis's clock; the fields of one silent for ARGV[2] (a process gone) are
+# dropped, else the hash grew by a field per tenant at every restart, read at every sync. Dropping
+# loses nothing: the readers keep the highest they read, and a process that was only cut off
+# writes its totals again. Returns the hash's fields and values, flat.
+_SHARE_USAGE = """
+local now = tonumber(redis.call('TIME')[1])
+redis.call('HSET', KEYS[1], '\\0' .. ARGV[1], now)
+for i = 3, #ARGV, 2 do
+  local stored = redis.call('HGET', KEYS[1], ARGV[i])
+  if not stored or tonumber(stored) < tonumber(ARGV[i + 1]) then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+local flat = redis.call('HGETALL', KEYS[1])
+local silent = {}
+for i = 1, #flat, 2 do
+  if string.byte(flat[i], 1) == 0 and now - tonumber(flat[i + 1]) > tonumber(ARGV[2]) then
+    silent[string.sub(flat[i], 2)] = true
+  end
+end
+if next(silent) == nil then return flat end
+local kept = {}
+for i = 1, #flat, 2 do
+  local incarnation = string.match(flat[i], '%z([^%z]*)$')
+  if incarnation and silent[incarnation] then
+    redis.call('HDEL', KEYS[1], flat[i])
+  else
+    kept[#kept + 1] = flat[i]
+    kept[#kept + 1] = flat[i + 1]
+  end
+end
+return kept
 """
+
+#: Seconds after its last fair-share write that a process's fields in the usage hash are dropped
+#: (`_SHARE_USAGE`): long enough that a process cut off from Redis for a while is not dropped (its
+#: totals, written again, would read as new service to a peer started meanwhile: charged twice).
+USAGE_SILENCE_S = 3600
 
 #: What a session's key holds once it passed its deadline (never a placement's JSON).
 _PAST_DEADLINE = "past-deadline"
@@ -290,23 +334,24 @@ class RedisState(SharedState):
             raise ConfigError("gateway.redis_url", f"the database is a number (redis://host:port/0), got {database!r}")
         self._prefix = prefix
         self._usage = f"{prefix}:usage"
-        # This instance's own service, added to `_usage`. Kept here, not in a key of its own,
-        # which expired (an instance cut off for an hour) or was evicted: its past service then
-        # read as its peers' and was charged again.
+        # This process's own service per tenant since it started, written to `_usage` under
+        # fields of its own (the tenant's name, NUL, `_incarnation`) at each `peer_usage`. It is a total, not an
+        # increment, so that no call waits on Redis for it (a Redis that stopped answering held
+        # every answer's end for REDIS_TIMEOUT_S), and a write that times out yet lands later
+        # counts nothing twice. Per process, not per `instance` name: one restarted under the
+        # same name counts from 0 again, which its old fields' totals would hide.
         self._own: dict[str, float] = {}
-        # The usage hash's epoch (its field "", which no tenant's name is) that `_own` counts
-        # in. When the hash is lost its totals start again from 0 while `_own` held all this
-        # instance's past service: the peers' service read below 0, and the fair-share sync
-        # charged none of it until it made up everything read before (hours of service).
-        self._epoch: bytes | None = None
-        # The peers' service read in past epochs, and last read in this one, per tenant: what
-        # `peer_usage` answers goes on from where it was when the hash was lost.
-        self._carried: dict[str, float] = {}
-        self._read: dict[str, float] = {}
+        self._incarnation = f"{instance.replace(chr(0), '')}:{secrets.token_hex(6)}".encode()  # no NUL
+        # The highest total read of each peer's field: a field that is gone (the hash lost with
+        # a Redis restarted without persistence, flushed or evicted; its writer gone for good)
+        # still counts what it held, and one written again by its writer, which counts on from
+        # its own memory, is counted from there on. The peers' service never reads lower, so
+        # the fair-share sync never stops charging it until it made up a loss.
+        self._peers: dict[bytes, float] = {}
         self._take = self._redis.register_script(_TAKE)
         self._refund = self._redis.register_script(_REFUND)
         self._place = self._redis.register_script(_PLACE)
-        self._add_usage = self._redis.register_script(_ADD_USAGE)
+        self._share_usage = self._redis.register_script(_SHARE_USAGE)
         self._closed = False
 
     @property
@@ -345,38 +390,37 @@ class RedisState(SharedState):
         if requests or tokens:
             await self._refund(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, requests, tpm / 60, tpm, tokens])
 
-    async def add_usage(self, tenant: str, cost: float) -> None:
-        # Counted here first: a read between the two then finds this call's service missing
-        # (made up at the next read), never counted as the peers'.
+    def count_usage(self, tenant: str, cost: float) -> None:
         self._own[tenant] = self._own.get(tenant, 0.0) + cost
-        try:
-            # A number, so that an instance that reads the field as a tenant's total still can.
-            proposed = str(secrets.randbits(52))
-            epoch = await self._add_usage(keys=[self._usage], args=[tenant, cost, proposed])
-        except BaseException:
-            self._own[tenant] -= cost
-            raise
-        if epoch != self._epoch:  # the hash was lost: this call's service is all it holds of ours
-            self._new_epoch(epoch)
-            self._own[tenant] = cost
+
+    async def add_usage(self, tenant: str, cost: float) -> None:
+        self.count_usage(tenant, cost)
+        await self._share()
 
     async def peer_usage(self) -> dict[str, float]:
-        total = await self._redis.hgetall(self._usage)
-        epoch = total.pop(b"", None)
-        if epoch != self._epoch:
-            self._new_epoch(epoch)
-        read = {k.decode(): float(v) - self._own.get(k.decode(), 0.0) for k, v in total.items()}
-        self._read.update(read)
-        return {tenant: self._carried.get(tenant, 0.0) + value for tenant, value in read.items()}
+        flat = await self._share()
+        usage: dict[str, float] = {}
+        for field, value in zip(flat[::2], flat[1::2]):
+            # The tenant's name runs up to the last NUL: an incarnation holds none.
+            tenant, nul, incarnation = field.rpartition(b"\x00")
+            if not nul or not tenant:
+                continue  # no field of this layout, or an incarnation's last write
+            usage.setdefault(tenant.decode(), 0.0)  # a tenant only this instance served: 0
+            if incarnation != self._incarnation:
+                self._peers[field] = max(self._peers.get(field, 0.0), float(value))
+        for field, value in self._peers.items():
+            tenant = field.rpartition(b"\x00")[0].decode()
+            usage[tenant] = usage.get(tenant, 0.0) + value
+        return usage
 
-    def _new_epoch(self, epoch: bytes | None) -> None:
-        """The usage hash is a new one (or gone: None): its totals start from 0, and so does
-        this instance's own service in it; the peers' service read so far is carried over."""
-        for tenant, value in self._read.items():
-            self._carried[tenant] = self._carried.get(tenant, 0.0) + max(0.0, value)
-        self._read = {}
-        self._own = {}
-        self._epoch = epoch
+    async def _share(self) -> list[bytes]:
+        """Write this process's service so far (each field only raised; all of it each time,
+        so that a hash lost meanwhile has it back), and read the hash."""
+        args: list[str | bytes] = [self._incarnation, str(USAGE_SILENCE_S)]
+        for tenant, total in self._own.items():
+            args += [tenant.encode() + b"\x00" + self._incarnation, repr(total)]
+        flat: list[bytes] = await self._share_usage(keys=[self._usage], args=args)
+        return flat
 
     def _session(self, session: str) -> str:
         return f"{self._prefix}:session:{session}"
@@ -395,6 +439,12 @@ class RedisState(SharedState):
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._own:  # the service counted since the last fair-share sync, for the peers
+                with anyio.move_on_after(2 * REDIS_TIMEOUT_S):
+                    try:
+                        await self._share()
+                    except Exception:
+                        pass  # Redis away: the peers miss at most a sync period of service
             await self._redis.aclose()
 
 
