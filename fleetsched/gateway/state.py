@@ -335,10 +335,10 @@ class RedisState(SharedState):
         self._prefix = prefix
         self._usage = f"{prefix}:usage"
         # This process's own service per tenant since it started, written to `_usage` under
-        # fields of its own (the tenant's name, NUL, `_incarnation`) at each `peer_usage`. It is a total, not an
-        # increment, so that no call waits on Redis for it (a Redis that stopped answering held
-        # every answer's end for REDIS_TIMEOUT_S), and a write that times out yet lands later
-        # counts nothing twice. Per process, not per `instance` name: one restarted under the
+        # fields of its own (the tenant's name, NUL, `_incarnation`) at each `peer_usage`. It is
+        # a total, not an increment, so that no call waits on Redis for it (a Redis that stopped
+        # answering held every answer's end for REDIS_TIMEOUT_S), and a write that times out yet
+        # lands later counts nothing twice. Per process, not per `instance` name: one restarted under the
         # same name counts from 0 again, which its old fields' totals would hide.
         self._own: dict[str, float] = {}
         self._incarnation = f"{instance.replace(chr(0), '')}:{secrets.token_hex(6)}".encode()  # no NUL
