@@ -67,6 +67,7 @@ def test_verdict_reports_the_effective_overload_against_the_best_rate():
 
     tally = Tally()
     tally.service.update({"batch-a": 100, "batch-b": 90, "batch-c": 95})
+    tally.largest_prompt = 40
     verdict(result, tally, argparse.Namespace(max_tokens=64, max_tokens_spread=0))
     assert result["saturation_probe_tok_s"] == 1000.0 and result["saturation_tok_s"] == 2000.0
     assert result["effective_overload"] == 1.25
@@ -168,15 +169,18 @@ async def test_the_min_share_counts_the_calls_that_ended_each_whole():
     """The calls cut at the phase's end count in no band: a batch call streaming 64 tokens a
     chunk has delivered its first token only when it is cut, a standard one every token it made,
     so the tokens delivered would let the stream interval decide part of the share."""
-    from fleetsched.bench.qos import BATCH_TENANTS, PROMPT_TOKENS, STANDARD_TENANT, min_share_figures
+    from fleetsched.bench.qos import BATCH_TENANTS, STANDARD_TENANT, min_share_figures
 
+    PROMPT_TOKENS = 40
     tally = Tally()
     for tenant, tier in [(BATCH_TENANTS[0], Tier.BATCH)] + [(STANDARD_TENANT, Tier.STANDARD)] * 19:
         call = CallTally(tally, tier, tenant)
+        call.prompt_tokens = PROMPT_TOKENS
         for _ in range(10):
             call.token()
         call.ended()
     cut_standard, cut_batch = CallTally(tally, Tier.STANDARD, STANDARD_TENANT), CallTally(tally, Tier.BATCH, BATCH_TENANTS[1])
+    cut_standard.prompt_tokens = cut_batch.prompt_tokens = PROMPT_TOKENS
     for _ in range(10):
         cut_standard.token()
     cut_batch.token()  # its other 9 tokens were made, not yet sent
@@ -197,8 +201,9 @@ def test_the_bench_load_on_the_sim_backend_stays_within_the_vtc_bound_throughout
     """The fleetsched mode's load (2.5x overload, three equal batch tenants, critical agents,
     batch answers streamed 64 tokens a chunk) on the sim backend, 20 s of virtual time: the
     service gap sampled during the load stays within 2 x the largest request (measured: at most
-    252 against 336; with no output charged up front it reached 3,024)."""
-    from fleetsched.bench.qos import BATCH_TENANTS, PROMPT_TOKENS, build_parser, fleetsched_call, fleetsched_settings, offered_load
+    175 against 350, the sim's prompt being 47 tokens; with no output charged up front it reached
+    3,024)."""
+    from fleetsched.bench.qos import BATCH_TENANTS, build_parser, fleetsched_call, fleetsched_settings, offered_load
     from fleetsched.scheduler import Scheduler
     from fleetsched.virtual_time import run_virtual
 
@@ -213,7 +218,8 @@ def test_the_bench_load_on_the_sim_backend_stays_within_the_vtc_bound_throughout
 
     run_virtual(main)
     assert len(tally.gaps) >= 70 and min(tally.service[t] for t in BATCH_TENANTS) > 50_000
-    assert max(tally.gaps) <= 2 * (PROMPT_TOKENS + 2 * args.max_tokens)
+    assert tally.largest_prompt == 47  # the sim's count of the bench's prompt
+    assert max(tally.gaps) <= 2 * (tally.largest_prompt + 2 * args.max_tokens)
 
 
 @pytest.mark.parametrize(("min_share", "met"), [(0.05, True), (0.0, False)])
@@ -304,12 +310,13 @@ async def test_a_direct_call_counts_the_engines_tokens_not_its_chunks():
     from fleetsched.bench.qos import direct_call
 
     per_chunk = [1] * 48 + [2] * 6 + [0] + [3] + [1]  # 64 tokens: 6 pairs and a triple merged, one empty
-    lines, done = ['data: {"choices":[{"delta":{"role":"assistant","content":""}}],"usage":{"completion_tokens":0}}'], 0
+    usage = '"usage":{"prompt_tokens":100,"completion_tokens":%d}'
+    lines, done = ['data: {"choices":[{"delta":{"role":"assistant","content":""}}],%s}' % (usage % 0)], 0
     for n in per_chunk:
         done += n
         text = " w" * n
-        lines.append('data: {"choices":[{"delta":{"content":"%s"}}],"usage":{"completion_tokens":%d}}' % (text, done))
-    lines.append('data: {"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":%d}}' % done)
+        lines.append('data: {"choices":[{"delta":{"content":"%s"}}],%s}' % (text, usage % done))
+    lines.append('data: {"choices":[],%s}' % (usage % done))
     payload = ("\n\n".join([*lines, "data: [DONE]"]) + "\n\n").encode()
     sent = []
 
@@ -321,6 +328,7 @@ async def test_a_direct_call_counts_the_engines_tokens_not_its_chunks():
         tally = Tally()
         await direct_call(client, tally, Tier.BATCH, "batch-a", 64, priority=False)
     assert tally.tokens == 64
+    assert tally.service["batch-a"] == 100 + 2 * 64 and tally.completed_service["batch-a"] == 100 + 2 * 64  # VTC-weighted
     assert sent[0]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
@@ -335,3 +343,39 @@ def test_the_allocator_bench_percentile_is_the_nearest_rank():
     assert _pct(list(range(1, 101)), 0.99) == 99  # it read the 100th
     assert _pct([1, 2, 3, 4], 0.5) == 2
     assert _pct(list(range(1, 101)), 0.07) == 7
+
+
+def test_the_service_figures_and_the_vtc_bound_count_the_prompt_as_the_engine_does():
+    """The bench's prompt is 100 tokens to the CPU vLLM's tiny model (its chat template and
+    tokenizer) and 47 to the sim: each call's service and the VTC bound counted it as 40, so
+    the bound read 336 where VTC's is 2 x (100 + 2 x 64) = 456, and a tenant one call ahead
+    read 42 tokens ahead, not 102."""
+    from fleetsched.bench.qos import BATCH_TENANTS, build_parser, fleetsched_call, fleetsched_settings
+    from fleetsched.scheduler import Scheduler
+    from fleetsched.virtual_time import run_virtual
+
+    args = build_parser().parse_args([])
+    settings = fleetsched_settings({"kind": "sim", "sim": {"profile": "tiny-cpu-vllm", "max_num_seqs": args.max_num_seqs}}, args)
+    tally = Tally()
+
+    async def main() -> None:
+        async with Scheduler(settings) as scheduler:
+            await fleetsched_call(scheduler, tally, Tier.BATCH, BATCH_TENANTS[0], 8)
+            (record,) = scheduler.recorder.calls
+            assert record.prompt_tokens == 47 and record.completion_tokens == 8
+
+    run_virtual(main)
+    assert tally.service[BATCH_TENANTS[0]] == 47 + 2 * 8 == tally.completed_service[BATCH_TENANTS[0]]
+
+    tally = Tally()
+    tally.first_token("batch", BATCH_TENANTS[0], 0.0, 0.01, 100)  # the real vLLM's count
+    result = {
+        "saturation_tok_s": 1000.0, "offered_calls_per_s": 1.0, "unloaded_ttft_s": {"p50": 0.01, "p99": 0.02},
+        "modes": {
+            m: {"fairness_gap_sampled_tokens": {"max": 400}, "throughput_tok_s": 1.0, "ttft_s": {}, "ttft_s_warmup_included": {}}
+            for m in ("direct-fcfs", "direct-priority", "fleetsched")
+        },
+    }  # fmt: skip
+    verdict(result, tally, argparse.Namespace(max_tokens=64, max_tokens_spread=0))
+    assert result["vtc_bound_tokens"] == 456 and result["fairness_gap_tokens"] == 100
+    assert result["targets"]["fairness_within_vtc_bound_throughout"]  # 400 <= 456

@@ -195,13 +195,15 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
             opened -= 1  # no connection came of it: its place is free again (or a waiter hangs)
             raise
 
-    async def one(measure: bool) -> None:
+    async def one(measure: bool, start: float) -> None:
+        """One request, sent by the load at `start`: its latency counts from then, the wait for
+        a free connection included (open-loop: timed from the connection only, a server that
+        fell behind held every connection and its queue of requests never showed in the figures)."""
         nonlocal pending, opened
         conn = None
         try:
             conn = await connection()
             reader, writer = conn
-            start = time.perf_counter()  # wall-clock ok
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
             status = int(head[9:12])
@@ -246,7 +248,7 @@ async def _load(port: int, request: bytes, rate: float, duration_s: float, warmu
         # Counted pending when sent, not when its task first runs: the last request sent has not
         # run yet when the loop below looks, and would not be waited for.
         pending += 1
-        task = asyncio.ensure_future(one(i >= warm))
+        task = asyncio.ensure_future(one(i >= warm, time.perf_counter()))  # wall-clock ok
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     while pending:  # every request answered (or failed) before the figures are taken
