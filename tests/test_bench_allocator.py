@@ -170,4 +170,52 @@ def test_the_json_reports_the_hinted_row_beside_the_shipped_one(capsys):
         for row in ("hinted", "kind_hinted"):
             failures = data["traces"][name][row]["frag_failures"]
             assert target[f"default_{row}"] == failures
-            assert target[f"default_{row}_over_first_fit"] == round(failures / (target["first_fit_placement_only"] or 1), 3)
+            first_fit = target["first_fit_placement_only"]
+            assert target[f"default_{row}_over_first_fit"] == (round(failures / first_fit, 3) if first_fit else None)
+
+
+def test_a_ratio_over_a_first_fit_with_no_failures_is_null_not_a_number():
+    """Before: a zero denominator was read as 1, so 0 failures of 0 reported 0.0 (the target of
+    1/5 met) and 3 of 0 reported 3.0; multi-gpu has none either way at 200 sessions."""
+    from fleetsched.bench.allocator import _targets
+
+    def rows(default: int, first_fit: int) -> dict:
+        return {"t": {"frag-aware": {"frag_failures": default, "frag_mean": 0.1, "frag_pinned_floor": 0.0},
+                      "first-fit": {"frag_failures": first_fit, "frag_mean": 0.2, "frag_pinned_floor": 0.0}}}  # fmt: skip
+
+    def one(default: int) -> dict:
+        return {"t": {"frag_failures": default, "frag_mean": 0.1}}
+
+    for default in (0, 3):
+        target = _targets(rows(default, 0), rows(default, 0), rows(default, 0), one(default), one(default), one(default))["t"]
+        ratios = {k: v for k, v in target.items() if "_over_first_fit" in k}
+        assert len(ratios) == 9 and all(v is None for v in ratios.values()), ratios
+    target = _targets(rows(3, 4), rows(3, 4), rows(1, 2), one(3), one(3), one(3))["t"]
+    assert target["default_over_first_fit_shipped"] == 0.75 and target["default_shipped_over_first_fit"] == 1.5
+
+
+def test_the_rows_over_all_traces_keep_each_figure_what_it_says(small):
+    """Before: peak_util over the traces was the mean of their peaks, held at no moment of any
+    trace; the module docstring now says how each figure is carried over the traces."""
+    from fleetsched.bench.allocator import _aggregate
+
+    rows = [replay(small[name], "first-fit", compact=False) for name in ("chat", "multi-gpu")]
+    assert rows[0]["peak_util"] != rows[1]["peak_util"]
+    total = _aggregate(rows)
+    assert total["peak_util"] == max(r["peak_util"] for r in rows)
+    assert total["frag_p95"] == max(r["frag_p95"] for r in rows)
+    assert total["frag_mean"] == pytest.approx((rows[0]["frag_mean"] + rows[1]["frag_mean"]) / 2)
+    assert total["frag_failures"] == rows[0]["frag_failures"] + rows[1]["frag_failures"]
+
+
+def test_bytes_moved_per_byte_granted_over_the_traces_counts_every_trace(small):
+    """Before: the bytes granted were read back from each trace's ratio, so a trace that moved
+    nothing (batch: its jobs never pause) dropped out of the denominator: 1.94 instead of 1.39
+    on the six traces of 200 sessions."""
+    from fleetsched.bench.allocator import GB, _aggregate
+
+    rows = [replay(small[name], "frag-aware") for name in ("chat", "batch")]
+    assert rows[0]["moved_gb"] > 0 and rows[1]["moved_gb"] == 0
+    granted = sum(s.nbytes for name in ("chat", "batch") for s in small[name].sessions) / GB
+    assert rows[0]["granted_gb"] + rows[1]["granted_gb"] == pytest.approx(granted)
+    assert _aggregate(rows)["moved_gb_per_gb_granted"] == pytest.approx(rows[0]["moved_gb"] / granted)

@@ -44,6 +44,12 @@ settling), placement only (``placement_only``: nothing moves); and the default s
 ``compaction_op_us_*``        reserve/release calls that searched for moves (rare);
 ``moved_gb_per_gb_granted``   the price of moving: bytes copied per byte reserved.
 
+Those are per trace (``traces``); the rows over all traces (``strategies``, ``on_demand_only``,
+``placement_only``, ``default_threshold_X``, ``default_hinted``...) take the mean of ``frag_mean``,
+``frag_pinned_floor`` and ``wait_mean`` (every trace has as many arrivals), the worst trace's
+``frag_p95``, ``peak_util`` and ``*_op_us_p99``, the median trace's ``op_us_p50``, and the sums
+of the counts.
+
 ``hinted`` replays each trace through the default strategy as shipped with end hints: every
 session tells the pool when it expects to release (``ends_at``), its lifetime off by a factor of
 e^N(0, ``--hint-noise``) (0.5: half the hints off by a factor of more than 1.4), as an owner
@@ -56,8 +62,9 @@ job) over the trace, which the scheduler's running mean of its finished sessions
 shipped, ``default_over_first_fit_shipped``; both with on-demand compaction only; both placement
 only, ``default_placement_only_over_first_fit``) and against the classic first-fit allocator that
 never moves anything (``default_shipped_over_first_fit``, the other ``_over_first_fit`` ratios'
-denominator too), and which strategy wins. Settling and on-demand compaction are the pool's, so
-every strategy gets them: like for like is the comparison of placements. ``no_fragmentation``
+denominator too; null where the first-fit in the denominator had no failures), and which strategy
+wins. Settling and on-demand compaction are the pool's, so every strategy gets them: like for like
+is the comparison of placements. ``no_fragmentation``
 replays each trace through a pool that counts bytes only (no address space): its ``wait_mean``
 is what queueing alone costs, so a trace where even it waits longer than a session lives is
 overloaded whatever the placement (``batch``: its bursts of 8 jobs hold 100 GB on average).
@@ -381,6 +388,7 @@ def replay(
         "moved_gb": stats.moved_bytes / GB,
         "moved_bytes_per_op": stats.moved_bytes / max(1, len(ops) + len(compaction_ops)),
         "moved_gb_per_gb_granted": stats.moved_bytes / max(1, granted),
+        "granted_gb": granted / GB,
     }
 
 
@@ -560,14 +568,16 @@ def _fragmented(seed: int, *, settle: bool) -> ExtentPool:
 
 
 def _aggregate(rows: list[dict[str, float]]) -> dict[str, float]:
-    granted = [r["moved_gb"] / r["moved_gb_per_gb_granted"] for r in rows if r["moved_gb_per_gb_granted"]]
+    # Every trace's bytes granted count, those of traces that moved nothing too (read back from
+    # the ratio, they were left out, and the ratio over the traces came out too high).
+    granted = sum(r["granted_gb"] for r in rows)
     return {
         "frag_mean": statistics.fmean(r["frag_mean"] for r in rows),
         "frag_p95": max(r["frag_p95"] for r in rows),
         "frag_pinned_floor": statistics.fmean(r["frag_pinned_floor"] for r in rows),
         "frag_failures": sum(int(r["frag_failures"]) for r in rows),
         "failures_no_room": sum(int(r["failures_no_room"]) for r in rows),
-        "peak_util": statistics.fmean(r["peak_util"] for r in rows),
+        "peak_util": max(r["peak_util"] for r in rows),  # the most held at once, as per trace (not a mean of peaks)
         "wait_mean": statistics.fmean(r["wait_mean"] for r in rows),
         "op_us_p50": statistics.median(r["op_us_p50"] for r in rows),
         "op_us_p99": max(r["op_us_p99"] for r in rows),
@@ -577,7 +587,7 @@ def _aggregate(rows: list[dict[str, float]]) -> dict[str, float]:
         "settle_op_us_p99": max(r["settle_op_us_p99"] for r in rows),
         "moves": sum(int(r["moves"]) for r in rows),
         "moved_gb": sum(r["moved_gb"] for r in rows),
-        "moved_gb_per_gb_granted": sum(r["moved_gb"] for r in rows) / sum(granted) if granted else 0.0,
+        "moved_gb_per_gb_granted": sum(r["moved_gb"] for r in rows) / granted if granted else 0.0,
     }
 
 
@@ -697,25 +707,25 @@ def _targets(
     """Default vs first-fit failures per trace, like for like and against first-fit that never moves."""
     out: dict[str, object] = {}
     for t in shipped:
-        ff = placement[t]["first-fit"]["frag_failures"] or 1
+        ff = placement[t]["first-fit"]["frag_failures"]
         default, first_fit = shipped[t][DEFAULT_STRATEGY], shipped[t]["first-fit"]
         out[t] = {
             "first_fit_placement_only": placement[t]["first-fit"]["frag_failures"],
             "default_shipped": default["frag_failures"],
             "first_fit_shipped": first_fit["frag_failures"],
-            "default_over_first_fit_shipped": round(default["frag_failures"] / (first_fit["frag_failures"] or 1), 3),
-            "default_over_first_fit_on_demand_only": round(
-                on_demand[t][DEFAULT_STRATEGY]["frag_failures"] / (on_demand[t]["first-fit"]["frag_failures"] or 1), 3
+            "default_over_first_fit_shipped": _ratio(default["frag_failures"], first_fit["frag_failures"]),
+            "default_over_first_fit_on_demand_only": _ratio(
+                on_demand[t][DEFAULT_STRATEGY]["frag_failures"], on_demand[t]["first-fit"]["frag_failures"]
             ),
-            "default_shipped_over_first_fit": round(shipped[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
-            "default_placement_only_over_first_fit": round(placement[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
-            "first_fit_with_compaction_over_first_fit": round(shipped[t]["first-fit"]["frag_failures"] / ff, 3),
-            "default_threshold_over_first_fit": round(threshold[t]["frag_failures"] / ff, 3),
-            "default_on_demand_only_over_first_fit": round(on_demand[t][DEFAULT_STRATEGY]["frag_failures"] / ff, 3),
+            "default_shipped_over_first_fit": _ratio(shipped[t][DEFAULT_STRATEGY]["frag_failures"], ff),
+            "default_placement_only_over_first_fit": _ratio(placement[t][DEFAULT_STRATEGY]["frag_failures"], ff),
+            "first_fit_with_compaction_over_first_fit": _ratio(shipped[t]["first-fit"]["frag_failures"], ff),
+            "default_threshold_over_first_fit": _ratio(threshold[t]["frag_failures"], ff),
+            "default_on_demand_only_over_first_fit": _ratio(on_demand[t][DEFAULT_STRATEGY]["frag_failures"], ff),
             "default_hinted": hinted[t]["frag_failures"],
-            "default_hinted_over_first_fit": round(hinted[t]["frag_failures"] / ff, 3),
+            "default_hinted_over_first_fit": _ratio(hinted[t]["frag_failures"], ff),
             "default_kind_hinted": kind_hinted[t]["frag_failures"],
-            "default_kind_hinted_over_first_fit": round(kind_hinted[t]["frag_failures"] / ff, 3),
+            "default_kind_hinted_over_first_fit": _ratio(kind_hinted[t]["frag_failures"], ff),
             "default_frag_mean_shipped": round(default["frag_mean"], 3),
             "default_frag_mean_hinted": round(hinted[t]["frag_mean"], 3),
             "default_frag_mean_kind_hinted": round(kind_hinted[t]["frag_mean"], 3),
@@ -725,6 +735,12 @@ def _targets(
             "best_placement_only": min(placement[t], key=lambda n: placement[t][n]["frag_failures"]),
         }
     return out
+
+
+def _ratio(failures: int, first_fit: int) -> float | None:
+    """`failures` over first-fit's, to 3 places; None when first-fit had none: the ratio is
+    undefined then (it read as `failures` itself, and 0 of 0 as 0.0, a target met)."""
+    return round(failures / first_fit, 3) if first_fit else None
 
 
 if __name__ == "__main__":
