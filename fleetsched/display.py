@@ -34,8 +34,10 @@ def _tenant_rows(scheduler: Scheduler, tracker: SlaTracker | None) -> list[list[
     stats = scheduler.statistics()
     done_by: dict[str, int] = {}
     failed_by: dict[str, int] = {}
+    cancelled_by: dict[str, int] = {}
     for record in scheduler.recorder.sessions:
-        bucket = done_by if record.state == "done" else failed_by
+        # As the final tenant table counts them: cancelled sessions apart, not failed.
+        bucket = done_by if record.state == "done" else cancelled_by if record.state == "cancelled" else failed_by
         bucket[record.tenant] = bucket.get(record.tenant, 0) + 1
     breaches: dict[str, int] = {}
     if tracker is not None:
@@ -51,7 +53,7 @@ def _tenant_rows(scheduler: Scheduler, tracker: SlaTracker | None) -> list[list[
         attained = _standing(tracker, name) if tracker is not None else "-"
         rows.append(
             [name, str(tenant.tier), count_text(queued), count_text(running), count_text(done_by.get(name, 0)),
-             count_text(failed_by.get(name, 0)), attained, count_text(breaches.get(name, 0)), count_text(refused.get(name, 0))]
+             count_text(failed_by.get(name, 0)), count_text(cancelled_by.get(name, 0)), attained, count_text(breaches.get(name, 0)), count_text(refused.get(name, 0))]
         )
     return rows
 
@@ -63,7 +65,7 @@ def _view(scheduler: Scheduler, total: int, tracker: SlaTracker | None = None) -
     finished = sum(stats.finished.values())
     window = f" ({tracker.window_s:g} s)" if tracker is not None else ""
     table = Table(expand=False)
-    for column in ("tenant", "tier", "queued", "running", "done", "failed", f"SLA{window}", "breaches", "refused"):
+    for column in ("tenant", "tier", "queued", "running", "done", "failed", "cancelled", f"SLA{window}", "breaches", "refused"):
         table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
     rows = _tenant_rows(scheduler, tracker)
     names = [row[0] for row in rows]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 from rich.console import Console
 
@@ -44,3 +45,29 @@ async def test_the_dashboard_keeps_a_tenant_on_one_line_and_long_names_apart(tmp
     rows = [line.split("│")[1].strip() for line in lines if line.startswith("│")]
     assert len(rows) == 3, lines  # one line a tenant
     assert rows[0] != rows[1] and rows[0].endswith("eu") and rows[1].endswith("us"), rows
+
+
+async def test_the_dashboard_counts_cancelled_sessions_apart_from_failed():
+    """A cancelled session was counted in the dashboard's "failed" column, while the final
+    tenant table and the report show it apart, under "cancelled"."""
+
+    async def agent(ctx):
+        await anyio.sleep_forever()
+
+    async def failing(ctx):
+        raise RuntimeError("boom")
+
+    async with Scheduler(load_settings(QUICKSTART)) as scheduler:
+        cancelled = await scheduler.submit(agent, tenant="research")
+        failed = await scheduler.submit(failing, tenant="research")
+        await anyio.sleep(0.1)
+        cancelled.cancel()
+        await cancelled.ended()
+        await failed.ended()
+        console = Console(width=120, record=True, color_system=None, force_terminal=True)
+        console.print(_view(scheduler, 2))
+    lines = console.export_text().splitlines()
+    header = [cell.strip() for cell in next(line for line in lines if "tenant" in line).split("┃")[1:-1]]
+    research = [cell.strip() for cell in next(line for line in lines if "research" in line).split("│")[1:-1]]
+    row = dict(zip(header, research))
+    assert row["failed"] == "1" and row["cancelled"] == "1", row

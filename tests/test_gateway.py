@@ -1821,6 +1821,21 @@ def test_tokens_of_a_call_whose_client_left_are_not_counted_as_served():
     assert 'code="499"' in text and "fleetsched_gateway_tokens_total{" not in text
 
 
+def test_tokens_of_a_stream_whose_client_left_are_not_counted_as_served():
+    """A stream its client leaves after the first chunk is counted 499, as a call given up
+    before its answer: its tokens were added to tokens_total all the same (its 200 was sent)."""
+    s = gateway_settings(backend={"kind": "sim"}, gateway={"max_context_tokens": None})
+    with serve_in_thread(s) as (gw, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        body = {"messages": MSG, "max_tokens": 8000, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+        assert _wait_for(lambda: 'code="499"' in httpx.get(url + "/metrics", headers=headers).text)
+        text = httpx.get(url + "/metrics", headers=headers).text
+    assert 'code="200"' not in text and "fleetsched_gateway_tokens_total{" not in text, text
+
+
 def test_a_session_call_with_a_field_that_needs_another_opens_no_session(gateway):
     """top_logprobs without logprobs is refused by the gateway itself, before the call's X-Session-ID opens a session."""
     gw, url = gateway

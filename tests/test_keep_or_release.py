@@ -41,6 +41,19 @@ def test_tool_stats_are_pessimistic():
     assert stats.expected_s("t") == pytest.approx(2 + 1)
 
 
+def test_tool_stats_keep_a_bounded_number_of_tool_names():
+    """A model that keeps inventing tool names (run_tool_loop times them under the model's
+    names) grew the statistics by one entry a name for the whole run. The names seen longest
+    ago are forgotten; one in use stays learned however many others come and go."""
+    stats = learned("search", 1, 1, 1)
+    for i in range(3 * 4096):
+        stats.observe(f"invented-{i}", 0.01)
+        if i % 100 == 0:
+            stats.observe("search", 1)
+    assert len(stats._tools) <= 4096, len(stats._tools)
+    assert stats.expected_s("search") == pytest.approx(1) and stats.count("invented-0") == 0
+
+
 def tool_agent(tool_s: float, log: list, label: str, *, fail: bool = False):
     async def agent(ctx):
         log.append((label, "start", anyio.current_time()))

@@ -560,6 +560,27 @@ def test_a_value_over_its_target_by_less_than_the_report_s_rounding_reads_over_i
     assert row[4:8] == ["500 ms", "> 500 ms", "98.0%", "MISSED"]
 
 
+def test_a_value_within_its_target_reads_not_over_it_when_refusals_missed_the_objective():
+    """Every served call's TTFT within its target (p99 499.96 ms, written 0.5), the objective
+    missed by refused calls: it read "> 500 ms", a figure over the target that was not."""
+    from types import SimpleNamespace
+
+    from fleetsched.report import _sla_section, sla_rows
+    from fleetsched.scheduler import CallRecord, Recorder
+    from fleetsched.settings import TenantSettings
+
+    recorder = Recorder()
+    for i in range(100):
+        refused = i < 2
+        ttft = 0.1 if refused else 0.49996
+        recorder.add_call(CallRecord("t", 1, i, float(i), float(i), i + ttft, i + 1.0, 5, 10, error="Overloaded" if refused else None))
+    scheduler = SimpleNamespace(recorder=recorder, settings=SimpleNamespace(tenants={"t": TenantSettings(sla={"ttft_p99_s": 0.5})}))
+    _, by_tenant = _sla_section(scheduler, 0.0, {})
+    tenant = {"tenant": "t", "tier": "standard", "weight": 1.0, "sla": by_tenant["t"]}
+    (row,) = [row for row in sla_rows({"sla": {"feasibility": None}, "tenants": [tenant]}) if row[3] == "TTFT p99"]
+    assert row[4:8] == ["500 ms", "500 ms", "98.0%", "MISSED"]
+
+
 def test_wide_character_names_fit_their_cells():
     """Names of CJK characters (two cells each) were measured in characters: folded over two
     lines even at 160 columns, two tenants read alike on their first."""
@@ -776,9 +797,9 @@ def test_times_under_10_ms_show_a_tenth_of_a_millisecond():
     assert (_ms(0.005), _ms(0.05), _ms(None)) == ("5.0", "50", "-")
 
 
-def _sla_cells(objective, target, value, met):
+def _sla_cells(objective, target, value, met, **flags):
     """The target, measured and verdict cells of a one-objective SLA row."""
-    o = {"target": target, "value": value, "attainment": 0.5, "met": met, "breaches": {}}
+    o = {"target": target, "value": value, "attainment": 0.5, "met": met, "breaches": {}, **flags}
     t = {"tenant": "t", "tier": "standard", "weight": 1.0, "sla": {"refused": {}, "objectives": {objective: o}}}
     ((*_, shown_target, shown_value, _, verdict, _),) = sla_rows({"sla": {"feasibility": None}, "tenants": [t]})
     return shown_target, shown_value, verdict
@@ -795,8 +816,10 @@ def test_a_measured_value_a_hair_over_its_target_shows_the_digits_that_tell_them
 
 
 def test_a_token_rate_under_its_target_by_less_than_the_rounding_reads_under_it():
-    """A min_tokens_per_s missed by less than the report's rounding reads "< 5" beside a target of 5."""
-    assert _sla_cells("min_tokens_per_s", 5, 5, False) == ("5", "< 5.0", "MISSED")
+    """A min_tokens_per_s missed by less than the report's rounding reads "< 5" beside a target
+    of 5; missed by refused or failed calls alone, the rate itself at its target, "5.0"."""
+    assert _sla_cells("min_tokens_per_s", 5, 5, False, value_past_target=True) == ("5", "< 5.0", "MISSED")
+    assert _sla_cells("min_tokens_per_s", 5, 5, False) == ("5", "5.0", "MISSED")
 
 
 def test_failed_sessions_count_cancelled_ones_among_those_that_ended():

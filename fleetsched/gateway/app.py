@@ -380,6 +380,10 @@ class Gateway:
             status = CLIENT_CLOSED_REQUEST
         seconds = anyio.current_time() - start
         self.metrics.record(tenant, endpoint, status, seconds, failed_mid_stream=done.failed_mid_stream)
+        # Counted here, where the status is final: counted at the settling, a stream its client
+        # left after its 200 (a 499 above) added its tokens as served.
+        if status == 200:
+            self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
 
     async def _answer(
         self,
@@ -588,7 +592,7 @@ class Gateway:
         """After a call answered `status`: refund the tokens it did not use to the tenant's
         tokens per minute (whatever its outcome: a call refused or failed gets its prompt back
         too; one whose prompt the engine counted longer than the estimate `prompt` is charged
-        the difference), count a served call's tokens, and share the service the engine gave
+        the difference), and share the service the engine gave
         (with Redis: the other instances' fair share counts it).
 
         What the engine counted is charged whatever the status: a call cut short by its deadline
@@ -601,15 +605,12 @@ class Gateway:
         else:  # sent, and cut before any count came: the engine may have read the prompt
             used_prompt = prompt
         unused = prompt + max_tokens - used_prompt - done.completion_tokens
-        served = status == 200
         # A call refused as invalid (a session that can never run, a field the engine refuses)
         # gets its request back too, as one refused for its X-Session-ID never takes it: else
         # a tenant's bad field locked it out for up to a minute. Refusals for load or time (429,
         # 503, 408) keep theirs: they were made, and retried at once they would hammer. So
         # does a call whose client left before it was sent: nothing was made of it.
         invalid = status in _REFUSED_AS_INVALID or (status == 0 and not done.sent)
-        if served:
-            self.metrics.add_tokens(tenant, done.prompt_tokens, done.completion_tokens)
         # The service the engine counted is shared whatever the status: a call cut short by its
         # deadline or its client (408, 499) left the other instances unaware of it. Counted in
         # memory: the fair-share sync writes it for them, off the answer's path (written here, it

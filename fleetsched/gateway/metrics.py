@@ -64,7 +64,7 @@ class GatewayMetrics:
             if mine(t):
                 lines.append(f'fleetsched_gateway_stream_errors_total{{tenant="{_q(t)}",endpoint="{endpoint}"}} {n}')
         lines += [
-            "# HELP fleetsched_gateway_tokens_total Tokens served, by tenant and kind (prompt, completion).",
+            "# HELP fleetsched_gateway_tokens_total Tokens of the calls answered 200 (not 499), by tenant and kind (prompt, completion).",
             "# TYPE fleetsched_gateway_tokens_total counter",
         ]
         for (t, kind), n in sorted(self.tokens.items()):

@@ -35,15 +35,28 @@ class _Running:
         return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 0.0
 
 
+#: The tool names whose durations `ToolStats` keeps: the least recently observed are forgotten
+#: past it. Names come from agents (``ctx.tool(name)``; run_tool_loop passes the model's, which
+#: may invent one a call): unbounded, they grew the statistics for the whole run.
+MAX_TOOLS = 4096
+
+
 @dataclass(slots=True)
 class ToolStats:
-    """Durations per tool name, learned online (count, mean, standard deviation)."""
+    """Durations per tool name, learned online (count, mean, standard deviation), for the
+    `MAX_TOOLS` names observed most recently."""
 
     min_samples: int = 3
     _tools: dict[str, _Running] = field(default_factory=dict)
 
     def observe(self, tool: str, seconds: float) -> None:
-        self._tools.setdefault(tool, _Running()).add(seconds)
+        stats = self._tools.pop(tool, None)  # re-inserted: the dict's order is the recency
+        if stats is None:
+            stats = _Running()
+            if len(self._tools) >= MAX_TOOLS:
+                del self._tools[next(iter(self._tools))]
+        self._tools[tool] = stats
+        stats.add(seconds)
 
     def expected_s(self, tool: str) -> float | None:
         """A pessimistic expectation (mean plus one standard deviation); None until learned."""
