@@ -66,9 +66,8 @@ def test_a_vllm_rate_without_vllm_is_a_usage_error(capsys):
     assert exited.value.code == 2 and "--vllm-rate applies only with --vllm" in err
 
 
-def test_the_rate_answered_is_taken_over_the_time_the_requests_were_offered_in():
-    """One request at --rate 1 read 911.8 rps: its count over its own latency, the span from the
-    first request's send to the last one's answer being (n - 1) / rate plus a latency."""
+def _load_on_a_server(delay_s: float, *, rate: float, duration_s: float, connections: int) -> dict:
+    """`gateway._load`'s figures against a server that answers each request `{}` after `delay_s`."""
 
     async def main() -> dict:
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -76,14 +75,21 @@ def test_the_rate_answered_is_taken_over_the_time_the_requests_were_offered_in()
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
                 await reader.readexactly(length)
+                await asyncio.sleep(delay_s)
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
 
         server = await asyncio.start_server(lambda r, w: answer(r, w), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            return await gateway._load(port, gateway._request(port, gateway._BODY, False), 1.0, 1.0, 0.0, 4)
+            return await gateway._load(port, gateway._request(port, gateway._BODY, False), rate, duration_s, 0.0, connections)
 
-    load = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_the_rate_answered_is_taken_over_the_time_the_requests_were_offered_in():
+    """One request at --rate 1 read 911.8 rps: its count over its own latency, the span from the
+    first request's send to the last one's answer being (n - 1) / rate plus a latency."""
+    load = _load_on_a_server(0.0, rate=1.0, duration_s=1.0, connections=4)
     assert load["requests"] == 1 and load["errors"] == 0 and load["rps"] <= 1.0
 
 
@@ -92,21 +98,6 @@ def test_a_request_waiting_for_a_connection_counts_the_wait_in_its_latency():
     second, falls behind, and the requests queue for the connection. Timed from the moment each
     had its connection, every one read about 50 ms (p50 50.5 ms), the queue unseen; sent 10 ms
     apart, the 20th waits for 19 answers before it."""
-
-    async def main() -> dict:
-        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while not reader.at_eof():
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-                await reader.readexactly(length)
-                await asyncio.sleep(0.05)
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-
-        server = await asyncio.start_server(lambda r, w: answer(r, w), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server:
-            return await gateway._load(port, gateway._request(port, gateway._BODY, False), 100.0, 0.2, 0.0, 1)
-
-    load = asyncio.run(main())
+    load = _load_on_a_server(0.05, rate=100.0, duration_s=0.2, connections=1)
     assert load["requests"] == 20 and load["errors"] == 0 and load["connections"] == 1
     assert load["p50_ms"] > 300 and load["p99_ms"] > 700  # about 50 + 40 i ms for the i-th
