@@ -223,10 +223,14 @@ class Gateway:
                 if not failing:  # once per outage, not once a period
                     logger.warning("fair-share sync failed (retrying every %g s): %s: %s", FAIR_SHARE_SYNC_S, type(exc).__name__, exc)
                 failing = True
+                if self.sessions is not None:  # its running sessions skip their placement lookups
+                    self.sessions.state_away = True
             else:
                 if failing:
                     logger.warning("fair-share sync works again")
                 failing = False
+                if self.sessions is not None:
+                    self.sessions.state_away = False
                 if last is None:  # the baseline
                     last = dict(by_peers)
                 else:

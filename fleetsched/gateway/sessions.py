@@ -91,6 +91,10 @@ class SessionTable:
         #: Sessions their clients ended (`end`) that still serve the calls waiting for them.
         self._ending: set[GatewaySession] = set()
         self._closing = False
+        #: Whether the shared state (Redis) failed its last use by the gateway's fair-share sync:
+        #: a session this instance runs then skips the placement lookup, which would only time
+        #: out (REDIS_TIMEOUT_S, a second each call) and go on with the placement it has.
+        self.state_away = False
 
     def __len__(self) -> int:
         return len(self._sessions) + len(self._ending)
@@ -105,7 +109,11 @@ class SessionTable:
             raise SchedulerClosed("the gateway is shutting down")
         key = session_key(tenant, session_id)
         proposal = Placement(self._instance, self._pick_replica() if callable(self._pick_replica) else None)
+        running = self._sessions.get(key)
+        ours = running is not None and not running.closed
         try:
+            if self.state_away and ours:
+                raise StateUnavailable("the shared state failed the last fair-share sync")
             placement = await self._state.place(key, proposal, self._idle_s)
         except Exception as exc:  # Redis away: a 503 to retry, not our 500
             running = self._sessions.get(key)
