@@ -353,6 +353,41 @@ async def test_a_finished_call_is_charged_before_its_place_is_handed_on():
     assert tenants == ["a", "b", "a", "b", "a", "b"]
 
 
+async def test_a_call_refused_by_the_engine_is_not_charged_its_prompt():
+    """A call the engine refuses with nothing made (a prompt over the context) was served
+    nothing, yet its prompt estimate stayed on its tenant's counter: one such call of 10,000
+    tokens put all 12 of b's queued calls before any of a's (its tokens per minute got the
+    prompt back, its fair share did not). Nor is it work the backend served, for the rate."""
+    from fleetsched.errors import ContextTooLong
+
+    class ShortContext(SlowBackend):
+        async def stream_chat(self, body):
+            if len(body["messages"][0]["content"]) > 10_000:
+                raise ContextTooLong("the prompt is over the context")
+            async for chunk in super().stream_chat(body):
+                yield chunk
+
+    async def too_long() -> None:
+        with pytest.raises(ContextTooLong):
+            await dispatcher.chat(body("x" * 40_000), tenant="a", tier=Tier.STANDARD)
+
+    backend = ShortContext(1.0)
+    dispatcher = Dispatcher(backend, window=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(partial(dispatcher.chat, body("hold"), tenant="c", tier=Tier.STANDARD))
+        await anyio.sleep(0.01)
+        tg.start_soon(too_long)
+        await anyio.sleep(0.01)
+        for i in range(6):
+            tg.start_soon(partial(dispatcher.chat, body(f"a{i}"), tenant="a", tier=Tier.STANDARD))
+            tg.start_soon(partial(dispatcher.chat, body(f"b{i}"), tenant="b", tier=Tier.STANDARD))
+            await anyio.sleep(0.01)
+    order = [label[0] for label in backend.started[1:]]
+    assert order.index("a") <= 1, order
+    # The rate: 13 calls of a few tokens a second, not the refused prompt's 10,000 with them.
+    assert dispatcher.statistics().service_rate < 100
+
+
 async def test_a_call_is_charged_its_tenants_recent_output_when_it_takes_its_place():
     """VTC with length prediction: after a call of 7 output tokens, the tenant's next call is
     charged 7 up front, so its calls in flight count in its counter; chunks within the

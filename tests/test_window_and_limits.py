@@ -350,6 +350,27 @@ async def test_batch_call_is_shed_when_its_predicted_wait_exceeds_its_ttft_objec
 
 
 @pytest.mark.anyio
+async def test_an_invalid_batch_call_is_refused_as_invalid_not_shed():
+    """A batch call with max_tokens 0 under a backlog was shed (Overloaded, a 503 with
+    Retry-After through `ctx.openai`): its client waited and sent it again, to be shed again or
+    told at last that the call itself was wrong, and each try counted as a shed call."""
+    from fleetsched.errors import InvalidRequest
+
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, shed_after_s={"bulk": 5.0})
+    async with anyio.create_task_group() as warm:  # measure the service rate
+        for _ in range(4):
+            warm.start_soon(partial(dispatcher.chat, body("warm"), tenant="bulk", tier=Tier.BATCH))
+    async with anyio.create_task_group() as tg:
+        for _ in range(12):  # twelve seconds of work queued
+            tg.start_soon(partial(dispatcher.chat, body("queued"), tenant="std", tier=Tier.STANDARD))
+        await anyio.sleep(0.5)
+        with pytest.raises(InvalidRequest, match="max_tokens"):
+            await dispatcher.chat(body("wrong", max_tokens=0), tenant="bulk", tier=Tier.BATCH)
+    assert dispatcher.statistics().shed == 0
+
+
+@pytest.mark.anyio
 async def test_the_wait_predicted_after_the_first_calls_end_counts_their_output():
     """The first calls are charged no output (no call has ended to predict it from), the later
     ones their predicted output: a service rate measured in the first calls' costs made the

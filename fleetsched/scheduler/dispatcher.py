@@ -342,6 +342,9 @@ class Dispatcher:
             await anyio.lowlevel.checkpoint()
             raise DeadlineExceeded(f"session {session} made a model call {now - deadline:.3f} s after its deadline")
         estimate = estimate_prompt_tokens(body)
+        # Read before the shed: a call refused for its body is told so at once, not told to
+        # retry after a wait (and counted as shed) as long as a backlog lasts.
+        max_tokens = requested_max_tokens(body)
         if tier in self._shed_tiers and tenant in self._shed_after_s:
             wait = self.predicted_wait_s(tier)
             if wait > self._shed_after_s[tenant]:
@@ -352,7 +355,6 @@ class Dispatcher:
                     f"its TTFT objective of {self._shed_after_s[tenant]:.1f} s",
                     retry_after_s=wait,
                 )
-        max_tokens = requested_max_tokens(body)
         tokens = estimate + max_tokens
         if self._limits is not None:
             wait = self._limits.try_take(tenant, tokens, now)
@@ -388,6 +390,9 @@ class Dispatcher:
         # (counted by chunks, an estimate at `stream_interval` a chunk: never over the usage's).
         counted = record.prompt_tokens or record.completion_tokens
         output = record.completion_tokens if counted else record.streamed
+        # Failed with nothing made (refused by the engine, no server up or free): its prompt was
+        # served to no one, and is taken back from the tenant's limits, counter and the rate.
+        nothing_made = not counted and not output and record.error in _NOTHING_MADE
         if self._limits is not None:
             # Charged up front: the prompt's estimate and max_tokens. Output not received is not
             # charged, whether the call failed or not; a prompt the engine counted longer than
@@ -399,7 +404,7 @@ class Dispatcher:
             # as invalid gets its request back too: only a fixed call would use it.
             if counted:
                 prompt = record.prompt_tokens
-            elif record.error in _NOTHING_MADE and not output:
+            elif nothing_made:
                 prompt = 0
             else:
                 prompt = estimate
@@ -410,7 +415,9 @@ class Dispatcher:
         # output stands for. Not its own predicted output: the first calls are predicted none (no
         # call has ended yet), and a rate measured in their costs read the next backlog, charged
         # its output, as 20 times longer than it was (batch calls shed, Retry-After 187 s).
-        self._measure_rate(now, estimate * INPUT_WEIGHT + output * OUTPUT_WEIGHT)
+        # A call that failed with nothing made served nothing: counted, one refused prompt of
+        # 10,000 tokens read as that much work done, and the waits predicted from the rate shrank.
+        self._measure_rate(now, 0.0 if nothing_made else estimate * INPUT_WEIGHT + output * OUTPUT_WEIGHT)
         # Correct what was charged (the prompt estimate, and the larger of the predicted output
         # and the output streamed) to what the call used: the usage's counts, or for a call cut
         # short, the output it received.
@@ -420,6 +427,11 @@ class Dispatcher:
             share = record.completion_tokens / max(1, record.max_tokens)
             self._output_share[record.tenant] = _running_mean(self._output_share.get(record.tenant), share)
             self._any_output_share = _running_mean(self._any_output_share, share)
+        elif nothing_made:
+            # Its prompt estimate too comes off the counter: left charged, one prompt over the
+            # context (refused at once) put its tenant's next calls behind the other tenants'
+            # for as long as serving 10,000 tokens of theirs took.
+            used = -estimate * INPUT_WEIGHT
         else:
             used = output * OUTPUT_WEIGHT
         self._queue.charge(record.tenant, used - charged_output * OUTPUT_WEIGHT, record.tier)
