@@ -9,11 +9,13 @@ in the library reads the environment.
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import re
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Literal
+from types import UnionType
+from typing import Annotated, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -181,7 +183,8 @@ class SchedulerSettings(_Section):
     drain_grace_s: float = Field(30.0, ge=0)
     """On leaving the scheduler, running sessions get this long to finish before cancellation."""
     session_memory: Bytes = ByteSize(1 << 30)
-    """Memory a session reserves when neither submit() nor its tenant says."""
+    """Memory a session reserves when neither submit() nor its tenant says (with
+    ``[resources.kv_cache]``, the KV bytes of its ``context_tokens`` instead: not set then)."""
     tool_policy: Literal["keep", "release", "adaptive"] = "adaptive"
     """While a session is in a tool: keep its slot and memory, release them to waiting sessions,
     or decide per call from the tool's learned durations and the admission pressure."""
@@ -655,6 +658,13 @@ class Settings(BaseSettings):
             )
         if self.resources.kv_cache is not None and self.backend.kind == "instant":
             raise ValueError("resources.kv_cache: the instant backend has no KV cache to size the memory pool from")
+        if self.resources.kv_cache is not None and "session_memory" in self.scheduler.model_fields_set:
+            # The scheduler's default is the KV bytes of context_tokens then: the value given was
+            # left unused without a word (sessions of 224 MiB where 100MB was asked).
+            raise ValueError(
+                "scheduler.session_memory: not used with [resources.kv_cache], where a session reserves the KV bytes "
+                "of resources.kv_cache.context_tokens; set context_tokens, or a tenant's or an agent mix's session_memory"
+            )
         for i, mix in enumerate(self.workload.agents):
             if mix.tenant not in self.tenants:
                 raise ValueError(
@@ -772,6 +782,42 @@ def _nested_environment() -> list[tuple[str, str, str]]:
     return found
 
 
+def _unparsed_json(section: str) -> list[str]:
+    """The ``FLEETSCHED_<SECTION>__...`` variables of `section` that set a list or a table
+    (which is written as JSON) with a value that is not JSON."""
+    found = []
+    for name, variable_section, rest in _nested_environment():
+        if variable_section != section or not os.environ[name].strip():  # empty: pydantic names the key
+            continue
+        annotation: object = Settings.model_fields[section].annotation
+        for part in rest.split("__"):
+            annotation = _container(annotation)
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel) and part in annotation.model_fields:
+                annotation = annotation.model_fields[part].annotation
+            elif get_origin(annotation) is dict:
+                annotation = get_args(annotation)[1]
+            else:
+                break
+        else:
+            annotation = _container(annotation)
+            if get_origin(annotation) in (list, dict) or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+                try:
+                    json.loads(os.environ[name])
+                except ValueError:
+                    found.append(name)
+    return found
+
+
+def _container(annotation: object) -> object:
+    """`annotation` without ``| None`` and ``Annotated[...]``."""
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if isinstance(annotation, UnionType):
+        kinds = [kind for kind in get_args(annotation) if kind is not type(None)]
+        annotation = kinds[0] if len(kinds) == 1 else annotation
+    return annotation
+
+
 def load_settings(path: str | Path | None = None, **overrides: object) -> Settings:
     """Read settings from `path` (or ./fleetsched.toml), the environment and `overrides`.
 
@@ -807,7 +853,9 @@ def load_settings(path: str | Path | None = None, **overrides: object) -> Settin
         if section:  # the section's own variable (the whole section as JSON), or one of its keys'
             variable = f"FLEETSCHED_{section[1].upper()}"
             if not any(name.upper() == variable for name in os.environ):
-                variable += "__..."
+                # Named, where it can be found: "FLEETSCHED_BACKEND__..." left the reader to guess
+                # which of the section's variables it was.
+                variable = next(iter(_unparsed_json(section[1])), variable + "__...")
         raise ConfigError(
             variable,
             f"an environment variable of this section does not parse: {exc.__cause__ or exc} "

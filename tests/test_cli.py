@@ -124,7 +124,7 @@ def test_an_environment_list_that_is_not_json_names_the_variable():
     # It was reported as an error of the TOML file, which was fine.
     done = fleetsched("run", "examples/quickstart.toml", env={"FLEETSCHED_BACKEND__URLS": "http://host:8000"})
     assert done.returncode == 2
-    assert "config error: FLEETSCHED_BACKEND__...: an environment variable of this section does not parse" in done.stderr
+    assert "config error: FLEETSCHED_BACKEND__URLS: an environment variable of this section does not parse" in done.stderr
     # A whole section as JSON is named as set (it read FLEETSCHED_SCHEDULER__...).
     done = fleetsched("run", "examples/quickstart.toml", env={"FLEETSCHED_SCHEDULER": "notjson"})
     assert done.returncode == 2 and "config error: FLEETSCHED_SCHEDULER: an environment variable" in done.stderr

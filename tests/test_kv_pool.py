@@ -312,3 +312,28 @@ async def test_sessions_are_spread_over_the_replicas_and_come_back_to_theirs_aft
             await handle
     await backend.aclose()
     assert after_tool == [("r0", "r0")] * 3, after_tool
+
+
+def test_a_scheduler_session_memory_beside_the_kv_cache_is_refused(tiny_config, tmp_path, monkeypatch, capsys):
+    """With [resources.kv_cache] a session reserves the KV bytes of context_tokens: a
+    scheduler.session_memory given beside it was left unused without a word (sessions of 1 MiB
+    where 100 KB was asked, so fewer ran at once than the config said)."""
+    with pytest.raises(ValidationError, match=r"scheduler.session_memory: not used with \[resources.kv_cache\]"):
+        Settings(
+            backend={"kind": "sim", "sim": {"kv_cache_tokens": 8192, "block_size": 128, "max_model_len": 1024}},
+            resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 512}},
+            scheduler={"session_memory": "100KB"},
+        )
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[backend.sim]\nkv_cache_tokens = 8192\nblock_size = 128\nmax_model_len = 1024\n'
+        f'[resources.kv_cache]\nconfig = "{tiny_config}"\ncontext_tokens = 512\n'
+        '[[workload.agents]]\ntenant = "default"\ncount = 2\nturns = 1\n'
+    )
+    monkeypatch.setenv("FLEETSCHED_SCHEDULER__SESSION_MEMORY", "100KB")
+    assert simulate.main([str(config)]) == 2
+    assert "fleetsched simulate: config error: scheduler.session_memory: not used with [resources.kv_cache]" in capsys.readouterr().err
+    # Set for a tenant (or an agent mix) it is used, as documented.
+    monkeypatch.delenv("FLEETSCHED_SCHEDULER__SESSION_MEMORY")
+    monkeypatch.setenv("FLEETSCHED_TENANTS__DEFAULT__SESSION_MEMORY", "100KB")
+    assert load_settings(config).tenants["default"].session_memory == 100_000

@@ -183,6 +183,23 @@ def test_a_variable_with_one_underscore_after_its_section_is_refused(monkeypatch
     monkeypatch.setenv("FLEETSCHED_TINY_MODEL", "/m")  # the scripts' own
     load_settings()
 
+def test_an_environment_list_that_is_not_json_is_named_by_its_variable(monkeypatch, tmp_path):
+    # It was named "FLEETSCHED_TENANTS__...": which of the section's variables, the reader guessed.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLEETSCHED_TENANTS__ACME__WEIGHT", "2")  # a number is not JSON to parse
+    monkeypatch.setenv("FLEETSCHED_TENANTS__ACME__API_KEYS", "sha256:" + "0" * 64)  # a list, unquoted
+    error = refused()
+    assert error.key == "FLEETSCHED_TENANTS__ACME__API_KEYS"
+    assert error.reason.startswith("an environment variable of this section does not parse")
+    monkeypatch.setenv("FLEETSCHED_TENANTS__ACME__API_KEYS", '["sha256:' + "0" * 64 + '"]')
+    monkeypatch.setenv("FLEETSCHED_BACKEND__MODEL", "m")
+    monkeypatch.setenv("FLEETSCHED_BACKEND__URLS", "http://gpu0:8000")
+    assert refused().key == "FLEETSCHED_BACKEND__URLS"
+    monkeypatch.setenv("FLEETSCHED_BACKEND__URLS", '["http://gpu0:8000"]')
+    monkeypatch.setenv("FLEETSCHED_DISPATCH__MIN_SHARE", "batch=0.2")  # a table, unquoted
+    assert refused().key == "FLEETSCHED_DISPATCH__MIN_SHARE"
+
+
 def test_a_config_path_that_is_a_directory_says_so(tmp_path):
     # It read "no such file: DIR", of a path that exists.
     with pytest.raises(ConfigError, match="a directory, not a TOML file"):
