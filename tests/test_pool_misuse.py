@@ -382,3 +382,30 @@ def test_a_shrink_is_allowed_while_a_lowered_quota_is_still_below_what_is_held(k
     with pytest.raises(QuotaExceeded):
         r.resize_nowait(5 * MB)  # growing past the quota is still refused
     assert r.nbytes == 4 * MB and pool.statistics().allocated == 4 * MB
+
+
+def test_an_async_move_callback_is_refused_instead_of_moving_data_nobody_copies():
+    """Before: an ``async def`` move callback (natural in an AnyIO program) was taken and called
+    without being awaited: the pool moved reservations whose data nobody copied, with at most a
+    "never awaited" warning. It is refused where it is given, and one that returns an awaitable
+    all the same (a lambda around the async function) has its move undone."""
+
+    async def copy(r, move) -> None:
+        raise AssertionError("never runs")
+
+    for give in (
+        lambda: ExtentPool([DeviceSpec("g", 8 * MB)], page_size=MB, move_callback=copy),
+        lambda: ExtentPool([DeviceSpec("g", 8 * MB)], page_size=MB).set_move_callback(copy),
+        lambda: ExtentPool([DeviceSpec("g", 8 * MB)], page_size=MB).set_move_callback("copy"),
+        lambda: ExtentPool([DeviceSpec("g", 8 * MB)], page_size=MB).apply_plan(holey_pool()[0].plan_compaction(), copy),
+    ):
+        with pytest.raises(TypeError, match="^move callback: expected a function that copies"):
+            give()
+    pool, held = holey_pool()
+    pool.set_move_callback(lambda r, move: copy(r, move))
+    plan = pool.plan_compaction(threshold=0.0)
+    assert plan.moves
+    with pytest.raises(TypeError, match="returned an awaitable"):
+        pool.apply_plan(plan)
+    assert held[2].offset == 2 * MB  # not moved: its data is where it was
+    accounts_agree(pool)

@@ -39,6 +39,7 @@ so its owner can copy the data: those above, and a grow that must move (`resize_
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -105,7 +106,7 @@ class ExtentPool(MemoryPool):
         #: a hole left halfway waits for the next call. None: no limit.
         self.settle_moves = settle_moves
         self._holes: deque[tuple[str, int]] = deque()  # (device, a page of the hole) to settle
-        self._move_callback = move_callback
+        self._move_callback = _check_move_callback(move_callback)
         self._compacting = False
         #: Times the pool looked for moves (to place a request, or past its threshold), moving or not.
         self.compaction_searches = 0
@@ -145,8 +146,10 @@ class ExtentPool(MemoryPool):
         `move` gives pages (multiply by `page_size`); the reservation still has its old `offset`
         during the call and the new one after. If the callback raises, that move is undone and the
         exception propagates out of the call that moved it (a reserve, a release or a resize).
+        TypeError for what is not a plain function (an ``async def`` one would never run: the
+        pool moves in its synchronous calls).
         """
-        self._move_callback = callback
+        self._move_callback = _check_move_callback(callback)
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -280,7 +283,11 @@ class ExtentPool(MemoryPool):
         """Call a move callback; meanwhile the pool refuses changes (the move is half made)."""
         self._moving = True
         try:
-            callback(r, move)
+            copied = callback(r, move)
+            if inspect.isawaitable(copied):  # an async callback's copy would run after the pages are reused, if ever
+                if inspect.iscoroutine(copied):
+                    copied.close()  # not awaited, on purpose: no "never awaited" warning
+                raise TypeError(f"move callback {callback!r:.80} returned an awaitable: it must copy the data before it returns")
         finally:
             self._moving = False
 
@@ -629,11 +636,12 @@ class ExtentPool(MemoryPool):
         where the plan found it, or its destination is no longer free. If the callback raises,
         that move is not made and the exception propagates; earlier moves stay made. Waiters are
         served and release listeners called afterwards, since larger holes may now exist. Raises
-        RuntimeError when called from inside a move callback (that move is half made).
+        RuntimeError when called from inside a move callback (that move is half made), TypeError
+        for a `move_callback` that is not a plain function (see `set_move_callback`).
         """
         self._check_not_moving("applying a compaction plan")
         applied = skipped = moved = 0
-        move_callback = move_callback or self._move_callback
+        move_callback = _check_move_callback(move_callback) or self._move_callback
         try:
             for move in plan.moves:
                 r = move.key
@@ -685,3 +693,14 @@ class ExtentPool(MemoryPool):
             and r.offset == move.src * self.page_size
             and r.size == move.length * self.page_size
         )
+
+
+def _check_move_callback(callback: Callable[[Reservation, Move], None] | None) -> Callable[[Reservation, Move], None] | None:
+    """`callback` if it is None or a plain function; TypeError otherwise. An ``async def`` one was
+    taken and called without being awaited: the pool moved reservations whose data nobody copied."""
+    if callback is not None and (not callable(callback) or inspect.iscoroutinefunction(callback)):
+        raise TypeError(
+            f"move callback: expected a function that copies the data before it returns, got {callback!r:.80}"
+            + (" (an async function: the pool moves inside its synchronous calls)" if callable(callback) else "")
+        )
+    return callback

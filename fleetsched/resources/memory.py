@@ -409,7 +409,9 @@ class MemoryPool(ABC):
             self._serve_after_partial_moves(moves)
             raise
         if reservation is None:
-            raise WouldBlock(f"no device has {nbytes:,} contiguous bytes free")
+            # Not "contiguous bytes free": a buddy or size-class pool may have them and still refuse
+            # the request, rounded up to its block or class.
+            raise WouldBlock(f"no device has room for {nbytes:,} bytes now")
         try:
             self._took_quota(tenant, held_before)
         except BaseException:  # a move callback or listener raised: the caller gets no reservation
