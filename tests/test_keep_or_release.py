@@ -467,3 +467,37 @@ async def test_a_model_call_inside_a_tool_ends_its_idleness_until_the_tool_ends(
         assert await scheduler.run(agent, tenant="acme") == 1
     assert seen == [(False, True)]
     check_released(scheduler)
+
+
+@pytest.mark.anyio
+async def test_a_session_back_from_a_tool_keeps_the_aging_of_its_tenant_s_waiting_sessions():
+    """A batch session waited from 1 s behind critical ones, due in at 121 s (two aging periods).
+    Another batch session came back from a tool at 100 s and went ahead of it, as a returning
+    session does: the tenant's queue then aged from 100 s, and both waited until 220 s."""
+    s = settings(
+        {"crit": {"tier": "critical"}, "bat": {"tier": "batch"}},
+        scheduler={"max_sessions": 1, "aging_s": 60, "tool_policy": "release"},
+    )
+    order = []
+
+    async def returning(ctx):
+        async with ctx.tool("t"):  # parks at once: the critical sessions take the slot
+            await anyio.sleep(100)
+        order.append(("returning", anyio.current_time()))
+
+    async def waiting(ctx):
+        order.append(("waiting", anyio.current_time()))
+
+    async with Scheduler(s) as scheduler:
+        back = await scheduler.submit(returning, tenant="bat")
+        await anyio.sleep(0.5)
+        crits = [await scheduler.submit(sleeper(10, [], "crit"), tenant="crit") for _ in range(30)]
+        await anyio.sleep(0.5)
+        new = await scheduler.submit(waiting, tenant="bat")
+        await back
+        await new
+        for handle in crits:
+            handle.cancel()
+    assert order == [("returning", 130.5), ("waiting", 130.5)]
+    assert back.counters.readmit_wait_s == pytest.approx(30.5)  # from its return, not the inherited wait
+    check_released(scheduler)

@@ -252,6 +252,41 @@ async def test_tools_of_two_tasks_of_one_session_are_readmitted_once(slots, b_st
     check_released(scheduler)
 
 
+async def test_a_tool_begun_while_another_task_waits_to_be_readmitted_parks_once_it_is():
+    """Task "fg" left its tool at 5 s and waited to be re-admitted behind a session holding the
+    only slot until 10 s; task "bg" began a 60-s tool at 6 s, while the session was parked (its
+    park came to nothing then). Re-admitted at 10 s, the session kept its slot through bg's whole
+    tool (release policy), the session queued at 8 s waiting until 66 s, and its activity read
+    "thinking"."""
+    seen = []
+
+    async def agent(ctx):
+        async def background():
+            await anyio.sleep(6)
+            async with ctx.tool("bg"):
+                await anyio.sleep(60)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(background)
+            async with ctx.tool("fg"):  # parks at once
+                await anyio.sleep(5)
+            seen.append(("fg back", anyio.current_time(), ctx._handle.activity))
+
+    async def other(ctx):
+        seen.append(("other", anyio.current_time()))
+
+    async with Scheduler(one_slot(tool_policy="release")) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        await anyio.sleep(0.1)
+        await scheduler.submit(await hold(10), tenant="acme")  # takes the slot the tool lends
+        await anyio.sleep(8)
+        await scheduler.submit(other, tenant="acme")
+        await handle
+    assert seen == [("fg back", 10.1, "tool"), ("other", 10.1)]
+    assert handle.parked_count == 2
+    check_released(scheduler)
+
+
 async def test_a_model_call_inside_a_tool_waits_for_the_parked_session_to_be_readmitted():
     """A tool that is itself a model call (a sub-agent): the parked session is re-admitted first,
     so two sessions never have calls in flight on one slot."""

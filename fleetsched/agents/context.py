@@ -253,7 +253,8 @@ class SessionContext:
             handle.counters.tool_s += seconds
             if self._pace is not None:
                 await self._pace.tool_finished(handle, self._tool_name, seconds, readmit=readmit, complete=complete)
-            handle.activity = THINKING
+            # Another task may have begun a tool period while this one waited to be re-admitted.
+            handle.activity = TOOL if self._tools_open else THINKING
 
     def _check_live(self) -> None:
         handle = self._handle

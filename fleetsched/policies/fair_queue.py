@@ -149,6 +149,12 @@ class FairQueue:
             ahead = min(ahead, max(0.0, owed))
         return ahead
 
+    def head(self, tenant: str, tier: int) -> Entry | None:
+        """The live entry of `tenant` in band `tier` that goes first (the one whose wait ages
+        that queue), or None if none waits."""
+        queue = self._queues.get((tenant, tier))
+        return queue.head() if queue is not None and queue.live else None
+
     def queued_by(self) -> dict[tuple[str, int], int]:
         """Number of live entries per (tenant, tier)."""
         return {key: q.live for key, q in self._queues.items() if q.live}

@@ -839,6 +839,11 @@ class Scheduler:
                     await anyio.lowlevel.checkpoint_if_cancelled()
                     raise SchedulerClosed(f"{handle.name} is parked in a tool and the scheduler is closing: it makes no more model calls")
                 await self._readmit(handle)
+            # Another task of the session began a tool period while this one waited: the session,
+            # parked then, could not park for it, and kept its slot through the whole tool.
+            tool = self._in_tool.get(handle)
+            if tool is not None and handle._holds_slot and handle._park_timer is None:
+                self._plan_park(handle, tool[0], tool[1], anyio.current_time())
 
     def call_ended(self, handle: SessionHandle) -> None:
         """The last model call under way of `handle` ended while one of its tasks is in a tool
@@ -881,8 +886,14 @@ class Scheduler:
         handle._readmit = granted = anyio.Event()
         # deadline -1 sorts before new sessions (deadline 0) of the tenant. It arrives now: aging
         # counts the time it waits, not its life (a batch session back from a tool after 215 s
-        # was promoted past critical sessions that had waited 16 s).
-        entry = Entry(handle.tenant, int(handle.tier), anyio.current_time(), handle, deadline=-1.0)
+        # was promoted past critical sessions that had waited 16 s). But it goes ahead of the
+        # sessions of its tenant already waiting, and a queue ages by its head: it keeps the
+        # wait of the head it displaces (arriving now, it took away their aging, and a batch
+        # session waiting since 1 s, due in at 121 s, waited until 220 s behind it).
+        now = anyio.current_time()
+        head = self._queue.head(handle.tenant, int(handle.tier))
+        arrival = now if head is None else min(now, head.arrival)
+        entry = Entry(handle.tenant, int(handle.tier), arrival, handle, deadline=-1.0)
         handle._readmit_entry = self._push(entry)
         try:
             await granted.wait()  # _resume may have set it already, during _push above
@@ -892,7 +903,7 @@ class Scheduler:
             self._admit_ready()  # it may have headed the queue, holding back sessions that fit
             raise
         finally:  # queued again: a deadline missed here is the queue's, not the engine's
-            handle.counters.readmit_wait_s += anyio.current_time() - entry.arrival
+            handle.counters.readmit_wait_s += anyio.current_time() - now
         error, handle._readmit_error = handle._readmit_error, None
         if error is not None:
             raise error
