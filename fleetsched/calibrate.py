@@ -157,6 +157,12 @@ def _read_chunk(data: str) -> tuple[bool, tuple[int, int] | None]:
         chunk = json.loads(data)
     except ValueError:
         raise RuntimeError(f"the server streamed a line that is not JSON: {_excerpt(data)}") from None
+    if isinstance(chunk, dict) and "error" in chunk and "choices" not in chunk:
+        # vLLM reports a failure mid-stream so (its engine died, say), then [DONE]: it was told
+        # "the server answered no tokens or no usage", and vLLM's own message was lost.
+        error = chunk["error"]
+        message = error.get("message", error) if isinstance(error, dict) else error
+        raise RuntimeError(f"the server streamed an error: {_excerpt(str(message))}")
     not_openai = f"the server streamed a chunk that is not an OpenAI completion chunk: {_excerpt(data)}"
     try:
         has_text = any(choice.get("text") for choice in chunk.get("choices") or [])
@@ -413,6 +419,11 @@ def _out_file(text: str) -> str:
     a directory, and the profile would be written to a file of the directory's name."""
     if text.endswith(("/", os.sep)):
         raise argparse.ArgumentTypeError(f"{text!r} ends in a slash: it names a directory, not a file")
+    # `--profile` and `backend.sim.profile` read a name as a file only when it ends in .toml (else
+    # it names a shipped profile): a profile written to "gpu" or "p.TOML" then failed to load
+    # with "no sim profile ...: give a TOML file".
+    if Path(text).suffix != ".toml":
+        raise argparse.ArgumentTypeError(f"{text!r} does not end in .toml: simulate loads a profile file only by that name")
     return writable_file(text)
 
 

@@ -254,3 +254,16 @@ def test_shapes_past_the_servers_context_length_are_refused_before_the_sweep(tmp
     ]
     assert _ListsAContextLength.posts == []
     assert not (tmp_path / "p.toml").exists()
+
+
+def test_an_error_the_server_streams_is_reported_in_its_words(tmp_path, capsys):
+    """vLLM streams a failure after its 200 as an event (its engine killed mid-sweep: what the real
+    server sent, then [DONE]). Before: "the server answered no tokens or no usage for a 8-token
+    request", the server's message lost."""
+    message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+    event = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}})
+    out = tmp_path / "p.toml"
+    with _http_server(_streaming(TEXT, event)) as url:
+        assert _calibrate(url, str(out)) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"fleetsched calibrate: {url}: the server streamed an error: {message}"]
+    assert not out.exists()

@@ -104,6 +104,10 @@ def test_nnls_clamps_at_zero():
         ("--url", "http://[::1", "not a URL"),
         ("--url", "127.0.0.1:8000", "expected http://host:port or https://host:port"),
         ("--out", "/nonexistent/p.toml", "no directory '/nonexistent'"),
+        # Before: written, and `simulate --profile` then took the name for a shipped profile's
+        # ("no sim profile 'profile': give a TOML file or one of ...").
+        ("--out", "profile", "'profile' does not end in .toml: simulate loads a profile file only by that name"),
+        ("--out", "p.TOML", "'p.TOML' does not end in .toml"),
         # Before: an OverflowError traceback from the connect, pydantic ValidationError tracebacks,
         # and a MemoryError traceback once the sweep was done (its measurements lost).
         ("--url", "http://127.0.0.1:99999", "argument --url: expected http://host:port or https://host:port"),
@@ -360,15 +364,17 @@ def test_calibrate_sends_the_api_key_a_server_asks_for(tmp_path, capsys, monkeyp
 
 
 @pytest.mark.vllm
-def test_calibrate_prints_the_profile_it_cannot_write(vllm_server, capsys):
+def test_calibrate_prints_the_profile_it_cannot_write(vllm_server, capsys, tmp_path):
     """--out is checked before the sweep, but a write can still fail after it (/dev/full: ENOSPC,
     for any user). Before: an OSError traceback, and the sweep's measurements were lost."""
     # Two loads and answers long enough to show decoding: one point of 4 tokens (the sweep it
     # had) could fit a profile of steps taking no time, which is refused before the write.
-    args = ["--url", vllm_server.url, "--out", "/dev/full", "--concurrency", "1,4", "--shapes", "16:32", "--rounds", "1", "--repeats", "1"]
+    full = tmp_path / "full.toml"  # a profile's name, on /dev/full
+    full.symlink_to("/dev/full")
+    args = ["--url", vllm_server.url, "--out", str(full), "--concurrency", "1,4", "--shapes", "16:32", "--rounds", "1", "--repeats", "1"]
     assert calibrate_main(args) == 1
     out, err = capsys.readouterr()
-    assert "fleetsched calibrate: cannot write /dev/full: [Errno 28] No space left on device" in err and "Traceback" not in err
+    assert f"fleetsched calibrate: cannot write {full}: [Errno 28] No space left on device" in err and "Traceback" not in err
     assert "[sim]" in out and "step_base_s = " in out
 
 
