@@ -365,6 +365,28 @@ def test_serve_hash_key_of_an_empty_key_is_a_usage_error_not_a_server():
     assert done.returncode == 2 and "argument --hash-key: the key is empty" in done.stderr, done.stderr[-500:]
 
 
+def test_serve_hash_key_refuses_a_key_no_client_could_present(capsys):
+    """A key with white space at an end (a key file saved with CRLF, read with "$(cat key)",
+    keeps its "\\r") was hashed as given, but the gateway trims the Authorization header: the
+    tenant got 401 whatever it sent. A key that is not UTF-8 was a UnicodeEncodeError's
+    traceback; it is hashed from its bytes, as the gateway reads a header's."""
+    from fleetsched.gateway.auth import KeyRing, hash_key
+    from fleetsched.gateway.server import main
+    from fleetsched.settings import TenantSettings
+
+    for key in ("fs-key\r", " fs-key", "fs-key\t"):
+        with pytest.raises(SystemExit) as exited:
+            main(["--hash-key", key])
+        assert exited.value.code == 2
+        assert "argument --hash-key: the key begins or ends with white space" in capsys.readouterr().err
+    key = b"fs-\xff-key".decode("utf-8", "surrogateescape")  # as Python reads such a byte of argv
+    assert main(["--hash-key", key]) == 0
+    stored = capsys.readouterr().out.strip()
+    ring = KeyRing({"acme": TenantSettings(api_keys=[stored])})
+    assert ring.identify_header(b"Bearer fs-\xff-key").tenant == "acme"
+    assert hash_key("fs-clé") == hash_key(b"fs-cl\xc3\xa9".decode("utf-8", "surrogateescape"))
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -1147,6 +1147,40 @@ def test_a_completions_stream_that_fails_is_answered_as_a_chat_stream_would_be()
             assert response.status_code == 200 and "live" in response.text, response.text
 
 
+def test_a_text_completion_cut_off_mid_answer_says_so():
+    """A vLLM server killed while it streams a text completion: the error (a 502, or the error
+    event of a stream under way) said "cannot reach vLLM replica r0" though the replica had
+    answered, where a chat call's says it broke off the answer."""
+    import httpx2
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "text": "Once", "logprobs": None, "finish_reason": None}]}  # fmt: skip
+
+    class CutStream(httpx2.AsyncByteStream):
+        async def __aiter__(self):
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            raise httpx2.RemoteProtocolError("peer closed connection without sending complete message body (incomplete chunked read)")
+
+    def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            return httpx2.Response(200, stream=CutStream(), headers={"content-type": "text/event-stream"})
+
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler)))
+
+    metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    backend = VLLMServerBackend({"r0": "http://r0.invalid:8000"}, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
+    with serve_in_thread(gateway_settings(), backend=backend) as (_, url):
+        headers = {"authorization": f"Bearer {ACME}"}
+        plain = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, headers=headers, timeout=10)
+        streamed = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}, headers=headers, timeout=10)
+    assert plain.status_code == 502 and streamed.status_code == 200 and '"text":"Once"' in streamed.text
+    event = json.loads(next(line for line in streamed.text.splitlines() if '"error"' in line).removeprefix("data: "))
+    for message in (plain.json()["error"]["message"], event["error"]["message"]):
+        assert message.startswith("vLLM replica r0 broke off the answer after 1 chunks: peer closed connection"), message
+
+
 def test_a_refusal_vllm_reports_in_its_stream_keeps_the_field_it_names():
     """vLLM reports some refusals in a stream it began with 200 (a logit_bias token out of the
     vocabulary, top_logprobs over --max-logprobs: ``{"error": {..., "param": "logit_bias",
@@ -1692,6 +1726,26 @@ def test_a_body_of_exactly_max_body_bytes_is_served():
         headers = {"authorization": f"Bearer {ACME}", "content-type": "application/json"}
         assert httpx.post(url + "/v1/chat/completions", content=body, headers=headers).status_code == 200
         assert httpx.post(url + "/v1/chat/completions", content=body + b" ", headers=headers).status_code == 413
+
+
+def test_a_compressed_body_is_refused_naming_its_content_encoding():
+    """A gzip-compressed body (``Content-Encoding: gzip``, which some HTTP clients and proxies
+    send) is not decoded: it was refused as "the body is not valid JSON: 'utf-8' codec can't
+    decode byte 0x8b", naming no cause. It is a 415 naming the encoding (the limit on the body
+    holds either way: nothing is decompressed); an identity encoding is served."""
+    import gzip
+
+    body = json.dumps({"messages": MSG, "max_tokens": 1}).encode()
+    headers = {"authorization": f"Bearer {ACME}", "content-type": "application/json"}
+    with serve_in_thread(gateway_settings()) as (gateway, url):
+        answer = httpx.post(url + "/v1/chat/completions", content=gzip.compress(body), headers={**headers, "content-encoding": "gzip"})
+        assert answer.status_code == 415, answer.text
+        error = answer.json()["error"]
+        assert "Content-Encoding" in error["message"] and "gzip" in error["message"] and error["param"] == "Content-Encoding"
+        assert answer.headers["accept-encoding"] == "identity"
+        assert gateway.metrics.requests[("acme", "chat", 415)] == 1
+        plain = httpx.post(url + "/v1/chat/completions", content=body, headers={**headers, "content-encoding": "identity"})
+        assert plain.status_code == 200
 
 
 def test_remaining_tokens_never_go_below_zero_in_the_headers():

@@ -403,6 +403,13 @@ class Gateway:
         client went away)."""
         tenant, tenant_settings = identity.tenant, identity.settings
         assert tenant is not None and tenant_settings is not None
+        # The body is read as sent, never decompressed: a gzip body was refused as "not valid
+        # JSON: 'utf-8' codec can't decode byte 0x8b", which named no cause (RFC 9110: a 415).
+        encoding = headers.get(b"content-encoding", b"").strip().lower()
+        if encoding not in (b"", b"identity"):
+            message = f"Content-Encoding: {encoding.decode('latin-1')!r} is not served; send the body uncompressed"
+            answer = error_response(415, message, "invalid_request_error", param="Content-Encoding")
+            return await _send(send, 415, answer.content, headers=[(b"accept-encoding", b"identity")])
         raw = await _read_body(receive, self.settings.gateway.max_body_bytes)
         if raw is None:
             return 0

@@ -22,8 +22,10 @@ PREFIX = "sha256:"
 
 
 def hash_key(key: str) -> str:
-    """The stored form of `key`: ``sha256:<64 hex digits>``."""
-    return PREFIX + hashlib.sha256(key.encode()).hexdigest()
+    """The stored form of `key`: ``sha256:<64 hex digits>``. Hashed from its UTF-8 bytes as
+    `KeyRing.identify` hashes a presented key: bytes that are not UTF-8 (read from argv as
+    surrogates) are hashed as they were given, not a UnicodeEncodeError."""
+    return PREFIX + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def new_key() -> str:

@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.hash_key is not None:  # not its truth: `--hash-key ""` (an unset $KEY) started the server
         if not args.hash_key:
             parser.error("argument --hash-key: the key is empty")
+        # The gateway trims the Authorization header, so such a key's hash matched no client's
+        # (a key file saved with CRLF and read with "$(cat key)" keeps its "\r").
+        if args.hash_key != args.hash_key.strip():
+            parser.error("argument --hash-key: the key begins or ends with white space, which no client can present (the header is trimmed)")
         print(hash_key(args.hash_key))
         return 0
     if args.new_key:
