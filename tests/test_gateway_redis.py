@@ -48,8 +48,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
-    """A Redis server of its own on a free loopback port: its URL and its process."""
+def redis_server(*options: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A Redis server of its own on a free loopback port (with its further command-line
+    `options`): its URL and its process."""
     binary = shutil.which("redis-server")
     if binary is None:
         message = "no redis-server binary: apt-get install -y redis-server"
@@ -59,7 +60,7 @@ def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
     port = _free_port()
     with tempfile.TemporaryDirectory() as workdir:
         process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir, *options],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -69,7 +70,7 @@ def redis_server() -> Iterator[tuple[str, subprocess.Popen]]:
                 try:
                     with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
                         s.sendall(b"PING\r\n")
-                        if s.recv(16).startswith(b"+PONG"):
+                        if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (a password asked: up too)
                             break
                 except OSError:
                     pass
@@ -199,10 +200,11 @@ def test_fair_share_counters_count_the_peers_service(redis_url):
         for _ in range(3):
             client(url_one, ACME).chat.completions.create(model="m", messages=MSG, max_tokens=4)
         queue = two.scheduler.dispatcher._queue
+        # 3 calls of about 4 prompt tokens (weight 1) and 4 completion tokens (weight 2). Each
+        # instance shares its totals at its fair-share sync: a sync between the calls shows part.
         deadline = time.monotonic() + 5
-        while queue.counter("acme") <= 0 and time.monotonic() < deadline:
+        while queue.counter("acme") < 3 * (1 + 4 * 2) and time.monotonic() < deadline:
             time.sleep(0.05)
-        # 3 calls of about 4 prompt tokens (weight 1) and 4 completion tokens (weight 2).
         assert queue.counter("acme") >= 3 * (1 + 4 * 2)
 
 
@@ -341,6 +343,25 @@ def test_a_503_for_the_shared_state_says_what_went_wrong(redis_url):
             message = refused.value.body["message"]
             assert refused.value.status_code == 503 and "shared state (Redis)" in message and reason in message
             assert "127.0.0.1" not in message  # Redis's address is the operator's, not the tenant's
+
+
+def test_a_redis_that_refuses_the_password_is_not_said_to_be_unreachable():
+    """A Redis that asks a password the URL lacks, or refuses the one it names: /health and the
+    503 said "cannot connect to it", and the operator looked for a network fault. They say that
+    Redis refused the connection, and why."""
+    with redis_server("--requirepass", "s3cret") as (url, _):
+        wrong = url.replace("redis://", "redis://:wrong@")
+        for gateway_redis in (url, wrong):
+            with serve_in_thread(gateway_settings(gateway={"redis_url": gateway_redis})) as (_, gateway_url):
+                health = httpx.get(gateway_url + "/health").json()
+                with pytest.raises(openai.APIStatusError) as refused:
+                    client(gateway_url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1)
+            for message in (health["shared_state"], refused.value.body["message"]):
+                assert "Redis) is unavailable: it refused the connection: " in message, message
+                assert "cannot connect" not in message and "s3cret" not in message and "wrong" not in message
+        right = url.replace("redis://", "redis://:s3cret@")
+        with serve_in_thread(gateway_settings(gateway={"redis_url": right})) as (_, gateway_url):
+            assert httpx.get(gateway_url + "/health").json() == {"status": "ok"}
 
 
 def test_a_session_past_its_deadline_is_refused_on_every_instance(redis_url):
@@ -647,6 +668,27 @@ async def test_the_fields_of_a_process_gone_silent_are_dropped_and_its_service_s
             assert not [f for f in fields if f.endswith(a._incarnation)], fields
             assert b"acme\x00" + b._incarnation not in fields  # b served none: none written
         await a.add_usage("acme", 20.0)  # back: its totals so far, written again
+        assert await b.peer_usage() == {"acme": 120.0}
+
+
+async def test_the_usage_counters_of_a_deployment_gone_expire(redis_url, monkeypatch):
+    """Every other key expires (buckets, placements, marks); the usage hash had no expiry, and the
+    one of every deployment retired (or given another redis_prefix) stayed in Redis for good. It
+    expires USAGE_SILENCE_S after its last write, and the peers still count what they read of it."""
+    import redis.asyncio as redis
+
+    from fleetsched.gateway import state
+
+    async with two_instances(redis_url) as (prefix, a, b):
+        await a.add_usage("acme", 100.0)
+        async with redis.Redis.from_url(redis_url) as r:
+            assert 0 < await r.ttl(f"{prefix}:usage") <= state.USAGE_SILENCE_S
+        monkeypatch.setattr(state, "USAGE_SILENCE_S", 1)
+        assert await b.peer_usage() == {"acme": 100.0}
+        await anyio.sleep(1.2)  # neither writes: both gone, say
+        async with redis.Redis.from_url(redis_url) as r:
+            assert not await r.exists(f"{prefix}:usage")
+        await a.add_usage("acme", 20.0)  # back
         assert await b.peer_usage() == {"acme": 120.0}
 
 

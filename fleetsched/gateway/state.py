@@ -43,6 +43,11 @@ class StateUnavailable(FleetschedError):
 
         if isinstance(exc, (errors.TimeoutError, TimeoutError)):
             reason = "it did not answer in time"
+        elif isinstance(exc, (errors.AuthenticationError, errors.AuthorizationError, errors.MaxClientsReachedError)):
+            # Connected, and refused by Redis (no or a wrong password in gateway.redis_url, too
+            # many clients): its own words, not "cannot connect", which sent the operator to
+            # check the network while the password was wrong.
+            reason = f"it refused the connection: {exc}"
         elif isinstance(exc, (errors.ConnectionError, OSError)):
             reason = "cannot connect to it"
         elif isinstance(exc, errors.ResponseError):
@@ -268,10 +273,13 @@ return ARGV[1]
 # NUL + incarnation, on Redis's clock; the fields of one silent for ARGV[2] (a process gone) are
 # dropped, else the hash grew by a field per tenant at every restart, read at every sync. Dropping
 # loses nothing: the readers keep the highest they read, and a process that was only cut off
-# writes its totals again. Returns the hash's fields and values, flat.
+# writes its totals again. The hash itself expires after ARGV[2] without a write (every process
+# gone, a deployment retired or given another prefix): it stayed for good. Its fields would all be
+# dropped by then, so that loses nothing either. Returns the hash's fields and values, flat.
 _SHARE_USAGE = """
 local now = tonumber(redis.call('TIME')[1])
 redis.call('HSET', KEYS[1], '\\0' .. ARGV[1], now)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
 for i = 3, #ARGV, 2 do
   local stored = redis.call('HGET', KEYS[1], ARGV[i])
   if not stored or tonumber(stored) < tonumber(ARGV[i + 1]) then
