@@ -223,6 +223,8 @@ def _main(argv: list[str] | None) -> int:
             for name, text in bench.BENCHMARKS.items():
                 console.print(f"{name:14} {text}")
             return 0
+        if args.help:  # `bench --help NAME` is the benchmark's help; it ran the benchmark, -h ignored
+            return bench.run(args.name, ["--help"])
         return bench.run(args.name, args.rest)
     try:
         settings = _load(args.config, args.backend)

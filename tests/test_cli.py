@@ -417,6 +417,18 @@ def test_bench_help_lists_the_benchmarks(flag, capsys):
     assert "allocator" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_bench_help_before_a_name_is_that_benchmarks_help(flag, capsys):
+    # `fleetsched bench -h overhead` ran the benchmark (10,000 sessions; `-h qos` a real vLLM),
+    # its -h ignored. The options after the name (here one that the run would refuse) are not run.
+    from fleetsched.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["bench", flag, "overhead", "--sessions", "10000000"])
+    assert exited.value.code == 0
+    assert "usage: fleetsched bench overhead" in capsys.readouterr().out
+
+
 def test_tenant_names_are_printed_and_plotted_as_written(tmp_path):
     # "team[/]" is rich markup: the run ended in a MarkupError after its last session, before its
     # report was written. "$a$" is matplotlib math: `fleetsched report` failed to plot.

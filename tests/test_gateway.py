@@ -72,6 +72,15 @@ def test_sync_sdk_chat_and_streaming(url):
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
+def test_continuous_usage_reaches_a_client_that_asks_for_it(url):
+    # vLLM's continuous_usage_stats: the count on every chunk. On the instant backend the client
+    # that asked got it on the last chunk alone (the backend sent none on the answer's chunk).
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client(url).chat.completions.create(model="m", messages=MSG, max_tokens=3, stream=True, stream_options=options))
+    assert chunks[0].choices[0].delta.content == "ok" and chunks[0].usage.completion_tokens == 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
 def test_sync_sdk_completions(url):
     c = client(url)
     reply = c.completions.create(model="m", prompt="Once upon", max_tokens=2)

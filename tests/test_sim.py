@@ -95,6 +95,20 @@ async def test_a_stream_ends_as_vllms_does(make):
     assert answer[-1]["choices"][0]["finish_reason"] in ("length", "stop") and answer[-1]["choices"][0]["delta"]["content"]
 
 
+async def test_the_instant_backend_counts_on_every_chunk_and_ends_a_cut_answer_as_vllm_does():
+    """Asked for usage on every chunk (`include_usage` and `continuous_usage_stats`, as the
+    dispatcher asks every call), vLLM puts the count on the answer's chunks too: the instant
+    backend put it on its last chunk alone, so a gateway client that asked saw none. An answer
+    whose count is cut to max_tokens ends "length", as vLLM's and the sim's do: it said "stop"."""
+    backend = InstantBackend(completion_tokens=16)
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    answer, last = [chunk async for chunk in backend.stream_chat({**body(32, 5), "stream_options": both})]
+    assert answer["usage"] == last["usage"] == {"prompt_tokens": 32, "completion_tokens": 5, "total_tokens": 37}
+    assert answer["choices"][0]["finish_reason"] == "length"
+    whole, last = [chunk async for chunk in backend.stream_chat({**body(32, 100), "stream_options": {"continuous_usage_stats": True}})]
+    assert "usage" not in whole and whole["choices"][0]["finish_reason"] == "stop" and last["usage"]["completion_tokens"] == 16
+
+
 async def test_throughput_grows_with_concurrency():
     settings = flat(step_base_s=0.005, step_per_seq_s=0.0005)
 

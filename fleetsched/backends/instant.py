@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from ..errors import InvalidRequest
-from .base import Backend, ChatBody, Chunk, estimate_prompt_tokens, make_chunk, new_completion_id, requested_max_tokens, usage_dict
+from .base import Backend, ChatBody, Chunk, estimate_prompt_tokens, make_chunk, new_completion_id, requested_max_tokens, usage_dict, wants_continuous_usage
 from .chat_options import check_chat_options
 from .sampling import check_sampling, lax_int
 
@@ -13,7 +13,8 @@ from .sampling import check_sampling, lax_int
 class InstantBackend(Backend):
     """Streams a fixed one-chunk answer without yielding to the event loop.
 
-    `completion_tokens` tokens are reported as produced (capped by the request's max_tokens).
+    `completion_tokens` tokens are reported as produced (capped by the request's max_tokens, the
+    finish reason then "length", as vLLM ends an answer cut at max_tokens).
     """
 
     name = "instant"
@@ -36,5 +37,9 @@ class InstantBackend(Backend):
         check_sampling(body, max_tokens)
         check_chat_options(body)
         n = min(self.completion_tokens, max_tokens)
-        yield make_chunk(cid, model, 0, role="assistant", content=self.text, finish_reason="stop")
+        finish = "length" if n < self.completion_tokens else "stop"  # its usage says max_tokens were made
+        # The count on the answer's chunk too where the call asks for it on every chunk, as vLLM
+        # sends it (the dispatcher always asks; a gateway client asking saw none on this backend).
+        usage = usage_dict(prompt, n) if wants_continuous_usage(body) else None
+        yield make_chunk(cid, model, 0, role="assistant", content=self.text, finish_reason=finish, usage=usage)
         yield make_chunk(cid, model, 0, usage=usage_dict(prompt, n))  # as vLLM: no choices
