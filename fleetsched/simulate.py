@@ -500,6 +500,9 @@ def main(argv: list[str]) -> int:
         else:
             if settings.workload.trace:
                 print("fleetsched simulate: note: workload.trace is replayed without --duration only; ignored", file=sys.stderr)
+                # Ignored by the start-up check too: it noted the trace's sessions (every call of
+                # theirs would fail, say), which the run never ran.
+                settings = settings.model_copy(update={"workload": settings.workload.model_copy(update={"trace": None})})
             if settings.workload.arrival_rate:  # the fleet is held at its count from the start
                 print(
                     "fleetsched simulate: note: workload.arrival_rate is used without --duration only; "

@@ -938,6 +938,20 @@ def test_duration_needs_agents_and_the_search_needs_duration(tmp_path, capsys):
     assert "config error: --duration: --find-max-sessions needs --duration" in capsys.readouterr().err
 
 
+def test_a_trace_ignored_by_duration_is_not_judged_at_the_start(tmp_path, capsys):
+    """--duration holds the config's agents and says the trace is ignored; the start-up check
+    still read the trace and noted its sessions ("every call will fail with ContextTooLong"),
+    sessions the run never ran."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"tenant": "a", "prompt_tokens": 9000000, "turns": 1}\n')
+    config = tmp_path / "both.toml"
+    config.write_text(f'[tenants.a]\n[workload]\ntrace = "{trace}"\n[[workload.agents]]\ntenant = "a"\ncount = 2\nturns = 1\n')
+    assert cli_main(["simulate", str(config), "--duration", "10s"]) == 0
+    err = capsys.readouterr().err
+    assert "workload.trace is replayed without --duration only; ignored" in err
+    assert "workload.trace session" not in err and "ContextTooLong" not in err
+
+
 def test_an_empty_profile_on_the_command_line_is_refused(tmp_path, capsys):
     """`--profile ""` ran the config on the default engine, its note saying the config's
     [backend.sim] was replaced, and the report's sim.profile read ""."""

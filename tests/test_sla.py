@@ -382,6 +382,32 @@ def test_agents_that_outgrow_their_kv_cache_budget_are_named_at_start():
     assert len(over_budget(tight.model_copy(update={"tenants": {**tight.tenants, "reports": sized}}))) == 1
 
 
+def test_trace_sessions_whose_later_turns_or_budget_overflow_are_named_at_start(tmp_path):
+    """As agent mixes are. A trace line of 20 turns came after one alike in kind, prompt and
+    max_tokens but of 1 turn, which stood for both: its calls failed with ContextTooLong from the
+    ninth turn, and the note at start said nothing. And with [resources.kv_cache], a trace's
+    sessions that outgrow `context_tokens` were never named (agent mixes were)."""
+    import json
+
+    from fleetsched.observability.feasibility import over_budget, over_context
+    from fleetsched.settings import Settings, load_settings
+
+    trace = tmp_path / "t.jsonl"
+    line = {"tenant": "a", "prompt_tokens": 4000, "max_tokens": 500}
+    trace.write_text("".join(json.dumps({**line, "turns": turns}) + "\n" for turns in (1, 20, 1)))
+    (message,) = over_context(Settings(tenants={"a": {}}, backend={"kind": "sim"}, workload={"trace": trace}))
+    assert message.startswith("workload.trace session 2 (a): ") and "its last (turn 20) up to 13603" in message
+
+    settings = load_settings("examples/kv_admission.toml")
+    trace.write_text(json.dumps({"tenant": "agents", "turns": 6, "prompt_tokens": 1000, "max_tokens": 300}) + "\n")
+    traced = settings.model_copy(update={"workload": settings.workload.model_copy(update={"agents": [], "trace": trace})})
+    kv_cache = settings.resources.kv_cache.model_copy(update={"context_tokens": 2048})
+    tight = traced.model_copy(update={"resources": settings.resources.model_copy(update={"kv_cache": kv_cache})})
+    assert over_budget(traced) == []  # 4,096 tokens a session: it fits
+    (message,) = over_budget(tight)
+    assert message.startswith("workload.trace session 1 (agents): its sessions reach about ") and "context_tokens (2048)" in message
+
+
 def test_a_call_exactly_at_its_targets_meets_them():
     """A TTFT and a call latency exactly at their targets count as met."""
     tenants = {"a": TenantSettings(sla={"ttft_p99_s": 0.5, "latency_p95_s": 2.0})}

@@ -46,6 +46,30 @@ async def test_trace_sessions_arrive_at_their_times(tmp_path):
     check_released(scheduler)
 
 
+@pytest.mark.anyio
+async def test_trace_arrivals_count_from_when_the_plan_is_made(tmp_path, monkeypatch):
+    """Planning a trace of 100,000 lines takes seconds of wall time. The arrival clock started
+    before it, so every session of those first seconds arrived at once when it was done: here
+    the sessions at 0 and 2 s both at 3 s, where they keep their 2 s apart."""
+    import trio
+
+    made = workload.plan
+
+    def slow_plan(*args):
+        planned = made(*args)
+        trio.lowlevel.current_clock().jump(3)  # the (virtual) time a big trace takes to plan
+        return planned
+
+    monkeypatch.setattr(workload, "plan", slow_plan)
+    trace = write(tmp_path / "t.jsonl", {"at": 0, "tenant": "acme", "turns": 1}, {"at": 2, "tenant": "acme", "turns": 1})
+    s = settings(workload={"trace": str(trace)})
+    async with Scheduler(s) as scheduler:
+        began = trio.current_time()
+        handles = await run_workload(scheduler, s.workload)
+    assert sorted(h.timestamps[SessionState.QUEUED] - began for h in handles) == [3.0, 5.0]
+    check_released(scheduler)
+
+
 @pytest.mark.parametrize(
     ("line", "key"),
     [
@@ -81,6 +105,20 @@ def test_a_trace_that_is_not_utf8_is_named(tmp_path):
     trace.write_bytes(b'{"tenant": "acme"}\n\xff\xfe\n')
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         plan(WorkloadSettings(trace=trace), ACME)
+
+
+def test_a_line_separator_inside_a_string_does_not_split_a_line(tmp_path):
+    """JSON takes U+2028 and U+0085 unescaped in a string (json.dumps writes them so with
+    ensure_ascii=False). The trace was split at them as at line ends: a valid line was refused as
+    an unterminated string, and each line after it named by the wrong number."""
+    trace = tmp_path / "t.jsonl"
+    kinds = ["review\u2028agent", "batch\x85agent"]
+    trace.write_text("".join(json.dumps({"tenant": "acme", "kind": kind}, ensure_ascii=False) + "\r\n" for kind in kinds), encoding="utf-8")
+    assert [p.kind for p in plan(WorkloadSettings(trace=trace), ACME)] == kinds
+    trace.write_text(trace.read_text(encoding="utf-8") + '{"tenant": "acme", "turns": 0}\n', encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        plan(WorkloadSettings(trace=trace), ACME)
+    assert info.value.key == "workload.trace line 3: turns"
 
 
 def test_unknown_tenant_and_missing_trace(tmp_path):

@@ -138,7 +138,10 @@ def read_trace(
         # Checked against a cache, it was checked against none too.
         if settings is None or (checked is not None and checked[0] == settings and (cache, sized) in ((None, None), checked[1:])):
             return list(_last_trace[2])
-    sessions = _parse_trace(text.splitlines(), settings, cache, sized)
+    # Lines end at "\n" alone (a "\r" before it is JSON's whitespace): `splitlines` also split at
+    # U+2028, U+0085 and the like, which JSON takes unescaped in a string (json.dumps writes
+    # them so with ensure_ascii=False), failing a valid line and naming every later one wrongly.
+    sessions = _parse_trace(text.split("\n"), settings, cache, sized)
     _last_trace = (key, None if settings is None else (settings, cache, sized), sessions)
     return list(sessions)
 
@@ -212,9 +215,12 @@ async def run_workload(
 
     Failed, rejected and cancelled sessions are recorded by the scheduler, not raised here.
     """
+    # The clock starts once the plan is made: a trace of 100,000 lines takes seconds to plan,
+    # and the sessions of those first seconds all arrived at once, when it was done.
+    sessions = plan(workload, scheduler.settings)
     start = anyio.current_time()
     handles: list[SessionHandle] = []
-    for planned in plan(workload, scheduler.settings):
+    for planned in sessions:
         delay = start + planned.at - anyio.current_time()
         if delay > 0:
             await anyio.sleep(delay)

@@ -161,7 +161,7 @@ async def check_feasibility(settings: Settings, backend: Backend, model: str | N
             floors = {name: measured for name in prompts}
             prompts = {name: probe_body()[1] for name in prompts}
     flagged = unreachable(settings, floors, prompts)
-    too_long = over_context(settings, traced) + over_budget(settings)
+    too_long = over_context(settings, traced) + over_budget(settings, traced)
     if too_long:
         note = "; ".join([*too_long, *([note] if note else [])])
     return {
@@ -210,22 +210,25 @@ def over_context(settings: Settings, traced: list[tuple[str, AgentMix]] | None =
     return out
 
 
-def over_budget(settings: Settings) -> list[str]:
-    """With ``[resources.kv_cache]``, the workload's agents whose sessions reach more context (the
-    last turn's prompt and its answer) than ``context_tokens`` reserves for them: admission then
-    holds less than they use, and the engine may run out of blocks and preempt, which it is there
-    to prevent. Agents whose tenant or mix sets ``session_memory`` are the user's to size."""
+def over_budget(settings: Settings, traced: list[tuple[str, AgentMix]] | None = None) -> list[str]:
+    """With ``[resources.kv_cache]``, the workload's agents (and trace sessions, `traced`, as in
+    `over_context`) whose sessions reach more context (the last turn's prompt and its answer) than
+    ``context_tokens`` reserves for them: admission then holds less than they use, and the engine
+    may run out of blocks and preempt, which it is there to prevent. Agents whose tenant or mix sets
+    ``session_memory`` are the user's to size. (A trace's sessions were left out: the note an agent
+    mix got, the same session as a trace line went without.)"""
     kv_cache = settings.resources.kv_cache
     if kv_cache is None:
         return []
+    agents = [(f"workload.agents[{index}] ({mix.kind or mix.tenant})", mix) for index, mix in enumerate(settings.workload.agents)]
     out = []
-    for index, mix in enumerate(settings.workload.agents):
-        if settings.session_memory_of(mix, f"workload.agents.{index}")[1] != "scheduler.session_memory":
+    for agent, mix in agents + (_trace_kinds(settings) if traced is None else traced):
+        if settings.session_memory_of(mix, "workload")[1] != "scheduler.session_memory":
             continue
         peak = last_prompt_tokens(mix) + mix.max_tokens
         if peak > kv_cache.context_tokens:
             out.append(
-                f"workload.agents[{index}] ({mix.kind or mix.tenant}): its sessions reach about {peak} tokens of context, more "
+                f"{agent}: its sessions reach about {peak} tokens of context, more "
                 f"than resources.kv_cache.context_tokens ({kv_cache.context_tokens}) reserves: admitted sessions may outgrow "
                 "the KV cache, and the engine preempt"
             )
@@ -233,16 +236,20 @@ def over_budget(settings: Settings) -> list[str]:
 
 
 def _trace_kinds(settings: Settings) -> list[tuple[str, AgentMix]]:
-    """The trace's sessions for `over_context`, one per kind, prompt and max_tokens, named by
-    their first line and how many there are (a trace holds up to a million)."""
+    """The trace's sessions for `over_context` and `over_budget`, one per kind and what those
+    checks read of a session (its prompt, max_tokens, turns, tool calls, memory), named by their
+    first line and how many there are (a trace holds up to a million). Alike by kind, prompt and
+    max_tokens alone, a line of 1 turn stood for one of 20 whose later calls overflow the context,
+    and that one went without a word."""
     if settings.workload.trace is None:
         return []
     from ..agents.workload import read_trace
 
-    first: dict[tuple[str, str, int, int], tuple[int, AgentMix]] = {}
-    counts: dict[tuple[str, str, int, int], int] = {}
+    first: dict[tuple[object, ...], tuple[int, AgentMix]] = {}
+    counts: dict[tuple[object, ...], int] = {}
     for number, (_, mix) in enumerate(read_trace(settings.workload.trace, settings), 1):
-        key = (mix.tenant, mix.kind or "", mix.prompt_tokens, mix.max_tokens)
+        tools = bool(mix.tool_s or mix.tool_s_max)  # a tool result is fed back between turns
+        key = (mix.tenant, mix.kind or "", mix.prompt_tokens, mix.max_tokens, mix.turns, tools, mix.session_memory)
         first.setdefault(key, (number, mix))
         counts[key] = counts.get(key, 0) + 1
     return [
