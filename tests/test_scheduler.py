@@ -477,6 +477,14 @@ def test_invalid_settings_name_the_key(overrides, key):
     assert info.value.key == key
 
 
+@pytest.mark.parametrize("given", ["examples/quickstart.toml", {"tenants": {"acme": {}}}, {}])
+def test_settings_that_are_not_settings_are_refused_naming_them(given):
+    # A path or a dict failed on first use with "'str' object has no attribute 'tenants'"; an
+    # empty dict ran on the default settings, unsaid.
+    with pytest.raises(TypeError, match=r"settings: expected fleetsched.Settings \(fleetsched.load_settings\(path\) reads a file\), got "):
+        Scheduler(given)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("arguments", "error", "message"),
     [
@@ -510,11 +518,18 @@ async def test_an_agent_that_yields_is_refused_naming_it():
     async def streaming_agent(ctx):
         yield await ctx.chat(MESSAGES, max_tokens=4)
 
+    class StreamingAgent:  # its call yields too, which `submit` cannot see: its session fails saying so
+        async def __call__(self, ctx):
+            yield await ctx.chat(MESSAGES, max_tokens=4)
+
     async with Scheduler(settings()) as scheduler:
         with pytest.raises(TypeError, match="agent: .*streaming_agent.* is an async generator .it yields.: an agent returns its result"):
             await scheduler.submit(streaming_agent, tenant="acme")
+        with pytest.raises(SessionFailed) as info:
+            await scheduler.run(StreamingAgent(), tenant="acme")
+        assert str(info.value.__cause__) == "the agent returned async_generator, not an awaitable: it yields: an agent returns its result"
         assert await scheduler.run(chatter, tenant="acme") == "ok"
-    assert scheduler.statistics().finished == {"done": 1}
+    assert scheduler.statistics().finished == {"done": 1, "failed": 1}
     check_released(scheduler)
 
 

@@ -335,6 +335,91 @@ async def test_cancel_right_after_submit_never_starts_the_agent():
     check_released(scheduler)
 
 
+async def test_cancel_from_another_thread_is_refused_and_changes_nothing():
+    """`handle.cancel()` from a worker thread (sync code beside the loop) took a queued session
+    out of the queue, then failed to end it (no event loop in that thread): it stayed counted,
+    and the scheduler's exit waited for it for ever. Now it raises at once, naming the way to
+    call it, and changes nothing. On an ended session it does nothing, from anywhere (asyncio
+    raised "no running event loop" there)."""
+
+    async def forever(ctx):
+        await anyio.sleep_forever()
+
+    async with Scheduler(one_slot()) as scheduler:
+        ended = await scheduler.submit(await hold(1), tenant="acme")
+        assert await ended == "held"
+        await anyio.to_thread.run_sync(ended.cancel)
+        assert ended.state is SessionState.DONE
+        running = await scheduler.submit(forever, tenant="acme")
+        queued = await scheduler.submit(forever, tenant="acme")
+        for handle in (queued, running):
+            with pytest.raises(RuntimeError, match=r"cancel\(\) was called from a thread other than its event loop's.*from_thread"):
+                await anyio.to_thread.run_sync(handle.cancel)
+        assert queued.state is SessionState.QUEUED and scheduler.statistics().queued_total == 1
+        assert running.state is SessionState.RUNNING
+        queued.cancel()
+        running.cancel()
+        for handle in (queued, running):
+            with pytest.raises(SessionCancelled):
+                await handle
+    check_released(scheduler)
+
+
+async def test_submitting_from_another_threads_event_loop_is_refused_and_holds_nothing():
+    """`asyncio.run(scheduler.submit(...))` in a worker thread counted the session and gave it a
+    slot, then failed to start it in the scheduler's task group (on trio an AttributeError about
+    a `RunContext`; on asyncio it ended cancelled, unsaid): the exit waited for it for ever."""
+    import asyncio
+
+    async def agent(ctx):
+        return "ran"
+
+    async with Scheduler(settings()) as scheduler:
+
+        def submit_there(run: bool) -> object:
+            return asyncio.run(scheduler.run(agent, tenant="acme") if run else scheduler.submit(agent, tenant="acme"))
+
+        for run in (False, True):
+            with pytest.raises(RuntimeError, match="submitted from a thread other than the scheduler's event loop's.*from_thread"):
+                await anyio.to_thread.run_sync(submit_there, run)
+        assert scheduler.statistics().running_total == 0
+        assert await scheduler.run(agent, tenant="acme") == "ran"
+        assert await anyio.to_thread.run_sync(lambda: anyio.from_thread.run(lambda: scheduler.run(agent, tenant="acme"))) == "ran"
+    assert scheduler.statistics().finished == {"done": 2}
+    check_released(scheduler)
+
+
+async def test_one_scheduler_entered_by_two_tasks_at_once_refuses_the_second():
+    """Two tasks entering one Scheduler while its entry awaits its backend (a vLLM server asked
+    for its model) both passed the "entered only once" check: the second's task group replaced
+    the first's, and leaving them crashed ("Attempted to exit a cancel scope that isn't the
+    current tasks's current cancel scope"; on trio, an internal error of trio's)."""
+
+    class AsksForItsModel(InstantBackend):
+        async def served_model(self):
+            await anyio.sleep(1)
+            return None
+
+    async def agent(ctx):
+        return "ran"
+
+    scheduler = Scheduler(settings(), backend=AsksForItsModel())
+    outcomes: dict[int, str] = {}
+
+    async def use(i: int) -> None:
+        try:
+            async with scheduler:
+                outcomes[i] = await scheduler.run(agent, tenant="acme")
+        except RuntimeError as exc:
+            outcomes[i] = str(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(use, 1)
+        tg.start_soon(use, 2)
+    assert sorted(outcomes.values()) == ["a Scheduler can be entered only once", "ran"]
+    check_released(scheduler)
+
+
 async def test_a_queued_session_fails_at_its_deadline_and_leaves_the_queue():
     ran = []
 

@@ -22,6 +22,7 @@ import inspect
 import logging
 import math
 import numbers
+import threading
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -181,7 +182,13 @@ class Scheduler:
         pool: MemoryPool | None = None,
         recorder: Recorder | None = None,
     ) -> None:
-        self.settings = settings or Settings()
+        if settings is not None and not isinstance(settings, Settings):
+            # A path or a dict failed on its first use, "'str' object has no attribute 'tenants'",
+            # and an empty dict ran on the defaults, unsaid.
+            raise TypeError(
+                f"settings: expected fleetsched.Settings (fleetsched.load_settings(path) reads a file), got {settings!r:.80}"
+            )
+        self.settings = settings if settings is not None else Settings()
         tenants = self.settings.tenants
         self._own_backend = backend is None
         self.backend = backend if backend is not None else create_backend(self.settings.backend)
@@ -228,7 +235,9 @@ class Scheduler:
         )
         self._task_group: TaskGroup | None = None
         self._exit_stack: AsyncExitStack | None = None
+        self._entering = False
         self._accepting = False
+        self._thread: int | None = None  # the thread of the event loop that entered it
         self._closing = False
         self._admitting = False
         self._running: dict[int, SessionHandle] = {}
@@ -252,21 +261,29 @@ class Scheduler:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Scheduler:
-        if self._exit_stack is not None:
+        if self._entering or self._exit_stack is not None:
             raise RuntimeError("a Scheduler can be entered only once")
-        async with AsyncExitStack() as stack:
-            if self._own_backend:
-                await stack.enter_async_context(self.backend)
-            if "model" not in self.settings.backend.model_fields_set:
-                self.model = await self.backend.served_model() or self.model
-            if self._size_from_caches:
-                await self._use_kv_caches()
-            self._task_group = await stack.enter_async_context(anyio.create_task_group())
-            self.pool.add_release_listener(self._admit_ready)
-            stack.callback(self.pool.remove_release_listener, self._admit_ready)
-            if self.settings.dispatch.adaptive_window:
-                self._task_group.start_soon(self._adapt_window, name="fleetsched window")
-            self._exit_stack = stack.pop_all()
+        # Marked before the first await: two tasks entering it at once both passed the check, and
+        # the second's task group replaced the first's ("Attempted to exit a cancel scope that
+        # isn't the current tasks's current cancel scope"; on trio an internal error of trio's).
+        self._entering = True
+        try:
+            async with AsyncExitStack() as stack:
+                if self._own_backend:
+                    await stack.enter_async_context(self.backend)
+                if "model" not in self.settings.backend.model_fields_set:
+                    self.model = await self.backend.served_model() or self.model
+                if self._size_from_caches:
+                    await self._use_kv_caches()
+                self._task_group = await stack.enter_async_context(anyio.create_task_group())
+                self.pool.add_release_listener(self._admit_ready)
+                stack.callback(self.pool.remove_release_listener, self._admit_ready)
+                if self.settings.dispatch.adaptive_window:
+                    self._task_group.start_soon(self._adapt_window, name="fleetsched window")
+                self._exit_stack = stack.pop_all()
+        finally:
+            self._entering = False
+        self._thread = threading.get_ident()
         self._accepting = True
         return self
 
@@ -412,6 +429,14 @@ class Scheduler:
             if self._exit_stack is not None:  # entered: it is draining or has closed
                 raise SchedulerClosed("the scheduler has closed: its `async with` block was left (a Scheduler runs once)")
             raise SchedulerClosed("the scheduler is not accepting sessions (enter it with `async with` first)")
+        if threading.get_ident() != self._thread:
+            # Awaited in another thread's event loop (`asyncio.run(scheduler.submit(...))` in a
+            # worker thread), the session was counted and given a slot, then failed to start in
+            # the scheduler's task group: on trio an AttributeError, and the exit hung for ever.
+            raise RuntimeError(
+                "a session was submitted from a thread other than the scheduler's event loop's; submit it there: "
+                "anyio.from_thread.run(functools.partial(scheduler.submit, agent, tenant=...)) from a worker thread"
+            )
         if not callable(agent):
             raise TypeError(f"agent: expected an async function taking the session's context, got {agent!r:.80}")
         if inspect.isasyncgenfunction(agent):  # its call returns no awaitable, though it is an `async def`
@@ -622,9 +647,10 @@ class Scheduler:
                     handle._task = current_task()
                     running = handle.agent(ctx)
                     if not inspect.isawaitable(running):
-                        raise TypeError(
-                            f"the agent returned {type(running).__name__}, not an awaitable: define it with `async def`"
-                        )
+                        # An `async def __call__` that yields is one `submit` cannot tell: it was
+                        # told to "define it with `async def`", which it is.
+                        fix = "it yields: an agent returns its result" if inspect.isasyncgen(running) else "define it with `async def`"
+                        raise TypeError(f"the agent returned {type(running).__name__}, not an awaitable: {fix}")
                     handle.result = await running
                     outcome = DONE
                 except BaseException as exc:

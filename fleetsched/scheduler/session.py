@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -128,6 +129,8 @@ class SessionHandle:
         self._done = anyio.Event()
         #: The task that runs the agent, while it does (see `wait`).
         self._task: object | None = None
+        #: The thread of the event loop that runs the session (see `cancel`).
+        self._thread = threading.get_ident()
 
     # -- inspection ----------------------------------------------------------------------------
 
@@ -159,6 +162,18 @@ class SessionHandle:
 
     def cancel(self) -> None:
         """Cancel the session: a queued one leaves the queue, a running one is cancelled."""
+        if self.done:
+            # Nothing to cancel. Its cancel scope, cancelled again, asked asyncio for the running
+            # loop: after `anyio.run` returned, this raised "no running event loop".
+            return
+        if threading.get_ident() != self._thread:
+            # From another thread a queued session left the queue, then failed to end (no event
+            # loop there): it stayed counted, and the scheduler's exit waited for it for ever.
+            raise RuntimeError(
+                f"{self.name}: cancel() was called from a thread other than its event loop's; "
+                "call it there: anyio.from_thread.run_sync(handle.cancel) from a worker thread, portal.call(handle.cancel) "
+                "through a blocking portal"
+            )
         self._cancel_requested = True
         if self.state is SessionState.QUEUED and self._on_cancel_queued is not None:
             self._on_cancel_queued(self)
