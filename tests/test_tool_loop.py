@@ -288,15 +288,17 @@ class ToolCallsBackend(InstantBackend):
     """Answers a session's first call with these `tool_calls` (as a model server might send
     them), and "ok" after."""
 
-    def __init__(self, tool_calls: object) -> None:
+    def __init__(self, tool_calls: object, finish_reason: str = "tool_calls") -> None:
         super().__init__()
         self.tool_calls = tool_calls
+        self.finish_reason = finish_reason
         self.answered = 0
 
     async def complete_chat(self, body, received=None):
         response, first_token_at = await super().complete_chat(body, received)
         if not self.answered:
             response["choices"][0]["message"].update(content=None, tool_calls=self.tool_calls)
+            response["choices"][0]["finish_reason"] = self.finish_reason
         self.answered += 1
         return response, first_token_at
 
@@ -580,3 +582,40 @@ async def test_a_tool_s_text_with_a_lone_surrogate_goes_to_the_model_escaped():
     assert results == ["report.txt\ncaf\\udce9.txt", "error: tool 'missing' raised RuntimeError: cannot open caf\\udce9.txt"]
     assert all(result.encode("utf-8") for result in results)  # sendable
     assert loop.tool_errors == 1
+
+
+async def test_a_reply_cut_at_max_tokens_inside_a_tool_call_does_not_run_that_call():
+    """A vLLM server streams a call as its parser reads it: a reply cut at max_tokens ended with a
+    call whose arguments were "" (or half their JSON), as the real server sends it. The "" ran the
+    tool with no arguments at all, arguments the model never wrote; the calls before it are whole."""
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, max_tokens=40)
+
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+        {"id": "c2", "type": "function", "function": {"name": "explode", "arguments": ""}},
+    ]
+    async with ToolCallsBackend(calls, finish_reason="length") as backend, Scheduler(settings(), backend=backend) as scheduler:
+        loop = await scheduler.run(agent, tenant="acme")
+    check_released(scheduler)
+    assert [m["content"] for m in loop.messages if m["role"] == "tool"] == [
+        "5",
+        "error: your reply was cut at max_tokens (40) in this call, its arguments unfinished: it was not run",
+    ]
+    assert (loop.stopped, loop.tool_errors) == ("answer", 1)
+
+
+async def test_a_reply_cut_at_max_tokens_before_anything_usable_says_so_not_that_it_was_empty():
+    """vLLM's tool-call parser holds back a call it has not read whole: a reply cut inside one
+    came with no content and no calls, which the model was told was empty."""
+
+    async def agent(ctx):
+        return await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS, max_tokens=16)
+
+    async with ToolCallsBackend([], finish_reason="length") as backend, Scheduler(settings(), backend=backend) as scheduler:
+        loop = await scheduler.run(agent, tenant="acme")
+    check_released(scheduler)
+    said = [m["content"] for m in loop.messages if m["role"] == "user"][1:]
+    assert said == ["error: your reply was cut at max_tokens (16) before any of it could be used; answer, or call one of the tools"]
+    assert (loop.stopped, loop.tool_errors) == ("answer", 1)

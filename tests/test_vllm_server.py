@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from contextlib import aclosing
 
@@ -24,7 +25,7 @@ from fleetsched.errors import BackendError, BackendUnavailable, ContextTooLong, 
 from fleetsched import Scheduler
 from fleetsched.policies.tiers import Tier
 from fleetsched.scheduler import Dispatcher
-from fleetsched.testing.fixtures import SESSION_SERVER_OPTIONS
+from fleetsched.testing.fixtures import SESSION_SERVER_OPTIONS, require_vllm_setup
 from fleetsched.testing.vllm_server import VLLMServer, free_port
 
 from .helpers import EngineLoad, settings, waiting_under_a_full_batch
@@ -218,6 +219,86 @@ async def test_an_agents_request_id_reaches_the_engine(vllm_server):
         (given, named, answer_id), (_, made, made_answer_id) = await (await scheduler.submit(agent, tenant="acme"))
     assert named == given and answer_id == f"chatcmpl-{given}"
     assert made.startswith("req_") and made_answer_id == f"chatcmpl-{made}"
+
+
+@pytest.fixture(scope="module")
+def tool_parsing_server():
+    """A vLLM server that parses tool calls (hermes, as the tiny model's chat template writes
+    them), which forced and "auto" tool calls need; the session's has no parser."""
+    require_vllm_setup()
+    with VLLMServer(max_model_len=4096, engine_nice=19, extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) as server:
+        yield server
+
+
+@pytest.mark.vllm
+async def test_a_forced_tool_call_collected_whole_has_the_content_vllm_gives_it(tool_parsing_server):
+    """vLLM answers a call that forces a tool call with content "" beside its tool_calls, as the
+    sim does; through ctx.chat and ctx.openai it was None (the stream folded, which for "auto" is
+    right), so ``message.content.strip()`` passed on the sim and failed on vLLM."""
+    server = tool_parsing_server
+    parameters = {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": parameters}}]
+    choices = ["required", {"type": "function", "function": {"name": "ping"}}]
+    # Room for the random model to end its call: cut short, vLLM reads no call, and answers its text.
+    calls = [{"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": c, "max_tokens": 200, "seed": 1} for c in choices]
+    async with httpx.AsyncClient(timeout=60) as client:
+        direct = [(await client.post(f"{server.base_url}/chat/completions", json={"model": MODEL, **call})).json() for call in calls]
+
+    async def agent(ctx):
+        contents = []
+        for call in calls:
+            whole = await ctx.chat(**call)
+            sdk = await ctx.openai.chat.completions.create(model=ctx.model, **call)
+            contents += [whole["choices"][0]["message"]["content"], sdk.choices[0].message.content]
+        return contents
+
+    async with Scheduler(settings(backend={"kind": "vllm-server", "urls": [server.url]})) as scheduler:
+        contents = await (await scheduler.submit(agent, tenant="acme"))
+    assert [(answer["choices"][0]["message"]["content"], bool(answer["choices"][0]["message"]["tool_calls"])) for answer in direct] == [("", True)] * 2
+    assert contents == ["", "", "", ""]
+
+
+@pytest.mark.vllm
+async def test_the_tool_loop_does_not_run_a_call_cut_at_max_tokens(tool_parsing_server):
+    """The model's own calls, parsed by vLLM (its text forced by a regex: the model is random). A
+    reply cut at max_tokens inside a call streams what the parser read of it: the loop took the
+    half-written arguments for the model's ("" ran the tool with none)."""
+    from fleetsched.agents.loop import Tool, run_tool_loop
+
+    ran = []
+
+    async def add(a=0, b=0):
+        ran.append((a, b))
+        return a + b
+
+    # The first call is whole within max_tokens however the model spells it (a token a character
+    # at most); the second is cut in its number's 200 digits (a token a digit at least).
+    whole = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    cut = '<tool_call>{"name": "add", "arguments": {"a": ' + "7" * 200 + "}}</tool_call>"
+
+    class Forced:
+        """The session's context, each model call's text forced by the next of `texts`."""
+
+        def __init__(self, ctx, texts):
+            self.ctx, self.texts = ctx, list(texts)
+
+        def __getattr__(self, name):
+            return getattr(self.ctx, name)
+
+        async def chat(self, messages, **options):
+            options["structured_outputs"] = {"regex": re.escape(self.texts.pop(0))}
+            options["seed"] = 0
+            return await self.ctx.chat(messages, **options)
+
+    async def agent(ctx):
+        tools = [Tool("add", add, "add", {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}})]
+        return await run_tool_loop(Forced(ctx, [whole + cut, "done"]), [{"role": "user", "content": "go"}], tools, max_tokens=100)
+
+    async with Scheduler(settings(backend={"kind": "vllm-server", "urls": [tool_parsing_server.url]})) as scheduler:
+        loop = await (await scheduler.submit(agent, tenant="acme"))
+    results = [m["content"] for m in loop.messages if m["role"] == "tool"]
+    assert results == ["3", "error: your reply was cut at max_tokens (100) in this call, its arguments unfinished: it was not run"]
+    assert ran == [(1, 2)] and loop.stopped == "answer"
 
 
 @pytest.mark.vllm

@@ -9,7 +9,8 @@ refusal names, a few times at most (`max_refusals`), where that wait ends before
 deadline. Malformed model output never hangs or crashes the loop: an
 unknown tool, arguments that are not JSON, a tool that raises, times out or returns something
 that is not text, and an empty reply each become a clear error message in the conversation,
-and the model gets another turn.
+and the model gets another turn. A reply cut at `max_tokens` inside a tool call does too: that
+call (the reply's last) is not run, its arguments being unfinished; the calls before it are.
 
 Where the model cannot be trusted to decide (a tiny random model in tests and benchmarks), a
 `script` decides the tool calls turn by turn; the loop still makes every model call for real,
@@ -125,6 +126,10 @@ async def run_tool_loop(
             return LoopResult(None, "deadline", turn, conversation, errors)
         response = await _chat(ctx, conversation, max_refusals, max_tokens=max_tokens, **offered)
         message = response["choices"][0]["message"]
+        # Cut at max_tokens: a server streams a tool call as it is parsed, so the reply's last call
+        # may be unfinished (vLLM's gave arguments "", which ran the tool with none, or half the
+        # JSON, read as a malformed call), or held back whole (the reply read as empty).
+        cut = response["choices"][0].get("finish_reason") == "length"
         calls = list(message.get("tool_calls") or ())
         if script is not None:
             calls = [_scripted_call(c) for c in script[turn]] if turn < len(script) else []
@@ -134,11 +139,16 @@ async def run_tool_loop(
                 conversation.append({"role": "assistant", "content": answer})
                 return LoopResult(answer, "answer", turn + 1, conversation, errors)
             errors += 1
+            said = f"your reply was cut at max_tokens ({max_tokens}) before any of it could be used" if cut else "your reply was empty"
             conversation.append({"role": "assistant", "content": ""})
-            conversation.append({"role": "user", "content": "error: your reply was empty; answer, or call one of the tools"})
+            conversation.append({"role": "user", "content": f"error: {said}; answer, or call one of the tools"})
             continue
         conversation.append({"role": "assistant", "content": message.get("content"), "tool_calls": calls})
-        results = await _run_calls(ctx, calls, by_name)
+        unfinished = cut and script is None  # the model's last call: those before it are complete
+        ran = calls[:-1] if unfinished else calls
+        results = await _run_calls(ctx, ran, by_name) if ran else []
+        if unfinished:
+            results.append(f"error: your reply was cut at max_tokens ({max_tokens}) in this call, its arguments unfinished: it was not run")
         errors += sum(result.startswith("error:") for result in results)
         for call, result in zip(calls, results):
             call_id = call.get("id", "") if isinstance(call, Mapping) else ""

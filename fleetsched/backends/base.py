@@ -367,6 +367,22 @@ async def collect_stream(stream: AsyncIterator[Chunk], received: Received | None
     return collect_chat(chunks), first
 
 
+def forced_call_content(response: dict[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
+    """`response`, collected from a stream, with the content vLLM's own non-streamed answer gives a
+    call whose ``tool_choice`` forces a tool call ("required" or a named tool): "" beside its
+    ``tool_calls``, not None. The stream cannot tell: it streams the same as for "auto", whose
+    answer has None there. (Through a vLLM server the content was None, where the server itself
+    and the sim answer "": ``message.content.strip()`` passed on the sim and failed on vLLM.)"""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("none", "auto"):
+        return response
+    for answered in response.get("choices") or ():
+        message = answered.get("message")
+        if isinstance(message, dict) and message.get("content") is None:
+            message["content"] = ""
+    return response
+
+
 def output_so_far(chunk: Chunk, before: int, tokens_per_chunk: int = 1) -> int:
     """The output a call has received with `chunk`, `before` it: the engine's count where the
     chunk carries usage, else `tokens_per_chunk` more for a chunk with content (an estimate,

@@ -35,6 +35,7 @@ from ..backends.base import (
     checked_stream_options,
     collect_stream,
     estimate_prompt_tokens,
+    forced_call_content,
     output_so_far,
     requested_max_tokens,
 )
@@ -211,7 +212,7 @@ class Dispatcher:
             raise
         finally:
             self._end(record, estimate)
-        return response
+        return forced_call_content(response, body)
 
     @asynccontextmanager
     async def stream(
