@@ -13,7 +13,7 @@ from setuptools import setup
 # Read as a file, not as `fleetsched._native`: the package's __init__ imports its dependencies,
 # which the build's environment lacks.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fleetsched"))
-from _native import COMPILED  # noqa: E402
+from _native import COMPILED, GROUP  # noqa: E402
 
 
 def compiled_modules() -> list:
@@ -28,7 +28,7 @@ def compiled_modules() -> list:
         modules = mypycify(
             ["--ignore-missing-imports", "--follow-imports=silent", *sources],
             opt_level="3",
-            group_name="fleetsched._native_lib",
+            group_name=GROUP,
         )
     except (Exception, SystemExit) as error:  # mypyc is missing, or its type check failed
         print(f"fleetsched: not compiling {', '.join(sources)}: {error!r}", file=sys.stderr)

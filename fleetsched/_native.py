@@ -31,6 +31,11 @@ COMPILED = (
     "fleetsched.policies.fair_queue",
 )
 
+#: setup.py compiles them as one group: the group's library holds the code of every one of them,
+#: and each one's own compiled file only loads it.
+GROUP = "fleetsched._native_lib"
+LIBRARY = f"{GROUP}__mypyc"  # the library's module, as mypyc names it
+
 #: A source newer than its compiled file by more than this has changed since the build; less is
 #: the order in which an installer unpacked them.
 _SLACK_S = 10.0
@@ -62,6 +67,12 @@ def stale() -> list[str]:
     return changed
 
 
+def library_missing() -> bool:
+    """Whether modules of `COMPILED` were compiled but the library that holds their code was not
+    installed: setup.py builds each optional, and the library's C build can fail where theirs do not."""
+    return compiled_file_of(LIBRARY) is None and any(compiled_file_of(name) is not None for name in COMPILED)
+
+
 def running_compiled() -> bool:
     """Whether the modules of `COMPILED` run compiled in this process."""
     import fleetsched.backends.sim._engine as engine
@@ -79,9 +90,19 @@ class _FromSources(importlib.abc.MetaPathFinder):
 
 
 def use_sources_if_stale() -> None:
-    """Import the modules of `COMPILED` from their sources if any changed since the build, or
-    if ``FLEETSCHED_COMPILE=0``. Called once, by ``fleetsched/__init__.py``, before any is imported."""
+    """Import the modules of `COMPILED` from their sources if any changed since the build, if
+    their library is missing, or if ``FLEETSCHED_COMPILE=0``. Called once, by
+    ``fleetsched/__init__.py``, before any is imported."""
     changed = stale()
+    missing = library_missing()
+    if missing:  # importing one of them would fail: No module named 'fleetsched._native_lib__mypyc'
+        warnings.warn(
+            f"fleetsched's compiled modules were installed without {LIBRARY} (its C build failed): running "
+            "every compiled module from its source (slower). Reinstall where a C compiler builds it, or "
+            "with FLEETSCHED_COMPILE=0 to install the sources alone",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if changed:
         warnings.warn(
             f"{', '.join(changed)} changed after it was compiled: running every compiled module from its "
@@ -89,5 +110,5 @@ def use_sources_if_stale() -> None:
             RuntimeWarning,
             stacklevel=2,
         )
-    if changed or os.environ.get("FLEETSCHED_COMPILE") == "0":
+    if changed or missing or os.environ.get("FLEETSCHED_COMPILE") == "0":
         sys.meta_path.insert(0, _FromSources())

@@ -412,8 +412,11 @@ def run_virtual(fn: Callable[..., Awaitable[T]], *args: Any, loop: Loop = "async
         # Ctrl-C at the main task's next checkpoint, not wherever the signal lands: raised inside
         # a session's task or in `start_soon`, it left a coroutine never awaited, or the
         # simulation running on.
-        options = {"clock": clock, "restrict_keyboard_interrupt_to_checkpoints": True}
-        return anyio.run(fn, *args, backend="trio", backend_options=options)
+        # trio.run itself, not anyio.run(backend="trio"): anyio before 4.14 dropped its
+        # `backend_options`, and the run went on trio's real clock, an hour in an hour.
+        import trio
+
+        return trio.run(fn, *args, clock=clock, restrict_keyboard_interrupt_to_checkpoints=True)
     raise ValueError(f"loop: expected one of {', '.join(LOOPS)}, got {loop!r}")
 
 

@@ -8,6 +8,8 @@ import functools
 import math
 import threading
 import time
+import tomllib
+from pathlib import Path
 
 import anyio
 import pytest
@@ -38,6 +40,34 @@ def test_sleeps_take_no_wall_time_and_keep_their_order(loop):
     assert time.perf_counter() - began < 5
     assert elapsed == pytest.approx(3600)
     assert order == ["fast@0.5", "mid@60", "slow@3600"]
+
+
+def test_trio_runs_on_virtual_time_with_an_anyio_that_drops_backend_options(monkeypatch):
+    # anyio before 4.14 (pyproject.toml admits 4.5 on) ran trio without `backend_options`, the
+    # virtual clock among them: the run slept on trio's real clock instead.
+    import trio
+    from anyio._backends._trio import TrioBackend
+
+    def run_without_options(cls, func, args, kwargs, options):
+        return trio.run(func, *args)
+
+    monkeypatch.setattr(TrioBackend, "run", classmethod(run_without_options))
+
+    async def main() -> float:
+        start = anyio.current_time()
+        await anyio.sleep(10)
+        return anyio.current_time() - start
+
+    began = time.perf_counter()
+    assert run_virtual(main, loop="trio") == pytest.approx(10)
+    assert time.perf_counter() - began < 5
+
+
+def test_the_declared_anyio_brings_the_trio_its_trio_backend_needs():
+    # anyio 4.12 on calls trio 0.32's API; "trio>=0.25" alone let an older trio stay beside a new
+    # anyio, and `simulate --loop trio` ended in a TrioInternalError.
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert any(dep.replace(" ", "").startswith("anyio[trio]") for dep in pyproject["project"]["dependencies"])
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
