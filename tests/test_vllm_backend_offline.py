@@ -703,7 +703,7 @@ ANSWERED = (
 def _silent_server(first: bytes = b"") -> Iterator[tuple[str, list[int]]]:
     """A server in a thread that takes each request, sends `first` (nothing by default) and then
     holds the connection without a word: a replica paused (SIGSTOP) or hung. Yields its URL and
-    the count of requests it took."""
+    the count of calls (POSTs) it took; the backend's own reads (its policy check's) are not counted."""
     listener = socket.create_server(("127.0.0.1", 0))
     taken = [0]
     held: list[socket.socket] = []
@@ -714,8 +714,8 @@ def _silent_server(first: bytes = b"") -> Iterator[tuple[str, list[int]]]:
                 connection, _ = listener.accept()
             except OSError:
                 return
-            connection.recv(65536)
-            taken[0] += 1
+            if connection.recv(65536).startswith(b"POST"):
+                taken[0] += 1
             connection.sendall(first)
             held.append(connection)
 
@@ -839,12 +839,15 @@ async def test_an_answer_whose_bytes_do_not_decode_is_the_replica_s_failure_and_
 @contextlib.contextmanager
 def _trickling_server(chunks: int, every_s: float) -> Iterator[str]:
     """A server in a thread that answers each request with a stream of `chunks` chunks, one
-    every `every_s` seconds, then ``[DONE]``: a long answer."""
+    every `every_s` seconds, then ``[DONE]``: a long answer. Other requests (the backend's
+    policy check) are answered 404."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def answer(connection: socket.socket) -> None:
         with connection:
-            connection.recv(65536)
+            if not connection.recv(65536).startswith(b"POST"):
+                connection.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                return
             connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + ROLE_CHUNK)
             for _ in range(chunks):
                 time.sleep(every_s)
@@ -1223,11 +1226,56 @@ async def test_signals_warn_once_about_a_replica_not_on_the_priority_policy(capl
 
 
 @pytest.mark.anyio
+async def test_an_entered_backend_checks_the_policy_in_its_own_task(caplog):
+    """vLLM makes its first /server_info answer for seconds (it gathers the host's environment:
+    8 s on the CPU server). Checked at the first `signals` poll, the poll waited for it, holding
+    the adaptive window still, and a run on a fixed window (no poll at all) was never warned.
+    Entered, the backend checks at once, in a task of its own."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            await anyio.sleep(8.0)
+            return httpx.Response(200, json={"vllm_config": {"scheduler_config": {"policy": "fcfs"}}})
+        return httpx.Response(200, text=_gauges("3"))
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    with caplog.at_level("WARNING", logger="fleetsched.backends.vllm_server"):
+        async with VLLMServerBackend("http://a.invalid", http_client=http) as backend:
+            began = anyio.current_time()
+            assert (await backend.signals()).waiting == 3
+            assert anyio.current_time() == began  # the poll did not wait for the check
+            await anyio.sleep(10.0)  # no poll meanwhile
+            assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["vLLM replica r0"]
+            assert "runs the 'fcfs' scheduling policy" in caplog.text
+            await backend.signals()
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.anyio
 async def test_signals_fail_when_no_replica_answers_its_metrics():
     """`signals` raises `BackendUnavailable` when every replica answers /metrics with an error status."""
     backend = _scraped({"a": 503, "b": 500})
     with pytest.raises(BackendUnavailable, match="no vLLM replica answered /metrics"):
         await backend.signals()
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_replica_whose_metrics_cannot_be_read_is_warned_about_once(caplog):
+    """A /metrics that never answers (a proxy in front of vLLM that does not pass it on) leaves the
+    adaptive window without the replica's signals: that was said at debug level only, at every
+    poll, and the window held where it was with no word. Now a warning, once per replica."""
+    pages: dict[str, str | int] = {"a": 404, "b": "<html>sign in</html>"}
+    backend = _scraped(pages)
+    with caplog.at_level("DEBUG", logger="fleetsched.backends.vllm_server"):
+        for _ in range(3):
+            with pytest.raises(BackendUnavailable):
+                await backend.signals()
+    warnings = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("vLLM replica a (http://a.invalid): cannot read its /metrics (it answered 404 Not Found)")
+    assert "vLLM replica b (http://b.invalid): cannot read its /metrics (not a Prometheus text page" in warnings[1]
+    assert all("\n" not in w and "adaptive window" in w for w in warnings)
     await backend.aclose()
 
 

@@ -203,6 +203,19 @@ async def test_priority_reaches_the_engine(vllm_server):
 
 
 @pytest.mark.vllm
+async def test_the_policy_is_checked_on_a_fixed_window_too(vllm_server):
+    """The policy was checked at the adaptive window's first poll only: on a fixed window no
+    poll came, and a server not on the priority policy was never warned about."""
+    fixed = settings(backend={"kind": "vllm-server", "urls": [vllm_server.url]}, dispatch={"adaptive_window": False})
+    async with Scheduler(fixed) as scheduler:
+        replica = scheduler.backend.replicas["r0"]
+        with anyio.fail_after(30):
+            while not replica.policy_checked:
+                await anyio.sleep(0.05)
+    assert replica.scheduling_policy == "priority"
+
+
+@pytest.mark.vllm
 async def test_an_agents_request_id_reaches_the_engine(vllm_server):
     """ctx.openai's X-Request-Id, or the ID it made itself, is the one vLLM gives the call: the
     answer's id is chatcmpl-<ID>, as through the gateway."""

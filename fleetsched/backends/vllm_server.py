@@ -25,9 +25,9 @@ failure is the caller's (a model call is not idempotent once it streamed).
 The body is forwarded as is: the messages, and keys the SDK does not name (``priority``, vLLM
 sampling extras), travel in ``extra_body``, which the SDK sends without walking them. vLLM
 honours ``priority`` only under ``--scheduling-policy priority``; the backend checks the policy
-of each replica once, at its first `signals` poll (off the call path: the check can take
-seconds), and logs a warning when it is not priority (see `VLLMServerBackend.scheduling_policy`
-for how it is found).
+of each replica once, in a task of its own from when it is entered (off the call path and the
+window's polls: the check can take seconds), else at its first `signals` poll, and logs a
+warning when it is not priority (see `VLLMServerBackend.scheduling_policy` for how it is found).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import httpx
 import openai
@@ -153,6 +154,10 @@ class Replica:
     in_flight: int = 0
     scheduling_policy: str | None = None
     policy_checked: bool = False
+    policy_checking: bool = False
+    """Its policy is being checked in the backend's task (`VLLMServerBackend.__aenter__`)."""
+    metrics_warned: bool = False
+    """Whether a failed read of its ``/metrics`` was logged as a warning (once: the window polls often)."""
     last_signals: EngineSignals = field(default_factory=EngineSignals)
     """Its last reading; the counters in it carry over the replica's restarts (`_carry_counters`)."""
     counter_offsets: dict[str, float] = field(default_factory=dict)
@@ -317,6 +322,11 @@ CONNECT_TIMEOUT_S = 5.0
 #: Seconds a replica's ``/health`` has to answer after a 5xx, for the 5xx to be the call's alone.
 HEALTH_TIMEOUT_S = 2.0
 
+#: Seconds a replica's ``/server_info`` has to answer: vLLM gathers the host's environment for
+#: it on the first request (``collect_env``, which runs pip and the like), 8 s on this project's
+#: machine, past the 5 s of the other reads; after that it answers at once.
+SERVER_INFO_TIMEOUT_S = 30.0
+
 #: A transport error's reason when the server was silent past `backend.read_timeout_s`.
 TIMED_OUT = "no answer within the read timeout (backend.read_timeout_s)"
 
@@ -345,6 +355,16 @@ def _reason(exc: BaseException) -> str:
         return TIMED_OUT
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (no server listens there)"
+    return str(exc) or type(exc).__name__
+
+
+def _scrape_failure(exc: BaseException) -> str:
+    """What went wrong reading a replica's page, in a line (httpx's own message for a status
+    runs to two, the second a link to MDN)."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"it answered {exc.response.status_code} {exc.response.reason_phrase}".rstrip()
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer within the timeout"
     return str(exc) or type(exc).__name__
 
 
@@ -510,6 +530,8 @@ class VLLMServerBackend(Backend):
         }
         self._http = http_client or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._own_http = http_client is None
+        #: The task group of the policy checks, while the backend is entered (`__aenter__`).
+        self._checks: anyio.abc.TaskGroup | None = None
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> VLLMServerBackend:
@@ -784,7 +806,9 @@ class VLLMServerBackend(Backend):
             if response.status_code == 200:
                 policy = parse_vllm_metrics(response.text).scheduling_policy
             if policy is None:
-                response = await self._http.get(f"{target.url}/server_info", params={"config_format": "json"})
+                response = await self._http.get(
+                    f"{target.url}/server_info", params={"config_format": "json"}, timeout=SERVER_INFO_TIMEOUT_S
+                )
                 if response.status_code == 200:
                     policy = _policy_in_server_info(response.json())
         except (httpx.HTTPError, ValueError) as exc:
@@ -820,7 +844,18 @@ class VLLMServerBackend(Backend):
                 response.raise_for_status()
                 rep.last_signals = _carry_counters(rep, parse_vllm_metrics(response.text).signals)
             except (httpx.HTTPError, ValueError) as exc:
-                logger.debug("vLLM replica %s: /metrics failed: %r", rep.name, exc)
+                # Said once, as a warning: at debug level alone, a replica whose /metrics never
+                # answers (behind a proxy that does not pass it on, say) left the adaptive window
+                # without its signals, held where it was, and nothing said so.
+                if not rep.metrics_warned:
+                    rep.metrics_warned = True
+                    logger.warning(
+                        "vLLM replica %s (%s): cannot read its /metrics (%s): the adaptive window goes without "
+                        "its signals while it does not answer (said once)",
+                        rep.name, rep.url, _scrape_failure(exc),
+                    )  # fmt: skip
+                else:
+                    logger.debug("vLLM replica %s: /metrics failed: %r", rep.name, exc)
                 return
             results[rep.name] = rep.last_signals
 
@@ -839,7 +874,11 @@ class VLLMServerBackend(Backend):
         per_replica = await self.replica_signals()
         for name in per_replica:
             rep = self._replicas[name]
-            if not rep.policy_checked:
+            if rep.policy_checked or rep.policy_checking:
+                continue
+            if self._checks is not None:  # entered: in its own task, the poll does not wait for it
+                self._start_policy_check(rep)
+            else:
                 await self.scheduling_policy(name)
         if not per_replica:
             raise BackendUnavailable(
@@ -863,7 +902,40 @@ class VLLMServerBackend(Backend):
 
     async def __aenter__(self) -> VLLMServerBackend:
         await self.served_model()
+        # The replicas' policies are checked at once, in tasks of their own: checked at the first
+        # `signals` poll and awaited there, the check held the adaptive window still while vLLM
+        # made its first /server_info answer (8 s, cut at 5 s, then asked again at the next poll),
+        # and a run on a fixed window (no poll) was never warned.
+        self._checks = anyio.create_task_group()
+        await self._checks.__aenter__()
+        for rep in self._replicas.values():
+            self._start_policy_check(rep)
         return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            if self._checks is not None:
+                self._checks.cancel_scope.cancel()
+                await self._checks.__aexit__(None, None, None)
+        finally:
+            self._checks = None
+            await self.aclose()
+
+    def _start_policy_check(self, rep: Replica) -> None:
+        """Check the policy of `rep` in the backend's task group (`scheduling_policy`); a check
+        that cannot reach it is made again at a later `signals` poll that could."""
+
+        async def check() -> None:
+            try:
+                await self.scheduling_policy(rep.name)
+            except Exception as exc:  # a check in the background must not end the backend's user
+                logger.debug("vLLM replica %s: could not read its scheduling policy: %r", rep.name, exc)
+            finally:
+                rep.policy_checking = False
+
+        assert self._checks is not None
+        rep.policy_checking = True
+        self._checks.start_soon(check, name=f"vLLM replica {rep.name} policy check")
 
     async def served_model(self) -> str:
         """`model` if given; else the model the first replica that answers lists first
@@ -897,6 +969,8 @@ class VLLMServerBackend(Backend):
         return DEFAULT_MODEL
 
     async def aclose(self) -> None:
+        if self._checks is not None:  # closed while entered: the checks would read through a closed client
+            self._checks.cancel_scope.cancel()
         for rep in self._replicas.values():
             await rep.client.close()
         if self._own_http:
