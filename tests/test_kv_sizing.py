@@ -426,3 +426,130 @@ def test_layers_are_grouped_and_padded_as_vllm_groups_them():
     for case in cases:
         ours = {str(window): layers for window, layers in _cached_layers(case["windows"]).items()}
         assert ours == case["cached"], case["windows"]
+
+
+def test_a_config_file_s_missing_field_is_named_with_the_file(tmp_path):
+    """Read from a file, an error names it: "model config: num_hidden_layers ..." named none, and
+    a ModelOpt hf_quant_config.json beside it that is no JSON raised a bare JSONDecodeError."""
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_attention_heads": 32}))
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.json: num_hidden_layers must be a positive integer, got None$"):
+        kv_bytes_per_token(tmp_path)
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.json: num_hidden_layers"):
+        session_bytes(4096, tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {"model_type": "phi3"}}))
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.json text_config: num_hidden_layers"):
+        layer_windows(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (tmp_path / "hf_quant_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match=f"^{tmp_path}/hf_quant_config.json is not JSON"):
+        kv_bytes_per_token(tmp_path)
+
+
+#: Published configs (less what does not size the KV cache) that name their sizes as their
+#: transformers class's attribute_map does, with the bytes a token vLLM 0.32's ModelConfig
+#: gives them (in the dtype it serves them in).
+ALIASED = {
+    "gpt2": ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12},
+             2 * 12 * 12 * 64 * 2),
+    "starcoder": (  # multi_query: one KV head
+        {"architectures": ["GPTBigCodeForCausalLM"], "model_type": "gpt_bigcode", "n_embd": 6144, "n_head": 48, "n_layer": 40,
+         "multi_query": True, "torch_dtype": "bfloat16"}, 2 * 40 * 1 * 128 * 2),
+    "gpt-j-6b": ({"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 4096, "n_head": 16, "n_layer": 28,
+                  "rotary_dim": 64, "torch_dtype": "float16"}, 2 * 28 * 16 * 256 * 2),
+    "bloom-560m": ({"architectures": ["BloomForCausalLM"], "model_type": "bloom", "hidden_size": 1024, "n_head": 16, "n_layer": 24,
+                    "torch_dtype": "float16"}, 2 * 24 * 16 * 64 * 2),
+    "falcon-7b (older config)": ({"architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 4544, "n_head": 71,
+                                 "n_layer": 32, "multi_query": True, "torch_dtype": "bfloat16"}, 2 * 32 * 1 * 64 * 2),
+    "chatglm3-6b": ({"architectures": ["ChatGLMModel"], "model_type": "chatglm", "hidden_size": 4096, "num_attention_heads": 32,
+                     "num_layers": 28, "multi_query_attention": True, "multi_query_group_num": 2, "kv_channels": 128,
+                     "torch_dtype": "float16"}, 2 * 28 * 2 * 128 * 2),
+    "dbrx": ({"architectures": ["DbrxForCausalLM"], "model_type": "dbrx", "d_model": 6144, "n_heads": 48, "n_layers": 40,
+              "attn_config": {"kv_n_heads": 8}, "torch_dtype": "bfloat16"}, 2 * 40 * 8 * 128 * 2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ALIASED))
+def test_configs_naming_their_sizes_otherwise_are_read_as_vllm_reads_them(name):
+    """GPT-2's n_layer, ChatGLM's num_layers, DBRX's n_layers and attn_config.kv_n_heads...:
+    each was refused for lacking num_hidden_layers (DBRX would then have had 6 times its KV
+    heads), where vLLM serves them."""
+    config, per_token = ALIASED[name]
+    assert kv_bytes_per_token(config) == per_token
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [  # before: sized as if every layer cached K and V, and held no state beside
+        ({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048, "head_dim": 256,
+          "num_attention_heads": 16, "num_key_value_heads": 2, "num_hidden_layers": 48, "full_attention_interval": 4},
+         "Qwen3NextForCausalLM has layers that hold a state"),
+        ({"architectures": ["JambaForCausalLM"], "model_type": "jamba", "hidden_size": 4096, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "num_hidden_layers": 32, "attn_layer_offset": 4, "attn_layer_period": 8},
+         "JambaForCausalLM has layers that hold a state"),
+        ({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+          "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+                          "head_dim": 256, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}},
+         "Qwen3_5ForConditionalGeneration has layers that hold a state"),
+        # Gemma 4: full-attention layers of head_dim 512, one in six, neither in its config.json
+        ({"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": 2304, "num_hidden_layers": 30,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512},
+         "the layers of model_type 'gemma4_text' differ in head_dim, which is not modelled"),
+        ({"model_type": "gemma4", "text_config": {"num_hidden_layers": 30, "sliding_window": 1024}},
+         "model_type 'gemma4' differ in head_dim"),
+    ],
+)  # fmt: skip
+def test_models_whose_layers_are_not_all_alike_attention_are_refused_by_name(config, message):
+    for size in (kv_bytes_per_token, layer_windows, lambda c: session_bytes(4096, c)):
+        with pytest.raises(ValueError, match=message):
+            size(config)
+
+
+# Runs in the vLLM virtualenv: vLLM 0.32's bytes a token for each config directory given, from
+# its ModelConfig (the heads, head size and layers it caches, in the dtype it serves them in).
+VLLM_BYTES = """
+import json, sys
+from vllm.config import ModelConfig, ParallelConfig
+from vllm.utils.torch_utils import get_dtype_size
+
+sizes = {}
+for path in sys.argv[2:]:
+    model = ModelConfig(model=path, tokenizer=sys.argv[1], skip_tokenizer_init=True)
+    parallel = ParallelConfig()
+    per_layer = model.get_num_kv_heads(parallel) * model.get_head_size() * (1 if model.use_mla else 2)
+    sizes[path] = model.get_num_layers(parallel) * per_layer * get_dtype_size(model.dtype)
+print(json.dumps(sizes))
+"""
+
+
+@pytest.mark.vllm
+def test_bytes_a_token_are_those_vllm_reads_from_the_config(tmp_path):
+    """`ALIASED`'s figures, GQA, MHA, an explicit head_dim (Qwen3's, and Mistral NeMo's of 128
+    where its hidden size makes 160) and MLA against vLLM's own reading of each config.json (its
+    multimodal models are not inspected without torchvision)."""
+    import os
+    import subprocess
+
+    from fleetsched.testing.fixtures import require_vllm_setup
+    from fleetsched.testing.vllm_server import model_path, venv_path
+
+    require_vllm_setup()
+    configs = {name: config for name, (config, _) in ALIASED.items()} | {
+        "llama3-8b": LLAMA3_8B | {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+        "llama-mha": {k: v for k, v in LLAMA3_8B.items() if k != "num_key_value_heads"}
+        | {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+        "qwen3": LLAMA3_8B | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "head_dim": 128},
+        "deepseek-v3": DEEPSEEK_V3 | {"architectures": ["DeepseekV3ForCausalLM"]},
+        "mistral-nemo": LLAMA3_8B | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 5120, "head_dim": 128,
+                         "num_hidden_layers": 40, "sliding_window": None},
+    }  # fmt: skip
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")} | {"HF_HUB_OFFLINE": "1"}
+    args = [str(venv_path() / "bin" / "python"), "-c", VLLM_BYTES, str(model_path()), *(str(tmp_path / name) for name in configs)]
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout.splitlines()[-1])
+    for name in configs:
+        # vLLM serves a float32 (or dtype-less) config in 16 bits under its --dtype auto
+        assert kv_bytes_per_token(tmp_path / name, dtype="bfloat16") == theirs[str(tmp_path / name)], name

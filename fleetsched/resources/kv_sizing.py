@@ -13,7 +13,10 @@
   reads them.
   DeepSeek-V2/V3's compressed latent KV (MLA, `MLA_MODEL_TYPES`) is one vector of kv_lora_rank +
   qk_rope_head_dim a token and layer, as vLLM caches it; other models with a ``kv_lora_rank``
-  (DeepSeek-V3.2's sparse attention among them) are refused.
+  (DeepSeek-V3.2's sparse attention among them) are refused, as are models with Mamba or
+  linear-attention layers (`STATEFUL_ARCHITECTURES`) and Gemma 4's layers of two head sizes
+  (`PER_LAYER_MODEL_TYPES`). GPT-2's n_layer and the like are read as vLLM reads them
+  (`FIELD_ALIASES`). An error about a config read from a file names the file.
 - `session_bytes(context_tokens, ...)`: a session's KV memory, tokens rounded up to whole blocks
   of vLLM's ``block_size`` (16 tokens by default). A sliding-window layer (`layer_windows`: Mistral
   7B v0.1, Gemma 2 and 3, gpt-oss) holds at most its window and the tokens of a step in flight,
@@ -51,6 +54,12 @@ KV_HEADS_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_quer
 MLA_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_mtp", "kimi_k2", "glm4_moe_lite"})
 
 
+class _FileConfig(dict[str, Any]):
+    """A config read from a file, which it names (`path`) in the errors about its fields."""
+
+    path: Path
+
+
 def _read(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
     """The config as a mapping: read from its file (or the model directory's ``config.json``)
     when given a path, so that a caller reading it twice reads the file once."""
@@ -59,15 +68,22 @@ def _read(config: Mapping[str, Any] | str | PathLike[str]) -> Mapping[str, Any]:
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"
+    data = _FileConfig(_read_object(path))
+    data.path = path
+    beside = path.parent / "hf_quant_config.json"  # ModelOpt 0.29 and before kept it apart, as vLLM reads it
+    if "quantization_config" not in data and beside.is_file():
+        data["quantization_config"] = _read_object(beside)
+    return data
+
+
+def _read_object(path: Path) -> Mapping[str, Any]:
+    """The JSON object in the file at `path` (ValueError naming the file when it holds none)."""
     try:
         data = json.loads(path.read_text())
     except ValueError as exc:  # not JSON, or not UTF-8
         raise ValueError(f"{path} is not JSON: {exc}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object of model settings")
-    beside = path.parent / "hf_quant_config.json"  # ModelOpt 0.29 and before kept it apart, as vLLM reads it
-    if "quantization_config" not in data and beside.is_file():
-        data = {**data, "quantization_config": json.loads(beside.read_text())}
     return data
 
 
@@ -88,11 +104,60 @@ CLASS_DEFAULTS: dict[str, dict[str, int]] = {
 }  # fmt: skip
 
 
+#: The names transformers' config classes (and vLLM's own, for ChatGLM) give the fields that size
+#: the KV cache in the models vLLM 0.32 serves that name them otherwise (``attribute_map``), by
+#: ``model_type``. GPT-2's config.json has n_layer, n_head and n_embd: it was refused for lacking
+#: num_hidden_layers, which vLLM reads from n_layer.
+FIELD_ALIASES: dict[str, dict[str, str]] = {
+    "gpt2": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"},
+    "gpt_bigcode": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"},
+    "gptj": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"},
+    "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"},
+    "falcon": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"},
+    "chatglm": {"num_hidden_layers": "num_layers"},
+    "dbrx": {"num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "hidden_size": "d_model"},
+}
+
+#: Architectures vLLM 0.32 runs with Mamba, linear-attention or convolution layers beside (or
+#: instead of) attention (its ``IsHybrid`` and ``IsAttentionFree`` models): each request holds
+#: a fixed state in those layers, in cache blocks of its own, and only some layers cache K and V.
+#: Counted as attention throughout, Qwen3-Next's 48 layers were sized at 4 times its 12
+#: attention layers' KV, and a session at fewer blocks than vLLM holds for it.
+STATEFUL_ARCHITECTURES = frozenset({
+    "BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM", "BailingMoeV3VLForConditionalGeneration",
+    "FalconH1ForCausalLM", "FalconMambaForCausalLM", "GraniteMoeHybridForCausalLM", "JambaForCausalLM",
+    "JambaForSequenceClassification", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm2VlForConditionalGeneration",
+    "Mamba2ForCausalLM", "MambaForCausalLM", "MiniCPMV4_6ForConditionalGeneration", "NemotronHForCausalLM",
+    "NemotronHPuzzleForCausalLM", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_VL_V2",
+    "NemotronH_Omni_Reasoning_V3", "NemotronH_Super_Omni_Reasoning_V3", "OlmoHybridForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration", "Zamba2ForCausalLM",
+})  # fmt: skip
+
+
+#: Model types whose layers transformers 5.19 gives sizes of their own (``per_layer_config``), as
+#: vLLM caches them: Gemma 4's full-attention layers have a head_dim of 512 (``global_head_dim``)
+#: beside the sliding layers' 256, and, with no ``layer_types`` in its config, one layer in six
+#: attends in full. Read as one head_dim, every layer sliding, a session of 32k tokens was sized
+#: at a fraction of what vLLM holds for it.
+PER_LAYER_MODEL_TYPES = frozenset({"gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"})
+
+
 def _load(config: Mapping[str, Any] | str | PathLike[str]) -> tuple[Mapping[str, Any], str]:
-    """The model's settings (with `CLASS_DEFAULTS` for what they leave out) and where they were
-    read, for error messages."""
-    where = "model config"
+    """The model's settings (with `CLASS_DEFAULTS` for what they leave out, and the fields of
+    `FIELD_ALIASES` under their usual names) and where they were read, for error messages.
+    Raises ValueError for a model of `STATEFUL_ARCHITECTURES`."""
     data = _read(config)
+    # The file, where it was read from one: "model config: num_hidden_layers ..." named none.
+    where = str(data.path) if isinstance(data, _FileConfig) else "model config"
+    architectures = data.get("architectures")
+    listed = architectures if isinstance(architectures, list) else []
+    stateful = [name for name in listed if isinstance(name, str) and name in STATEFUL_ARCHITECTURES]
+    if stateful:
+        raise ValueError(
+            f"{where}: {stateful[0]} has layers that hold a state (Mamba, linear attention) beside those "
+            "that cache K and V, which is not modelled"
+        )
     if "num_hidden_layers" not in data and isinstance(data.get("text_config"), Mapping):
         merged = dict(data["text_config"])
         root_dtype = data.get("torch_dtype") or data.get("dtype")
@@ -103,9 +168,21 @@ def _load(config: Mapping[str, Any] | str | PathLike[str]) -> tuple[Mapping[str,
                 merged[key] = data[key]
         if data.get("model_type") == "gemma3":  # its text model's, when the text_config omits it
             merged.setdefault("model_type", "gemma3_text")
+        elif data.get("model_type") in PER_LAYER_MODEL_TYPES:  # Gemma 4's, as its text model's
+            merged.setdefault("model_type", data["model_type"])
         data, where = merged, f"{where} text_config"
+    if data.get("model_type") in PER_LAYER_MODEL_TYPES:
+        raise ValueError(f"{where}: the layers of model_type {data['model_type']!r} differ in head_dim, which is not modelled")
     defaults = CLASS_DEFAULTS.get(data.get("model_type"))  # type: ignore[arg-type]
-    return ({**defaults, **data} if defaults else data), where
+    data = {**defaults, **data} if defaults else data
+    aliases = FIELD_ALIASES.get(data.get("model_type"))  # type: ignore[arg-type]
+    if aliases:
+        named = {field: data[alias] for field, alias in aliases.items() if field not in data and alias in data}
+        attention = data.get("attn_config")
+        if data.get("model_type") == "dbrx" and isinstance(attention, Mapping) and "kv_n_heads" in attention:
+            named["num_key_value_heads"] = attention["kv_n_heads"]  # DBRX keeps its KV heads there
+        data = {**data, **named}
+    return data, where
 
 
 def dtype_bytes(dtype: str) -> int:
