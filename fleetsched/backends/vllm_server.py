@@ -253,6 +253,15 @@ def _unreachable(exc: BaseException) -> bool:
     return isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS))
 
 
+def broken_off(exc: BaseException, target: Replica, chunks: int) -> BackendUnavailable | None:
+    """The error for an answer `target` had begun (`chunks` chunks) when `exc` ended it, where the
+    connection broke (the server died, say); None for any other failure. It was reached: "cannot
+    reach" would name the wrong failure."""
+    if not _unreachable(exc):
+        return None
+    return BackendUnavailable(f"vLLM replica {target.name} ({target.url}) broke off the answer after {chunks} chunks: {_reason(exc)}")
+
+
 def _retry_after(exc: openai.APIStatusError, default: float = 1.0) -> float:
     asked = _asked_delay(exc)
     return default if asked is None else asked
@@ -626,11 +635,9 @@ class VLLMServerBackend(Backend):
                     raise
                 if _retryable(exc) and not _busy(exc) and not (_status(exc) is not None and await self._healthy(target)):
                     breaker.record_failure(anyio.current_time())
-                if _unreachable(exc):  # it was reached: the connection broke (the server died, say)
-                    raise BackendUnavailable(
-                        f"vLLM replica {target.name} ({target.url}) broke off the answer after "
-                        f"{completion_chunks} chunks: {_reason(exc)}"
-                    ) from exc
+                broken = broken_off(exc, target, completion_chunks)
+                if broken is not None:
+                    raise broken from exc
                 raise translate_error(exc, target.name, target.url) from exc
             if not saw_usage:  # a server without include_usage support: estimate, keep the seam's promise
                 usage = usage_dict(estimate_prompt_tokens(body), max(0, completion_chunks - 1))

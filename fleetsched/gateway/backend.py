@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, REQUEST_ID_KEY, TEXT_PROMPT_KEY, Backend, ChatBody, Chunk, EngineSignals, Received, merge_logprobs
-from ..backends.vllm_server import VLLMServerBackend, _reason, _unreachable, request_id_header, translate_error
+from ..backends.vllm_server import VLLMServerBackend, broken_off, request_id_header, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
 from ..resources.kv_sizing import KVCacheCapacity
 
@@ -119,12 +119,9 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
                 return
             # ValueError: an event that is not JSON (the SDK parses them here), the server's fault.
             except (openai.OpenAIError, ValueError, *_transport_errors()) as exc:
-                if streamed and _unreachable(exc):
-                    # It was reached and answered, then the connection broke (the server died,
-                    # say): "cannot reach" named the wrong failure, as the chat path says it.
-                    raise BackendUnavailable(
-                        f"vLLM replica {target.name} ({target.url}) broke off the answer after {streamed} chunks: {_reason(exc)}"
-                    ) from exc
+                broken = broken_off(exc, target, streamed) if streamed else None  # said as the chat path says it
+                if broken is not None:
+                    raise broken from exc
                 error = translate_error(exc, target.name, target.url)
                 others = [] if named is not None or streamed else backend._untried(tried)
                 if not isinstance(error, BackendUnavailable) or not others:
