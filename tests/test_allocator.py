@@ -89,6 +89,18 @@ def test_size_classes_are_the_seeds_on_an_80gb_device():
     assert [rounding.round(n, space) for n in (1, 4, 5, 9, 13, 17, 25, 33, 49, 65, 80)] == [4, 4, 8, 12, 16, 24, 32, 48, 64, 80, 80]
 
 
+def test_size_classes_hold_the_seeds_sizes_on_an_80gb_device_in_2mib_pages():
+    """Before: "80GB" is 38,146.97 pages of 2 MiB, and the classes were fractions of the 38,146
+    whole ones, each a little under the seeds' size: 12 GB was held as 16 GB, 24 as 32, 48 as 64
+    and 64 GB as the whole device."""
+    p = ExtentPool([DeviceSpec("gpu0", 80 * GB)], strategy="size-class")
+    for gb in (4, 8, 12, 16, 24, 32, 48, 64):
+        r = p.reserve_nowait(gb * GB)
+        assert r.size - r.nbytes < p.page_size, gb  # the class itself, to its last page
+        r.release()
+    assert p.reserve_nowait(13 * GB).size == p.reserve_nowait(16 * GB).size  # still classes
+
+
 def test_size_classes_scale_with_the_device():
     space = AddressSpace(40)
     assert [make_strategy("size-class").round(n, space) for n in (1, 3, 5, 20, 33)] == [2, 4, 6, 24, 40]

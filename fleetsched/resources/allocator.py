@@ -122,7 +122,7 @@ class ExtentPool(MemoryPool):
             pages = d.capacity // page_size
             if pages == 0:
                 raise ValueError(f"device {d.name!r} ({d.capacity:,} B) is smaller than one page ({page_size:,} B)")
-            self._spaces[d.name] = AddressSpace(pages, address_index=self.strategy.address_index)
+            self._spaces[d.name] = AddressSpace(pages, address_index=self.strategy.address_index, capacity_pages=d.capacity / page_size)
         # Devices never change after this: the largest is read on every reservation (`check`).
         self._largest_device = max(s.pages for s in self._spaces.values()) * page_size
         self._internal: dict[str, int] = {d.name: 0 for d in self.devices}

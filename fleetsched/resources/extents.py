@@ -71,12 +71,15 @@ class AddressSpace:
     strategy does); this class only checks and records.
     """
 
-    __slots__ = ("pages", "free_pages", "_free", "_starts", "_free_end", "_by_size", "_used", "_sumsq", "_tree")
+    __slots__ = ("pages", "capacity_pages", "free_pages", "_free", "_starts", "_free_end", "_by_size", "_used", "_sumsq", "_tree")
 
-    def __init__(self, pages: int, *, address_index: bool = False) -> None:
+    def __init__(self, pages: int, *, address_index: bool = False, capacity_pages: float | None = None) -> None:
         if pages <= 0:
             raise ValueError(f"an address space needs > 0 pages, got {pages}")
         self.pages = pages
+        #: The device's capacity in pages before it was rounded down to whole ones (what size
+        #: classes are fractions of); `pages` when it was a whole number of them.
+        self.capacity_pages = pages if capacity_pages is None else capacity_pages
         self.free_pages = 0
         self._free: dict[int, int] = {}  # free extents: length by first page
         self._starts: list[int] = []  # the same first pages, sorted

@@ -17,7 +17,8 @@ fragmentation. Strategies, by name (`STRATEGIES`):
 ``buddy``      power-of-two sizes at naturally aligned offsets (free neighbours still coalesce
                freely, so this is buddy rounding and alignment, not a buddy free list).
 ``size-class`` the seeds' classes 4/8/12/16/24/32/48/64 GB of an 80 GB GPU, scaled to the
-               device: 5, 10, 15, 20, 30, 40, 60 and 80 % of its pages, then multiples of 20 %
+               device: 5, 10, 15, 20, 30, 40, 60 and 80 % of its capacity
+               (rounded up to whole pages), then multiples of 20 %
                (capped at the whole device); best fit among holes.
 ``frag-aware`` the default; see `FragAware`.
 """
@@ -99,8 +100,12 @@ class SizeClass(PlacementStrategy):
 
     def round(self, pages: int, space: AddressSpace) -> int:
         total = space.pages
+        # Fractions of the device's capacity, not of its whole pages: "80GB" in 2 MiB pages is
+        # 38,146.97 of them, and 15 % of the 38,146 whole ones is a little under 12 GB, so a
+        # request of 12 GB went up to the 16 GB class (24 to 32, 48 to 64, 64 to the whole device).
+        capacity = space.capacity_pages
         for fraction in self.CLASSES:
-            size = -(-int(fraction * total * 1_000_000) // 1_000_000)
+            size = min(-(-int(fraction * capacity * 1_000_000) // 1_000_000), total)
             if pages <= size:
                 return max(size, 1)
         step = max(1, round(self.STEP * total))
