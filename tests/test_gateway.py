@@ -1190,6 +1190,31 @@ def test_a_text_completion_cut_off_mid_answer_says_so():
         assert message.startswith("vLLM replica r0 broke off the answer after 1 chunks: peer closed connection"), message
 
 
+def test_a_text_completion_stream_read_as_the_chat_path_reads_one():
+    """The SDK parsed /v1/completions' stream, which ends quietly where the body does: an answer
+    cut short (a body delimited by the connection's close, as some proxies send it) passed as
+    whole, a 200 with "finish_reason": "stop" made up for it, and a body of no event at all was
+    "the backend returned no completion"; an event that is JSON but no object was a 500 with a
+    bare AttributeError. They are said as the chat path says them."""
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "text": "Once", "logprobs": None, "finish_reason": None}]}  # fmt: skip
+    answers = {
+        f"data: {json.dumps(chunk)}\n\n": "vLLM replica only broke off the answer after 1 chunks: the stream ended before its 'data: [DONE]'",
+        "": "vLLM replica only answered the call, then broke off: the stream ended before its 'data: [DONE]'",
+        "data: []\n\ndata: [DONE]\n\n": "vLLM replica only: sent an event that is not a JSON object: '[]'",
+    }
+    headers = {"authorization": f"Bearer {ACME}"}
+    for answer, said in answers.items():
+        backend = _mock_replicas(("only",), dead=frozenset(), completions={"only": answer})
+        with serve_in_thread(gateway_settings(), backend=backend) as (gw, url):
+            plain = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, headers=headers, timeout=10)
+            assert plain.status_code == 502 and plain.json()["error"]["message"] == said, plain.text
+            streamed = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}, headers=headers, timeout=10)
+            error = next(line for line in streamed.text.splitlines() if '"error"' in line)
+            assert json.loads(error.removeprefix("data: "))["error"]["message"] == said, streamed.text
+            assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+
+
 def test_a_refusal_vllm_reports_in_its_stream_keeps_the_field_it_names():
     """vLLM reports some refusals in a stream it began with 200 (a logit_bias token out of the
     vocabulary, top_logprobs over --max-logprobs: ``{"error": {..., "param": "logit_bias",

@@ -279,6 +279,21 @@ async def test_an_event_that_is_not_a_json_object_is_named(event, anyio_backend)
     await backend.aclose()
 
 
+@pytest.mark.parametrize("choices", [b'"x"', b"[5]", b'{"index": 0}'])
+@VIRTUAL_ASYNCIO
+@pytest.mark.anyio
+async def test_an_event_whose_choices_are_no_list_of_objects_is_named(choices, anyio_backend):
+    # A collected answer (ctx.chat, the gateway's non-streamed call) failed with a bare
+    # "AttributeError: 'str' object has no attribute 'get'", naming neither replica nor event.
+    event = b'{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":' + choices + b"}"
+    for before in (b"", ROLE_CHUNK):  # as the first chunk, and after it
+        backend = _backend([_streamed(before, b"data: " + event + b"\n\n", b"data: [DONE]\n\n")], [], retry_attempts=1)
+        with pytest.raises(BackendError, match=r"vLLM replica r0 \(.*\): sent an event whose choices are not a list of objects"):
+            await collect_stream(backend.stream_chat(BODY))
+        assert backend.replicas["r0"].in_flight == 0
+        await backend.aclose()
+
+
 @VIRTUAL_ASYNCIO
 @pytest.mark.anyio
 async def test_a_replica_that_sends_only_comments_fails_the_call_within_the_read_timeout(anyio_backend):
@@ -329,6 +344,31 @@ async def test_4xx_is_not_retried_and_does_not_trip_the_breaker():
     assert type(info.value) is InvalidRequest and "400" in str(info.value)  # the body: not retryable
     assert len(seen) == 1
     assert backend.replicas["r0"].breaker.state(anyio.current_time()) == "closed"
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_error_answer_without_a_message_field_says_what_its_body_said():
+    """The SDK's message takes a JSON body's ``message`` alone: vLLM's own 401 for a wrong
+    api_key (``{"error": "Unauthorized"}``), a proxy's 502 page or a plain-text 400 all read
+    "Error code: N" and no more, the body that said why lost on the way to the session."""
+    page = "<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1><hr>nginx/1.25</body></html>" + " " * 5000
+    answers = [
+        (httpx2.Response(401, json={"error": "Unauthorized"}), BackendError, "rejected the call (401): Error code: 401 - Unauthorized"),
+        (httpx2.Response(502, text=page, headers={"content-type": "text/html"}), BackendUnavailable, "failed with 502: Error code: 502 - 502 Bad Gateway 502 Bad Gateway nginx/1.25"),
+        (httpx2.Response(400, text="request header too large"), InvalidRequest, "rejected the call (400): Error code: 400 - request header too large"),
+        (httpx2.Response(405, json={"detail": "Method Not Allowed"}), BackendError, 'rejected the call (405): Error code: 405 - {"detail": "Method Not Allowed"}'),
+    ]
+    for answer, kind, said in answers:
+        backend = _backend([answer], [], retry_attempts=1)
+        with pytest.raises(kind) as info:
+            await collect_stream(backend.stream_chat(BODY))
+        assert str(info.value) == f"vLLM replica r0 (http://vllm.invalid:8000) {said}"
+        await backend.aclose()
+    long = "x" * 1000  # an excerpt, not the whole body
+    backend = _backend([httpx2.Response(400, text=long)], [], retry_attempts=1)
+    with pytest.raises(InvalidRequest, match=r"Error code: 400 - x{200}\.\.\.$"):
+        await collect_stream(backend.stream_chat(BODY))
     await backend.aclose()
 
 
@@ -934,6 +974,23 @@ async def test_no_replica_to_ask_for_its_model_is_not_told_to_set_the_model(capl
     assert "no vLLM replica listed its model" in caplog.text
 
 
+@pytest.mark.anyio
+async def test_a_replica_that_refuses_the_api_key_is_not_told_to_set_the_model(caplog):
+    """vLLM's --api-key guards /v1/models too: with a wrong backend.api_key its 401 was said as
+    "no vLLM replica listed its model (...HTTPStatusError: Client error '401 Unauthorized' ...
+    For more information check: https://developer.mozilla.org/...): set backend.model to the
+    server's --served-model-name", a wrong fix (every call is refused for the key all the same)."""
+    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(401, json={"error": "Unauthorized"})))
+    backend = VLLMServerBackend("http://vllm.invalid:8000", model=None, api_key="wrong", http_client=http)
+    with caplog.at_level("WARNING"):
+        await backend.served_model()
+    await backend.aclose()
+    await http.aclose()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith("a vLLM replica refused backend.api_key when asked for its model (r0 (http://vllm.invalid:8000): it answered 401 Unauthorized)")
+    assert "set backend.api_key to the server's --api-key" in warning and "set backend.model" not in warning and "\n" not in warning
+
+
 def test_a_breaker_closed_by_its_probe_lets_a_probe_through_at_the_next_outage():
     """A breaker that its probe closed lets a probe through when it opens again."""
     breaker = CircuitBreaker(failures=1, reset_s=1.0)
@@ -1276,6 +1333,27 @@ async def test_a_replica_whose_metrics_cannot_be_read_is_warned_about_once(caplo
     assert warnings[0].startswith("vLLM replica a (http://a.invalid): cannot read its /metrics (it answered 404 Not Found)")
     assert "vLLM replica b (http://b.invalid): cannot read its /metrics (not a Prometheus text page" in warnings[1]
     assert all("\n" not in w and "adaptive window" in w for w in warnings)
+    await backend.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_metrics_page_that_trickles_in_is_given_up_within_the_timeout(caplog):
+    """The client's timeout bounds each read, not the page: a /metrics that came a byte at a
+    time (a choked proxy) held the poll of every replica's signals, and the adaptive window with
+    it, for as long as it trickled (hours, for a page of vLLM's size)."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "slow.invalid":
+            await anyio.sleep(3600)  # each byte within the read timeout, the page never whole
+        return httpx.Response(200, text=_gauges("4"))
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    backend = VLLMServerBackend({"slow": "http://slow.invalid", "b": "http://b.invalid"}, http_client=http)
+    began = anyio.current_time()
+    with caplog.at_level("WARNING", logger="fleetsched.backends.vllm_server"):
+        signals = await backend.signals()
+    assert signals.waiting == 4 and anyio.current_time() - began <= 5.0
+    assert "vLLM replica slow (http://slow.invalid): cannot read its /metrics (no answer within the timeout)" in caplog.text
     await backend.aclose()
 
 

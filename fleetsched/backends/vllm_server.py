@@ -36,6 +36,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -279,6 +280,23 @@ def _asked_delay(exc: BaseException | None) -> float | None:
     return max(0.0, asked) if math.isfinite(asked) else None
 
 
+def _said(exc: openai.APIStatusError, limit: int = 200) -> str:
+    """The SDK's message for an error answer, with an excerpt of the body where the message has
+    none of it: the SDK takes a JSON body's ``message`` alone, so a proxy's page, a plain-text
+    500 or vLLM's own ``{"error": "Unauthorized"}`` (a wrong api_key) read "Error code: 401" and
+    no more. A page's tags are left out."""
+    body = exc.body
+    if body is None or (isinstance(body, Mapping) and isinstance(body.get("message"), str) and body["message"]):
+        return exc.message  # nothing read, or the SDK's message has it
+    text = body if isinstance(body, str) else json.dumps(body)
+    if text.lstrip().startswith("<"):
+        text = re.sub(r"<[^>]*>", " ", text)
+    text = " ".join(text.split())
+    if not text:
+        return exc.message
+    return f"{exc.message} - {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 def translate_error(exc: BaseException, replica: str, url: str | None = None) -> BackendError:
     """The fleetsched error for a foreign exception raised while calling `replica` (at `url`,
     the server root, which the message names where it is given)."""
@@ -294,23 +312,24 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
     if isinstance(exc, openai.RateLimitError):
         return Overloaded(f"{where} rate-limited the call", _retry_after(exc))
     if isinstance(exc, openai.APIStatusError):
+        said = _said(exc)  # the SDK's message, with the body's words where it has none of them
         if exc.status_code == 503:
-            return Overloaded(f"{where} is overloaded: {exc.message}", _retry_after(exc))
+            return Overloaded(f"{where} is overloaded: {said}", _retry_after(exc))
         if exc.status_code >= 500:
-            return BackendUnavailable(f"{where} failed with {exc.status_code}: {exc.message}")
+            return BackendUnavailable(f"{where} failed with {exc.status_code}: {said}")
         if exc.status_code in (400, 422):  # the body as it stands: retrying cannot help
             param = exc.body.get("param") if isinstance(exc.body, Mapping) else None
-            return invalid_request(f"{where} rejected the call ({exc.status_code}): {exc.message}", param if isinstance(param, str) else None)
+            return invalid_request(f"{where} rejected the call ({exc.status_code}): {said}", param if isinstance(param, str) else None)
         if exc.status_code == 404 and isinstance(exc.body, Mapping) and exc.body.get("param") == "model":
             # vLLM's `check_model`: the call names a model this server does not serve.
-            return UnknownModel(f"{where} does not serve the model the call names: {exc.message}", param="model")
+            return UnknownModel(f"{where} does not serve the model the call names: {said}", param="model")
         if exc.status_code == 404 and not (isinstance(exc.body, Mapping) and exc.body.get("message")):
             # No route there (vLLM's own 404s carry a message, as the unknown model's above).
             return BackendError(
                 f"{where}: POST {exc.request.url} answered 404 Not Found; the URL must be the root "
                 "URL of a vLLM server (http://host:port, without /v1 or another path)"
             )
-        return BackendError(f"{where} rejected the call ({exc.status_code}): {exc.message}")
+        return BackendError(f"{where} rejected the call ({exc.status_code}): {said}")
     if isinstance(exc, json.JSONDecodeError):  # the SDK's parse of an event (the completions path)
         return BackendError(f"{where}: sent an event that is not JSON: {exc}")
     if _unreachable(exc):
@@ -327,6 +346,9 @@ def translate_error(exc: BaseException, replica: str, url: str | None = None) ->
 
 #: Seconds to open a connection to a replica (then `backend.read_timeout_s` for each read).
 CONNECT_TIMEOUT_S = 5.0
+
+#: Seconds a replica's ``/metrics`` page has to come whole, in each poll of the signals.
+SCRAPE_TIMEOUT_S = 5.0
 
 #: Seconds a replica's ``/health`` has to answer after a 5xx, for the 5xx to be the call's alone.
 HEALTH_TIMEOUT_S = 2.0
@@ -372,7 +394,7 @@ def _scrape_failure(exc: BaseException) -> str:
     runs to two, the second a link to MDN)."""
     if isinstance(exc, httpx.HTTPStatusError):
         return f"it answered {exc.response.status_code} {exc.response.reason_phrase}".rstrip()
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return "no answer within the timeout"
     return str(exc) or type(exc).__name__
 
@@ -458,6 +480,11 @@ class _EventStream:
                 param = error.get("param") if isinstance(error, dict) else None
                 # Translated (and retried, before the first chunk) by its code, as an answer with it.
                 raise _ErrorEvent(str(message), code if isinstance(code, int) else None, param if isinstance(param, str) else None)
+            choices = chunk.get("choices")
+            if choices is not None and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+                # Named here, as an event that is no object is: it failed the collected answer
+                # (ctx.chat, the gateway's non-streamed call) with a bare AttributeError.
+                raise ValueError(f"sent an event whose choices are not a list of objects: {data!r:.80}")
             usage = chunk.get("usage")
             if usage is not None:  # on every chunk of a stream with continuous usage: no copy made
                 _check_counts(usage)
@@ -847,10 +874,14 @@ class VLLMServerBackend(Backend):
 
         async def fetch(rep: Replica) -> None:
             try:
-                response = await self._http.get(f"{rep.url}/metrics")
+                # The whole page within the timeout: the client's bounds each read alone, and a
+                # page that trickled in (a byte a second, through a choked proxy) held every
+                # poll, and the adaptive window with it, for as long as it lasted.
+                with anyio.fail_after(SCRAPE_TIMEOUT_S):
+                    response = await self._http.get(f"{rep.url}/metrics")
                 response.raise_for_status()
                 rep.last_signals = _carry_counters(rep, parse_vllm_metrics(response.text).signals)
-            except (httpx.HTTPError, ValueError) as exc:
+            except (httpx.HTTPError, ValueError, TimeoutError) as exc:
                 # Said once, as a warning: at debug level alone, a replica whose /metrics never
                 # answers (behind a proxy that does not pass it on, say) left the adaptive window
                 # without its signals, held where it was, and nothing said so.
@@ -956,13 +987,23 @@ class VLLMServerBackend(Backend):
     async def _listed_model(self) -> str:
         failures = []
         reached = False  # a replica answered, if not with vLLM's list
+        refused = False  # a replica refused the API key (vLLM's --api-key guards /v1/models too)
         for rep in self._replicas.values():
             try:
                 response = await self._http.get(f"{rep.url}/v1/models", headers={"Authorization": f"Bearer {self._api_key}"})
                 return first_listed_model(response)
             except (httpx.HTTPError, ValueError) as exc:  # down, or not vLLM's answer
                 reached = reached or not isinstance(exc, httpx.TransportError)
-                failures.append(f"{rep.name} ({rep.url}): {type(exc).__name__}: {exc}")
+                refused = refused or (isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in (401, 403))
+                said = _scrape_failure(exc) if isinstance(exc, httpx.HTTPStatusError) else f"{type(exc).__name__}: {exc}"
+                failures.append(f"{rep.name} ({rep.url}): {said}")
+        if refused:  # every call will be refused the same way: backend.model is no fix
+            logger.warning(
+                "a vLLM replica refused backend.api_key when asked for its model (%s): calls name %r, and it refuses "
+                "them too; set backend.api_key to the server's --api-key",
+                "; ".join(failures), DEFAULT_MODEL,
+            )  # fmt: skip
+            return DEFAULT_MODEL
         if not reached:  # none could be: backend.model is no fix
             logger.warning(
                 "no vLLM replica could be reached to list its model (%s): calls name %r; is the server up?",

@@ -10,6 +10,7 @@ text prompt: `TEXT_PROMPT_KEY`) and each delta rewritten as completion text.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import anyio
 
 from ..backends.base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, PRIVATE_KEYS, REPLICA_KEY, REQUEST_ID_KEY, TEXT_PROMPT_KEY, Backend, ChatBody, Chunk, EngineSignals, Received, merge_logprobs
-from ..backends.vllm_server import VLLMServerBackend, broken_off, request_id_header, translate_error
+from ..backends.vllm_server import VLLMServerBackend, _ErrorEvent, _EventStream, broken_off, request_id_header, translate_error
 from ..errors import BackendError, BackendUnavailable, InvalidRequest
 from ..resources.kv_sizing import KVCacheCapacity
 
@@ -109,16 +110,24 @@ async def _vllm_completions(backend: VLLMServerBackend, body: dict[str, Any]) ->
         streamed = 0  # chunks received
         try:
             try:
-                stream = await target.client.completions.create(
+                # Read as the chat path reads its stream (`_EventStream`), not parsed by the SDK:
+                # the SDK's stream ends quietly where the body does, so an answer cut short
+                # (a body delimited by the connection's close) passed as whole, "finish_reason":
+                # "stop" made up for it; keep-alive lines held a stalled one open for ever; and an
+                # event that is no JSON object failed the call with a bare AttributeError.
+                opened = target.client.completions.with_streaming_response.create(
                     model=model, prompt=prompt, stream=True, stream_options=stream_options, extra_body=body, extra_headers=headers,
                     timeout=backend.timeout,
                 )
-                async for chunk in stream:
+                response = await opened.__aenter__()
+                stream = _EventStream(opened, response.iter_lines(), backend.timeout.read or math.inf)
+                while (chunk := await stream.next()) is not None:
                     streamed += 1
-                    yield chunk.model_dump(exclude_unset=True)
+                    yield chunk
                 return
-            # ValueError: an event that is not JSON (the SDK parses them here), the server's fault.
-            except (openai.OpenAIError, ValueError, *_transport_errors()) as exc:
+            # ValueError: an event that is no JSON object, the server's fault; _ErrorEvent: a
+            # failure vLLM reported in the stream.
+            except (openai.OpenAIError, ValueError, _ErrorEvent, *_transport_errors()) as exc:
                 broken = broken_off(exc, target, streamed) if streamed else None  # said as the chat path says it
                 if broken is not None:
                     raise broken from exc
