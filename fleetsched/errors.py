@@ -7,6 +7,7 @@ Every error the library raises on purpose derives from `FleetschedError`::
     ├── ReportSchemaError(ValueError)      a run report of another schema version, or not a report
     ├── UnknownTenant(KeyError)            submit() named a tenant the config does not declare
     ├── SchedulerClosed(RuntimeError)      submit() after the scheduler stopped accepting work
+    ├── Deadlock(RuntimeError)             a run on virtual time can never go on (every task waits, no timer)
     ├── WouldBlock                         a *_nowait() call could not proceed at once
     │   └── QuotaWouldBlock                ... because the tenant's memory quota is full
     ├── SessionRejected                    a session can never be admitted

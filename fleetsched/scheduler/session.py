@@ -145,7 +145,8 @@ class SessionHandle:
         return self.state is SessionState.RUNNING and not self._holds_slot and self._readmit is None
 
     def waited_s(self) -> float:
-        """Seconds from submission to admission (so far, if still queued)."""
+        """Seconds from submission to admission (so far, if still queued; nan for a session that
+        ended without being admitted: cancelled, rejected or past its deadline in the queue)."""
         start = self.timestamps[SessionState.QUEUED]
         end = self.timestamps.get(SessionState.ADMITTED, anyio.current_time() if not self.done else math.nan)
         return end - start
