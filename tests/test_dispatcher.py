@@ -13,9 +13,12 @@ from functools import partial
 
 import anyio
 import pytest
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetsched.backends.base import Backend, estimate_prompt_tokens, make_chunk, usage_dict
-from fleetsched.errors import DeadlineExceeded, InvalidRequest
+from fleetsched.errors import BackendUnavailable, DeadlineExceeded, InvalidRequest
 from fleetsched.policies.tiers import Tier
 from fleetsched.resources.ratelimit import RateLimit, TenantRateLimits
 from fleetsched.scheduler import Dispatcher
@@ -805,3 +808,98 @@ async def test_stream_options_that_are_no_object_are_refused_collected_as_stream
         stats = dispatcher.statistics()
         assert (stats.in_flight, stats.calls_started) == (0, 0)
         assert (await dispatcher.chat({**request, "stream_options": None}, tenant="a", tier=Tier.STANDARD))["usage"]["completion_tokens"] > 0
+
+
+class _Scripted(Backend):
+    """Answers each call as its script says: the prompt tokens the engine counts, the output it
+    makes (a token a chunk, the engine's count on each), and whether it fails after `fail_after`."""
+
+    def __init__(self, script: dict[str, tuple[int, int, int | None]]) -> None:
+        self.script = script
+        self.received: dict[str, int] = {}
+
+    async def stream_chat(self, body):
+        label = body["messages"][0]["content"]
+        prompt, output, fail_after = self.script[label]
+        if fail_after == -1:
+            raise InvalidRequest("refused at once")
+        for n in range(1, output + 1):
+            await anyio.sleep(0.01)
+            if fail_after is not None and n > fail_after:
+                raise BackendUnavailable("the server went away")
+            self.received[label] = n
+            yield make_chunk("c", "m", 0, content="x", usage=usage_dict(prompt, n))
+        yield make_chunk("c", "m", 0, finish_reason="length", usage=usage_dict(prompt, output))
+
+
+_CALL = st.tuples(
+    st.integers(1, 300),  # prompt tokens as the engine counts them
+    st.integers(0, 30),  # output tokens it would make
+    st.sampled_from(["whole", "whole", "cut", "failed", "refused"]),
+    st.integers(0, 30),  # where a cut or failed call stops
+    st.integers(1, 60),  # max_tokens
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(_CALL, min_size=1, max_size=6), st.lists(_CALL, min_size=1, max_size=6), st.sampled_from([0.5, 1.0, 2.0]), st.integers(1, 3))
+def test_counters_are_charged_the_tokens_calls_used_cut_and_failed_ones_included(calls_a, calls_b, weight_b, window):
+    """Whatever was charged up front (the prompt's estimate, a predicted output), a backlogged
+    tenant's counter ends at the service its calls got: the engine's prompt plus 2 x the output
+    received, over its weight; a call that failed with nothing made, nothing."""
+    script: dict[str, tuple[int, int, int | None]] = {f"x{i}": (1, 5, None) for i in range(window)}
+    for tenant, calls in (("a", calls_a), ("b", calls_b)):
+        for i, (prompt, output, how, stop, _) in enumerate(calls):
+            script[f"{tenant}{i}"] = (prompt, output, {"failed": stop, "refused": -1}.get(how))
+    backend = _Scripted(script)
+    dispatcher = Dispatcher(backend, window=window, weights={"b": weight_b})
+
+    async def call(tenant: str, i: int, how: str, stop: int, max_tokens: int) -> None:
+        label = f"{tenant}{i}"
+        try:
+            async with dispatcher.stream(body(label, max_tokens), tenant=tenant, tier=Tier.STANDARD) as chunks:
+                async for _ in chunks:
+                    if how == "cut" and backend.received.get(label, 0) >= stop:
+                        break
+        except (BackendUnavailable, InvalidRequest):
+            pass
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            # Critical calls fill the window first, so both tenants queue from the start (and
+            # stay backlogged: no lift moves their counters).
+            for i in range(window):
+                tg.start_soon(partial(dispatcher.chat, body(f"x{i}", 5), tenant="x", tier=Tier.CRITICAL))
+            await anyio.sleep(0.001)
+            for tenant, calls in (("a", calls_a), ("b", calls_b)):
+                for i, (_, _, how, stop, max_tokens) in enumerate(calls):
+                    tg.start_soon(call, tenant, i, how, stop, max_tokens)
+
+    anyio.run(main, backend="trio", backend_options={"clock": trio.testing.MockClock(autojump_threshold=0)})
+    for tenant, calls, weight in (("a", calls_a, 1.0), ("b", calls_b, weight_b)):
+        used = 0
+        for i, (prompt, output, how, stop, _) in enumerate(calls):
+            received = backend.received.get(f"{tenant}{i}", 0)
+            nothing_made = how == "refused" or (how == "failed" and stop < output and received == 0)
+            used += 0 if nothing_made else prompt + 2 * received
+        assert dispatcher._queue.counter(tenant) == pytest.approx(used / weight)
+
+
+async def test_a_band_keeps_its_minimum_share_after_a_stretch_with_no_band_above_it():
+    """Standard calls served beside batch calls alone take 95 % of the calls (batch is held to its
+    5 %). When critical calls come, standard, backlogged throughout, still gets its 10 %: counted
+    against the whole service, its 57 calls stood for 10 % of 570, and it got none of the next 40
+    (only the batch band its 5 %)."""
+    backend = SlowBackend(1.0)
+    dispatcher = Dispatcher(backend, window=1, min_share={Tier.STANDARD: 0.1, Tier.BATCH: 0.05})
+    async with anyio.create_task_group() as tg:
+        for _ in range(100):
+            tg.start_soon(partial(dispatcher.chat, body("std"), tenant="s", tier=Tier.STANDARD))
+            tg.start_soon(partial(dispatcher.chat, body("bat"), tenant="b", tier=Tier.BATCH))
+        await anyio.sleep(60.5)
+        assert 3 <= backend.started.count("bat") <= 4  # of the 61 started (which first: the loop's order)
+        for _ in range(100):
+            tg.start_soon(partial(dispatcher.chat, body("cri"), tenant="c", tier=Tier.CRITICAL))
+        await anyio.sleep(40)
+        tg.cancel_scope.cancel()
+    assert Counter(backend.started[61:101]) == {"cri": 34, "std": 4, "bat": 2}

@@ -1,8 +1,12 @@
 """The ordering policy, without an event loop."""
 
+import re
 from collections import Counter
+from decimal import Decimal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fleetsched.errors import ConfigError
 from fleetsched.policies.fair_queue import Entry, FairQueue
@@ -341,9 +345,137 @@ def test_bad_weights_aging_and_shares_are_refused(kwargs, message):
         FairQueue(**kwargs)
 
 
+@pytest.mark.parametrize("weight", [Decimal("2"), "2", None, True])
+def test_a_weight_that_is_no_number_is_refused_naming_its_tenant(weight):
+    """A Decimal passed the bounds, then could not divide a counter: the tenant's first call
+    raised "unsupported operand type(s)" from inside the dispatcher, and kept its place in the
+    window for good (the next call waited for ever). A str or None raised a bare comparison
+    error naming no tenant; True was taken for a weight of 1."""
+    with pytest.raises(TypeError, match=f"weight of tenant 'a' must be a number, got {re.escape(repr(weight))}"):
+        FairQueue({"a": weight})
+
+
 @pytest.mark.parametrize("field", ["min_share", "stream_interval"])
 def test_a_tier_named_twice_in_dispatch_settings_is_refused(field):
     # {batch = 0.5, BATCH = 0.4} passed (0.9 < 1) and the dispatcher kept whichever came last.
     values = {"min_share": (0.5, 0.4), "stream_interval": (64, 8)}[field]
     with pytest.raises(ConfigError, match=rf"dispatch.{field}: tier batch is named twice \('batch' and 'BATCH'\)"):
         load_settings(None, dispatch={field: {"batch": values[0], "BATCH": values[1]}})
+
+
+def test_service_a_band_got_with_no_band_above_it_waiting_is_not_banked_against_them():
+    """Standard served beside batch alone takes 95 % of the service (batch is held to its 5 %).
+    When critical calls come, standard, backlogged throughout, gets its 10 % from the start:
+    counted against the whole service, its 950 of 1,000 stood for 10 % of 9,500, and it got
+    nothing for the next 850 picks."""
+    q = FairQueue(min_share={Tier.STANDARD: 0.1, Tier.BATCH: 0.05})
+    for i in range(300):
+        q.push(Entry("std", Tier.STANDARD, 0, i, cost=10))
+        q.push(Entry("bulk", Tier.BATCH, 0, i, cost=10))
+    assert Counter(e.tenant for e in (q.pick(0) for _ in range(100))) == {"std": 95, "bulk": 5}
+    for i in range(300):
+        q.push(Entry("crit", Tier.CRITICAL, 0, i, cost=10))
+    order = [q.pick(0).tenant for _ in range(100)]
+    assert Counter(order) == {"crit": 85, "std": 10, "bulk": 5}
+    assert order.index("std") < 10
+
+
+# -- randomized checks against the definitions (VTC: Sheng et al., "Fairness in Serving LLMs") --
+
+_COSTS = st.floats(1, 1_000)
+_WEIGHTS = st.sampled_from([0.1, 0.5, 1.0, 2.0, 3.0, 7.5])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(_WEIGHTS, st.lists(_COSTS, min_size=1, max_size=5)), min_size=2, max_size=5), st.integers(1, 150))
+def test_backlogged_tenants_are_served_by_weight_within_the_vtc_bound(tenants, picks):
+    """Weighted service stays within one largest request (by each one's weight) of each other
+    after every pick; of equal weights, within twice the largest request (VTC's theorem)."""
+    weights = {f"t{i}": w for i, (w, _) in enumerate(tenants)}
+    costs = {f"t{i}": c for i, (_, c) in enumerate(tenants)}
+    q = FairQueue(weights)
+    made = Counter()
+
+    def push(tenant):
+        q.push(Entry(tenant, Tier.STANDARD, 0, None, cost=costs[tenant][made[tenant] % len(costs[tenant])]))
+        made[tenant] += 1
+
+    for tenant in weights:  # two each: one waits while the other is picked and replaced
+        push(tenant)
+        push(tenant)
+    largest = max(max(c) for c in costs.values())
+    served = Counter()
+    for _ in range(picks):
+        entry = q.pick(0)
+        served[entry.tenant] += entry.cost
+        push(entry.tenant)  # every tenant stays backlogged
+        for a in weights:
+            for b in weights:
+                gap = served[a] / weights[a] - served[b] / weights[b]
+                assert gap <= largest / weights[a] + largest / weights[b] + 1e-6
+                if weights[a] == weights[b]:
+                    assert served[a] - served[b] <= 2 * largest + 1e-6
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), _COSTS, st.booleans()), min_size=1, max_size=60), _WEIGHTS)
+def test_a_tenant_returning_from_idle_is_lifted_to_the_backlogged_minimum_never_below(steps, weight):
+    q = FairQueue({"a": weight})
+    waiting = Counter()
+    for tenant, cost, pick in steps:
+        if pick and len(q):
+            waiting[q.pick(0).tenant] -= 1
+            continue
+        before = q.counter(tenant)
+        others = [q.counter(t) for t, n in waiting.items() if n and t != tenant]
+        q.push(Entry(tenant, Tier.STANDARD, 0, None, cost=cost))
+        if waiting[tenant]:  # backlogged already: left as it is
+            assert q.counter(tenant) == before
+        elif others:  # lifted to the smallest backlogged counter, never lowered to it
+            assert q.counter(tenant) == max(before, min(others))
+        waiting[tenant] += 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([-5.0, 0.0, 1.0, 1.0, 2.5, 3.0, float("inf")]), min_size=1, max_size=30))
+def test_a_tenants_entries_go_earliest_deadline_first_and_in_arrival_order_on_ties(deadlines):
+    """Deadlines long past (and negative) first of all; equal deadlines first come, first served."""
+    q = FairQueue()
+    for i, deadline in enumerate(deadlines):
+        q.push(Entry("a", Tier.STANDARD, float(i), i, deadline=deadline))
+    assert [e.item for e in drain(q, now=100.0)] == sorted(range(len(deadlines)), key=lambda i: (deadlines[i], i))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.sets(st.sampled_from(list(Tier)), min_size=1), st.integers(1, 150)), min_size=1, max_size=5),
+    st.lists(st.floats(1, 50), min_size=1, max_size=4),
+)
+def test_minimum_shares_hold_in_every_stretch_of_backlog(phases, costs):
+    """In each phase the bands named stay backlogged (the others run dry first): a band with a
+    share and a band above it gets its share of the phase's service (within two of the largest
+    costs), whatever it was served in the phases before."""
+    shares = {Tier.STANDARD: 0.1, Tier.BATCH: 0.05}
+    q = FairQueue(min_share=shares)
+    made = [0]
+
+    def push(tier):
+        q.push(Entry(str(tier), tier, 0, None, cost=costs[made[0] % len(costs)]))
+        made[0] += 1
+
+    for bands, picks in phases:
+        for band in bands:
+            while q.queued_by().get((str(band), band), 0) < 2:
+                push(band)
+        while any(tier not in bands for _, tier in q.queued_by()):
+            entry = q.pick(0)
+            if entry.tier in bands:
+                push(entry.tier)
+        served = Counter()
+        for _ in range(picks):
+            entry = q.pick(0)
+            served[entry.tier] += entry.cost
+            push(entry.tier)
+        for band, share in shares.items():
+            if band in bands and min(bands) < band:
+                assert served[band] >= share * sum(served.values()) - 2 * max(costs)
