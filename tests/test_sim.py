@@ -14,12 +14,13 @@ import re
 import anyio
 import pytest
 
-from fleetsched.backends.base import Received, collect_chat, estimate_prompt_tokens, output_so_far, tools_text
+from fleetsched.backends.base import TEXT_PROMPT_KEY, Received, collect_chat, estimate_prompt_tokens, output_so_far, tools_text
 from fleetsched.backends.instant import InstantBackend
 from fleetsched.backends.chat_options import echoed, output_params, prompt_cut, response_role, template_kwargs
 from fleetsched.backends.sampling import constraint_params
 from fleetsched.backends.sim import ContextTooLong, InvalidRequest, SimBackend, SimEngine
 from fleetsched.errors import BackendError, BackendUnavailable, UnknownModel
+from fleetsched.scheduler.dispatcher import Dispatcher
 from fleetsched.settings import SimSettings
 
 from .helpers import waiting_under_a_full_batch
@@ -514,6 +515,39 @@ async def test_truncate_prompt_tokens_cuts_the_prompt_as_vllm_does():
             assert (backend.statistics().prefix_cache_hits > hits) == shared, side
 
 
+async def test_a_collected_call_cut_before_its_first_token_has_no_engine_count_of_its_prompt():
+    """`Received.prompt_tokens` is the engine's count, which a stream's first chunk brings (as
+    vLLM's does, with the first token). A collected call cut before it (on its way through the
+    API server, or waiting in the engine) reported the whole prompt as counted: the dispatcher
+    recorded it, and a run's report counted it among the tokens in, where the same call streamed
+    counted none."""
+    async with SimBackend(flat(request_overhead_s=5 * STEP, max_num_seqs=1)) as backend:
+        received = Received()
+        with anyio.move_on_after(2 * STEP):  # in the front end
+            await backend.complete_chat(body(64, 10), received)
+        assert (received.output_tokens, received.prompt_tokens) == (0, 0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(backend.complete_chat, body(16, 20))  # holds the engine's one slot
+            await anyio.sleep(STEP)
+            received = Received()
+            with anyio.move_on_after(10 * STEP):  # waiting in the engine behind it
+                await backend.complete_chat(body(64, 10), received)
+            assert (received.output_tokens, received.prompt_tokens) == (0, 0)
+        received = Received()
+        with anyio.move_on_after(7.5 * STEP):  # its first token came at 6 steps
+            await backend.complete_chat(body(64, 10), received)
+        assert (received.output_tokens, received.prompt_tokens) == (2, 64)
+        # Through the dispatcher: recorded as the same call streamed is, with no prompt counted,
+        # and no share of max_tokens learned from it (it taught the tenant a share of 0, and its
+        # next calls were charged no output up front).
+        dispatcher = Dispatcher(backend, window=1)
+        with anyio.move_on_after(2 * STEP):
+            await dispatcher.chat(body(64, 10), tenant="acme", tier=1)
+        (call,) = dispatcher.recorder.calls
+        assert (call.error, call.prompt_tokens, call.completion_tokens) == ("Cancelled", 0, 0)
+        assert dispatcher._predict_output("acme", 100) == 0 and "acme" not in dispatcher._output_share
+
+
 async def test_a_request_cancelled_in_the_front_end_never_reaches_the_engine():
     """Requests on their way through the API server (`request_overhead_s`) are the engine loop's
     to queue when they arrive; one whose caller gives up first leaves no trace, and the others
@@ -799,6 +833,22 @@ async def test_an_assistants_tool_calls_count_in_the_next_prompt():
         hit = (await backend.signals()).prefix_cache_hits_total - before
     # The blocks of the tools, the prompt, the assistant's frame and the call (4 characters a token).
     assert hit == (len(tools_text([tool])) + 4 * (40 + 4 + output)) // (4 * 16) * 16
+
+
+async def test_a_text_completions_next_prompt_hits_the_blocks_of_its_answer():
+    """A text completion (the gateway's /v1/completions, a prompt with no chat template) is
+    continued by sending the prompt, the answer and more: vLLM hits every full block computed,
+    the answer's too, as in a chat's next turn. The sim hashed the answer as a chat's, after an
+    assistant's frame that a text prompt never holds, and hit the prompt's own blocks only."""
+    async with SimBackend(flat(block_size=16)) as backend:
+        prompt = "abcd" * 40  # 40 tokens
+        first = {"model": "fleetsched-sim", "messages": [{"role": "user", "content": prompt}], "max_tokens": 64, TEXT_PROMPT_KEY: True}
+        answer, _ = await backend.complete_chat(first)
+        before = (await backend.signals()).prefix_cache_hits_total
+        text = prompt + answer["choices"][0]["message"]["content"] + "wxyz" * 20
+        await backend.complete_chat({**first, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        hit = (await backend.signals()).prefix_cache_hits_total - before
+    assert hit == (40 + 64 - 1) // 16 * 16  # 6 blocks: the 103 tokens computed (the last token never is)
 
 
 async def test_sampling_parameters_vllm_takes_are_taken():

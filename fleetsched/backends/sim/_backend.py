@@ -65,7 +65,7 @@ from ..base import (
 from ..chat_options import check_chat_options, prompt_cut
 from ..sampling import check_sampling, is_true, lax_int
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
-from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, block_hashes, prompt_text
+from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, answer_lead, block_hashes, prompt_text
 from ._tools import forced_tool_call
 from ..._parking import Park, Unpark, park_event, parking_for_current_library, unpark_event
 
@@ -414,7 +414,8 @@ class SimBackend(Backend):
         check_chat_options(body)  # the options' types first, as vLLM's request model checks them
         engine = self.engine
         try:
-            text = tools_text(body.get("tools")) + prompt_text(messages, framed=not body.get(TEXT_PROMPT_KEY))
+            framed = not body.get(TEXT_PROMPT_KEY)
+            text = tools_text(body.get("tools")) + prompt_text(messages, framed=framed)
         except (AttributeError, TypeError):  # caught where they are read anyway: no cost when right
             raise invalid_messages(messages) from None
         prompt = max(1, len(text) // CHARS_PER_TOKEN)  # as `estimate_prompt_tokens` counts
@@ -445,7 +446,7 @@ class SimBackend(Backend):
             # model's own end (EOS), which vLLM reports as "stop". The SDK's `.parse()` and
             # `.stream(...).get_final_completion()` raise LengthFinishReasonError on "length".
             request.finish_reason = "stop"
-        request.text = text
+        request.text = answer_lead(text, framed)  # a text completion's answer follows its prompt unframed
         interval = checked_stream_interval(body.get("stream_interval", self._stream_interval))  # per request, as vLLM takes it
         interval = max(interval, self._stream_interval)  # vLLM clamps it to the server's: never smaller
         request.wake_every = max_tokens if body.get("stream") is False else interval
@@ -509,7 +510,11 @@ class SimBackend(Backend):
         finally:
             self._drop(request)  # settles a call cut short: its count is the engine's then
             if received is not None:
-                received.output_tokens, received.prompt_tokens = request.num_output, request.prompt_tokens
+                # The prompt's count comes with the first token, as a stream's first chunk brings
+                # it (vLLM sends none before): a call cut in the front end or waiting in the
+                # engine has received none, and was reported with its whole prompt counted.
+                received.output_tokens = request.num_output
+                received.prompt_tokens = request.prompt_tokens if request.num_output else 0
         output = request.delivered = request.num_output
         if request.tool_call is None:
             message = {"role": "assistant", "content": answer_text(request, output)}

@@ -85,7 +85,7 @@ class SimRequest:
         self.collect = False  # collected whole (`SimBackend.complete_chat`): no wake-up for the first token
         self.first_token_at: float | None = None  # when the first token came (set by the async loop)
         self.continuous_usage = False  # usage on every chunk (`stream_options.continuous_usage_stats`)
-        self.text: str | None = None  # the prompt as `prompt_text`: its answer's blocks are hashed from it
+        self.text: str | None = None  # what its answer follows (`answer_lead`): its answer's blocks are hashed from it
         self.top_logprobs: int | None = None  # with ``logprobs``: the alternatives listed a token
         #: How its answer ends: "length" (cut at a max_tokens the call named, or at the context), or
         #: "stop" where the sim chose the answer's length itself (the model ended it, as at an EOS).
@@ -269,8 +269,9 @@ class SimEngine:
         """Queue a request (already validated to fit the cache); the next `schedule()` sees it.
 
         With `arriving`, the request is only made (status `ARRIVING`): `arrive()` queues it
-        later. Requests must arrive in the order they were made. With its prompt's `text` (that
-        `hashes` were made from), the blocks its answer fills are cached too.
+        later. Requests must arrive in the order they were made. With the `text` its answer follows
+        (`answer_lead` of the prompt's, that `hashes` were made from), the blocks its answer fills
+        are cached too.
         """
         request = SimRequest(0, prompt_tokens, max_tokens, hashes, priority)
         request.text = text

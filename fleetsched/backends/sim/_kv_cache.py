@@ -82,13 +82,22 @@ def block_hashes(text: str, block_size: int, num_tokens: int) -> list[int]:
     return hashes
 
 
+def answer_lead(text: str, framed: bool = True) -> str:
+    """The text an answer follows in the next prompt: the prompt's `text`, then, for a chat
+    prompt (`framed`), the assistant message's frame that `prompt_text` writes before the answer.
+    A text completion's answer follows its prompt directly: a client sends prompt + answer next."""
+    return text + _frame("assistant") if framed else text
+
+
 def extend_hashes(hashes: list[int], text: str, answer: str, block_size: int, num_blocks: int) -> None:
-    """Extend a prompt's hash chain (`hashes`, from `block_hashes` of its `text`) over its
+    """Extend a prompt's hash chain (`hashes`, from `block_hashes` of its prompt) over its
     `answer` (its text as the next turn's prompt holds it), to `num_blocks` blocks at most.
+    `text` is what the answer follows (`answer_lead` of the prompt's text).
 
     The answer's blocks are hashed as the next turn's prompt will hold them: `prompt_text` of the
     conversation with the answer as the assistant's message (the sim answers `TOKEN_TEXT` a token,
-    or a tool call, which that prompt holds as its name and arguments).
+    or a tool call, which that prompt holds as its name and arguments), or, for a text
+    completion, the prompt followed by the answer.
     So that turn hits them, as it hits vLLM's, which hashes every block once full, generated
     tokens included (measured on the tiny CPU model, 128-token blocks: a 298-token prompt and a
     128-token answer, then the next turn's prompt hit 384 tokens, one block more than the prompt's).
@@ -96,7 +105,7 @@ def extend_hashes(hashes: list[int], text: str, answer: str, block_size: int, nu
     if num_blocks <= len(hashes):
         return
     span = block_size * CHARS_PER_TOKEN
-    text = text + _frame("assistant") + answer
+    text = text + answer
     parent = hashes[-1] if hashes else 0
     for i in range(len(hashes), min(num_blocks, len(text) // span)):
         parent = hash((parent, text[i * span : (i + 1) * span]))
