@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator
 from unittest.mock import ANY
 
@@ -24,6 +26,7 @@ from fleetsched.gateway.app import Gateway, _answer_for, duration_text
 from fleetsched.gateway.auth import KeyRing, hash_key
 from fleetsched.gateway.server import serve_in_thread
 from fleetsched.settings import Settings
+from fleetsched.virtual_time import VirtualTimeLoop
 
 ACME, GLOBEX, ADMIN = "fs-acme-key", "fs-globex-key", "fs-admin-key"
 MSG = [{"role": "user", "content": "hi"}]
@@ -1688,6 +1691,31 @@ async def test_a_chat_call_naming_no_max_tokens_is_charged_256_up_front_then_wha
     used = first.json()["usage"]
     assert int(first.headers["x-ratelimit-remaining-tokens"]) == 6000 - used["prompt_tokens"] - 256
     assert int(second.headers["x-ratelimit-remaining-tokens"]) == 6000 - used["total_tokens"] - used["prompt_tokens"] - 256
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)}), ("asyncio", {"loop_factory": VirtualTimeLoop})])
+@pytest.mark.anyio
+async def test_gateway_sessions_leave_no_queue_unclosed_however_they_end(anyio_backend):
+    """A session's queue of turns is closed when it ends: at its client's DELETE, idle, or at the
+    gateway's shutdown (which still ends it cancelled, not failed). Before, each session's two
+    ends were collected unclosed: anyio's ResourceWarning "Unclosed <MemoryObject...Stream>"."""
+    gateway = Gateway(gateway_settings(gateway={"session_idle_s": 5}))
+    body = {"model": "m", "messages": MSG, "max_tokens": 2}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw") as c:
+            for sid in ("deleted", "idle", "open"):
+                answer = await c.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {ACME}", "x-session-id": sid})
+                assert answer.status_code == 200, answer.text
+            assert (await c.delete("/v1/sessions/deleted", headers={"authorization": f"Bearer {ACME}"})).status_code == 200
+            await anyio.sleep(3)
+            answer = await c.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {ACME}", "x-session-id": "open"})
+            await anyio.sleep(3)  # "idle" idles out; "open" is still waiting for its next call
+            handles = {s.key: s.handle for s in gateway.sessions._sessions.values()}
+        assert [h.state.value for h in handles.values()] == ["cancelled"]  # "open", ended by the shutdown
+        del gateway, handles, c
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 def test_the_in_flight_gauge_is_back_to_zero_once_a_call_is_answered(url):

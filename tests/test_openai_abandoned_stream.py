@@ -8,6 +8,9 @@ into a long tool blocked every other tenant (an 8-token call waited 599 s, the e
 
 from __future__ import annotations
 
+import gc
+import warnings
+
 import anyio
 import pytest
 
@@ -171,3 +174,30 @@ def test_a_backend_stream_that_fails_as_it_is_closed_fails_no_other_session(loop
         assert scheduler.statistics().dispatcher.in_flight == 0
 
     run_virtual(main, loop=loop)
+
+
+def test_streams_read_to_their_end_or_left_open_leave_no_unclosed_buffer():
+    """Each ``ctx.openai`` stream's buffer is closed, read to its end or left open by its agent
+    (closed by the session's end then). Before, every one was collected unclosed: anyio's
+    ResourceWarning "Unclosed <MemoryObjectReceiveStream>", a stream at a time, under
+    ``python -X dev`` or ``-W error``."""
+
+    async def reads_to_the_end(ctx):
+        stream = await ctx.openai.chat.completions.create(model=ctx.model, messages=MESSAGES, max_tokens=8, stream=True)
+        return len([chunk async for chunk in stream])
+
+    async def leaves_a_stream(ctx):
+        stream = await _leave_a_stream(ctx, max_tokens=8)
+        await anyio.sleep(5)  # its answer has ended meanwhile, unread
+        del stream
+
+    async def main():
+        async with Scheduler(settings()) as scheduler:
+            assert await scheduler.run(reads_to_the_end, tenant="acme") > 0
+            await scheduler.run(leaves_a_stream, tenant="acme")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        run_virtual(main)  # asyncio: trio's own async-generator hooks warn of the SDK's generators
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []

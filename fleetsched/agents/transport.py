@@ -232,7 +232,6 @@ class _EventStream(httpx.AsyncByteStream):
             self._buffered_in.close()
             with anyio.CancelScope(shield=True):
                 try:
-                    self._ctx._open_streams.discard(self)
                     await _leave(self._opened, self._cut if self._draining.cancel_called else failure)
                 finally:
                     self._ended.set()
@@ -262,9 +261,15 @@ class _EventStream(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         self._closing = True
+        # Kept among the session's streams until here, its answer ended or not: the session's
+        # end closes one its agent left unclosed.
+        self._ctx._open_streams.discard(self)
         if self._reading is not None:  # another task waits for a chunk: cut its wait
             self._reading.cancel()
         await self._stop(None)
+        # Nothing reads the buffer from here on (`_closing`): left open, anyio warned of it
+        # (ResourceWarning "Unclosed MemoryObjectReceiveStream") for every stream once collected.
+        self._buffered.close()
 
     async def _stop(self, cut: BaseException | None) -> None:
         """End the call now if it is under way, the engine's answer cut short (`cut`: the

@@ -211,11 +211,14 @@ class SessionTable:
                     next_turn = None
                     async with ctx.tool("client"):
                         with anyio.move_on_after(self._idle_s):
-                            next_turn = await session.receive.receive()
+                            try:
+                                next_turn = await session.receive.receive()
+                            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                                pass  # closed (`_close`: a shutdown): ends as an idle session does
                         if next_turn is None:
                             try:
                                 next_turn = session.receive.receive_nowait()
-                            except anyio.WouldBlock:
+                            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                                 pass
                         session.held = next_turn  # out of the queue: released by `_close` if the session ends first
                         if next_turn is None or next_turn.last:  # idle for idle_s, or ended by its client
@@ -258,6 +261,10 @@ class SessionTable:
                 session.receive.receive_nowait().ready.set()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 break
+        # Nothing is sent to a closed session, nor taken from its queue: left open, anyio warned
+        # of both ends (ResourceWarning "Unclosed <MemoryObject...Stream>") once collected.
+        session.send.close()
+        session.receive.close()
 
     def end(self, tenant: str, session_id: str) -> bool:
         """End a session at its client's word (``DELETE /v1/sessions/{id}``) rather than after
