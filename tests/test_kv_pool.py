@@ -224,13 +224,14 @@ async def reservations(settings: Settings, tenant: str = "default") -> tuple[Any
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # a real server: a real clock
 async def test_on_a_real_server_the_pool_is_the_cache_it_reports(vllm_server, anyio_backend):
     """The shared server: 1 GiB of KV cache in 128-token blocks of the tiny model (4,096 blocks
-    of 256 KiB), read from its /metrics. A session of 4,096 tokens reserves 32 blocks: 128 fit."""
+    of 256 KiB), read from its /metrics, less the null block vLLM holds back. A session of 4,096
+    tokens reserves 32 blocks: 127 fit."""
     settings = Settings(
         backend={"kind": "vllm-server", "urls": [vllm_server.url]},
         resources={"kv_cache": {"config": str(model_path()), "context_tokens": 4096}},
     )
     stats, held = await reservations(settings)
-    assert [(d.name, d.total) for d in stats.devices] == [("r0", 1 << 30)]
+    assert [(d.name, d.total) for d in stats.devices] == [("r0", (1 << 30) - 128 * 2048)]
     assert held == [32 * 128 * 2048]
 
 
@@ -259,15 +260,20 @@ def test_a_model_directory_without_its_config_names_the_file_it_looked_for(tmp_p
         sim_settings(tmp_path)
 
 
-def replicas_backend(*names: str) -> Any:
+def replicas_backend(*names: str, block_sizes: dict[str, int] | None = None) -> Any:
     """A vLLM server backend over replicas `names` that each report 1 GiB of the tiny model's
-    cache on /metrics (no call is made to them)."""
+    cache on /metrics, in blocks of 128 tokens unless `block_sizes` says otherwise (no call is
+    made to them)."""
     import httpx
 
     from fleetsched.backends.vllm_server import VLLMServerBackend
 
-    page = '# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="4096"} 1.0\n'
-    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=page)))
+    def page(request: httpx.Request) -> httpx.Response:
+        size = (block_sizes or {}).get(request.url.host.removesuffix(".invalid"), 128)
+        info = f'vllm:cache_config_info{{block_size="{size}",engine="0",num_gpu_blocks="{(1 << 19) // size}"}} 1.0\n'
+        return httpx.Response(200, text="# TYPE vllm:cache_config_info gauge\n" + info)
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(page))
     return VLLMServerBackend({name: f"http://{name}.invalid:8000" for name in names}, model="tiny", http_client=http)
 
 
@@ -312,6 +318,20 @@ async def test_sessions_are_spread_over_the_replicas_and_come_back_to_theirs_aft
             await handle
     await backend.aclose()
     assert after_tool == [("r0", "r0")] * 3, after_tool
+
+
+async def test_replicas_that_serve_different_block_sizes_are_a_config_error(tiny_config):
+    """One replica restarted with --block-size 64 beside another at 128: `fleetsched run` ended in
+    a traceback (kv_pool's ValueError); now the config error it prints and exits 2 on."""
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000", "http://r1.invalid:8000"]},
+        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
+    )
+    backend = replicas_backend("r0", "r1", block_sizes={"r1": 64})
+    with pytest.raises(ConfigError, match=r"^resources.kv_cache: the replicas' KV blocks differ \(r0: 262,144 B, r1: 131,072 B\)"):
+        async with Scheduler(settings, backend=backend):
+            pass
+    await backend.aclose()
 
 
 def test_a_scheduler_session_memory_beside_the_kv_cache_is_refused(tiny_config, tmp_path, monkeypatch, capsys):

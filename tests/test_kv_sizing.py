@@ -136,6 +136,20 @@ def test_kv_device_and_page_from_a_server_capacity():
     assert int(settings.devices[0].memory) == 48 * 128 * 2048
 
 
+def test_the_null_block_a_vllm_server_holds_back_is_left_out_of_its_device():
+    """vLLM's block pool holds back one block (its null block) from requests: of 48 reported, 47
+    are theirs. The device was all 48, and six sessions of 8 blocks were admitted into 47 (the
+    real server then preempted one of them: test_vllm_admission)."""
+    from fleetsched.resources import kv_device, kv_pool
+
+    tiny = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "dtype": "float32"}
+    capacity = parse_vllm_cache_config('vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="48"} 1.0\n')
+    assert (capacity.num_gpu_blocks, capacity.tokens, capacity.usable_blocks) == (48, 6144, 47)
+    assert kv_device("vllm0", capacity, tiny)["memory"] == 47 * 128 * 2048
+    sized = kv_pool({"r0": capacity}, tiny, context_tokens=1024)
+    assert sized.devices == {"r0": 47 * 128 * 2048} and sized.devices["r0"] // sized.session_bytes == 5
+
+
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3",
     "hidden_size": 7168,

@@ -382,6 +382,22 @@ def test_agents_that_outgrow_their_kv_cache_budget_are_named_at_start():
     assert len(over_budget(tight.model_copy(update={"tenants": {**tight.tenants, "reports": sized}}))) == 1
 
 
+def test_a_kv_cache_budget_beyond_the_model_s_context_is_named_at_start():
+    """A `context_tokens` of 8,192 over a model served with a context of 4,096 (the example's
+    profile): no call holds more than 4,096 tokens of the cache, yet each session reserved twice
+    that, and half the sessions the cache holds were admitted, without a word."""
+    from fleetsched.observability.feasibility import over_budget
+    from fleetsched.settings import load_settings
+
+    settings = load_settings("examples/kv_admission.toml")
+    assert settings.backend.sim.max_model_len == 4096 and over_budget(settings) == []
+    kv_cache = settings.resources.kv_cache.model_copy(update={"context_tokens": 8192})
+    wide = settings.model_copy(update={"resources": settings.resources.model_copy(update={"kv_cache": kv_cache})})
+    (message,) = over_budget(wide)
+    assert message.startswith("resources.kv_cache.context_tokens (8192) is more than the model's context (4096 tokens)")
+    assert "admits fewer sessions than the cache holds" in message
+
+
 def test_trace_sessions_whose_later_turns_or_budget_overflow_are_named_at_start(tmp_path):
     """As agent mixes are. A trace line of 20 turns came after one alike in kind, prompt and
     max_tokens but of 1 turn, which stood for both: its calls failed with ContextTooLong from the

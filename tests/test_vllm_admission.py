@@ -9,8 +9,8 @@ tokens, so that every sequence really grows towards its budget of 1,024 tokens.
 - Without admission (a pool whose device is far larger than the cache) all fourteen run at once,
   the cache overflows and ``vllm:num_preemptions_total`` climbs.
 - With admission (the device is the server's KV capacity read from ``/metrics`` x the model's
-  bytes per token, one pool page per vLLM block, each session reserving its budget) six run at a
-  time, the counter stays flat, and every session finishes: built by hand, and by a `Scheduler`
+  bytes per token, less the null block vLLM holds back, one pool page per vLLM block, each session
+  reserving its budget) five run at a time, the counter stays flat, and every session finishes: built by hand, and by a `Scheduler`
   from ``[resources.kv_cache]`` alone.
 """
 
@@ -112,7 +112,7 @@ async def test_admission_by_kv_capacity_keeps_preemptions_flat(small_cache_serve
     nbytes = session_bytes(BUDGET_TOKENS, bytes_per_token=per_token, block_size=capacity.block_size)
     device = kv_device("vllm0", capacity, config)
     page = kv_page_size(capacity, config)
-    assert device["memory"] == capacity.tokens * per_token
+    assert device["memory"] == (capacity.num_gpu_blocks - 1) * capacity.block_size * per_token  # all but the null block
 
     async with httpx.AsyncClient(timeout=10.0) as client:
         # Without admission: a device far larger than the cache lets every session in at once.
@@ -155,8 +155,9 @@ async def test_sliding_window_layers_are_sized_as_the_server_bounds_them(tmp_pat
         capacity = await read_vllm_kv_capacity(server.url)
     reported = float(capacity.labels["kv_cache_max_concurrency"])
     memory = kv_device("sliding", capacity, model)["memory"]
-    assert memory == int(capacity.labels["kv_cache_memory_bytes"])
-    sessions = memory / session_bytes(4096, model, block_size=capacity.block_size, in_flight_tokens=2048)
+    whole = int(capacity.labels["kv_cache_memory_bytes"])  # vLLM's concurrency counts its null block too
+    assert memory == whole - whole // capacity.num_gpu_blocks
+    sessions = whole / session_bytes(4096, model, block_size=capacity.block_size, in_flight_tokens=2048)
     assert sessions == pytest.approx(reported, rel=1e-6)
     assert memory / session_bytes(4096, bytes_per_token=kv_bytes_per_token(model), block_size=capacity.block_size) < reported
 
@@ -189,6 +190,39 @@ async def test_admission_from_settings_alone_keeps_preemptions_flat(small_cache_
         preemptions = await _preemptions(client, server) - before
 
     capacity = await read_vllm_kv_capacity(server.url)
-    assert devices == [("r0", capacity.num_gpu_blocks * kv_page_size(capacity, model_path()))]
+    assert devices == [("r0", (capacity.num_gpu_blocks - 1) * kv_page_size(capacity, model_path()))]
     assert len(usage) == SESSIONS and all(c == MAX_TOKENS for _, c in usage)
     assert preemptions == 0
+
+
+async def test_sessions_that_fill_their_budgets_at_once_are_not_preempted(small_cache_server: VLLMServer) -> None:
+    """vLLM's block pool holds back one of its blocks (the null block): of the 48 reported, 47 go
+    to requests. Counted as 48, the pool admitted six sessions of 8 blocks at once, and when the
+    six filled their 1,024-token budgets together, one of them was preempted."""
+    server = small_cache_server
+    capacity = await read_vllm_kv_capacity(server.url)
+    pool = ExtentPool(
+        [DeviceSpec("vllm0", kv_device("vllm0", capacity, model_path())["memory"])], page_size=kv_page_size(capacity, model_path())
+    )
+    nbytes = session_bytes(BUDGET_TOKENS, model_path(), block_size=capacity.block_size)
+    openai = AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", max_retries=0, timeout=Timeout(120.0, connect=60.0))
+    messages = [{"role": "user", "content": " ".join(WORDS * 20)}]
+    probe = await openai.chat.completions.create(model=server.model, messages=messages, max_tokens=1)
+    assert probe.usage is not None
+    fill = BUDGET_TOKENS - probe.usage.prompt_tokens  # prompt and answer: the whole budget
+
+    async def session(i: int) -> None:
+        async with pool.reserve(nbytes, owner=i):
+            await openai.chat.completions.create(
+                model=server.model, messages=messages, max_tokens=fill, extra_body={"ignore_eos": True}
+            )
+
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        before = await _preemptions(client, server)
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(capacity.tokens // BUDGET_TOKENS):  # six budgets in 48 blocks
+                    tg.start_soon(session, i)
+        preempted = await _preemptions(client, server) - before
+    await openai.close()
+    assert preempted == 0

@@ -1358,6 +1358,34 @@ async def test_a_metrics_page_that_trickles_in_is_given_up_within_the_timeout(ca
 
 
 @pytest.mark.anyio
+async def test_a_replica_restarted_with_another_kv_cache_is_warned_about(caplog):
+    """The memory pool of `[resources.kv_cache]` is sized from the caches read at the start. A
+    server restarted with a smaller cache (another VLLM_CPU_KVCACHE_SPACE, --num-gpu-blocks-override
+    96 then 32 on the CPU build) went on being admitted to as before, without a word, and
+    preempted. (Served by a mock: a real server's restart takes minutes here.)"""
+
+    def page(blocks: int) -> str:
+        info = f'vllm:cache_config_info{{block_size="64",engine="0",num_gpu_blocks="{blocks}"}} 1.0\n'
+        return _gauges("0") + "# TYPE vllm:cache_config_info gauge\n" + info
+
+    pages: dict[str, str | int] = {"a": page(96)}
+    backend = _scraped(pages)
+    assert (await backend.kv_capacities())["a"].tokens == 6144
+    with caplog.at_level("WARNING", logger="fleetsched.backends.vllm_server"):
+        await backend.signals()
+        assert not caplog.records  # the same cache
+        pages["a"] = page(32)
+        for _ in range(3):
+            await backend.signals()
+    assert len(caplog.records) == 1, caplog.text
+    message = caplog.records[0].getMessage()
+    assert message.startswith("vLLM replica a (http://a.invalid) now reports a KV cache of 2,048 tokens (32 blocks of 64)")
+    assert "not the 6,144 tokens (96 blocks of 64) the memory pool was sized from" in message
+    assert "the engine may preempt" in message and "restart fleetsched" in message
+    await backend.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_counter_missing_from_a_page_keeps_its_last_reading():
     """A counter absent from a replica's page counts with the replica's last reading of it."""
     pages: dict[str, str | int] = {"a": _gauges("0", preemptions="7")}

@@ -563,7 +563,7 @@ class VLLMEngineBackend(Backend):
         if self._engine is None:
             raise BackendUnavailable("the vLLM engine is not running; use the backend inside `async with`")
         cache = self._engine.vllm_config.cache_config
-        return {"engine": KVCacheCapacity(cache.num_gpu_blocks, cache.block_size, {})}
+        return {"engine": KVCacheCapacity(cache.num_gpu_blocks, cache.block_size, {}, held_back=1)}  # the null block
 
     async def aclose(self) -> None:
         """Shut the engine down; calls in flight fail with `BackendUnavailable` (they waited for

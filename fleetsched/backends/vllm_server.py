@@ -50,7 +50,7 @@ from openai import AsyncOpenAI
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from ..errors import BackendError, BackendUnavailable, InvalidRequest, Overloaded, UnknownModel
-from ..resources.kv_sizing import KVCacheCapacity, read_vllm_kv_capacity
+from ..resources.kv_sizing import KVCacheCapacity, parse_vllm_cache_config, read_vllm_kv_capacity
 from .base import AVOID_KEY, DEFAULT_MODEL, FALLBACK_KEY, REPLICA_KEY, REQUEST_ID_KEY, Backend, ChatBody, Chunk, EngineSignals, estimate_prompt_tokens, invalid_request, make_chunk, usage_dict
 from .metrics import merge_signals, parse_vllm_metrics
 
@@ -163,6 +163,10 @@ class Replica:
     """Its last reading; the counters in it carry over the replica's restarts (`_carry_counters`)."""
     counter_offsets: dict[str, float] = field(default_factory=dict)
     """Per counter, what it had counted before the replica's last restart."""
+    kv_capacity: KVCacheCapacity | None = None
+    """Its KV cache as `VLLMServerBackend.kv_capacities` read it (the memory pool is sized from it)."""
+    kv_reported: tuple[int, int] | None = None
+    """The blocks and block size it last reported on /metrics, where they differed from `kv_capacity`."""
 
 
 _COUNTERS = ("preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
@@ -186,6 +190,34 @@ def _carry_counters(rep: Replica, signals: EngineSignals) -> EngineSignals:
             offset = rep.counter_offsets[name] = last
         carried[name] = offset + raw
     return dataclasses.replace(signals, **carried)
+
+
+def _check_kv_capacity(rep: Replica, metrics_text: str) -> None:
+    """Warn (once per change) when `rep` reports another KV cache than the one the memory pool was
+    sized from: a server restarted with another ``VLLM_CPU_KVCACHE_SPACE``, ``--block-size`` or
+    ``--gpu-memory-utilization`` went on being admitted to as before, without a word, and, its
+    cache now smaller, preempted the sessions admission was there to keep whole."""
+    assert rep.kv_capacity is not None
+    try:
+        now = parse_vllm_cache_config(metrics_text)
+    except ValueError:  # not reported yet (an engine still profiling): nothing to compare
+        return
+    known = rep.kv_capacity
+    reported = (now.num_gpu_blocks, now.block_size)
+    if reported == (known.num_gpu_blocks, known.block_size):
+        rep.kv_reported = None  # back as it was: a later change is said again
+        return
+    if reported == rep.kv_reported:
+        return
+    rep.kv_reported = reported
+    logger.warning(
+        "vLLM replica %s (%s) now reports a KV cache of %s tokens (%s blocks of %s), not the %s tokens (%s blocks "
+        "of %s) the memory pool was sized from when the scheduler started (resources.kv_cache): admission no "
+        "longer matches its cache%s; restart fleetsched to size the pool again",
+        rep.name, rep.url, f"{now.tokens:,}", f"{now.num_gpu_blocks:,}", now.block_size,
+        f"{known.tokens:,}", f"{known.num_gpu_blocks:,}", known.block_size,
+        " and the engine may preempt" if now.tokens < known.tokens else "",
+    )  # fmt: skip
 
 
 class _ErrorEvent(Exception):
@@ -881,6 +913,8 @@ class VLLMServerBackend(Backend):
                     response = await self._http.get(f"{rep.url}/metrics")
                 response.raise_for_status()
                 rep.last_signals = _carry_counters(rep, parse_vllm_metrics(response.text).signals)
+                if rep.kv_capacity is not None:
+                    _check_kv_capacity(rep, response.text)
             except (httpx.HTTPError, ValueError, TimeoutError) as exc:
                 # Said once, as a warning: at debug level alone, a replica whose /metrics never
                 # answers (behind a proxy that does not pass it on, say) left the adaptive window
@@ -933,7 +967,7 @@ class VLLMServerBackend(Backend):
         capacities = {}
         for name, rep in self._replicas.items():
             try:
-                capacities[name] = await read_vllm_kv_capacity(rep.url, client=self._http)
+                capacities[name] = rep.kv_capacity = await read_vllm_kv_capacity(rep.url, client=self._http)
             except (httpx.HTTPError, ValueError) as exc:
                 raise BackendUnavailable(f"vLLM replica {name} ({rep.url}): cannot read its KV cache: {exc}") from exc
         return capacities

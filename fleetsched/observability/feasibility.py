@@ -220,8 +220,19 @@ def over_budget(settings: Settings, traced: list[tuple[str, AgentMix]] | None = 
     kv_cache = settings.resources.kv_cache
     if kv_cache is None:
         return []
-    agents = [(f"workload.agents[{index}] ({mix.kind or mix.tenant})", mix) for index, mix in enumerate(settings.workload.agents)]
     out = []
+    kind = settings.backend.kind
+    limit = settings.backend.sim.max_model_len if kind == "sim" else settings.backend.engine_max_model_len if kind == "vllm-engine" else None
+    if limit is not None and kv_cache.context_tokens > limit:
+        # No call holds more than the model's context in the cache: a budget beyond it reserved
+        # blocks that no session's call could fill, and admitted fewer sessions than the cache
+        # holds (half as many at twice the context), without a word.
+        out.append(
+            f"resources.kv_cache.context_tokens ({kv_cache.context_tokens}) is more than the model's context "
+            f"({limit} tokens): a session's call holds at most {limit} tokens of the KV cache, and reserving more "
+            "admits fewer sessions than the cache holds"
+        )
+    agents = [(f"workload.agents[{index}] ({mix.kind or mix.tenant})", mix) for index, mix in enumerate(settings.workload.agents)]
     for agent, mix in agents + (_trace_kinds(settings) if traced is None else traced):
         if settings.session_memory_of(mix, "workload")[1] != "scheduler.session_memory":
             continue

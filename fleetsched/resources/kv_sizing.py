@@ -408,16 +408,25 @@ def _count(name: str, value: object) -> None:
 @dataclass(frozen=True, slots=True)
 class KVCacheCapacity:
     """A vLLM server's KV cache: `num_gpu_blocks` blocks of `block_size` tokens (of every layer,
-    or, on a model that mixes attentions, of one cache group's layers: `kv_page_size`)."""
+    or, on a model that mixes attentions, of one cache group's layers: `kv_page_size`), of which
+    `usable_blocks` go to requests."""
 
     num_gpu_blocks: int
     block_size: int
     #: Every label of ``vllm:cache_config_info``, as strings.
     labels: Mapping[str, str]
+    #: Blocks the engine never gives a request: vLLM's block pool holds back one, its null block
+    #: (block 0). Counted as the cache's, the pool admitted one block more than requests can hold:
+    #: 6 sessions of 8 blocks into 48 blocks of which 47 were free, and one of them was preempted.
+    held_back: int = 0
 
     @property
     def tokens(self) -> int:
         return self.num_gpu_blocks * self.block_size
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_gpu_blocks - self.held_back
 
 
 _SAMPLE = re.compile(r"^vllm:cache_config_info\{(?P<labels>.*)\}\s+\S+", re.MULTILINE)
@@ -443,7 +452,7 @@ def parse_vllm_cache_config(metrics_text: str) -> KVCacheCapacity:
     if not samples:
         raise ValueError("no vllm:cache_config_info sample in the metrics text; is this a vLLM server's /metrics?")
     blocks = min(_blocks(labels) for labels in samples)
-    return KVCacheCapacity(blocks, _number(samples[0], "block_size"), samples[0])
+    return KVCacheCapacity(blocks, _number(samples[0], "block_size"), samples[0], held_back=1)  # the null block
 
 
 def _blocks(labels: Mapping[str, str]) -> int:
@@ -489,7 +498,8 @@ async def read_vllm_kv_capacity(url: str, *, client: Any = None) -> KVCacheCapac
 def kv_device(
     name: str, capacity: KVCacheCapacity, config: Mapping[str, Any] | str | PathLike[str], *, dtype: str | None = None
 ) -> dict[str, Any]:
-    """A ``resources.devices`` entry for a vLLM server's KV cache: its blocks x `kv_page_size`.
+    """A ``resources.devices`` entry for a vLLM server's KV cache: its usable blocks (all but the
+    null block) x `kv_page_size`.
 
     Declare one per replica (``ResourceSettings(devices=[kv_device(...)], page_size=...)``); with
     ``page_size`` = `kv_page_size` a pool page is one vLLM block, so reservations round up
@@ -498,7 +508,7 @@ def kv_device(
     model: the tiny model with one layer of each reported 8,192 blocks of 128 tokens in 1 GiB,
     4,096 blocks of both layers.
     """
-    return {"name": name, "memory": capacity.num_gpu_blocks * kv_page_size(capacity, config, dtype=dtype)}
+    return {"name": name, "memory": capacity.usable_blocks * kv_page_size(capacity, config, dtype=dtype)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,7 +542,7 @@ def kv_pool(
         raise ValueError(f"the replicas' KV blocks differ ({', '.join(f'{n}: {b:,} B' for n, b in pages.items())}): serve one block size")
     block_size = next(iter(capacities.values())).block_size
     return KVPool(
-        devices={name: capacity.num_gpu_blocks * pages[name] for name, capacity in capacities.items()},
+        devices={name: capacity.usable_blocks * pages[name] for name, capacity in capacities.items()},
         page_size=next(iter(pages.values())),
         session_bytes=session_bytes(context_tokens, config, dtype=dtype, block_size=block_size, in_flight_tokens=in_flight_tokens),
     )

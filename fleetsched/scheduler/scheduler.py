@@ -293,15 +293,21 @@ class Scheduler:
         kv = self.settings.resources.kv_cache
         assert kv is not None
         capacities = await self.backend.kv_capacities()
-        sized = kv_pool(capacities, kv.config, context_tokens=kv.context_tokens, dtype=kv.dtype, in_flight_tokens=kv.in_flight_tokens)
+        try:
+            sized = kv_pool(capacities, kv.config, context_tokens=kv.context_tokens, dtype=kv.dtype, in_flight_tokens=kv.in_flight_tokens)
+        except ValueError as exc:
+            # Replicas that serve blocks of different sizes (one started with another
+            # --block-size) ended `fleetsched run` in a traceback.
+            raise ConfigError("resources.kv_cache", str(exc)) from None
         largest = max(sized.devices, key=sized.devices.__getitem__)
+        cache = capacities[largest]
         if sized.session_bytes > sized.devices[largest]:
             # Every session would be rejected at submission, and a run would end "done" with
             # each of its sessions failed.
             raise ConfigError(
                 "resources.kv_cache.context_tokens",
                 f"a session's budget of {kv.context_tokens:,} tokens reserves {sized.session_bytes:,} bytes, more than "
-                f"the largest KV cache holds (replica {largest!r}: {capacities[largest].tokens:,} tokens, "
+                f"the largest KV cache holds (replica {largest!r}: {cache.usable_blocks * cache.block_size:,} tokens, "
                 f"{sized.devices[largest]:,} bytes): no session could be admitted",
             )
         # A workload's sessions were left unchecked at load (the caches were not read yet): those
