@@ -470,6 +470,50 @@ async def test_a_stream_left_early_is_recorded_alike_through_ctx_stream_and_the_
         assert events == (0 if error else 1), agent.__name__
 
 
+@pytest.mark.parametrize("raised", ["after the answer's end", "midway"])
+async def test_an_agent_raising_in_its_stream_block_is_recorded_alike_through_ctx_stream_and_the_sdk(raised):
+    """The agent's own code raises inside a stream's block (its parse of the answer failed),
+    after the whole answer or midway. Through the SDK the call was served (or cut); through
+    `ctx.stream` it was recorded failed with the agent's ValueError, a "failed" breach of the
+    tenant's latency objective blamed on the engine, and the session's counters left it out.
+    Now alike: served whole after the answer's end, cut before it, and counted either way."""
+    from fleetsched.report import build_report
+
+    messages = [{"role": "user", "content": "hello " * 20}]
+
+    def done(finish_reason):
+        return finish_reason if raised == "after the answer's end" else True
+
+    async def via_ctx_stream(ctx):
+        with pytest.raises(ValueError):
+            async with ctx.stream(messages, max_tokens=50) as chunks:
+                async for chunk in chunks:
+                    if chunk["choices"] and done(chunk["choices"][0]["finish_reason"]):
+                        raise ValueError("the agent could not parse the answer")
+
+    async def via_sdk(ctx):
+        with pytest.raises(ValueError):
+            async with await ctx.openai.chat.completions.create(model=ctx.model, messages=messages, max_tokens=50, stream=True) as stream:
+                async for chunk in stream:
+                    if chunk.choices and done(chunk.choices[0].finish_reason):
+                        raise ValueError("the agent could not parse the answer")
+
+    sla = {"acme": {"sla": {"latency_p95_s": 100.0}}}
+    whole = raised == "after the answer's end"
+    for agent in (via_ctx_stream, via_sdk):
+        async with Scheduler(settings(sla, backend={"kind": "sim"})) as scheduler:
+            handle = await scheduler.submit(agent, tenant="acme")
+            await handle
+            report = build_report(scheduler, duration_s=1.0, backend="sim")
+        check_released(scheduler)
+        (record,) = scheduler.recorder.calls
+        assert record.error == (None if whole else anyio.get_cancelled_exc_class().__name__), agent.__name__
+        assert (record.completion_tokens == 50) == whole, agent.__name__
+        assert handle.counters.calls == 1 and handle.counters.completion_tokens == record.completion_tokens, agent.__name__
+        latency = report["tenants"][0]["sla"]["objectives"]["latency_p95"]
+        assert latency["breaches"] == {} and latency["events"] == (1 if whole else 0), agent.__name__
+
+
 async def test_a_call_naming_a_model_not_served_is_a_404_naming_the_model_field():
     """A call naming a model the backend does not serve is a 404 whose param is model, as vLLM answers it."""
 

@@ -197,6 +197,13 @@ class SessionContext:
             async with self._dispatcher.stream(request, **self._route()) as chunks:
                 counted = _Chunks(chunks)
                 yield counted
+        except BaseException:
+            # The block raised, not a read of the stream (a failed or cut read is no call made):
+            # the agent's own exception, after the tokens it read. The call was made, as a
+            # `break` leaves one made, and as the same agent's call counts through ctx.openai.
+            if counted is not None and counted._cut is None:
+                self._count(counted.usage)
+            raise
         finally:
             if counted is not None:
                 counted.block_open = False

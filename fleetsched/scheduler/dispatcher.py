@@ -281,8 +281,14 @@ class Dispatcher:
 
         try:
             yield observed()
-        except BaseException as exc:
-            record.error = type(exc).__name__
+        except BaseException:
+            # A failed read named its failure (`observed`). An exception of the caller's own (an
+            # agent's parse of the answer that raised in its block) is no failure of the call: one
+            # that came after the answer's end left a call served whole, one before it cut the
+            # call, as a `break` does. (Recorded as failed, the engine took the blame: a "failed"
+            # breach of every call objective, where the same agent on ctx.openai met them.)
+            if record.error is None:
+                record.error = None if answered else anyio.get_cancelled_exc_class().__name__
             raise
         else:
             if not answered and record.error is None:
