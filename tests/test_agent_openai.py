@@ -432,8 +432,6 @@ async def test_a_stream_left_early_is_recorded_alike_through_ctx_stream_and_the_
     `ctx.stream` (a ``break``), as a call that ended, its cut latency a met latency objective.
     Now alike: cut, counted in the session's counters with the tokens it got; a stream left
     after its finish reason ended."""
-    from fleetsched.report import build_report
-
     messages = [{"role": "user", "content": "hello " * 20}]
 
     async def via_ctx_stream(ctx):
@@ -455,19 +453,27 @@ async def test_a_stream_left_early_is_recorded_alike_through_ctx_stream_and_the_
                 if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
                     break  # the answer is whole: its usage chunk is left unread
 
-    sla = {"acme": {"sla": {"latency_p95_s": 100.0}}}
     cut = anyio.get_cancelled_exc_class().__name__
     for agent, error in ((via_ctx_stream, cut), (via_sdk_close, cut), (read_to_the_end, None)):
-        async with Scheduler(settings(sla, backend={"kind": "sim"})) as scheduler:
-            handle = await scheduler.submit(agent, tenant="acme")
-            await handle
-            report = build_report(scheduler, duration_s=1.0, backend="sim")
-        check_released(scheduler)
-        (record,) = scheduler.recorder.calls
+        handle, record, latency = await _one_session_with_a_latency_objective(agent)
         assert record.error == error, agent.__name__
         assert handle.counters.calls == 1 and handle.counters.completion_tokens == record.completion_tokens > 0
-        events = report["tenants"][0]["sla"]["objectives"]["latency_p95"]["events"]
-        assert events == (0 if error else 1), agent.__name__
+        assert latency["events"] == (0 if error else 1), agent.__name__
+
+
+async def _one_session_with_a_latency_objective(agent):
+    """Run `agent` as acme's one session on the sim, under a latency objective: its handle, its
+    one call's record, and the report's figures for the objective."""
+    from fleetsched.report import build_report
+
+    sla = {"acme": {"sla": {"latency_p95_s": 100.0}}}
+    async with Scheduler(settings(sla, backend={"kind": "sim"})) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        await handle
+        report = build_report(scheduler, duration_s=1.0, backend="sim")
+    check_released(scheduler)
+    (record,) = scheduler.recorder.calls
+    return handle, record, report["tenants"][0]["sla"]["objectives"]["latency_p95"]
 
 
 @pytest.mark.parametrize("raised", ["after the answer's end", "midway"])
@@ -477,8 +483,6 @@ async def test_an_agent_raising_in_its_stream_block_is_recorded_alike_through_ct
     `ctx.stream` it was recorded failed with the agent's ValueError, a "failed" breach of the
     tenant's latency objective blamed on the engine, and the session's counters left it out.
     Now alike: served whole after the answer's end, cut before it, and counted either way."""
-    from fleetsched.report import build_report
-
     messages = [{"role": "user", "content": "hello " * 20}]
 
     def done(finish_reason):
@@ -498,19 +502,12 @@ async def test_an_agent_raising_in_its_stream_block_is_recorded_alike_through_ct
                     if chunk.choices and done(chunk.choices[0].finish_reason):
                         raise ValueError("the agent could not parse the answer")
 
-    sla = {"acme": {"sla": {"latency_p95_s": 100.0}}}
     whole = raised == "after the answer's end"
     for agent in (via_ctx_stream, via_sdk):
-        async with Scheduler(settings(sla, backend={"kind": "sim"})) as scheduler:
-            handle = await scheduler.submit(agent, tenant="acme")
-            await handle
-            report = build_report(scheduler, duration_s=1.0, backend="sim")
-        check_released(scheduler)
-        (record,) = scheduler.recorder.calls
+        handle, record, latency = await _one_session_with_a_latency_objective(agent)
         assert record.error == (None if whole else anyio.get_cancelled_exc_class().__name__), agent.__name__
         assert (record.completion_tokens == 50) == whole, agent.__name__
         assert handle.counters.calls == 1 and handle.counters.completion_tokens == record.completion_tokens, agent.__name__
-        latency = report["tenants"][0]["sla"]["objectives"]["latency_p95"]
         assert latency["breaches"] == {} and latency["events"] == (1 if whole else 0), agent.__name__
 
 
