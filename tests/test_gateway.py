@@ -206,6 +206,28 @@ def test_answers_carry_openais_rate_limit_headers():
         assert not [name for name in plain.headers if name.startswith("x-ratelimit")]
 
 
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
+@pytest.mark.anyio
+async def test_a_refusal_s_rate_limit_headers_count_what_it_gave_back(anyio_backend):
+    """A call refused as invalid after its limits were taken gets its request and tokens back,
+    and its x-ratelimit-* headers say so: a 404 for an unknown model read remaining-requests 0
+    (the level before its refund) while the next call was served, so a client pacing itself by
+    the headers waited for nothing. A 200's headers still show its charge up front."""
+    tenants = {"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2, "tokens_per_minute": 1000}}
+    gateway = Gateway(gateway_settings(tenants, backend={"kind": "sim"}))
+    headers = {"authorization": f"Bearer {GLOBEX}"}
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw", headers=headers) as c:
+        served = await c.post("/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 10})
+        assert served.status_code == 200 and served.headers["x-ratelimit-remaining-requests"] == "1"
+        tokens_left = int(served.headers["x-ratelimit-remaining-tokens"])
+        refused = await c.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": MSG, "max_tokens": 10})
+        assert refused.status_code == 404, refused.text
+        assert refused.headers["x-ratelimit-remaining-requests"] == "1"
+        assert int(refused.headers["x-ratelimit-remaining-tokens"]) >= tokens_left
+        again = await c.post("/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 10})
+        assert again.status_code == 200 and again.headers["x-ratelimit-remaining-requests"] == "0"
+
+
 def test_reset_times_are_written_as_openai_writes_them():
     cases = {0: "0s", -1: "0s", 0.25: "250ms", 0.0004: "1ms", 6: "6s", 1.5: "1.5s", 90.5: "1m30.5s", 60: "1m0s", 3600: "1h0m0s"}
     assert {s: duration_text(s) for s in cases} == cases

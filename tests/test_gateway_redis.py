@@ -193,6 +193,25 @@ async def test_a_request_given_back_is_given_back_to_every_instance(redis_url):
         await b.aclose()
 
 
+def test_a_refusal_s_rate_limit_headers_count_what_it_gave_back_in_redis_too(redis_url):
+    """The refund script answers the buckets' levels after it: a 404 after the limits were taken
+    shows its request and tokens given back (it read remaining-requests 0), on one instance as on
+    its peer."""
+    tenants = {"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 2, "tokens_per_minute": 1000}}
+    s = gateway_settings(tenants, gateway={"redis_url": redis_url}, backend={"kind": "sim"})
+    flush(redis_url)
+    headers = {"authorization": f"Bearer {GLOBEX}"}
+    with serve_in_thread(s) as (_, url_one), serve_in_thread(s) as (_, url_two):
+        served = httpx.post(url_one + "/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 10}, headers=headers)
+        assert served.status_code == 200 and served.headers["x-ratelimit-remaining-requests"] == "1"
+        refused = httpx.post(url_two + "/v1/chat/completions", json={"model": "gpt-4o", "messages": MSG, "max_tokens": 10}, headers=headers)
+        assert refused.status_code == 404, refused.text
+        assert refused.headers["x-ratelimit-remaining-requests"] == "1"
+        assert int(refused.headers["x-ratelimit-remaining-tokens"]) >= int(served.headers["x-ratelimit-remaining-tokens"])
+        again = httpx.post(url_one + "/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 10}, headers=headers)
+        assert again.status_code == 200 and again.headers["x-ratelimit-remaining-requests"] == "0"
+
+
 def test_fair_share_counters_count_the_peers_service(redis_url):
     flush(redis_url)
     s = gateway_settings(gateway={"redis_url": redis_url})

@@ -447,7 +447,10 @@ class Gateway:
         except Exception as exc:  # the shared state (Redis) is unreachable: a 503, not our 500
             logger.warning("shared state unavailable for tenant %r: %s: %s", tenant, type(exc).__name__, exc)
             return await _error(send, _answer_for(StateUnavailable.from_error(exc)))
-        send = _with_headers(send, ratelimit_headers(taken))
+        # The buckets as the answer's headers show them: after the take, or, for an error answer,
+        # after what its settling gave back (`_settling_first` settles those before their start).
+        shown = [taken]
+        send = _with_headers(send, lambda: ratelimit_headers(shown[-1]))
         if taken.wait_s > 0:
             return await _error(
                 send,
@@ -463,7 +466,9 @@ class Gateway:
             nonlocal settled
             if not settled:
                 settled = True
-                await self._settle(tenant, prompt, max_tokens or requested_max_tokens(body), done, status)
+                after = await self._settle(tenant, prompt, max_tokens or requested_max_tokens(body), done, status)
+                if after is not None:
+                    shown.append(after)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, done)
@@ -599,12 +604,13 @@ class Gateway:
         finally:
             in_flight[tenant] -= 1
 
-    async def _settle(self, tenant: str, prompt: int, max_tokens: int, done: _Outcome, status: int) -> None:
+    async def _settle(self, tenant: str, prompt: int, max_tokens: int, done: _Outcome, status: int) -> Taken | None:
         """After a call answered `status`: refund the tokens it did not use to the tenant's
         tokens per minute (whatever its outcome: a call refused or failed gets its prompt back
         too; one whose prompt the engine counted longer than the estimate `prompt` is charged
         the difference), and share the service the engine gave
-        (with Redis: the other instances' fair share counts it).
+        (with Redis: the other instances' fair share counts it). Returns the tenant's buckets
+        after it (None: nothing given back, or the shared state did not answer).
 
         What the engine counted is charged whatever the status: a call cut short by its deadline
         (408) or its client made tokens. A call whose client left before it was sent (queued in
@@ -632,13 +638,15 @@ class Gateway:
             self.state.count_usage(tenant, cost)
         # Shielded (a client that leaves must not lose the refund) but bounded: a Redis that
         # stops answering held the end of every answer.
+        after = None
         with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S) as settling:
             try:
-                await self.state.refund(tenant, unused, request=invalid)
+                after = await self.state.refund(tenant, unused, request=invalid)
             except Exception as exc:
                 logger.warning("could not settle a call of tenant %r in the shared state: %s: %s", tenant, type(exc).__name__, exc)
         if settling.cancelled_caught:
             logger.warning("could not settle a call of tenant %r in the shared state: no answer in %g s", tenant, SETTLE_TIMEOUT_S)
+        return after
 
 
 #: The status a call is counted under in the metrics when its client left before its answer's
@@ -792,14 +800,16 @@ def duration_text(seconds: float) -> str:
     return f"{minutes}m{text}" if minutes else text
 
 
-def _with_headers(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
-    """`send`, adding `headers` to the response's start (whatever answer it turns out to be)."""
+def _with_headers(send: Send, headers: list[tuple[bytes, bytes]] | Callable[[], list[tuple[bytes, bytes]]]) -> Send:
+    """`send`, adding `headers` to the response's start (whatever answer it turns out to be);
+    a callable gives them as they are when the start goes out."""
     if not headers:
         return send
 
     async def with_headers(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+            extra = headers() if callable(headers) else headers
+            message = {**message, "headers": [*message.get("headers", ()), *extra]}
         await send(message)
 
     return with_headers
@@ -809,15 +819,26 @@ def _settling_first(send: Send, settle: Callable[[int], Awaitable[None]]) -> Sen
     """`send`, settling the call (`settle`, with the status answered) before the last bytes of
     its answer go out: a client that makes its next call as soon as it has this answer finds
     the tokens and the request this one gave back (it was refused with 429 for the request
-    that a refusal had not yet given back)."""
+    that a refusal had not yet given back). An error answer (sent whole) is settled before its
+    start, so that its x-ratelimit-* headers count what it gave back: a 404 read
+    remaining-requests 0 while its request was given back, and a client pacing itself by them
+    waited for nothing."""
     status = 0
+    held: MutableMapping[str, Any] | None = None
 
     async def settling_first(message: MutableMapping[str, Any]) -> None:
-        nonlocal status
+        nonlocal status, held
         if message["type"] == "http.response.start":
             status = message["status"]
-        elif message["type"] == "http.response.body" and not message.get("more_body"):
-            await settle(status)
+            if status >= 400:
+                held = message
+                return
+        elif message["type"] == "http.response.body":
+            if not message.get("more_body"):
+                await settle(status)
+            if held is not None:
+                start, held = held, None
+                await send(start)
         await send(message)
 
     return settling_first

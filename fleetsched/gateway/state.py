@@ -79,9 +79,10 @@ class SharedState(ABC):
         buckets' levels after it."""
 
     @abstractmethod
-    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
+    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> Taken | None:
         """Give back tokens charged up front but not used, and with `request` the request too
-        (a call refused as invalid, which was served nothing)."""
+        (a call refused as invalid, which was served nothing). Returns the buckets after it (for
+        a refusal's x-ratelimit-* headers), or None where nothing was given back."""
 
     @abstractmethod
     def count_usage(self, tenant: str, cost: float) -> None:
@@ -141,9 +142,12 @@ class MemoryState(SharedState):
         wait = self._buckets.try_take(tenant, tokens, now)
         return Taken(wait, *self._buckets.levels(tenant, now))
 
-    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
-        if tenant in self.limits:
-            self._buckets.refund(tenant, tokens, anyio.current_time(), request=request)
+    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> Taken | None:
+        if tenant not in self.limits:
+            return None
+        now = anyio.current_time()
+        self._buckets.refund(tenant, tokens, now, request=request)
+        return Taken(0.0, *self._buckets.levels(tenant, now))
 
     def count_usage(self, tenant: str, cost: float) -> None:
         pass  # no peers to tell
@@ -233,7 +237,7 @@ return '0 ' .. tostring(r) .. ' ' .. tostring(k)
 
 # KEYS[1]: the tenant's bucket hash. ARGV: requests rate/s, requests capacity, requests to give
 # back, tokens rate/s, tokens capacity, tokens to give back (negative: to take; a rate of 0: no
-# such limit).
+# such limit). Returns the two buckets' levels after it, as a string "requests tokens".
 _REFUND = _BUCKETS + """
 local rr, rc, rn, tr, tc, amount = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local v = redis.call('HMGET', KEYS[1], 'r', 'rt', 'k', 'kt')
@@ -247,7 +251,7 @@ if tr > 0 and amount ~= 0 then
   redis.call('HSET', KEYS[1], 'k', tostring(k), 'kt', tostring(now))
 end
 keep(r, rr, rc, k, tr, tc)
-return '1'
+return tostring(r) .. ' ' .. tostring(k)
 """
 
 # KEYS[1]: the session's key. ARGV: the proposed placement (JSON), its time to live in ms, the
@@ -385,18 +389,21 @@ class RedisState(SharedState):
         wait, requests, tokens_left = (float(x) for x in answer.split())
         return Taken(wait, _level(rpm, requests), _level(tpm, tokens_left))
 
-    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> None:
+    async def refund(self, tenant: str, tokens: float, *, request: bool = False) -> Taken | None:
         limit = self.limits.get(tenant)
         if limit is None:
-            return
+            return None
         rpm, tpm = limit.requests_per_minute or 0.0, limit.tokens_per_minute or 0.0
         requests = 1.0 if request and rpm else 0.0
         # Negative too: a call that used more than its charge up front (a prompt longer than its
         # estimate) is charged the rest, as in memory; dropped here, a tenant got several times
         # its tokens per minute with such prompts.
         tokens = float(tokens) if tpm and not math.isnan(tokens) else 0.0
-        if requests or tokens:
-            await self._refund(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, requests, tpm / 60, tpm, tokens])
+        if not (requests or tokens):
+            return None
+        answer = await self._refund(keys=[self._bucket(tenant)], args=[rpm / 60, rpm, requests, tpm / 60, tpm, tokens])
+        requests_left, tokens_left = (float(x) for x in answer.split())
+        return Taken(0.0, _level(rpm, requests_left), _level(tpm, tokens_left))
 
     def count_usage(self, tenant: str, cost: float) -> None:
         self._own[tenant] = self._own.get(tenant, 0.0) + cost
