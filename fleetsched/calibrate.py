@@ -188,9 +188,21 @@ def _unauthorized(client: httpx.AsyncClient, request: str) -> str:
     return f"{request} answered 401 Unauthorized: the server wants an API key (give --api-key, or set VLLM_API_KEY)"
 
 
+async def _listed(client: httpx.AsyncClient) -> httpx.Response:
+    """GET /v1/models, its whole answer within the read timeout: the client's timeout bounds each
+    read alone, and a server (or a proxy in front of it) that sent its list a byte a second held
+    calibrate before its first request, without a word, for as long as it lasted."""
+    timeout_s = client.timeout.read
+    try:
+        with anyio.fail_after(timeout_s):
+            return await client.get("/v1/models")
+    except TimeoutError:
+        raise RuntimeError(f"GET /v1/models did not answer whole within {timeout_s:g} s (is it stuck? --read-timeout waits longer)") from None
+
+
 async def served_model(client: httpx.AsyncClient) -> str:
     """The first model the server lists (GET /v1/models); RuntimeError when it lists none."""
-    response = await client.get("/v1/models")
+    response = await _listed(client)
     if response.status_code == 401:
         raise RuntimeError(_unauthorized(client, "GET /v1/models"))
     try:
@@ -206,7 +218,7 @@ async def server_max_model_len(client: httpx.AsyncClient, model: str) -> int | N
     """The context length the server lists for `model` (vLLM's ``max_model_len`` in GET
     /v1/models), or None when it lists none."""
     try:
-        listed = (await client.get("/v1/models")).json()["data"]
+        listed = (await _listed(client)).json()["data"]
         lengths = [entry.get("max_model_len") for entry in listed if entry.get("id") == model]
     except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError):
         return None

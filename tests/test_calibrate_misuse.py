@@ -141,6 +141,42 @@ def test_a_server_that_never_answers_is_given_up_after_the_read_timeout(tmp_path
     ]
 
 
+class _Trickles(_Streams):
+    """Sends its model list a byte every 0.2 s (a choked proxy), for 10 s or until `release` is set."""
+
+    release = threading.Event()
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "10000")
+        self.end_headers()
+        self.close_connection = True
+        for _ in range(50):  # then it closes: 10 s in all, past the timeout
+            if self.release.wait(0.2):  # wall-clock ok: a stand-in server's pace
+                return
+            self.wfile.write(b" ")
+            self.wfile.flush()
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "tiny"]])
+def test_a_model_list_that_trickles_in_is_given_up_after_the_read_timeout(model, tmp_path, capsys):
+    """The read timeout bounds each read: a list that came a byte at a time held calibrate
+    before its first request, without a word, for as long as it trickled."""
+    _Trickles.release.clear()  # set by the test before
+    with _http_server(_Trickles) as url:
+        began = time.monotonic()
+        try:
+            code = _calibrate(url, str(tmp_path / "p.toml"), "--read-timeout", "1", *model)
+        finally:
+            _Trickles.release.set()
+    assert time.monotonic() - began < 8
+    assert code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"fleetsched calibrate: {url}: GET /v1/models did not answer whole within 1 s (is it stuck? --read-timeout waits longer)"
+    ]
+
+
 class _CountsAsVllm(_Streams):
     """Counts a prompt token every 4 characters and generates every token asked for, the first
     at once and the rest a millisecond a token later (a fit to answers that take their first

@@ -1475,3 +1475,35 @@ def test_a_finished_count_without_its_reason_is_left_out():
     """A ``request_success`` sample without a ``finished_reason`` label is left out of the finished counts."""
     page = parse_vllm_metrics('# TYPE vllm:request_success counter\nvllm:request_success_total{model_name="tiny"} 3.0\n')
     assert page.finished == {}
+
+
+@pytest.mark.anyio
+async def test_start_up_reads_that_trickle_in_are_given_up_within_their_timeouts(caplog):
+    """The client's timeout bounds each read, not the answer: a server (or a proxy in front of
+    it) that sent its answers a byte at a time held `fleetsched run`'s start, waiting for the
+    model's name (/v1/models) or the KV caches (/metrics), for as long as they trickled, with
+    nothing on the screen; so did the policy check and a 5xx's /health."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await anyio.sleep(3600)  # each byte within the read timeout, the answer never whole
+        return httpx.Response(200, text="")
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    backend = VLLMServerBackend("http://slow.invalid:8000", model=None, http_client=http)
+    began = anyio.current_time()
+    with caplog.at_level("WARNING", logger="fleetsched.backends.vllm_server"):
+        async with backend:
+            assert backend.model == "fleetsched-tiny" and anyio.current_time() - began <= 5.0
+            began = anyio.current_time()
+            with pytest.raises(BackendUnavailable, match=r"^vLLM replica r0 \(http://slow.invalid:8000\): cannot read its KV cache: /metrics did not answer whole within 5 s$"):
+                await backend.kv_capacities()
+            assert anyio.current_time() - began <= 5.0
+            began = anyio.current_time()
+            assert not await backend._healthy(backend.pick_replica("r0"))
+            assert anyio.current_time() - began <= 2.0
+            began = anyio.current_time()
+            backend.pick_replica("r0").policy_checked = False
+            assert await backend.scheduling_policy("r0") is None
+            assert anyio.current_time() - began <= 5.0 + 30.0
+    assert "no vLLM replica listed its model (r0 (http://slow.invalid:8000): /v1/models did not answer whole within 5 s)" in caplog.text
+    await http.aclose()

@@ -757,8 +757,8 @@ class VLLMServerBackend(Backend):
         does while its engine is alive (a dead one is a 503), so a 5xx it answered just before was
         the call's, not the replica's."""
         try:
-            response = await self._http.get(f"{target.url}/health", timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as exc:
+            response = await self._get_whole(f"{target.url}/health", HEALTH_TIMEOUT_S, timeout=HEALTH_TIMEOUT_S)
+        except (httpx.HTTPError, TimeoutError) as exc:
             logger.debug("vLLM replica %s: /health failed: %r", target.name, exc)
             return False
         return response.status_code == 200
@@ -854,6 +854,15 @@ class VLLMServerBackend(Backend):
     async def _next_chunk(stream: _EventStream) -> Chunk | None:
         return await stream.next()
 
+    async def _get_whole(self, url: str, timeout_s: float, **options: Any) -> httpx.Response:
+        """GET `url` with its whole answer within `timeout_s` seconds (TimeoutError past them).
+
+        The client's timeout bounds each read alone: a server, or a proxy in front of it, that
+        sends its answer a byte a second held the read for as long as it lasted (the start of
+        `fleetsched run`, which waits for the model's name and the KV caches, with it)."""
+        with anyio.fail_after(timeout_s):
+            return await self._http.get(url, **options)
+
     async def scheduling_policy(self, replica: str | None = None) -> str | None:
         """The scheduling policy of `replica` ("priority", "fcfs"), or None when it cannot tell.
 
@@ -868,16 +877,16 @@ class VLLMServerBackend(Backend):
             return target.scheduling_policy
         policy: str | None = None
         try:
-            response = await self._http.get(f"{target.url}/metrics")
+            response = await self._get_whole(f"{target.url}/metrics", SCRAPE_TIMEOUT_S)
             if response.status_code == 200:
                 policy = parse_vllm_metrics(response.text).scheduling_policy
             if policy is None:
-                response = await self._http.get(
-                    f"{target.url}/server_info", params={"config_format": "json"}, timeout=SERVER_INFO_TIMEOUT_S
+                response = await self._get_whole(
+                    f"{target.url}/server_info", SERVER_INFO_TIMEOUT_S, params={"config_format": "json"}, timeout=SERVER_INFO_TIMEOUT_S
                 )
                 if response.status_code == 200:
                     policy = _policy_in_server_info(response.json())
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, TimeoutError) as exc:
             logger.debug("vLLM replica %s: could not read its scheduling policy: %r", target.name, exc)
             return None  # not checked: try again next time
         target.scheduling_policy = str(policy).lower() if policy is not None else None
@@ -909,8 +918,7 @@ class VLLMServerBackend(Backend):
                 # The whole page within the timeout: the client's bounds each read alone, and a
                 # page that trickled in (a byte a second, through a choked proxy) held every
                 # poll, and the adaptive window with it, for as long as it lasted.
-                with anyio.fail_after(SCRAPE_TIMEOUT_S):
-                    response = await self._http.get(f"{rep.url}/metrics")
+                response = await self._get_whole(f"{rep.url}/metrics", SCRAPE_TIMEOUT_S)
                 response.raise_for_status()
                 rep.last_signals = _carry_counters(rep, parse_vllm_metrics(response.text).signals)
                 if rep.kv_capacity is not None:
@@ -967,7 +975,12 @@ class VLLMServerBackend(Backend):
         capacities = {}
         for name, rep in self._replicas.items():
             try:
-                capacities[name] = rep.kv_capacity = await read_vllm_kv_capacity(rep.url, client=self._http)
+                with anyio.fail_after(SCRAPE_TIMEOUT_S):  # the whole page (`_get_whole`)
+                    capacities[name] = rep.kv_capacity = await read_vllm_kv_capacity(rep.url, client=self._http)
+            except TimeoutError as exc:
+                raise BackendUnavailable(
+                    f"vLLM replica {name} ({rep.url}): cannot read its KV cache: /metrics did not answer whole within {SCRAPE_TIMEOUT_S:g} s"
+                ) from exc
             except (httpx.HTTPError, ValueError) as exc:
                 raise BackendUnavailable(f"vLLM replica {name} ({rep.url}): cannot read its KV cache: {exc}") from exc
         return capacities
@@ -1024,8 +1037,13 @@ class VLLMServerBackend(Backend):
         refused = False  # a replica refused the API key (vLLM's --api-key guards /v1/models too)
         for rep in self._replicas.values():
             try:
-                response = await self._http.get(f"{rep.url}/v1/models", headers={"Authorization": f"Bearer {self._api_key}"})
+                response = await self._get_whole(
+                    f"{rep.url}/v1/models", SCRAPE_TIMEOUT_S, headers={"Authorization": f"Bearer {self._api_key}"}
+                )
                 return first_listed_model(response)
+            except TimeoutError:  # it was reached, and began an answer it did not finish in time
+                reached = True
+                failures.append(f"{rep.name} ({rep.url}): /v1/models did not answer whole within {SCRAPE_TIMEOUT_S:g} s")
             except (httpx.HTTPError, ValueError) as exc:  # down, or not vLLM's answer
                 reached = reached or not isinstance(exc, httpx.TransportError)
                 refused = refused or (isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in (401, 403))
