@@ -796,6 +796,22 @@ async def test_many_sessions_in_memory_keep_the_live_placements_and_marks():
     assert await state.place("kept", Placement("two"), 60) == Placement("one")
 
 
+async def test_new_sessions_past_1024_live_ones_do_not_each_sweep_the_whole_table():
+    """A new session sweeps the in-memory table only once it has doubled since the last sweep.
+    Swept by every new session once 1,024 were live, each scanned them all: opening N sessions
+    cost N squared (8,000 took 4 s of the event loop, the other calls waiting through it)."""
+    state = MemoryState({})
+    sweeps = 0
+    table = state._placements
+    for i in range(4000):
+        await state.place(f"s{i}", Placement("one"), 60)
+        if state._placements is not table:  # a sweep builds a new table
+            sweeps += 1
+            table = state._placements
+    assert sweeps <= 3  # at 1,025, 2,050 and 4,100 live sessions at most
+    assert len(state._placements) == 4000  # nothing live was dropped
+
+
 async def test_the_peers_service_to_a_tenant_not_configured_here_is_not_charged():
     """The fair-share sync charges only tenants this instance knows; another deployment's tenant in Redis is skipped."""
     readings = [{"acme": 0.0, "ghost": 0.0}, {"acme": 10.0, "ghost": 50.0}]

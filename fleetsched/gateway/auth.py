@@ -1,16 +1,17 @@
-"""API keys: stored hashed, compared in constant time; a key names a tenant (or the admin).
+"""API keys: stored hashed, looked up by their digest; a key names a tenant (or the admin).
 
 Keys are high-entropy random strings, so one round of SHA-256 is enough to keep them out of the
 config in clear (a slow hash such as scrypt defends guessable passwords, and would cost
-milliseconds on every request). A presented key is hashed once and compared with every stored
-hash by `hmac.compare_digest`, all of them, so that neither the time taken nor the order of the
-keys says which one came close.
+milliseconds on every request). A presented key is hashed once and its digest looked up among
+the stored ones: what a lookup's time could say is how close the digest came to a stored digest,
+which says nothing of how close the key came (SHA-256 has no known preimages). Compared with
+every stored hash instead, each request cost time in the number of keys: 0.6 ms a request with
+2,000 keys, on the event loop every call shares.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class KeyRing:
             seen[stored] = "the admin"
             entries.append((bytes.fromhex(stored.removeprefix(PREFIX)), ADMIN))
         self._entries = tuple(entries)
+        self._by_digest = dict(entries)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KeyRing:
@@ -75,13 +77,8 @@ class KeyRing:
         return len(self._entries)
 
     def identify(self, key: str) -> Identity | None:
-        """The identity whose key is `key`, or None. Compares against every stored hash."""
-        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
-        found: Identity | None = None
-        for stored, identity in self._entries:
-            if hmac.compare_digest(stored, digest):
-                found = identity
-        return found
+        """The identity whose key is `key`, or None: its digest looked up, whatever the number of keys."""
+        return self._by_digest.get(hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest())
 
     def identify_header(self, authorization: bytes | None) -> Identity | None:
         """The identity for an ``Authorization: Bearer KEY`` header value (None: missing or wrong)."""
