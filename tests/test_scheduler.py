@@ -853,3 +853,26 @@ async def test_a_session_back_from_a_tool_is_re_admitted_on_its_replica_where_it
     assert placed == ["r0", "r0"]
     assert backend.served == [("before", "r0"), ("after", "r0")]
     check_released(scheduler)
+
+
+async def test_a_recorder_that_keeps_no_calls_keeps_no_session_records_either():
+    """`Recorder(keep_calls=False)` keeps only counts, for a scheduler embedded in a service that
+    runs for weeks: it still kept a record of every session and every admission it ever had, a
+    list that grew with each session long after it ended."""
+    from fleetsched.scheduler import Recorder
+
+    async def agent(ctx):
+        await ctx.chat(MESSAGES, max_tokens=4)
+        async with ctx.tool("search"):
+            await anyio.sleep(1)
+
+    recorder = Recorder(keep_calls=False)
+    tenants = {f"t{i}": {} for i in range(5)}
+    async with Scheduler(settings(tenants, backend={"kind": "sim", "model": "m"}), recorder=recorder) as scheduler:
+        for _ in range(5):
+            handles = [await scheduler.submit(agent, tenant=f"t{i % 5}") for i in range(100)]
+            for handle in handles:
+                await handle.ended()
+    assert (len(recorder.sessions), len(recorder.admissions), len(recorder.calls)) == (0, 0, 0)
+    assert (recorder.session_count, recorder.admission_count, recorder.call_count) == (500, 500, 500)
+    check_released(scheduler)

@@ -89,7 +89,9 @@ class AdmissionRecord:
 
 @dataclass(slots=True)
 class Recorder:
-    """Collects records. Pass `keep_calls=False` to keep only counts (long simulations)."""
+    """Collects records. Pass `keep_calls=False` to keep only counts (long simulations, a
+    scheduler embedded in a service that runs for weeks): of calls, refused calls, sessions and
+    admissions alike."""
 
     keep_calls: bool = True
     calls: list[CallRecord] = field(default_factory=list)
@@ -102,6 +104,9 @@ class Recorder:
     list for ever)."""
     refusal_count: int = 0
     admissions: list[AdmissionRecord] = field(default_factory=list)
+    # Last, so that the fields before keep their places.
+    session_count: int = 0
+    admission_count: int = 0
 
     def add_call(self, record: CallRecord) -> None:
         self.call_count += 1
@@ -109,10 +114,16 @@ class Recorder:
             self.calls.append(record)
 
     def add_session(self, record: SessionRecord) -> None:
-        self.sessions.append(record)
+        # Counted only without `keep_calls`, as calls are: a scheduler that ran for weeks with
+        # keep_calls=False still kept a record of every session and every admission it ever had.
+        self.session_count += 1
+        if self.keep_calls:
+            self.sessions.append(record)
 
     def add_admission(self, record: AdmissionRecord) -> None:
-        self.admissions.append(record)
+        self.admission_count += 1
+        if self.keep_calls:
+            self.admissions.append(record)
 
     def add_refusal(self, record: CallRecord) -> None:
         self.refusal_count += 1

@@ -171,7 +171,9 @@ class Scheduler:
     Leaving the block drains: submitted sessions get `scheduler.drain_grace_s` seconds to finish,
     then whatever remains is cancelled. If the block raises, everything is cancelled at once.
     `backend` and `pool` default to what `settings` describe; a backend passed in is the caller's
-    to enter and close.
+    to enter and close. `recorder` defaults to one that keeps a record of every call and session
+    (for reports' exact percentiles); a scheduler meant to run for weeks passes
+    ``Recorder(keep_calls=False)``, which keeps counts only.
     """
 
     def __init__(
