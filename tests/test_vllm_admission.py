@@ -10,8 +10,8 @@ tokens, so that every sequence really grows towards its budget of 1,024 tokens.
   the cache overflows and ``vllm:num_preemptions_total`` climbs.
 - With admission (the device is the server's KV capacity read from ``/metrics`` x the model's
   bytes per token, less the null block vLLM holds back, one pool page per vLLM block, each session
-  reserving its budget) five run at a time, the counter stays flat, and every session finishes: built by hand, and by a `Scheduler`
-  from ``[resources.kv_cache]`` alone.
+  reserving its budget) five run at a time, the counter stays flat, and every session finishes:
+  built by hand, and by a `Scheduler` from ``[resources.kv_cache]`` alone.
 """
 
 from __future__ import annotations
