@@ -337,6 +337,21 @@ def test_resize_keeps_the_index_and_a_shrink_settles():
     assert r3.size == 4 * PAGE
 
 
+
+def test_a_movable_reservation_that_shrinks_slides_past_the_tail_it_freed():
+    """Its freed tail, above the largest free run, slides down through it as a release's would;
+    left out of the index meanwhile, it stopped that slide as if pinned, for good."""
+    pool = ExtentPool([DeviceSpec("gpu0", 16 * PAGE)], strategy="first-fit", page_size=PAGE)
+    pool.reserve_nowait(2 * PAGE)  # pages 0-1, pinned
+    gone = pool.reserve_nowait(8 * PAGE)  # pages 2-9
+    r = pool.reserve_nowait(6 * PAGE)  # pages 10-15
+    gone.release()
+    r.movable = True
+    r.resize_nowait(2 * PAGE)  # frees pages 12-15: r slides up to them, one run of 12 below
+    assert pages(r) == [14]
+    assert free_runs(pool) == [(2, 12)]
+    pool.check_invariants()
+
 @pytest.mark.anyio
 async def test_a_waiter_is_served_when_settling_opens_room():
     pool, (r0, r1, r2, r3) = row(count=4, settle=True, compact=False)

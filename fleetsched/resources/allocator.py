@@ -320,6 +320,12 @@ class ExtentPool(MemoryPool):
             if live and not reservation.released:
                 self._index(reservation)
 
+    def _resized(self, reservation: Reservation) -> None:
+        # Indexed again before settling runs: left out of the index, it stopped the slide of the
+        # hole its own shrink (or its move) left beside it, as if it were pinned, and that hole
+        # left the queue for good (it is movable already: nothing would bring it back).
+        self._index(reservation)
+
     def _index(self, r: Reservation) -> None:
         start = r.offset // self.page_size
         self._starting[r.device][start] = r

@@ -466,6 +466,7 @@ class MemoryPool(ABC):
         offset, size = placed
         moved = offset != reservation.offset
         reservation.offset, reservation.size, reservation.nbytes = offset, size, nbytes
+        self._resized(reservation)
         self._allocated[reservation.device] += size - old_size
         if tenant is not None:
             self._by_tenant[tenant] += delta
@@ -629,6 +630,10 @@ class MemoryPool(ABC):
 
     def _pinning(self, reservation: Reservation) -> None:
         """Called while `reservation` is still movable, just before its owner pins it."""
+
+    def _resized(self, reservation: Reservation) -> None:
+        """Called once a resize has given `reservation` its new offset and size, before the
+        memory that came free is settled and handed to waiters."""
 
     def _movable_changed(self, reservation: Reservation, movable: bool) -> None:
         self._movable_count[reservation.device] += 1 if movable else -1
