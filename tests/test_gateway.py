@@ -336,6 +336,27 @@ def test_a_call_refused_as_invalid_does_not_use_up_a_request_per_minute():
         for status in (200, 200, 429):  # and the limit still holds
             assert httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}, headers=headers).status_code == status
 
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
+@pytest.mark.anyio
+async def test_a_sampling_parameter_vllm_refuses_is_a_400_before_the_rate_limits(anyio_backend):
+    """A top_k, min_p or repetition_penalty vLLM refuses was left to the engine, after the rate
+    limits were taken: a tenant at its limit got 429 for it, waited out its Retry-After, and only
+    then learnt of the field. A top_k of 0 (none) is vLLM's default: taken."""
+    tenants = {"globex": {"api_keys": [hash_key(GLOBEX)], "requests_per_minute": 1, "tokens_per_minute": 1000}}
+    gateway = Gateway(gateway_settings(tenants, backend={"kind": "sim"}))
+    headers = {"authorization": f"Bearer {GLOBEX}"}
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw", headers=headers) as c:
+        served = await c.post("/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 10})
+        assert served.status_code == 200 and served.headers["x-ratelimit-remaining-requests"] == "0"
+        bad = [("top_k", -5), ("top_k", 1.5), ("top_k", "x"), ("min_p", 2), ("repetition_penalty", 0), ("min_tokens", 11)]
+        for endpoint, body in [("chat/completions", {"messages": MSG}), ("completions", {"prompt": "hi"})]:
+            for field, value in bad:
+                refused = await c.post(f"/v1/{endpoint}", json={"model": "m", **body, "max_tokens": 10, field: value})
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == field, (endpoint, field, refused.text)
+        limited = await c.post("/v1/chat/completions", json={"model": "m", "messages": MSG, "max_tokens": 10, "top_k": 0})
+        assert limited.status_code == 429, limited.text
+
+
 def test_a_refusal_gives_its_request_back_before_its_answer_reaches_the_client():
     """The request a refused call gave back was returned after its answer had gone out: a
     client that made its next call at once was refused with 429 for it, now and then (2 and 3

@@ -536,6 +536,38 @@ async def test_a_refusal_whose_wait_ends_at_the_deadline_is_raised_at_once():
     check_released(scheduler)
 
 
+async def test_a_replica_s_retry_after_of_a_day_is_raised_not_slept_through():
+    """A vLLM replica (or a proxy before it) that refused a call with Retry-After: 86400 held a
+    session without a deadline asleep for a day before the loop called again. A wait longer
+    than the loop's `MAX_REFUSAL_WAIT_S` is raised at once, naming it; a short one is still
+    waited out."""
+    import httpx2
+
+    from fleetsched.errors import Overloaded
+
+    from .test_vllm_backend_offline import _backend, _ok
+
+    async def agent(ctx):
+        began = anyio.current_time()
+        result = await run_tool_loop(ctx, [{"role": "user", "content": "go"}], TOOLS)
+        return result.stopped, anyio.current_time() - began
+
+    for asked, outcome in [(30, "answer"), (86400, "raised")]:
+        refused = httpx2.Response(429, headers={"retry-after": str(asked)}, json={})
+        backend = _backend([refused, _ok()], [], retry_attempts=1)
+        async with backend, Scheduler(settings(), backend=backend) as scheduler:
+            if outcome == "answer":
+                stopped, took = await scheduler.run(agent, tenant="acme")
+                assert stopped == "answer" and took >= asked, took
+            else:
+                began = anyio.current_time()
+                with pytest.raises(SessionFailed) as failed:
+                    await scheduler.run(agent, tenant="acme")
+                assert anyio.current_time() - began < 3600  # not slept through
+                assert isinstance(failed.value.__cause__, Overloaded) and "retry after 86400.0 s" in str(failed.value.__cause__)
+            check_released(scheduler)
+
+
 async def test_a_tool_error_whose_message_cannot_be_read_is_still_a_tool_error():
     """A tool raised an exception whose own ``__str__`` raises: that escaped the loop, and the
     session failed with it (in a task group's ExceptionGroup), the tool's error and the turns

@@ -101,7 +101,7 @@ def test_refusals_are_4xx_never_500(gateway_url):
         c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4000)
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):  # the engine's own 400, passed through
-        c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"top_k": "many"})
+        c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"stream_interval": 0})
 
 
 def test_a_prompt_that_fits_is_not_refused_by_the_estimate(gateway_url):
@@ -114,14 +114,14 @@ def test_a_prompt_that_fits_is_not_refused_by_the_estimate(gateway_url):
 
 
 def test_a_refusal_names_the_replica_not_its_address(gateway_url, vllm_server):
-    """The engine refuses a call (a top_k that is no number): the 400 a tenant's client gets
-    names the replica (r0), as the chat path's and the completions path's do alike, but not its
-    address: it told every tenant where the operator's servers are."""
+    """The engine refuses a call (a stream_interval of 0, which the gateway leaves to it): the
+    400 a tenant's client gets names the replica (r0), as the chat path's and the completions
+    path's do alike, but not its address: it told every tenant where the operator's servers are."""
     c = client(gateway_url)
     with pytest.raises(openai.BadRequestError) as completion:
-        c.completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=4, extra_body={"top_k": "many"})
+        c.completions.create(model="fleetsched-tiny", prompt="Once upon a time", max_tokens=4, extra_body={"stream_interval": 0})
     with pytest.raises(openai.BadRequestError) as chat:
-        c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"top_k": "many"})
+        c.chat.completions.create(model="fleetsched-tiny", messages=MSG, max_tokens=4, extra_body={"stream_interval": 0})
     for info in (completion, chat):
         assert "vLLM replica r0 rejected the call" in info.value.message and vllm_server.url not in info.value.message
         assert "://" not in info.value.message

@@ -6,10 +6,10 @@ ends it as it ends the rest of the session (the scheduler cancels the session th
 `DeadlineExceeded`); a turn is not begun past it (``stopped == "deadline"``). A model call
 refused for the tenant's rate limits or shed (`Overloaded`) is made again after the wait the
 refusal names, a few times at most (`max_refusals`), where that wait ends before the session's
-deadline. Malformed model output never hangs or crashes the loop: an
-unknown tool, arguments that are not JSON, a tool that raises, times out or returns something
-that is not text, and an empty reply each become a clear error message in the conversation,
-and the model gets another turn. A reply cut at `max_tokens` inside a tool call does too: that
+deadline and is at most `MAX_REFUSAL_WAIT_S`. Malformed model output never hangs or crashes the
+loop: an unknown tool, arguments that are not JSON, a tool that raises, times out or returns
+something that is not text, and an empty reply each become a clear error message in the
+conversation, and the model gets another turn. A reply cut at `max_tokens` inside a tool call does too: that
 call (the reply's last) is not run, its arguments being unfinished; the calls before it are.
 
 Where the model cannot be trusted to decide (a tiny random model in tests and benchmarks), a
@@ -34,6 +34,11 @@ from .._cancellation import stray_cancelled_error
 from ..errors import Overloaded
 from ..virtual_time import run_sync_in_thread
 from .context import SessionContext
+
+#: The longest wait a refused model call is made again after, in seconds; a refusal that asks for
+#: longer is raised. A vLLM server's (or a proxy's) Retry-After is the wait: one of 86400 held a
+#: session without a deadline asleep for a day, the refusal's reason unseen.
+MAX_REFUSAL_WAIT_S = 300.0
 
 ToolFn = Callable[..., Any]  # an async function, a callable returning an awaitable, or a plain function
 
@@ -106,8 +111,9 @@ async def run_tool_loop(
 
     A model call refused (`Overloaded`, `RateLimited`) is made again after the refusal's
     `retry_after_s`, up to `max_refusals` times a call; the refusal after those, or one whose
-    wait would pass the session's deadline, is raised. (Each failed the session at once, the
-    turns done lost, though it said when the call would go through.)"""
+    wait would pass the session's deadline or is longer than `MAX_REFUSAL_WAIT_S`, is raised.
+    (Each failed the session at once, the turns done lost, though it said when the call would go
+    through.)"""
     messages, tools, script = _check_arguments(messages, tools, max_turns, script)
     if isinstance(max_refusals, bool) or not isinstance(max_refusals, int) or max_refusals < 0:
         raise ValueError(f"max_refusals must be >= 0 (an integer), got {max_refusals!r}")
@@ -216,10 +222,11 @@ async def _chat(ctx: SessionContext, conversation: list[dict[str, Any]], max_ref
         try:
             return await ctx.chat(conversation, **options)
         except Overloaded as exc:
-            if refusals == max_refusals or anyio.current_time() + exc.retry_after_s >= ctx.deadline:
+            wait = exc.retry_after_s
+            if refusals == max_refusals or not wait <= MAX_REFUSAL_WAIT_S or anyio.current_time() + wait >= ctx.deadline:
                 raise
             refusals += 1
-            await anyio.sleep(exc.retry_after_s)
+            await anyio.sleep(wait)
 
 
 def _scripted_call(step: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Request validation: a malformed body is a 400 that names the field, never a 500.
 
-Only the fields the gateway reads or that commonly carry the wrong type are checked; the rest
-travel to the backend untouched (vLLM checks its own extras and its 400 is passed through).
+The fields the gateway reads, the sampling parameters (as vLLM 0.32 refuses them) and those that
+commonly carry the wrong type are checked; the rest travel to the backend untouched (vLLM checks
+its own extras and its 400 is passed through).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..backends.sampling import is_flag, is_true, lax_whole, pairs_problem, rule_problem
+from ..backends.sampling import RULES, is_flag, is_true, lax_int, lax_whole, pairs_problem, rule_problem
 
 class Invalid(ValueError):
     """A malformed request; `param` names the field."""
@@ -93,12 +94,16 @@ def _common(body: dict[str, Any]) -> None:
     n = _integer(body, "n", 1)
     if n not in (None, 1):
         raise Invalid("n", "only n=1 is served by this gateway; send n requests instead")
-    # Checked here as vLLM refuses them; the rest (top_k...) are left to the engine, whose 400
-    # names the replica.
-    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "prompt_logprobs"):
+    # Checked here as vLLM refuses them, before the rate limits are taken: left to the engine,
+    # a top_k of -5 from a tenant at its limit was answered 429 ("retry after"), not 400.
+    for key in RULES:
         problem = rule_problem(body, key)
         if problem is not None:
             raise Invalid(*problem)
+    min_tokens = lax_int(body.get("min_tokens"))
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")  # the first wins, as in vLLM
+    if min_tokens is not None and limit is not None and min_tokens > limit:
+        raise Invalid("min_tokens", f"expected at most max_tokens ({limit}), got {min_tokens}")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise Invalid("user", "must be a string")
