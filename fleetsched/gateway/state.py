@@ -364,12 +364,19 @@ class RedisState(SharedState):
         # same name counts from 0 again, which its old fields' totals would hide.
         self._own: dict[str, float] = {}
         self._incarnation = f"{instance.replace(chr(0), '')}:{secrets.token_hex(6)}".encode()  # no NUL
-        # The highest total read of each peer's field: a field that is gone (the hash lost with
-        # a Redis restarted without persistence, flushed or evicted; its writer gone for good)
-        # still counts what it held, and one written again by its writer, which counts on from
-        # its own memory, is counted from there on. The peers' service never reads lower, so
-        # the fair-share sync never stops charging it until it made up a loss.
-        self._peers: dict[bytes, float] = {}
+        # Per peer process (incarnation), the highest total read of each tenant's field: a field
+        # that is gone (the hash lost with a Redis restarted without persistence, flushed or
+        # evicted; its writer gone for good) still counts what it held, and one written again by
+        # its writer, which counts on from its own memory, is counted from there on. The peers'
+        # service never reads lower, so the fair-share sync never stops charging it until it
+        # made up a loss.
+        self._peers: dict[bytes, dict[str, float]] = {}
+        # A peer process missing from the hash since when (this process's clock); once missing
+        # for USAGE_SILENCE_S it is gone, and its totals move to `_gone`, per tenant: kept per
+        # process, they grew by a field per tenant with every peer ever started, summed at
+        # every sync, for as long as this process ran.
+        self._missing_since: dict[bytes, float] = {}
+        self._gone: dict[str, float] = {}
         self._take = self._redis.register_script(_TAKE)
         self._refund = self._redis.register_script(_REFUND)
         self._place = self._redis.register_script(_PLACE)
@@ -425,18 +432,44 @@ class RedisState(SharedState):
     async def peer_usage(self) -> dict[str, float]:
         flat = await self._share()
         usage: dict[str, float] = {}
+        present: set[bytes] = set()
         for field, value in zip(flat[::2], flat[1::2]):
             # The tenant's name runs up to the last NUL: an incarnation holds none.
             tenant, nul, incarnation = field.rpartition(b"\x00")
-            if not nul or not tenant:
-                continue  # no field of this layout, or an incarnation's last write
-            usage.setdefault(tenant.decode(), 0.0)  # a tenant only this instance served: 0
+            if not nul:
+                continue  # no field of this layout
+            present.add(incarnation)
+            if not tenant:
+                continue  # an incarnation's last write
+            name = tenant.decode()
+            usage.setdefault(name, 0.0)  # a tenant only this instance served: 0
             if incarnation != self._incarnation:
-                self._peers[field] = max(self._peers.get(field, 0.0), float(value))
-        for field, value in self._peers.items():
-            tenant = field.rpartition(b"\x00")[0].decode()
+                totals = self._peers.setdefault(incarnation, {})
+                totals[name] = max(totals.get(name, 0.0), float(value))
+        self._forget_peers_gone(present)
+        for tenant, value in self._gone.items():
             usage[tenant] = usage.get(tenant, 0.0) + value
+        for totals in self._peers.values():
+            for tenant, value in totals.items():
+                usage[tenant] = usage.get(tenant, 0.0) + value
         return usage
+
+    def _forget_peers_gone(self, present: set[bytes]) -> None:
+        """Move the totals of the peer processes missing from the hash for USAGE_SILENCE_S to
+        `_gone` (their sum is unchanged): about twice that long after a process's last write
+        (the hash drops one silent for USAGE_SILENCE_S), or that long after a Redis restarted
+        without persistence lost the hash (a live peer writes its totals again within a sync
+        period). One cut off from Redis that long and back is counted again, as a peer started
+        meanwhile counts it."""
+        now = anyio.current_time()
+        for incarnation in self._peers.keys() - present:
+            since = self._missing_since.setdefault(incarnation, now)
+            if now - since >= USAGE_SILENCE_S:
+                del self._missing_since[incarnation]
+                for tenant, total in self._peers.pop(incarnation).items():
+                    self._gone[tenant] = self._gone.get(tenant, 0.0) + total
+        for incarnation in present & self._missing_since.keys():
+            del self._missing_since[incarnation]
 
     async def _share(self) -> list[bytes]:
         """Write this process's service so far (each field only raised; all of it each time,
