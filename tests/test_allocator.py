@@ -472,3 +472,42 @@ def test_a_quota_counts_the_bytes_asked_and_a_release_gives_them_all_back():
     p.reserve_nowait(3 * PAGE, tenant="t")
     with pytest.raises(QuotaWouldBlock):
         p.reserve_nowait(PAGE, tenant="t")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: pool(8 * PAGE, 8 * PAGE), lambda: CountingPool([DeviceSpec("gpu0", 8 * PAGE), DeviceSpec("gpu1", 8 * PAGE)])],
+    ids=["extent", "counting"],
+)
+def test_a_device_limited_below_what_it_holds_takes_nothing_until_enough_is_released(make):
+    """`set_device_limit`: a device whose memory shrank under the pool (a vLLM replica restarted
+    with a smaller KV cache) keeps what it holds, places and grows nothing more there while that
+    is over the limit, and takes requests again once releases bring it under."""
+    p = make()
+    held = [p.reserve_nowait(2 * PAGE, device="gpu0") for _ in range(3)]
+    assert {r.device for r in held} == {"gpu0"}
+    heard: list[str] = []
+    p.add_release_listener(lambda: heard.append("released"))
+    p.set_device_limit("gpu0", 4 * PAGE)
+    assert p.device_limit("gpu0") == 4 * PAGE and heard
+    assert p.reserve_nowait(PAGE, device="gpu0").device == "gpu1"  # preferred, but over its limit
+    with pytest.raises(WouldBlock, match="limited to"):
+        p.resize_nowait(held[0], 3 * PAGE)
+    p.set_device_limit("gpu1", 0)
+    with pytest.raises(WouldBlock):
+        p.reserve_nowait(PAGE)
+    held[0].release()  # 4 pages held: at the limit, nothing more
+    with pytest.raises(WouldBlock):
+        p.reserve_nowait(PAGE)
+    held[1].release()
+    assert p.reserve_nowait(2 * PAGE).device == "gpu0"  # back at 4 pages of 4
+    p.set_device_limit("gpu0", None)
+    assert p.device_limit("gpu0") is None and p.reserve_nowait(4 * PAGE).device == "gpu0"
+    p.set_device_limit("gpu0", 100 * PAGE)  # past its size: no limit (the pool's devices do not grow)
+    assert p.device_limit("gpu0") is None
+    with pytest.raises(ValueError, match="unknown device 'gpu9'"):
+        p.set_device_limit("gpu9", PAGE)
+    with pytest.raises(ValueError, match="a limit must be >= 0 bytes"):
+        p.set_device_limit("gpu0", -1)
+    with pytest.raises(TypeError, match=r"device 'gpu0': a limit must be a whole number of bytes or None, got 1.5"):
+        p.set_device_limit("gpu0", 1.5)

@@ -357,3 +357,91 @@ def test_a_scheduler_session_memory_beside_the_kv_cache_is_refused(tiny_config, 
     monkeypatch.delenv("FLEETSCHED_SCHEDULER__SESSION_MEMORY")
     monkeypatch.setenv("FLEETSCHED_TENANTS__DEFAULT__SESSION_MEMORY", "100KB")
     assert load_settings(config).tenants["default"].session_memory == 100_000
+
+
+def restarting_replica(blocks: dict[str, int]) -> Any:
+    """A vLLM server backend over one replica, r0, that reports `blocks["r0"]` KV blocks of 128
+    tokens of the tiny model's cache on /metrics (change it to play a restart with another
+    cache) and answers every chat call with one short streamed answer. (A mock: a real server's
+    restart mid-test takes minutes here.)"""
+    import httpx
+    import httpx2
+    from openai import AsyncOpenAI
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    def page(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/metrics":
+            return httpx.Response(404)
+        info = f'vllm:cache_config_info{{block_size="128",engine="0",num_gpu_blocks="{blocks["r0"]}"}} 1.0\n'
+        waiting = 'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0\n'
+        return httpx.Response(200, text="# TYPE vllm:cache_config_info gauge\n" + info + waiting)
+
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+    answer = [
+        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]},
+        {**chunk, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}},
+    ]
+    stream = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in answer) + b"data: [DONE]\n\n"
+
+    def chat(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, content=stream, headers={"content-type": "text/event-stream"})
+
+    def client(base_url: str, api_key: str) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(chat)))
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(page))
+    return VLLMServerBackend({"r0": "http://r0.invalid:8000"}, model="tiny", http_client=http, client_factory=client)
+
+
+async def test_a_replica_restarted_with_a_smaller_cache_is_admitted_to_as_that_cache(tiny_config):
+    """The pool is sized from the caches at the start; a replica restarted with a smaller one
+    (64 blocks, then 20) was warned about and admitted to as before, and preempted (3 times).
+    Now its device takes no new session while its sessions hold more than the new cache, and
+    takes them again when they hold less, or when the cache is back to its size."""
+    blocks = {"r0": 49}  # 48 usable (vLLM holds back its null block): six sessions of 8 blocks
+    started: list[int] = []
+    ends: list[anyio.Event] = []
+
+    async def agent(ctx) -> None:
+        started.append(ctx.session_id)
+        end = anyio.Event()
+        ends.append(end)
+        while not end.is_set():  # a call a second: the window's polls read /metrics meanwhile
+            await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+            with anyio.move_on_after(1):
+                await end.wait()
+
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000"]},
+        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
+        scheduler={"max_sessions": 100},
+    )
+    backend = restarting_replica(blocks)
+    async with Scheduler(settings, backend=backend) as scheduler:
+        handles = [await scheduler.submit(agent, tenant="default") for _ in range(6)]
+        await anyio.sleep(3)
+        assert len(started) == 6
+        blocks["r0"] = 21  # restarted with 20 usable blocks: two sessions
+        await anyio.sleep(3)
+        for end in ends[:3]:  # three sessions (24 blocks) still hold more than the cache
+            end.set()
+        handles.append(await scheduler.submit(agent, tenant="default"))
+        await anyio.sleep(3)
+        assert len(started) == 6, "admitted to a replica whose sessions hold more than its cache"
+        assert scheduler.pool.device_limit("r0") == 20 * scheduler.pool.page_size
+        for end in ends[3:5]:  # one session left: 8 blocks, and the waiting one's 8 fit in 20
+            end.set()
+        await anyio.sleep(3)
+        assert len(started) == 7
+        handles += [await scheduler.submit(agent, tenant="default") for _ in range(2)]
+        await anyio.sleep(3)
+        assert len(started) == 7  # two running (16 blocks): a third does not fit in 20
+        blocks["r0"] = 49  # restarted as before: the whole device again
+        await anyio.sleep(3)
+        assert len(started) == 9 and scheduler.pool.device_limit("r0") is None
+        for end in ends:
+            end.set()
+        for handle in handles:
+            await handle
+    await backend.aclose()

@@ -27,6 +27,7 @@ import pytest
 from openai import AsyncOpenAI, Timeout
 
 from fleetsched import Scheduler
+from fleetsched.observability.feasibility import check_feasibility
 from fleetsched.resources import (
     DeviceSpec,
     ExtentPool,
@@ -226,3 +227,25 @@ async def test_sessions_that_fill_their_budgets_at_once_are_not_preempted(small_
         preempted = await _preemptions(client, server) - before
     await openai.close()
     assert preempted == 0
+
+
+async def test_a_kv_cache_budget_beyond_the_server_s_context_is_named_at_start(small_cache_server: VLLMServer) -> None:
+    """The server runs with --max-model-len 2048, as its GET /v1/models lists it: no call holds
+    more than 2,048 tokens of its cache, yet a budget of 4,096 reserved twice that a session,
+    and half the sessions the cache holds were admitted. On the sim and the in-process engine
+    the settings' context named it at start; against the server nothing did."""
+    server = small_cache_server
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": [server.url], "model": server.model},
+        resources={"kv_cache": {"config": str(model_path()), "context_tokens": 4096}},
+    )
+    kv_cache = settings.resources.kv_cache.model_copy(update={"context_tokens": 2048})
+    fits = settings.model_copy(update={"resources": settings.resources.model_copy(update={"kv_cache": kv_cache})})
+    with anyio.fail_after(120):
+        async with Scheduler(settings) as scheduler:
+            wide = await check_feasibility(settings, scheduler.backend, scheduler.model)
+            within = await check_feasibility(fits, scheduler.backend, scheduler.model)
+            expected = "resources.kv_cache.context_tokens (4096) is more than the model's context (2048 tokens)"
+            assert expected in (wide["note"] or "")
+            assert "is more than the model's context" not in (within["note"] or "")
+            assert await scheduler.backend.max_model_len() == 2048

@@ -1381,7 +1381,8 @@ async def test_a_replica_restarted_with_another_kv_cache_is_warned_about(caplog)
     message = caplog.records[0].getMessage()
     assert message.startswith("vLLM replica a (http://a.invalid) now reports a KV cache of 2,048 tokens (32 blocks of 64)")
     assert "not the 6,144 tokens (96 blocks of 64) the memory pool was sized from" in message
-    assert "the engine may preempt" in message and "restart fleetsched" in message
+    assert message.endswith("a scheduler sized from the caches (resources.kv_cache) admits to it as to the smaller cache")
+    assert backend.kv_capacities_seen()["a"].num_gpu_blocks == 32  # what the scheduler limits its device to
     await backend.aclose()
 
 
@@ -1507,3 +1508,25 @@ async def test_start_up_reads_that_trickle_in_are_given_up_within_their_timeouts
             assert anyio.current_time() - began <= 5.0 + 30.0
     assert "no vLLM replica listed its model (r0 (http://slow.invalid:8000): /v1/models did not answer whole within 5 s)" in caplog.text
     await http.aclose()
+
+
+@pytest.mark.anyio
+async def test_the_model_s_context_is_the_smallest_its_replicas_list():
+    """`max_model_len`: a session's calls may go to any replica, so the context every call fits
+    is the smallest listed for the model; a replica that does not answer, or lists another
+    model, says nothing. (Two servers of different contexts, served by a mock.)"""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host.removesuffix(".invalid")
+        if host == "down":
+            raise httpx.ConnectError("connection refused")
+        listed = {"wide": [("tiny", 4096)], "narrow": [("other", 512), ("tiny", 2048)]}[host]
+        return httpx.Response(200, json={"object": "list", "data": [{"id": i, "max_model_len": n} for i, n in listed]})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    urls = {name: f"http://{name}.invalid" for name in ("wide", "narrow", "down")}
+    backend, alone = (VLLMServerBackend(u, model="tiny", http_client=http) for u in (urls, {"down": urls["down"]}))
+    assert await backend.max_model_len() == 2048
+    assert await alone.max_model_len() is None
+    await backend.aclose()
+    await alone.aclose()

@@ -116,9 +116,20 @@ class Backend(ABC):
         from them). Raises `BackendError` for a backend that has none to report."""
         raise BackendError(f"the {self.name} backend reports no KV cache to size the memory pool from (resources.kv_cache)")
 
+    def kv_capacities_seen(self) -> dict[str, KVCacheCapacity]:
+        """Each replica's KV cache as the backend last saw it while running (a vLLM server's
+        /metrics, read in `signals`), which a restarted replica may have changed since
+        `kv_capacities`; empty where it does not watch them."""
+        return {}
+
     async def served_model(self) -> str | None:
         """The model a call that names none asks for, where the backend knows better than the
         settings' ``backend.model`` default (a vLLM server's own list); None: it does not."""
+        return None
+
+    async def max_model_len(self) -> int | None:
+        """The model's context in tokens, where the backend learns it from its engine rather than
+        the settings (a vLLM server's own list); None: it does not."""
         return None
 
     async def aclose(self) -> None:

@@ -167,6 +167,8 @@ class Replica:
     """Its KV cache as `VLLMServerBackend.kv_capacities` read it (the memory pool is sized from it)."""
     kv_reported: tuple[int, int] | None = None
     """The blocks and block size it last reported on /metrics, where they differed from `kv_capacity`."""
+    kv_seen: KVCacheCapacity | None = None
+    """Its KV cache as its /metrics last reported it (`VLLMServerBackend.kv_capacities_seen`)."""
 
 
 _COUNTERS = ("preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
@@ -193,15 +195,20 @@ def _carry_counters(rep: Replica, signals: EngineSignals) -> EngineSignals:
 
 
 def _check_kv_capacity(rep: Replica, metrics_text: str) -> None:
-    """Warn (once per change) when `rep` reports another KV cache than the one the memory pool was
-    sized from: a server restarted with another ``VLLM_CPU_KVCACHE_SPACE``, ``--block-size`` or
-    ``--gpu-memory-utilization`` went on being admitted to as before, without a word, and, its
-    cache now smaller, preempted the sessions admission was there to keep whole."""
+    """Keep the KV cache `rep` reports (`Replica.kv_seen`), and warn (once per change) when it is
+    another than the one the memory pool was sized from: a server restarted with another
+    ``VLLM_CPU_KVCACHE_SPACE``, ``--block-size`` or ``--gpu-memory-utilization`` went on being
+    admitted to as before, without a word, and, its cache now smaller, preempted the sessions
+    admission was there to keep whole. A `Scheduler` whose pool was sized from the caches limits
+    the replica's device to a smaller cache of the same block size (`Scheduler` follows
+    `VLLMServerBackend.kv_capacities_seen`); a cache grown, or of another block size, is the
+    warning's alone."""
     assert rep.kv_capacity is not None
     try:
         now = parse_vllm_cache_config(metrics_text)
     except ValueError:  # not reported yet (an engine still profiling): nothing to compare
         return
+    rep.kv_seen = now
     known = rep.kv_capacity
     reported = (now.num_gpu_blocks, now.block_size)
     if reported == (known.num_gpu_blocks, known.block_size):
@@ -210,13 +217,17 @@ def _check_kv_capacity(rep: Replica, metrics_text: str) -> None:
     if reported == rep.kv_reported:
         return
     rep.kv_reported = reported
+    if now.block_size == known.block_size and now.num_gpu_blocks < known.num_gpu_blocks:
+        what = "a scheduler sized from the caches (resources.kv_cache) admits to it as to the smaller cache"
+    elif now.block_size == known.block_size:
+        what = "admission keeps to the smaller cache it was sized from; restart fleetsched to use the rest"
+    else:
+        what = "admission no longer matches its cache and the engine may preempt; restart fleetsched to size the pool again"
     logger.warning(
         "vLLM replica %s (%s) now reports a KV cache of %s tokens (%s blocks of %s), not the %s tokens (%s blocks "
-        "of %s) the memory pool was sized from when the scheduler started (resources.kv_cache): admission no "
-        "longer matches its cache%s; restart fleetsched to size the pool again",
+        "of %s) the memory pool was sized from when the scheduler started: %s",
         rep.name, rep.url, f"{now.tokens:,}", f"{now.num_gpu_blocks:,}", now.block_size,
-        f"{known.tokens:,}", f"{known.num_gpu_blocks:,}", known.block_size,
-        " and the engine may preempt" if now.tokens < known.tokens else "",
+        f"{known.tokens:,}", f"{known.num_gpu_blocks:,}", known.block_size, what,
     )  # fmt: skip
 
 
@@ -985,6 +996,12 @@ class VLLMServerBackend(Backend):
                 raise BackendUnavailable(f"vLLM replica {name} ({rep.url}): cannot read its KV cache: {exc}") from exc
         return capacities
 
+    def kv_capacities_seen(self) -> dict[str, KVCacheCapacity]:
+        """Each replica's KV cache as its /metrics last reported it, in a `signals` poll after
+        `kv_capacities` (which the scheduler's sizing from the caches calls); replicas not read
+        since are left out."""
+        return {name: rep.kv_seen for name, rep in self._replicas.items() if rep.kv_seen is not None}
+
     async def __aenter__(self) -> VLLMServerBackend:
         await self.served_model()
         # The replicas' policies are checked at once, in tasks of their own: checked at the first
@@ -1030,6 +1047,24 @@ class VLLMServerBackend(Backend):
         if self.model is None:
             self.model = await self._listed_model()
         return self.model
+
+    async def max_model_len(self) -> int | None:
+        """The smallest context (``max_model_len``) the replicas list for `model` on ``GET
+        /v1/models`` (a session's calls may go to any of them); None where none that answered
+        lists one. Replicas that cannot be reached, or do not answer in vLLM's shape, are left out."""
+        model = await self.served_model()
+        lengths = []
+        for rep in self._replicas.values():
+            try:
+                response = await self._get_whole(
+                    f"{rep.url}/v1/models", SCRAPE_TIMEOUT_S, headers={"Authorization": f"Bearer {self._api_key}"}
+                )
+                listed = response.raise_for_status().json()["data"]
+                lengths += [e.get("max_model_len") for e in listed if isinstance(e, Mapping) and e.get("id") == model]
+            except (httpx.HTTPError, ValueError, LookupError, TypeError, TimeoutError) as exc:
+                logger.debug("vLLM replica %s: could not read its max_model_len: %r", rep.name, exc)
+        lengths = [n for n in lengths if type(n) is int and n > 0]
+        return min(lengths) if lengths else None
 
     async def _listed_model(self) -> str:
         failures = []

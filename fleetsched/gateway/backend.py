@@ -71,6 +71,12 @@ class GatewayBackend(Backend):
     async def kv_capacities(self) -> dict[str, KVCacheCapacity]:
         return await self.inner.kv_capacities()
 
+    def kv_capacities_seen(self) -> dict[str, KVCacheCapacity]:
+        return self.inner.kv_capacities_seen()
+
+    async def max_model_len(self) -> int | None:
+        return await self.inner.max_model_len()
+
     async def __aenter__(self) -> GatewayBackend:
         await self.inner.__aenter__()
         return self

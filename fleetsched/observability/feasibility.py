@@ -161,7 +161,10 @@ async def check_feasibility(settings: Settings, backend: Backend, model: str | N
             floors = {name: measured for name in prompts}
             prompts = {name: probe_body()[1] for name in prompts}
     flagged = unreachable(settings, floors, prompts)
-    too_long = over_context(settings, traced) + over_budget(settings, traced)
+    # A vLLM server's context is its own (--max-model-len), not the settings': asked of it. A
+    # budget of 8,192 tokens against a server of 4,096 was named on the sim and the engine only.
+    served = await backend.max_model_len() if backend is not None and _settings_context(settings) is None else None
+    too_long = over_context(settings, traced, context=served) + over_budget(settings, traced, context=served)
     if too_long:
         note = "; ".join([*too_long, *([note] if note else [])])
     return {
@@ -172,14 +175,15 @@ async def check_feasibility(settings: Settings, backend: Backend, model: str | N
     }
 
 
-def over_context(settings: Settings, traced: list[tuple[str, AgentMix]] | None = None) -> list[str]:
+def over_context(settings: Settings, traced: list[tuple[str, AgentMix]] | None = None, *, context: int | None = None) -> list[str]:
     """The workload's agents (and trace sessions, alike ones counted together) whose first call
     already does not fit the model's context (where the settings know it: the sim and the
-    in-process engine): refused (every call of theirs will fail), or its answer cut short (as
-    vLLM cuts `max_tokens` to what the prompt leaves). A trace's sessions were left out: a line
-    with a 9,000,000-token prompt failed its session without a word, and the run exited 0."""
+    in-process engine; else `context`, a vLLM server's own, `Backend.max_model_len`): refused
+    (every call of theirs will fail), or its answer cut short (as vLLM cuts `max_tokens` to what
+    the prompt leaves). A trace's sessions were left out: a line with a 9,000,000-token prompt
+    failed its session without a word, and the run exited 0."""
     kind = settings.backend.kind
-    limit = settings.backend.sim.max_model_len if kind == "sim" else settings.backend.engine_max_model_len if kind == "vllm-engine" else None
+    limit = context if context is not None else _settings_context(settings)
     if limit is None:
         return []
     agents = [(f"workload.agents[{index}] ({mix.kind or mix.tenant})", mix) for index, mix in enumerate(settings.workload.agents)]
@@ -210,19 +214,19 @@ def over_context(settings: Settings, traced: list[tuple[str, AgentMix]] | None =
     return out
 
 
-def over_budget(settings: Settings, traced: list[tuple[str, AgentMix]] | None = None) -> list[str]:
+def over_budget(settings: Settings, traced: list[tuple[str, AgentMix]] | None = None, *, context: int | None = None) -> list[str]:
     """With ``[resources.kv_cache]``, the workload's agents (and trace sessions, `traced`, as in
     `over_context`) whose sessions reach more context (the last turn's prompt and its answer) than
     ``context_tokens`` reserves for them: admission then holds less than they use, and the engine
-    may run out of blocks and preempt, which it is there to prevent. Agents whose tenant or mix sets
-    ``session_memory`` are the user's to size. (A trace's sessions were left out: the note an agent
-    mix got, the same session as a trace line went without.)"""
+    may run out of blocks and preempt, which it is there to prevent; and a ``context_tokens``
+    beyond the model's context (known as `over_context` knows it). Agents whose tenant or mix
+    sets ``session_memory`` are the user's to size. (A trace's sessions were left out: the note
+    an agent mix got, the same session as a trace line went without.)"""
     kv_cache = settings.resources.kv_cache
     if kv_cache is None:
         return []
     out = []
-    kind = settings.backend.kind
-    limit = settings.backend.sim.max_model_len if kind == "sim" else settings.backend.engine_max_model_len if kind == "vllm-engine" else None
+    limit = context if context is not None else _settings_context(settings)
     if limit is not None and kv_cache.context_tokens > limit:
         # No call holds more than the model's context in the cache: a budget beyond it reserved
         # blocks that no session's call could fill, and admitted fewer sessions than the cache
@@ -244,6 +248,12 @@ def over_budget(settings: Settings, traced: list[tuple[str, AgentMix]] | None = 
                 "the KV cache, and the engine preempt"
             )
     return out
+
+
+def _settings_context(settings: Settings) -> int | None:
+    """The model's context where the settings set it (the sim's, the in-process engine's), else None."""
+    kind = settings.backend.kind
+    return settings.backend.sim.max_model_len if kind == "sim" else settings.backend.engine_max_model_len if kind == "vllm-engine" else None
 
 
 def _trace_kinds(settings: Settings) -> list[tuple[str, AgentMix]]:

@@ -164,7 +164,7 @@ class ExtentPool(MemoryPool):
         best: tuple[tuple[float, int, int], str, int, int] | None = None
         for index, (name, space) in enumerate(self._spaces.items()):
             n = self._pages(nbytes, space)
-            if n > space.largest_free:
+            if n > space.largest_free or not self._within_limit(name, n * self.page_size):
                 continue
             offset = self._choose(name, space, n, ends_at)
             if offset is None:
@@ -183,7 +183,8 @@ class ExtentPool(MemoryPool):
     def _place_on(self, name: str, nbytes: int, ends_at: float | None = None) -> tuple[str, int, int] | None:
         space = self._spaces[name]
         n = self._pages(nbytes, space)
-        offset = self._choose(name, space, n, ends_at) if n <= space.largest_free else None
+        fits = n <= space.largest_free and self._within_limit(name, n * self.page_size)
+        offset = self._choose(name, space, n, ends_at) if fits else None
         return None if offset is None else self._commit(name, offset, n, nbytes)
 
     def _choose(self, name: str, space: AddressSpace, n: int, ends_at: float | None) -> int | None:
@@ -234,7 +235,7 @@ class ExtentPool(MemoryPool):
         best: tuple[tuple[int, int, int], HolePlan] | None = None
         for index, (name, space) in enumerate(self._spaces.items()):
             n = self._pages(nbytes, space)
-            if not self._movable_count[name] or space.free_pages < n:
+            if not self._movable_count[name] or space.free_pages < n or not self._within_limit(name, n * self.page_size):
                 continue
             self.compaction_searches += 1
             plan = plan_hole(self._layout(name), list(space.free_extents()), n)
@@ -592,6 +593,9 @@ class ExtentPool(MemoryPool):
 
     def _free_bytes(self, device: str) -> int:
         return self._spaces[device].free_pages * self.page_size
+
+    def _held(self, nbytes: int, device: str) -> int:
+        return self._pages(nbytes, self._spaces[device]) * self.page_size
 
     def _device_capacity(self, device: str) -> int:
         return self._spaces[device].pages * self.page_size

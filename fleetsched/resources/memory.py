@@ -16,6 +16,9 @@
   The default placement puts a hinted request beside reservations expected to end about when it
   does, so that their memory comes free together (see `FragAware`). Wrong hints cost
   fragmentation, never correctness.
+- ``set_device_limit()`` lets a device's reservations hold less than its capacity (its memory
+  shrank under the pool): what it holds past the limit stays, and it takes nothing more until
+  releases bring it under.
 - ``resize_nowait()`` grows or shrinks a reservation (in place when it can, else by moving it on
   its device); it does not queue behind waiters, since the session growing is already running.
 - ``fragmentation_failures`` counts distinct requests refused while some device had enough free
@@ -252,6 +255,8 @@ class MemoryPool(ABC):
         self._moving = False  # a move callback runs: the pool refuses changes meanwhile
         self._by_tenant: dict[str, int] = {}
         self._allocated: dict[str, int] = {d.name: 0 for d in devices}
+        #: Devices that may hold less than their capacity (`set_device_limit`): bytes, by name.
+        self._limits: dict[str, int] = {}
         self._live: set[Reservation] = set()
         self._waiters: list[_Waiter] = []
         self._seq = itertools.count()
@@ -296,6 +301,21 @@ class MemoryPool(ABC):
     def _device_capacity(self, device: str) -> int:
         return next(d.capacity for d in self.devices if d.name == device)
 
+    def _held(self, nbytes: int, device: str) -> int:
+        """Bytes a reservation of `nbytes` holds on `device`, rounded as placement rounds it."""
+        return nbytes
+
+    def _within_limit(self, device: str, more: int) -> bool:
+        """Whether `device` may hold `more` bytes than it does (`set_device_limit`)."""
+        limit = self._limits.get(device)
+        return limit is None or self._allocated[device] + more <= limit
+
+    def _open_bytes(self, device: str) -> int:
+        """Bytes free on `device` that its limit lets reservations take."""
+        limit = self._limits.get(device)
+        free = self._free_bytes(device)
+        return free if limit is None else max(0, min(free, limit - self._allocated[device]))
+
     def _device_statistics(self) -> tuple[DeviceStatistics, ...]:
         held = Counter(r.device for r in self._live)
         stats = []
@@ -328,6 +348,37 @@ class MemoryPool(ABC):
             waiter.error = QuotaExceeded(tenant, waiter.nbytes, whole)
             waiter.event.set()
         self._released_memory()  # a raised quota may let waiters in
+
+    def set_device_limit(self, device: str, nbytes: int | None) -> None:
+        """Let the reservations on `device` hold at most `nbytes` of it (None: all of it).
+
+        For a device whose memory changed under the pool (a vLLM replica restarted with a smaller
+        KV cache). Reservations it holds past a lowered limit stay: it takes no new one, and
+        grows none, until enough of them are released; requests go to other devices meanwhile.
+        Devices keep the size the pool was built with: a limit at or above it is no limit.
+        Raises ValueError for an unknown device or a negative limit."""
+        self._check_not_moving("limiting a device")
+        if device not in self._allocated:
+            raise ValueError(f"unknown device {device!r}; this pool's devices: {', '.join(self._allocated)}")
+        if nbytes is not None:
+            try:
+                whole = operator.index(nbytes)
+            except TypeError:
+                whole = None
+            if whole is None or isinstance(nbytes, bool):
+                raise TypeError(f"device {device!r}: a limit must be a whole number of bytes or None, got {nbytes!r}")
+            if whole < 0:
+                raise ValueError(f"device {device!r}: a limit must be >= 0 bytes, got {whole}")
+            nbytes = whole
+        if nbytes is None or nbytes >= self._device_capacity(device):
+            self._limits.pop(device, None)
+        else:
+            self._limits[device] = nbytes
+        self._released_memory()  # a raised limit may let waiters in
+
+    def device_limit(self, device: str) -> int | None:
+        """The bytes `set_device_limit` lets `device` hold, or None where it has no limit."""
+        return self._limits.get(device)
 
     def check(self, nbytes: int, tenant: str | None = None) -> int:
         """Raise at once if `nbytes` could never be granted: not a whole number of bytes, too
@@ -452,6 +503,11 @@ class MemoryPool(ABC):
                 f"{quota or 0:,} byte quota; growing by {delta:,} does not fit"
             )
         old_size, old_offset = reservation.size, reservation.offset
+        if not self._within_limit(reservation.device, self._held(nbytes, reservation.device) - old_size):
+            raise WouldBlock(
+                f"device {reservation.device} is limited to {self._limits[reservation.device]:,} bytes (it holds "
+                f"{self._allocated[reservation.device]:,}): no room to grow {reservation!r} to {nbytes:,} bytes"
+            )
         moves = self.moves
         try:
             placed = self._resize(reservation, nbytes)
@@ -691,7 +747,7 @@ class MemoryPool(ABC):
         ends_at: float | None = None,
     ) -> Reservation | None:
         placed = self._place(nbytes, device, ends_at)
-        if placed is None and any(self._free_bytes(d.name) >= nbytes for d in self.devices):
+        if placed is None and any(self._open_bytes(d.name) >= nbytes for d in self.devices):
             placed = self._place_by_moving(nbytes, device)
             if placed is None:
                 self._count_refusal(key)
@@ -732,7 +788,7 @@ class CountingPool(MemoryPool):
     """
 
     def _place(self, nbytes: int, device: str | None, ends_at: float | None = None) -> tuple[str, int, int] | None:
-        free = {d.name: d.capacity - self._allocated[d.name] for d in self.devices}
+        free = {d.name: self._open_bytes(d.name) for d in self.devices}
         if device is not None and free.get(device, 0) >= nbytes:
             return device, 0, nbytes
         name = max(free, key=free.__getitem__)

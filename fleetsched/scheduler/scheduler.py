@@ -200,6 +200,9 @@ class Scheduler:
         quotas = {name: int(t.memory_quota) for name, t in tenants.items() if t.memory_quota is not None}
         #: `resources.kv_cache`: the pool is built over the backend's KV caches on entering.
         self._size_from_caches = pool is None and self.settings.resources.kv_cache is not None
+        #: Sized from the caches: each replica's device in bytes, the bytes of a KV block, and
+        #: the block size in tokens (`_follow_kv_caches`).
+        self._kv_sized: tuple[dict[str, int], int, int] | None = None
         if pool is None:
             spread = _replica_devices(self.backend, self.settings.resources.devices)
             pool = create_pool(self.settings.resources, quotas, spread=spread)
@@ -336,6 +339,30 @@ class Scheduler:
         resources = self.settings.resources.model_copy(update={"devices": devices, "page_size": sized.page_size})
         self.pool = create_pool(resources, self._quotas, spread=_replica_devices(self.backend, devices))
         self._session_memory = sized.session_bytes
+        self._kv_sized = (dict(sized.devices), sized.page_size, cache.block_size)
+
+    def _follow_kv_caches(self) -> None:
+        """Limit each replica's device to the KV cache the backend last saw it report, where that
+        is smaller than the cache the pool was sized from (`MemoryPool.set_device_limit`): a
+        replica restarted with a smaller cache was admitted to as before, and preempted (64
+        blocks, then 20: 3 preemptions). Its sessions stay; it takes no new one until they hold
+        no more than its cache. Back to its size or more, the limit goes: the pool's devices keep
+        the size they were built with (the backend warns of a cache grown past it). A cache of
+        another block size is left to the backend's warning: the pool's pages are the old blocks."""
+        if self._kv_sized is None:
+            return
+        devices, page, block_size = self._kv_sized
+        for name, cache in self.backend.kv_capacities_seen().items():
+            if name not in devices or cache.block_size != block_size:
+                continue
+            memory = cache.usable_blocks * page
+            limit = memory if memory < devices[name] else None
+            if limit != self.pool.device_limit(name):
+                logger.info(
+                    "vLLM replica %s reports %s usable KV blocks: its sessions may hold %s of the %s bytes its device was sized to",
+                    name, f"{cache.usable_blocks:,}", f"{min(memory, devices[name]):,}", f"{devices[name]:,}",
+                )  # fmt: skip
+                self.pool.set_device_limit(name, limit)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self._accepting = False
@@ -999,6 +1026,7 @@ class Scheduler:
                 signals = await self.backend.signals()
             except FleetschedError:
                 continue  # no signals this round; keep the window
+            self._follow_kv_caches()
             preempted = 0.0
             total = signals.preemptions_total
             if total is not None:
