@@ -21,6 +21,8 @@ from ..errors import InvalidRequest, SessionEnded
 from ..scheduler.session import MODEL_CALL, THINKING, TOOL
 
 if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
     from ..resources.memory import Reservation
     from ..scheduler.dispatcher import Dispatcher
     from ..scheduler.session import SessionHandle
@@ -86,7 +88,7 @@ class SessionContext:
         self._dispatcher = dispatcher
         self.model = model
         self._ttft_slo_s = ttft_slo_s
-        self._openai: Any = None
+        self._openai: AsyncOpenAI | None = None
         #: `tool` blocks open, in every task of the session: the tool period lasts from the first
         #: one's start to the last one's end.
         self._tools_open = 0
@@ -122,7 +124,7 @@ class SessionContext:
         return self._handle.reservation
 
     @property
-    def openai(self) -> Any:
+    def openai(self) -> AsyncOpenAI:
         """A real ``openai.AsyncOpenAI`` client whose requests go through this session's dispatcher.
 
         Chat completions (streaming or not, with tools) work as against a server; the SDK's own

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -57,6 +57,8 @@ from ..settings import DeviceSettings, Settings
 from .dispatcher import Dispatcher, DispatcherStatistics
 from .records import AdmissionRecord, Recorder, SessionRecord
 from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHandle, SessionState, _described
+
+T = TypeVar("T")  # what an agent returns
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +398,7 @@ class Scheduler:
 
     async def submit(
         self,
-        agent: Agent,
+        agent: Agent[T],
         *,
         tenant: str,
         tier: Tier | str | None = None,
@@ -405,7 +407,7 @@ class Scheduler:
         name: str | None = None,
         kind: str = "agent",
         expected_s: float | None = None,
-    ) -> SessionHandle:
+    ) -> SessionHandle[T]:
         """Queue a session of `agent` for `tenant` and return its handle at once.
 
         `tier` defaults to the tenant's, `memory` (bytes to reserve) to the tenant's
@@ -425,7 +427,7 @@ class Scheduler:
 
     async def run(
         self,
-        agent: Agent,
+        agent: Agent[T],
         *,
         tenant: str,
         tier: Tier | str | None = None,
@@ -434,7 +436,7 @@ class Scheduler:
         name: str | None = None,
         kind: str = "agent",
         expected_s: float | None = None,
-    ) -> Any:
+    ) -> T:
         """Run a session of `agent` to its end and return its result: ``await submit(...)`` in
         one step, with the same arguments, admission and errors.
 
@@ -455,7 +457,7 @@ class Scheduler:
 
     def _new_session(
         self,
-        agent: Agent,
+        agent: Agent[T],
         tenant: str,
         tier: Tier | str | None,
         memory: int | None,
@@ -463,7 +465,7 @@ class Scheduler:
         name: str | None,
         kind: str,
         expected_s: float | None = None,
-    ) -> tuple[SessionHandle, float]:
+    ) -> tuple[SessionHandle[T], float]:
         """A checked, counted session in the QUEUED state, and the time of its submission."""
         if not self._accepting:
             if self._exit_stack is not None:  # entered: it is draining or has closed

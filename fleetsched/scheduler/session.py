@@ -8,7 +8,7 @@ import threading
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
 
@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from ..policies.fair_queue import Entry
     from ..resources.memory import Reservation
 
-Agent = Callable[["SessionContext"], Awaitable[Any]]
+T = TypeVar("T")  # what an agent returns
+
+#: An agent: an async callable taking its session's context. ``Agent[str]`` returns a str;
+#: `Scheduler.submit` types its handle by it (``SessionHandle[str]``).
+Agent = Callable[["SessionContext"], Awaitable[T]]
 
 
 class SessionState(StrEnum):
@@ -70,8 +74,8 @@ class SessionCounters:
 _ids = itertools.count(1)
 
 
-class SessionHandle:
-    """One submitted session. ``await handle`` returns the agent's result.
+class SessionHandle(Generic[T]):
+    """One submitted session. ``await handle`` returns the agent's result (a `T`).
 
     Awaiting raises `SessionFailed` (the agent's exception as ``__cause__``) if the agent raised,
     `SessionCancelled` if it was cancelled. `cancel()` works in every state and is idempotent.
@@ -79,7 +83,7 @@ class SessionHandle:
 
     def __init__(
         self,
-        agent: Agent,
+        agent: Agent[T],
         *,
         tenant: str,
         tier: Tier,
@@ -109,7 +113,7 @@ class SessionHandle:
         #: memory fits there (that replica's prefix cache holds its conversation); else None.
         self._replica: str | None = None
         self._memory_since = 0.0  # when it was given the memory it holds (admitted, re-admitted)
-        self.result: Any = None
+        self.result: T | None = None  # the agent's result, once it is DONE
         self.error: BaseException | None = None
         self._entry: Entry | None = None
         self._scope: anyio.CancelScope | None = None
@@ -181,16 +185,16 @@ class SessionHandle:
         elif self._scope is not None:
             self._scope.cancel()
 
-    async def wait(self) -> Any:
+    async def wait(self) -> T:
         self._refuse_own_task()
         await self._done.wait()
         if self.state is SessionState.DONE:
-            return self.result
+            return self.result  # type: ignore[return-value]  # T, which may be None itself
         if self.state is SessionState.CANCELLED:
             raise SessionCancelled(f"{self.name} was cancelled")
         raise SessionFailed(f"{self.name} {self.state}: {_described(self.error)}") from self.error
 
-    def __await__(self) -> Generator[Any, None, Any]:
+    def __await__(self) -> Generator[Any, None, T]:
         return self.wait().__await__()
 
     async def ended(self) -> None:
