@@ -179,9 +179,11 @@ class SchedulerSettings(_Section):
     max_sessions: int = Field(256, ge=1)
     """Sessions running at once, all tenants together."""
     aging_s: float = Field(60.0, gt=0)
-    """A queued session is promoted one tier band for every this many seconds it waits."""
+    """A queued session is promoted one tier band for every this many seconds it waits (inf:
+    never)."""
     drain_grace_s: float = Field(30.0, ge=0)
-    """On leaving the scheduler, running sessions get this long to finish before cancellation."""
+    """On leaving the scheduler, running sessions get this long to finish before cancellation
+    (inf: as long as they take)."""
     session_memory: Bytes = ByteSize(1 << 30)
     """Memory a session reserves when neither submit() nor its tenant says (with
     ``[resources.kv_cache]``, the KV bytes of its ``context_tokens`` instead: not set then)."""
@@ -189,7 +191,8 @@ class SchedulerSettings(_Section):
     """While a session is in a tool: keep its slot and memory, release them to waiting sessions,
     or decide per call from the tool's learned durations and the admission pressure."""
     tool_keep_s: float = Field(2.0, ge=0)
-    """Adaptive: under pressure, tools expected to last at most this long keep slot and memory."""
+    """Adaptive: under pressure, tools expected to last at most this long keep slot and memory
+    (inf: every tool with a history of its own)."""
     learn_session_ends: bool = True
     """Tell the memory pool when each session is expected to give its memory back (its placement
     hint), from how long the sessions of its `kind` held theirs (to their end, or to parking in a
@@ -520,8 +523,9 @@ class BackendSettings(_Section):
     breaker_failures: int = Field(5, ge=1)
     """Consecutive failed calls (unreachable, or a 5xx but 503; not 429 or 503, busy) that open a
     replica's circuit breaker."""
-    breaker_reset_s: float = Field(30.0, gt=0)
-    """How long an open breaker rejects calls before letting one probe call through."""
+    breaker_reset_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    """How long an open breaker rejects calls before letting one probe call through. Finite:
+    a breaker that never lets a probe through takes its replica out for good."""
     read_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     """Longest wait for a vLLM server's next bytes: its first chunk, then each one after. A replica
     that accepts the call and then says nothing (paused, hung) fails it as unreachable: it is

@@ -25,6 +25,7 @@ from fleetsched.errors import Overloaded, RateLimited
 from fleetsched.gateway.app import Gateway, _answer_for, duration_text
 from fleetsched.gateway.auth import KeyRing, hash_key
 from fleetsched.gateway.server import serve_in_thread
+from fleetsched.scheduler.records import CANCELLED
 from fleetsched.settings import Settings
 from fleetsched.virtual_time import VirtualTimeLoop
 
@@ -2179,3 +2180,27 @@ def test_a_tenant_s_bad_structured_outputs_do_not_open_the_replica_s_breaker_for
         assert client(url, GLOBEX).chat.completions.create(model="m", messages=MSG, max_tokens=1).choices[0].message.content == "ok"
         reply = client(url).chat.completions.create(model="m", messages=MSG, max_tokens=1, extra_body={"structured_outputs": {"choice": ["ok"]}})
         assert reply.choices[0].message.content == "ok" and sent[-1]["structured_outputs"] == {"choice": ["ok"]}
+
+
+def test_calls_of_a_session_whose_client_left_count_in_the_session_as_in_their_records():
+    """A session's calls cut short by their client (a stream left after its first chunk, a call
+    given up waiting) count in its counters, with the tokens the engine made for them, as their
+    records count them (before: the session counted 1 call where its records counted 3)."""
+    s = gateway_settings(backend={"kind": "sim"}, gateway={"max_context_tokens": None, "session_idle_s": 60})
+    with serve_in_thread(s) as (gw, url):
+        recorder = gw.scheduler.recorder
+        recorder.keep_calls = True  # the gateway counts its calls only: these are compared
+        headers = {"authorization": f"Bearer {ACME}", "x-session-id": "cut"}
+        assert httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 3}, headers=headers).status_code == 200
+        body = {"messages": MSG, "max_tokens": 8000, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 8000}, headers=headers, timeout=0.5)
+        assert _wait_for(lambda: gw.scheduler.dispatcher.statistics().in_flight == 0)
+        (handle,) = gw.scheduler.running_sessions()
+        records = recorder.calls
+        assert [r.error for r in records][0] is None and all(r.error in CANCELLED for r in records[1:])
+        counted = (len(records), sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records))
+        assert len(records) == 3 and counted[2] > 3
+        assert _wait_for(lambda: (handle.counters.calls, handle.counters.prompt_tokens, handle.counters.completion_tokens) == counted, 3)

@@ -6,10 +6,12 @@ Every test here failed before its fix (each was seen failing first)."""
 from __future__ import annotations
 
 import anyio
+import openai
 import pytest
 
 from fleetsched import DeadlineExceeded, InvalidRequest, Scheduler, SessionCancelled, SessionEnded, SessionFailed
 from fleetsched.backends.instant import InstantBackend
+from fleetsched.scheduler.records import CANCELLED
 from fleetsched.scheduler.session import SessionState
 
 from .helpers import check_released, settings, virtual_loop
@@ -1133,4 +1135,46 @@ async def test_a_session_past_its_deadline_fails_with_deadline_exceeded_through_
             await handle
     assert isinstance(handle.error, DeadlineExceeded) and isinstance(info.value.__cause__, DeadlineExceeded)
     assert len(scheduler.recorder.calls) == 1
+    check_released(scheduler)
+
+
+async def test_a_call_cut_short_counts_in_its_session_as_in_its_record():
+    """Calls cut short at the engine (a timeout around the call, around the block of its stream,
+    or around the reads of one of ctx.openai; the SDK's timeout) count in their session, with the tokens they had received, as
+    their records count them (cut, not failed). Before, of the cut calls only the one whose
+    block went on after its cut read was counted: the session counted 2 calls, 68 prompt and 27
+    output tokens, where its records counted 6 calls, 204 and 120."""
+
+    async def agent(ctx):
+        async with ctx.stream(MESSAGES, max_tokens=500) as chunks:
+            await anext(chunks)
+            with anyio.move_on_after(0.05):
+                async for _ in chunks:
+                    pass
+        with anyio.move_on_after(0.05):
+            async with ctx.stream(MESSAGES, max_tokens=500) as chunks:
+                async for _ in chunks:
+                    pass
+        with anyio.move_on_after(0.05):
+            await ctx.chat(MESSAGES, max_tokens=500)
+        create = ctx.openai.chat.completions.create
+        with pytest.raises(openai.APITimeoutError):
+            await create(model=ctx.model, messages=MESSAGES, max_tokens=500, timeout=0.05)
+        stream = await create(model=ctx.model, messages=MESSAGES, max_tokens=500, stream=True)
+        with anyio.move_on_after(0.05):
+            async for _ in stream:
+                pass
+        await ctx.chat(MESSAGES, max_tokens=3)
+        return "ok"
+
+    async with Scheduler(settings(backend={"kind": "sim"})) as scheduler:
+        handle = await scheduler.submit(agent, tenant="acme")
+        assert await handle == "ok"
+    records = scheduler.recorder.calls
+    assert [r.error in CANCELLED for r in records] == [True] * 5 + [False]
+    assert records[-1].error is None and all(r.completion_tokens > 0 for r in records)
+    c, (session,) = handle.counters, scheduler.recorder.sessions
+    counted = (len(records), sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records))
+    assert (c.calls, c.prompt_tokens, c.completion_tokens) == counted
+    assert (session.calls, session.prompt_tokens, session.completion_tokens) == counted
     check_released(scheduler)

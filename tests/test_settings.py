@@ -85,6 +85,9 @@ def test_a_flag_where_a_size_belongs_is_refused(section, key):
         # An engine step that never ends: the run reported 0 tokens and no error.
         ({"backend": {"sim": {"step_base_s": "inf"}}}, "backend.sim.step_base_s"),
         ({"backend": {"sim": {"request_serial_s": "inf"}}}, "backend.sim.request_serial_s"),
+        # A circuit breaker that never let a probe through: a replica down for good after
+        # `breaker_failures` failures, `fleetsched run` answering "next probe in inf s".
+        ({"backend": {"breaker_reset_s": "inf"}}, "backend.breaker_reset_s"),
         # Too short to move a clock that reads seconds (now + 1e-300 == now): a run never ended.
         ({"backend": {"sim": {"step_base_s": 1e-300, "step_per_token_s": 0, "step_per_seq_s": 0}}}, "backend.sim"),
         ({"dispatch": {"window_interval_s": 1e-300}}, "dispatch.window_interval_s"),

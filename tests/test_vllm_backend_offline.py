@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import http.server
 import json
+import math
 import re
 import socket
 import threading
@@ -113,6 +114,14 @@ def test_breaker_opens_half_opens_and_closes():
     assert breaker.acquire(21.5) == "probe"
     breaker.record_success()
     assert breaker.state(21.5) == "closed" and breaker.consecutive_failures == 0
+
+
+@pytest.mark.parametrize("reset_s", [math.inf, math.nan, 0.0])
+def test_a_breaker_that_would_never_probe_is_refused(reset_s):
+    # An infinite reset_s was taken: after `failures` failures the breaker never half-opened,
+    # and its replica was out for good ("next probe in inf s"); nan did the same.
+    with pytest.raises(ValueError, match=f"reset_s must be a finite number of seconds > 0, got {reset_s}"):
+        CircuitBreaker(failures=5, reset_s=reset_s)
 
 
 def test_a_call_granted_before_the_probe_has_no_say_on_it():

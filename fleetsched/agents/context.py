@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from ..backends.base import Chunk
+from ..backends.base import Chunk, Received
 from ..errors import InvalidRequest, SessionEnded
+from ..scheduler.records import CANCELLED
 from ..scheduler.session import MODEL_CALL, THINKING, TOOL
 
 if TYPE_CHECKING:
@@ -172,12 +173,21 @@ class SessionContext:
         """One chat completion (OpenAI request fields as keywords); returns the response dict."""
         request = self._body(messages, body, kwargs)
         handle = self._handle
+        received = Received()
         handle.calls_in_flight += 1  # from here: the session is not parked under the call
         try:
             if self._tools_open or not handle._holds_slot:  # in a tool period, parked, or ended
                 await self._busy()
             handle.activity = MODEL_CALL
-            response = await self._dispatcher.chat(request, **self._route())
+            response = await self._dispatcher.chat(request, **self._route(), received=received)
+        except BaseException as exc:
+            # Cut short at the engine (cancelled, timed out): a call made, as its record has it,
+            # with what the engine made for it (the record's counts, `Dispatcher.chat`). Left
+            # out, a session's counts fell short of its calls' records by every call it cut.
+            if received.sent and type(exc).__name__ in CANCELLED:
+                counts = {"prompt_tokens": received.prompt_tokens, "completion_tokens": received.output_tokens}
+                self._count(counts if received.prompt_tokens else {})  # the engine's, once it gave them
+            raise
         finally:
             self._call_ended()
         self._count(response.get("usage") or {})
@@ -200,10 +210,10 @@ class SessionContext:
                 counted = _Chunks(chunks)
                 yield counted
         except BaseException:
-            # The block raised, not a read of the stream (a failed or cut read is no call made):
-            # the agent's own exception, after the tokens it read. The call was made, as a
-            # `break` leaves one made, and as the same agent's call counts through ctx.openai.
-            if counted is not None and counted._cut is None:
+            # The block raised: the agent's own exception, or a read cut short (cancelled, timed
+            # out), after the tokens it read. The call was made, as a `break` leaves one made, and
+            # as its record has it. A read that failed is no call made (nor is a call refused).
+            if counted is not None and (counted._cut is None or counted._cut in CANCELLED):
                 self._count(counted.usage)
             raise
         finally:

@@ -88,8 +88,10 @@ class CircuitBreaker:
     """
 
     def __init__(self, failures: int = 5, reset_s: float = 30.0) -> None:
-        if failures < 1 or reset_s <= 0:
-            raise ValueError("failures must be >= 1 and reset_s > 0")
+        if failures < 1:
+            raise ValueError(f"failures must be >= 1, got {failures}")
+        if not 0 < reset_s < math.inf:  # inf (or nan): no probe ever, the replica out for good
+            raise ValueError(f"reset_s must be a finite number of seconds > 0, got {reset_s}")
         self.failures = failures
         self.reset_s = reset_s
         self.consecutive_failures = 0

@@ -48,6 +48,7 @@ from ..resources.ratelimit import RateLimit, Taken, shortfall_text
 from ..scheduler import Scheduler
 from ..scheduler.dispatcher import INPUT_WEIGHT, OUTPUT_WEIGHT
 from ..scheduler.records import Recorder
+from ..scheduler.session import SessionHandle
 from ..settings import Settings
 from .auth import Identity, KeyRing
 from .backend import ENDPOINT_KEY, GatewayBackend, collect_completion
@@ -518,10 +519,16 @@ class Gateway:
             replica = session.placement.replica
             if reservation is not None and reservation.device in self.backend.replicas:
                 replica = reservation.device
-            await self._dispatch(endpoint, body, streaming, handle.tenant, tier, handle.id, due, deadline, send, done, replica)
-            handle.counters.calls += 1
-            handle.counters.prompt_tokens += done.prompt_tokens
-            handle.counters.completion_tokens += done.completion_tokens
+            try:
+                await self._dispatch(endpoint, body, streaming, handle.tenant, tier, handle.id, due, deadline, send, done, replica)
+            except BaseException as exc:
+                # Cut short at the engine (its client gone, the session's deadline): a call made, as
+                # its record has it, with what the engine made for it. Left out, a session's counts
+                # fell short of its calls' records by every call its client left.
+                if done.sent and isinstance(exc, (anyio.get_cancelled_exc_class(), DeadlineExceeded)):
+                    _count(handle, done)
+                raise
+            _count(handle, done)
 
     async def _dispatch(
         self,
@@ -689,6 +696,13 @@ def _over_limits(tenant: str, taken: Taken, tokens: int) -> str:
     """A 429's message: which of the tenant's per-minute limits keeps the call out, as the take
     read its buckets (it named every limit the tenant has, joined by "or")."""
     return f"tenant {tenant!r} is over its {shortfall_text(taken.requests, taken.tokens, tokens) or 'rate limits'}"
+
+
+def _count(handle: SessionHandle, done: _Outcome) -> None:
+    """Count a call made in its session's counters."""
+    handle.counters.calls += 1
+    handle.counters.prompt_tokens += done.prompt_tokens
+    handle.counters.completion_tokens += done.completion_tokens
 
 
 def _check_budget(budget: anyio.CancelScope) -> None:

@@ -106,6 +106,7 @@ class FairQueue:
         #: Per band with a minimum share, [its service, all service], counted while a band above
         #: it waits (see `_count_share`): what its share is checked against.
         self._ledgers: dict[int, list[float]] = {tier: [0.0, 0.0] for tier in self._min_share}
+        #: The queues of the (tenant, tier) pairs with live entries, and of those alone.
         self._queues: dict[tuple[str, int], _SubQueue] = {}
         # Live entries per band: "is it backlogged?" in O(1) on every push.
         self._live_by_band: dict[int, int] = {}
@@ -329,6 +330,12 @@ class FairQueue:
     def _count(self, entry: Entry, queue: _SubQueue, delta: int) -> None:
         """Add `delta` (1 or -1) to every live count `entry` is part of."""
         queue.live += delta
+        if not queue.live:
+            # An idle tenant's queue goes (what is left in its heap is dead): every pick and every
+            # tenant back from idle scans the queues, and kept, each tenant that ever waited cost
+            # them its queue for good (10,000 tenants that had waited once: a push and pick of
+            # three tenants took 1 to 2 ms, not 10 to 20 us).
+            del self._queues[(entry.tenant, entry.tier)]
         self._len += delta
         self.queued_cost += delta * entry.cost
         self._live_by_band[entry.tier] = self._live_by_band.get(entry.tier, 0) + delta
