@@ -409,7 +409,8 @@ class SimSettings(_Section):
     max_num_seqs: int = Field(128, ge=1)
     """Sequences in the running batch at most (vLLM's max_num_seqs; 128 is its CPU server default)."""
     max_num_batched_tokens: int = Field(2048, ge=1)
-    """Tokens scheduled in one engine step at most (prefill chunks plus one per decode)."""
+    """Tokens scheduled in one engine step at most (prefill chunks plus one per decode); at least
+    `max_num_seqs`, as vLLM requires."""
     kv_cache_tokens: int = Field(524288, ge=16)
     """KV cache capacity in tokens (1 GiB at 2 KiB a token: the tiny model, float32)."""
     block_size: int = Field(128, ge=1)
@@ -440,6 +441,10 @@ class SimSettings(_Section):
     concurrency 24 it did not see), profiles fitted without it put that loop's TTFT p50 3-31 %
     low (15 % on average), and with it 0.3-18 % off either way (7.9 % on average).
     `fleetsched calibrate` fits it; 0 leaves it out."""
+    enable_prefix_caching: bool = True
+    """Whether the engine reuses the KV blocks of a prompt prefix it has computed before (vLLM's
+    --enable-prefix-caching / --no-enable-prefix-caching, on by default). Off, every prompt is
+    computed in full, and the prefix cache counters stay at 0, as vLLM counts no lookups then."""
     policy: Literal["fcfs", "priority"] = "priority"
     """Waiting-queue order (vLLM's --scheduling-policy): "priority" honours the body's `priority`."""
     max_model_len: int = Field(8192, ge=1)
@@ -486,6 +491,13 @@ class SimSettings(_Section):
             raise ValueError(
                 f"kv_cache_tokens ({self.kv_cache_tokens}) makes {blocks:,} blocks of block_size ({self.block_size}) tokens: "
                 f"the sim holds {MAX_SIM_BLOCKS:,} at most (about 600 MB); lower it or raise block_size"
+            )
+        # vLLM refuses this at start-up (`SchedulerConfig.verify_max_model_len`); the sim ran it,
+        # a step decoding only max_num_batched_tokens of its running requests and the rest waiting.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal to "
+                f"max_num_seqs ({self.max_num_seqs}), as vLLM requires: raise max_num_batched_tokens or lower max_num_seqs"
             )
         if not (self.step_base_s or self.step_per_token_s or self.step_per_seq_s):
             raise ValueError("step_base_s, step_per_token_s and step_per_seq_s are all 0: an engine step would take no time")

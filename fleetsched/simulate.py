@@ -151,6 +151,9 @@ async def _simulate(settings: Settings, duration_s: float | None) -> tuple[dict[
         "engine_steps": stats.steps,
         "engine_busy_frac": round(stats.busy_fraction, 4),
         "preemptions": stats.preemptions,
+        "enable_prefix_caching": settings.backend.sim.enable_prefix_caching,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
         "sessions_in_fleet": sum(m.count for m in settings.workload.agents),
     }
     return report, scheduler

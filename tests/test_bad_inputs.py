@@ -84,6 +84,17 @@ def test_the_sim_refuses_more_blocks_than_it_can_build():
     SimSettings(kv_cache_tokens=2**22 * 128, block_size=128)  # the most it holds
 
 
+def test_the_sim_refuses_a_token_budget_below_max_num_seqs_as_vllm_does():
+    """vLLM refuses max_num_batched_tokens < max_num_seqs at start-up. The sim ran it, each step
+    decoding only max_num_batched_tokens of its running requests: 64 requests of 20 tokens took
+    120 steps at a budget of 16 and 227 at 8, against 20 at 2048, and nothing said why."""
+    with pytest.raises(ValidationError, match=r"max_num_batched_tokens \(16\) must be greater than or equal to max_num_seqs \(128\)"):
+        SimSettings(max_num_batched_tokens=16)
+    with pytest.raises(ValidationError, match=r"max_num_batched_tokens \(128\) .* max_num_seqs \(256\)"):
+        SimSettings(profile="hermes3-70b-4xa100", max_num_batched_tokens=128)  # the profile's 256 sequences
+    SimSettings(max_num_batched_tokens=128, max_num_seqs=128)  # equal is what vLLM takes
+
+
 def test_backend_on_the_command_line_gets_the_checks_the_config_file_would(tmp_path):
     # --backend instant over a config sized from the KV cache ran, and failed with a traceback.
     done = fleetsched("run", "examples/kv_admission.toml", "--backend", "instant", "--no-live")

@@ -282,6 +282,17 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @pytest.mark.parametrize(
+    ("kv_cache_dtype", "per_token"),
+    [(None, 2048), ("auto", 2048), ("bfloat16", 1024), ("float16", 1024), ("fp8", 512), ("fp8_e4m3", 512), ("fp8_e5m2", 512), ("fp8_inc", 512)],
+)
+def test_the_tiny_models_bytes_a_token_for_each_kv_cache_dtype(tmp_path, kv_cache_dtype, per_token):
+    """vLLM's --kv-cache-dtype: "auto" is the config's dtype (float32 here, 4 bytes), each FP8
+    one byte. Before: "fp8_inc" (an FP8 cache, float8_e4m3fn in vLLM 0.32) was an unknown dtype."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))  # its "dtype" key, as transformers 5 writes it
+    assert kv_bytes_per_token(tmp_path, dtype=kv_cache_dtype) == per_token
+
+
+@pytest.mark.parametrize(
     ("changes", "concurrency"),
     [
         ({}, (512.0, 128.0)),

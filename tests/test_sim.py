@@ -170,7 +170,7 @@ async def test_a_step_costs_the_context_it_attends_to_its_own_tokens_included():
 
 
 async def test_chunked_prefill_splits_a_long_prompt_across_steps():
-    async with SimBackend(flat(max_num_batched_tokens=64)) as backend:
+    async with SimBackend(flat(max_num_batched_tokens=64, max_num_seqs=16)) as backend:
         log: dict = {}
         await run_one(backend, body(200, 1), log, "x")
         stats = backend.statistics()
@@ -180,7 +180,7 @@ async def test_chunked_prefill_splits_a_long_prompt_across_steps():
 
 async def test_prefix_cache_hit_shortens_ttft_and_counts_tokens():
     log: dict = {}
-    async with SimBackend(flat(max_num_batched_tokens=64)) as backend:
+    async with SimBackend(flat(max_num_batched_tokens=64, max_num_seqs=16)) as backend:
         prompt = body(160, 2, text="the same system prompt and history ")
         await run_one(backend, prompt, log, "cold")
         t = anyio.current_time()
@@ -190,6 +190,26 @@ async def test_prefix_cache_hit_shortens_ttft_and_counts_tokens():
     assert log["warm"][0] - t == pytest.approx(STEP)  # 9 of 10 blocks hit: 16 tokens left
     assert signals.prefix_cache_queries_total == 320
     assert signals.prefix_cache_hits_total == 144  # the last full block is always recomputed
+
+
+async def test_without_prefix_caching_a_repeated_prompt_is_computed_again_and_counts_nothing():
+    """vLLM's --no-enable-prefix-caching: before, the sim had no such switch and always served
+    the second prompt from the cache (9 of 10 blocks hit, its first token one step in)."""
+    log: dict = {}
+    async with SimBackend(flat(max_num_batched_tokens=64, max_num_seqs=16, enable_prefix_caching=False)) as backend:
+        prompt = body(160, 2, text="the same system prompt and history ")
+        await run_one(backend, prompt, log, "cold")
+        t = anyio.current_time()
+        await run_one(backend, prompt, log, "again")
+        signals = await backend.signals()
+        stats = backend.statistics()
+        backend.engine.pool.check()
+    assert log["cold"][0] == pytest.approx(3 * STEP)  # 64 + 64 + 32
+    assert log["again"][0] - t == pytest.approx(3 * STEP)  # all 160 tokens again
+    assert stats.prompt_tokens_computed == 320
+    # vLLM looks nothing up without a prefix cache, and counts no query.
+    assert signals.prefix_cache_queries_total == signals.prefix_cache_hits_total == 0
+    assert stats.prefix_cache_queries == stats.prefix_cache_hits == 0
 
 
 async def test_preemption_when_the_cache_is_short_and_all_finish():
@@ -610,7 +630,7 @@ async def test_a_prompt_that_fills_the_cache_is_served_when_its_last_token_needs
     """The last token a request generates is sampled, never written to the KV cache: vLLM serves a
     request that needs prompt + max_tokens - 1 slots, so a prompt that fills the cache alone can
     still get one token."""
-    async with SimBackend(flat(kv_cache_tokens=160, max_num_batched_tokens=64)) as backend:
+    async with SimBackend(flat(kv_cache_tokens=160, max_num_batched_tokens=64, max_num_seqs=16)) as backend:
         assert (await run_one(backend, body(160, 1)))["usage"]["completion_tokens"] == 1
         assert (await run_one(backend, body(150, 11)))["usage"]["completion_tokens"] == 11
         with pytest.raises(ContextTooLong, match="needs 161 tokens of KV cache"):

@@ -72,7 +72,7 @@ def test_queue_policies_order_and_victims():
 
 
 def test_running_requests_go_first_and_prefill_is_chunked():
-    engine = SimEngine(SimSettings(max_num_batched_tokens=64, block_size=16, kv_cache_tokens=4096), coast=False)
+    engine = SimEngine(SimSettings(max_num_batched_tokens=64, max_num_seqs=16, block_size=16, kv_cache_tokens=4096), coast=False)
     a = engine.new_request(10, 5, [])
     step = engine.schedule()
     assert step is not None and step.counts == [10]

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from fleetsched.cli import main as cli_main
-from fleetsched.settings import ResourceSettings, Settings, load_settings
+from fleetsched.settings import ResourceSettings, Settings, SimSettings, load_settings
 from fleetsched.simulate import find_max_sessions, parse_duration, scale_fleet, sim_settings, simulate, sla_checks
 
 pytest.importorskip("trio")
@@ -110,6 +110,25 @@ def test_sim_settings_switch_to_sim_and_raise_the_stream_interval():
     assert settings.backend.sim.max_num_seqs == 8 and settings.backend.sim.stream_interval == 8
     hermes = sim_settings(fleet(), profile="hermes3-70b-4xa100", stream_interval=2).backend.sim
     assert hermes.max_num_seqs == 256 and hermes.stream_interval == 2
+
+
+def test_a_fleet_without_prefix_caching_computes_every_prompt_and_its_report_says_so():
+    """The sim always cached prefixes: `enable_prefix_caching = false` (vLLM's
+    --no-enable-prefix-caching) was refused as an unknown field."""
+    def run(caching: bool) -> dict:
+        base = fleet(count=4)
+        sim = base.backend.sim.model_dump(exclude_unset=True) | {"enable_prefix_caching": caching}
+        backend = base.backend.model_copy(update={"sim": SimSettings(**sim)})
+        report, _ = simulate(sim_settings(base.model_copy(update={"backend": backend})), 60)
+        return report
+
+    cached, uncached = run(True), run(False)
+    assert cached["sim"]["enable_prefix_caching"] is True and uncached["sim"]["enable_prefix_caching"] is False
+    # Each session's second turn finds its first turn's blocks; with no cache, nothing is looked up.
+    assert cached["sim"]["prefix_cache_hits"] > 0
+    assert uncached["sim"]["prefix_cache_queries"] == uncached["sim"]["prefix_cache_hits"] == 0
+    again = run(False)  # deterministic: the same report but for the wall time it took
+    assert {k: v for k, v in again.items() if k != "wall_s"} == {k: v for k, v in uncached.items() if k != "wall_s"}
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])

@@ -259,7 +259,7 @@ async def test_sla_accounting_on_virtual_time():
 
 
 def test_unloaded_ttft_of_the_sim_engine_by_hand():
-    sim = SimSettings(max_num_batched_tokens=100, step_base_s=0.01, step_per_token_s=0.001, step_per_context_token_s=0.0, step_per_seq_s=0.002)
+    sim = SimSettings(max_num_batched_tokens=100, max_num_seqs=16, step_base_s=0.01, step_per_token_s=0.001, step_per_context_token_s=0.0, step_per_seq_s=0.002)
     # 250 tokens: chunks 100, 100, 50 -> 3 x (0.01 + 0.002) + 0.25
     assert sim_unloaded_ttft_s(sim, 250) == pytest.approx(0.286)
 

@@ -42,7 +42,7 @@ from typing import Any
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "float": 4, "fp32": 4,
     "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "int8": 1, "uint8": 1,
 }  # fmt: skip
 
 DEFAULT_BLOCK_SIZE = 16

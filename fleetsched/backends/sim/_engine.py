@@ -13,7 +13,8 @@ Scheduling follows ``vllm/v1/core/sched/scheduler.py``:
    freed, back to waiting, recomputed from scratch) until the allocation fits or the request
    itself is the victim.
 2. Then, only if nothing was preempted in this step, waiting requests in policy order while a
-   running slot (``max_num_seqs``) and budget remain: prefix cache lookup, allocation, admit.
+   running slot (``max_num_seqs``) and budget remain: prefix cache lookup (none when
+   ``enable_prefix_caching`` is off), allocation, admit.
    A request is admitted only when the blocks of its whole sequence are free (vLLM's
    ``scheduler_reserve_full_isl``), though it is given only this step's chunk of them. The
    first that does not fit stops admission.
@@ -232,6 +233,7 @@ class SimEngine:
         self._step_per_context_token_s = settings.step_per_context_token_s
         self._step_per_seq_s = settings.step_per_seq_s
         self.coast = coast
+        self.prefix_caching = settings.enable_prefix_caching
         self.pool = BlockPool(settings.kv_cache_tokens // settings.block_size, settings.block_size)
         self.queue = make_queue(settings.policy)
         #: Running requests in running order (a dict: ordered, with O(1) removal).
@@ -283,6 +285,9 @@ class SimEngine:
         self._seq += 1
         request.seq = self._seq
         request.engine = self
+        if not self.prefix_caching:  # no hashes: its blocks are never looked up nor cached
+            request.hashes = []
+            request.text = None
         if arriving:
             request.status = ARRIVING
         else:
@@ -549,7 +554,8 @@ class SimEngine:
             request.num_hashed = len(hits)
             request._computed = num_computed
             self._allocate(request, num_new)
-            if not request.num_preemptions:  # vLLM counts a resumed request's lookup apart
+            # vLLM counts a resumed request's lookup apart, and none without a prefix cache.
+            if not request.num_preemptions and self.prefix_caching:
                 self.prefix_queries += num_tokens
                 self.prefix_hits += num_computed
             request.status = RUNNING
