@@ -2204,3 +2204,78 @@ def test_calls_of_a_session_whose_client_left_count_in_the_session_as_in_their_r
         counted = (len(records), sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records))
         assert len(records) == 3 and counted[2] > 3
         assert _wait_for(lambda: (handle.counters.calls, handle.counters.prompt_tokens, handle.counters.completion_tokens) == counted, 3)
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
+@pytest.mark.anyio
+async def test_a_text_completion_over_the_sim_names_the_stop_string_that_ended_it(anyio_backend):
+    """A text completion ended by a stop string says which, as vLLM's completions and the
+    gateway's chat answer say it (`stop_reason`). Served over the sim's chat stream, the text
+    completion dropped it: `choice.stop_reason` read None, streamed and not, where the same call
+    on /v1/chat/completions read "k t"."""
+    gateway = Gateway(gateway_settings(backend={"kind": "sim"}))
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway)) as http:
+        c = openai.AsyncOpenAI(base_url="http://gw/v1", api_key=ACME, http_client=http, max_retries=0)
+        whole = await c.completions.create(model="m", prompt="Once upon", max_tokens=8, stop=["k t"])
+        chunks = [ch async for ch in await c.completions.create(model="m", prompt="Once upon", max_tokens=8, stop=["k t"], stream=True)]
+        chat = await c.chat.completions.create(model="m", messages=MSG, max_tokens=8, stop=["k t"])
+    assert chat.choices[0].stop_reason == "k t"
+    assert whole.choices[0].text == " to" and whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].stop_reason == "k t"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == "k t"
+    assert all(ch.choices[0].stop_reason is None for ch in chunks[:-1])
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
+@pytest.mark.anyio
+async def test_a_chat_call_on_the_sim_echoes_the_message_it_continues(anyio_backend):
+    """vLLM's ``echo`` on a chat call: the last message, where it is the answer's role's, comes
+    back before the answer, in a chunk of its own when streamed. The sim ignored it: a call that
+    asked for it got the answer alone, streamed and not, with nothing to say it was not served."""
+    gateway = Gateway(gateway_settings(backend={"kind": "sim"}))
+    prefix = [*MSG, {"role": "assistant", "content": "The answer is"}]
+    options = {"echo": True, "continue_final_message": True, "add_generation_prompt": False}
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway)) as http:
+        c = openai.AsyncOpenAI(base_url="http://gw/v1", api_key=ACME, http_client=http, max_retries=0)
+        whole = await c.chat.completions.create(model="m", messages=prefix, max_tokens=2, logprobs=True, extra_body=options)
+        stream = await c.chat.completions.create(model="m", messages=prefix, max_tokens=2, stream=True, extra_body=options)
+        chunks = [ch async for ch in stream]
+        plain = await c.chat.completions.create(model="m", messages=MSG, max_tokens=2, extra_body={"echo": True})  # a user's message: none
+    assert whole.choices[0].message.content == "The answer is tok tok" and whole.usage.completion_tokens == 2
+    assert len(whole.choices[0].logprobs.content) == 2  # those of the answer's tokens, as vLLM's
+    assert [ch.choices[0].delta.content for ch in chunks if ch.choices][:2] == ["", "The answer is"]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "The answer is tok tok"
+    assert plain.choices[0].message.content == " tok tok"
+
+
+def test_a_text_completion_not_streamed_keeps_what_vllm_streamed_beside_the_text():
+    """A text completion not streamed is collected from vLLM's stream: the ``system_fingerprint``
+    vLLM puts on its last chunk, and with ``return_token_ids`` the answer's and the prompt's
+    token IDs, were dropped (`system_fingerprint` read None), where vLLM's own non-streamed
+    answer, and the gateway's chat answer, have them."""
+    import httpx2
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    def chunk(choices, **extra):
+        return {"id": "cmpl-t", "object": "text_completion", "created": 1, "model": "m", "choices": choices, **extra}
+
+    chunks = [
+        chunk([{"index": 0, "text": "Hel", "logprobs": None, "finish_reason": None, "prompt_token_ids": [7, 8], "token_ids": [1]}]),
+        chunk([{"index": 0, "text": "lo", "logprobs": None, "finish_reason": "stop", "stop_reason": None, "token_ids": [2]}]),
+        chunk([], usage=usage_dict(2, 2), system_fingerprint="vllm-0.32.0"),
+    ]
+
+    def factory(base_url: str, api_key: str) -> openai.AsyncOpenAI:
+        def handler(request: httpx2.Request) -> httpx2.Response:
+            body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+            return httpx2.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler)))
+
+    metrics = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(404)))
+    backend = VLLMServerBackend({"r": "http://r.invalid:8000"}, model="m", retry_attempts=1, client_factory=factory, http_client=metrics)
+    with serve_in_thread(gateway_settings(), backend=backend) as (_, url):
+        reply = client(url).completions.create(model="m", prompt="Say", max_tokens=2, extra_body={"return_token_ids": True})
+    assert reply.choices[0].text == "Hello" and reply.system_fingerprint == "vllm-0.32.0"
+    assert reply.choices[0].token_ids == [1, 2] and reply.choices[0].prompt_token_ids == [7, 8]

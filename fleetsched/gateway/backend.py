@@ -188,7 +188,11 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
                     text, echo = prompt + text, False
                 logprobs = _text_logprobs(c.get("logprobs"), offset)
                 offset += len(text)
-                choices.append({"index": c.get("index", 0), "text": text, "logprobs": logprobs, "finish_reason": c.get("finish_reason")})
+                # stop_reason too: the stop string or token that ended the answer, as vLLM's
+                # completions name it (it was dropped here, where the chat answer kept it).
+                choices.append(
+                    {"index": c.get("index", 0), "text": text, "logprobs": logprobs, "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")}
+                )
             out: Chunk = {
                 "id": str(chunk.get("id", "")).replace("chatcmpl-", "cmpl-", 1),
                 "object": "text_completion",
@@ -233,22 +237,35 @@ def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
     stop_reason: str | int | None = None  # the stop string or token id that ended it, as vLLM says
     usage: dict[str, int] | None = None
     logprobs: dict[str, list[Any]] | None = None  # asked for with `logprobs`: vLLM sends them per chunk
+    fingerprint = None  # vLLM's, on its stream's last chunk
+    token_ids: list[int] | None = None  # with ``return_token_ids``: each chunk's, joined
+    prompt_token_ids = None  # with ``return_token_ids``, on the first chunk
     for chunk in chunks:
         cid = chunk.get("id") or cid
         model = chunk.get("model") or model
         created = chunk.get("created") or created
         usage = chunk.get("usage") or usage
+        fingerprint = chunk.get("system_fingerprint") or fingerprint
         for choice in chunk.get("choices") or ():
             text.append(choice.get("text") or "")
             finish = choice.get("finish_reason") or finish
             stop_reason = stop_reason if choice.get("stop_reason") is None else choice["stop_reason"]
             logprobs = merge_logprobs(logprobs, choice.get("logprobs"))
+            if isinstance(choice.get("token_ids"), list):
+                token_ids = [] if token_ids is None else token_ids
+                token_ids.extend(choice["token_ids"])
+            prompt_token_ids = choice.get("prompt_token_ids") or prompt_token_ids
     if not cid:
         raise BackendError("the backend returned no completion")
     choice: dict[str, Any] = {"index": 0, "text": "".join(text), "logprobs": logprobs, "finish_reason": finish or "stop"}
     if stop_reason is not None:  # as the chat fold (`base._Choice`) keeps it
         choice["stop_reason"] = stop_reason
-    return {
+    # As vLLM's non-streamed answer has them (they were dropped, as the chat fold once dropped its own).
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
+    response = {
         "id": cid,
         "object": "text_completion",
         "created": created,
@@ -256,3 +273,6 @@ def collect_completion(chunks: list[Chunk]) -> dict[str, Any]:
         "choices": [choice],
         "usage": usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
+    if fingerprint is not None:
+        response["system_fingerprint"] = fingerprint
+    return response

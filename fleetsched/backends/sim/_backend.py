@@ -62,7 +62,7 @@ from ..base import (
     usage_dict,
     wants_continuous_usage,
 )
-from ..chat_options import check_chat_options, prompt_cut
+from ..chat_options import check_chat_options, echoed, prompt_cut, response_role
 from ..sampling import check_sampling, is_true, lax_int
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
 from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, answer_lead, block_hashes, prompt_text
@@ -446,6 +446,8 @@ class SimBackend(Backend):
             # model's own end (EOS), which vLLM reports as "stop". The SDK's `.parse()` and
             # `.stream(...).get_final_completion()` raise LengthFinishReasonError on "length".
             request.finish_reason = "stop"
+        if body.get("echo") is not None:  # the last message, echoed before the answer as vLLM's server does (it was ignored)
+            request.echo = echoed(body, messages, response_role(body))
         request.text = answer_lead(text, framed)  # a text completion's answer follows its prompt unframed
         interval = checked_stream_interval(body.get("stream_interval", self._stream_interval))  # per request, as vLLM takes it
         interval = max(interval, self._stream_interval)  # vLLM clamps it to the server's: never smaller
@@ -517,9 +519,9 @@ class SimBackend(Backend):
                 received.prompt_tokens = request.prompt_tokens if request.num_output else 0
         output = request.delivered = request.num_output
         if request.tool_call is None:
-            message = {"role": "assistant", "content": answer_text(request, output)}
-        else:  # content "", as vLLM answers a forced call
-            message = {"role": "assistant", "content": "", "tool_calls": request.tool_call.message_calls(output)}
+            message = {"role": "assistant", "content": request.echo + answer_text(request, output)}
+        else:  # content "" (or the text echoed), as vLLM answers a forced call
+            message = {"role": "assistant", "content": request.echo, "tool_calls": request.tool_call.message_calls(output)}
         usage = usage_dict(request.prompt_tokens, output)
         created = int(time.time())  # wall-clock ok: the Unix timestamp of the response
         response = chat_completion(new_completion_id(body), model, created, message, request.finish_reason, usage)
@@ -590,6 +592,8 @@ class SimBackend(Backend):
                 if opening:  # as vLLM opens a stream: the role alone, then the tokens that had come
                     zero = usage_dict(request.prompt_tokens, 0) if request.continuous_usage else None
                     yield make_chunk(cid, model, created, role="assistant", content="", usage=zero)
+                    if request.echo:  # then the text echoed, in a chunk of its own, as vLLM sends it
+                        yield make_chunk(cid, model, created, content=request.echo, usage=zero)
                 if request.tool_call is None:
                     if request.stop is None:
                         content = TOKEN_TEXT * count

@@ -62,7 +62,7 @@ class SimRequest:
         "seq", "priority", "prompt_tokens", "max_tokens", "hashes", "status", "_computed",
         "_output", "num_hashed", "blocks", "num_preemptions", "waiter", "delivered", "wake_every",
         "engine", "coasting_since", "run_order", "collect", "first_token_at", "continuous_usage",
-        "text", "top_logprobs", "finish_reason", "tool_call", "stop",
+        "text", "top_logprobs", "finish_reason", "tool_call", "stop", "echo",
     )  # fmt: skip
 
     def __init__(self, seq: int, prompt_tokens: int, max_tokens: int, hashes: list[int], priority: int = 0) -> None:
@@ -97,6 +97,9 @@ class SimRequest:
         #: The stop string that ends its answer (`max_tokens` is where it matched) and the
         #: characters of the answer's text kept then (the string left out, as vLLM leaves it).
         self.stop: tuple[str, int] | None = None
+        #: The text its answer opens with before its tokens (``echo``: the last message's, which
+        #: the answer continues), as vLLM's server echoes it; "" for none.
+        self.echo = ""
 
     @property
     def num_computed(self) -> int:
