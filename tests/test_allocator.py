@@ -1,5 +1,7 @@
 """The paged allocator: address space, strategies, placement over devices, resize, metrics."""
 
+import weakref
+
 import pytest
 
 from fleetsched.errors import QuotaExceeded, QuotaWouldBlock, RequestTooLarge, WouldBlock
@@ -291,6 +293,26 @@ def test_seeds_example_counts_one_fragmentation_failure_per_request():
     assert p.statistics().fragmentation_failures == 2
     a.release()
     f.release()
+
+
+class Owner:
+    """A session handle, say: an owner that can be weakly referenced."""
+
+
+def test_a_refused_owner_that_gives_up_is_forgotten():
+    p = pool(80 * PAGE)
+    a, b, c = (p.reserve_nowait(20 * PAGE, owner=x) for x in "abc")
+    b.release()
+    owner = Owner()
+    gone = weakref.ref(owner)
+    with pytest.raises(WouldBlock):
+        p.reserve_nowait(25 * PAGE, owner=owner)
+    p.forget(owner)
+    p.forget(owner)  # no longer remembered: nothing to do
+    p.forget([])  # an unhashable owner is never remembered
+    del owner
+    assert gone() is None  # held until granted, or until 65,536 later refusals pushed it out
+    assert p.statistics().fragmentation_failures == 1
 
 
 def test_refusal_without_enough_free_is_not_a_fragmentation_failure():

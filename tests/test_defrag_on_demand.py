@@ -249,6 +249,24 @@ def test_settings_carry_compaction_to_the_pool():
         ResourceSettings(compact_threshold=1.5)
 
 
+def test_with_compact_off_a_threshold_is_the_only_compaction():
+    """As `ResourceSettings.compact_threshold` says: compact = false leaves the threshold on, and
+    turns settling and opening room for a request off."""
+    settings = ResourceSettings(compact=False, compact_threshold=0.5, devices=[{"name": "gpu0", "memory": 20 * PAGE}], page_size=PAGE)
+    pool = create_pool(settings)
+    held = [pool.reserve_nowait(2 * PAGE, owner=i) for i in range(10)]
+    for r in held:
+        r.movable = True
+    held[0].release()
+    held[9].release()  # two runs of 2, a rate of 0.5: not past the threshold
+    assert pool.statistics().moves == 0  # settling would have slid the run at 0-1 up to the other
+    with pytest.raises(WouldBlock):  # nor is room opened for 4 pages
+        pool.reserve_nowait(4 * PAGE, owner="big")
+    held[2].release()  # three runs of 2, a rate of 0.67: compacted into one run
+    stats = pool.statistics()
+    assert stats.compactions == 1 and stats.moves > 0 and stats.largest_free == stats.free == 6 * PAGE
+
+
 def test_threshold_compaction_stopped_by_its_callback_counts_the_moves_it_made():
     """Before: a callback that raised on a later move left the earlier moves made but uncounted
     (compactions, moves and moved_bytes all 0)."""

@@ -855,6 +855,71 @@ async def test_a_session_back_from_a_tool_is_re_admitted_on_its_replica_where_it
     check_released(scheduler)
 
 
+@pytest.mark.parametrize("strategy", ["counting", "frag-aware"])
+async def test_a_session_back_from_a_tool_goes_to_another_replica_when_its_own_is_full(strategy):
+    """The replica a parked session's memory was on is a preference, not a requirement: with r0
+    full when it comes back, it is re-admitted on r1 at once and its calls go there."""
+    from fleetsched.backends.base import REPLICA_KEY
+    from fleetsched.backends.instant import InstantBackend
+
+    class Replicated(InstantBackend):
+        replicas = {"r0": None, "r1": None}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.served: list[tuple[str, str]] = []
+
+        async def stream_chat(self, body):
+            self.served.append((body["messages"][0]["content"], body.get(REPLICA_KEY)))
+            body = {key: value for key, value in body.items() if not key.startswith("fleetsched_")}
+            async for chunk in super().stream_chat(body):
+                yield chunk
+
+    backend = Replicated()
+    devices = [{"name": "r0", "memory": "10GB"}, {"name": "r1", "memory": "10GB"}]
+    s = settings(scheduler={"tool_policy": "release"}, resources={"strategy": strategy, "devices": devices})
+
+    async def agent(ctx):
+        await ctx.chat([{"role": "user", "content": "before"}], max_tokens=4)
+        async with ctx.tool("search"):  # parks: its memory goes back to the pool
+            await anyio.sleep(5)
+        back = anyio.current_time()
+        await ctx.chat([{"role": "user", "content": "after"}], max_tokens=4)
+        return ctx.reservation.device, back
+
+    async with Scheduler(s, backend=backend) as scheduler:
+        session = await scheduler.submit(agent, tenant="acme", memory=2 * GB)
+        await anyio.sleep(1)
+        other = await scheduler.submit(sleeper(20), tenant="acme", memory=9 * GB)
+        assert other.reservation.device == "r0"  # 1 GB of r0 left
+        assert await session == ("r1", 5.0)  # as its tool ends, not once r0 comes free at 21 s
+        await other
+    assert backend.served == [("before", "r0"), ("after", "r1")]
+    check_released(scheduler)
+
+
+async def test_the_pool_holds_no_session_that_ended_after_a_fragmentation_refusal():
+    """The pool remembers a request refused for fragmentation until it is granted (its retries
+    count once); a session that ended in the queue instead was held for good, its handle and its
+    error with it, up to the last 65,536: here all 3 of 3 after they failed their deadlines."""
+    s = settings(resources={"strategy": "first-fit", "devices": [{"name": "g", "memory": "10GB"}], "page_size": "1GB"})
+    async with Scheduler(s) as scheduler:
+        first = await scheduler.submit(sleeper(100), tenant="acme", memory=3 * GB)
+        gone = await scheduler.submit(sleeper(1), tenant="acme", memory=3 * GB)
+        last = await scheduler.submit(sleeper(100), tenant="acme", memory=3 * GB)
+        await gone
+        # 4 GB free, in runs of 3 and 1 (pages 3-5 and 9): 4 GB fit in no run
+        for _ in range(3):
+            handle = await scheduler.submit(sleeper(1), tenant="acme", memory=4 * GB, deadline_s=2)
+            await handle.ended()
+            assert handle.state is SessionState.FAILED
+        assert scheduler.pool.fragmentation_failures == 3
+        assert not scheduler.pool._refused
+        first.cancel()
+        last.cancel()
+    check_released(scheduler)
+
+
 async def test_a_recorder_that_keeps_no_calls_keeps_no_session_records_either():
     """`Recorder(keep_calls=False)` keeps only counts, for a scheduler embedded in a service that
     runs for weeks: it still kept a record of every session and every admission it ever had, a

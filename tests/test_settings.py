@@ -288,3 +288,11 @@ def test_a_bad_value_is_refused_naming_its_field(overrides, key, reason):
 def test_values_at_the_edge_of_what_works_load(overrides):
     """Bounds are inclusive where the value still works: equal windows, backoffs, tool times, quota and device."""
     assert load_settings(**overrides)
+
+
+def test_a_compaction_threshold_for_a_counting_pool_is_refused_naming_both():
+    # Taken without a word: a counting pool has no address space, and never compacted.
+    error = refused(resources={"strategy": "counting", "compact_threshold": 0.3})
+    assert error.key == "resources"
+    assert "compact_threshold is not used with strategy 'counting'" in error.reason
+    assert load_settings(resources={"strategy": "counting", "compact": False})  # the default threshold: none

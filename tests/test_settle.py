@@ -421,3 +421,23 @@ def test_no_fill_without_settling(options):
     r4.movable = True
     r1.release()
     assert pages(r4) == [8] and pool.moves == 0 and pool.fills == 0
+
+
+def test_the_holes_a_compaction_plan_leaves_settle_as_a_releases_do():
+    """A plan's moves leave holes as a release does; left out of the queue, nothing settled
+    them: the plan moved g down into the hole at 1-4 and left e at the edge of the largest free
+    run (10-17), 8 pages, where e fits the hole at 21-25 and the run grows to 10."""
+    pool = ExtentPool([DeviceSpec("gpu0", 26 * PAGE)], strategy="first-fit", page_size=PAGE, settle_moves=None)
+    sizes = {"a": 1, "x": 4, "c": 3, "e": 2, "g": 4, "y": 4, "h": 3, "z": 5}
+    held = {name: pool.reserve_nowait(n * PAGE, owner=name) for name, n in sizes.items()}
+    for name in "xyz":
+        held[name].release()
+    held["e"].movable = held["g"].movable = True  # nothing for settling to do yet
+    assert pool.moves == 0 and free_runs(pool) == [(1, 4), (14, 4), (21, 5)]
+    plan = pool.plan_compaction(threshold=0.0)
+    assert [(m.key.owner, m.src, m.dst) for m in plan.moves] == [("g", 10, 1)]
+    assert pool.apply_plan(plan).applied == 1
+    assert pages(held["g"], held["e"]) == [1, 24]  # e filled the hole at 21-25 from the top
+    assert free_runs(pool) == [(8, 10), (21, 3)]
+    assert pool.statistics().largest_free == 10 * PAGE and pool.fills == 1
+    pool.check_invariants()

@@ -28,8 +28,8 @@ Compaction, over reservations flagged `Reservation.movable` only, in four ways:
   cheapest window to empty by moving movable reservations elsewhere (into free runs, or by
   sliding the reservations between two unmovable ones together), and the request is placed
   there. Only when no such window exists is it a fragmentation failure.
-- past a threshold (``compact_threshold``): after memory comes free, every device whose
-  fragmentation rate exceeds it is compacted with `defrag.plan_compaction`.
+- past a threshold (``compact_threshold``, whatever ``compact`` says): after memory comes free,
+  every device whose fragmentation rate exceeds it is compacted with `defrag.plan_compaction`.
 - by hand: `plan_compaction()` returns a plan, `apply_plan()` carries it out.
 
 Every move calls the move callback (`set_move_callback`) before the reservation's offset changes,
@@ -644,7 +644,8 @@ class ExtentPool(MemoryPool):
         The callback moves the data (offsets in `move` are pages; multiply by `page_size`). A
         move is skipped when its reservation was released, is no longer movable, is no longer
         where the plan found it, or its destination is no longer free. If the callback raises,
-        that move is not made and the exception propagates; earlier moves stay made. Waiters are
+        that move is not made and the exception propagates; earlier moves stay made. The pages
+        the moves leave are holes that settling closes as it does a release's. Waiters are
         served and release listeners called afterwards, since larger holes may now exist. Raises
         RuntimeError when called from inside a move callback (that move is half made), TypeError
         for a `move_callback` that is not a plain function (see `set_move_callback`).
@@ -673,6 +674,7 @@ class ExtentPool(MemoryPool):
                     space.move(move.dst, move.src)
                     raise
                 self._set_offset(r, move.dst)
+                self._holes.append((move.device, _first_page_left(move)))  # settled as a release's hole is
                 applied += 1
                 moved += move.length * self.page_size
         finally:
@@ -703,6 +705,11 @@ class ExtentPool(MemoryPool):
             and r.offset == move.src * self.page_size
             and r.size == move.length * self.page_size
         )
+
+
+def _first_page_left(move: Move) -> int:
+    """The first page `move` leaves free (its source less any overlap with its destination)."""
+    return max(move.src, move.dst + move.length) if move.dst < move.src else move.src
 
 
 def _check_move_callback(callback: Callable[[Reservation, Move], None] | None) -> Callable[[Reservation, Move], None] | None:

@@ -23,7 +23,7 @@
   its device); it does not queue behind waiters, since the session growing is already running.
 - ``fragmentation_failures`` counts distinct requests refused while some device had enough free
   bytes in total: a request retried (a waiter on every release, or a ``reserve_nowait`` retried
-  with the same `owner`) counts once until it is granted.
+  with the same `owner`) counts once until it is granted, or until its owner gives up (``forget``).
 
 Subclasses decide placement only: `_place` finds room for a size on some device, `_unplace`
 gives it back, `_resize` grows or shrinks in place or moves, `_device_statistics` reports per
@@ -612,6 +612,18 @@ class MemoryPool(ABC):
         if reservation.tenant is not None:
             self._by_tenant[reservation.tenant] -= reservation.nbytes
         self._released_memory()
+
+    def forget(self, owner: object) -> None:
+        """`owner` gave up its request without being granted: stop remembering its refusal.
+
+        A request refused for fragmentation is remembered by its `owner` until it is granted, so
+        that its retries count once in ``fragmentation_failures``. Without this call the owner
+        of one given up (a session that ended in the queue) stays referenced until 65,536 later
+        refusals push it out. A waiter of `acquire` that gives up needs no call."""
+        try:
+            self._refused.pop(owner, None)
+        except TypeError:  # an unhashable owner is never remembered
+            pass
 
     def _released_memory(self) -> None:
         """Memory came free (a release, a shrink, a compaction): serve waiters, tell listeners."""

@@ -731,6 +731,7 @@ class Scheduler:
             self._learn_hold(handle, now)
         self._record(handle)
         self._session_ended()
+        self.pool.forget(handle)  # refused for fragmentation when re-admitted, the pool held on to it
         if handle.calls_in_flight:
             # Calls made through its context from tasks outside the session, which outlived the
             # agent, are still at the engine: they use its memory until the last one ends. (Its
@@ -802,6 +803,7 @@ class Scheduler:
         handle._set_state(state, now)
         self._record(handle)
         self._session_ended()
+        self.pool.forget(handle)  # refused for fragmentation while queued, the pool held on to it
 
     def _session_ended(self) -> None:
         self._live -= 1
