@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import re
 import threading
 import time
@@ -21,7 +22,7 @@ from trio.testing import MockClock
 
 from fleetsched.backends.base import Backend, ChatBody, Chunk, make_chunk, usage_dict
 from fleetsched.backends.instant import InstantBackend
-from fleetsched.errors import Overloaded, RateLimited
+from fleetsched.errors import BackendError, Overloaded, RateLimited
 from fleetsched.gateway.app import Gateway, _answer_for, duration_text
 from fleetsched.gateway.auth import KeyRing, hash_key
 from fleetsched.gateway.server import serve_in_thread
@@ -1346,14 +1347,16 @@ def test_a_text_completion_takes_logprobs_as_a_count(url):
     """In /v1/completions `logprobs` is how many log probabilities per token (an integer, vLLM's
     CompletionRequest and OpenAI's API); only chat's is true or false. The gateway refused every
     count with "logprobs: must be true or false", and let `true` through. As vLLM reads it, true
-    is 1 and 2.0 is 2, and text is refused."""
+    is 1 and 2.0 is 2, and text is refused. -1 (all) is a count too: the engine refuses it for
+    its limit (vLLM's default --max-logprobs, 20), not for its form."""
     headers = {"authorization": f"Bearer {ACME}"}
-    for logprobs, status in ((2, 200), (0, 200), (-1, 200), (True, 200), (2.0, 200), (-2, 400), ("2", 400)):
+    for logprobs, status in ((2, 200), (0, 200), (-1, 400), (True, 200), (2.0, 200), (-2, 400), ("2", 400)):
         body = {"prompt": "Once upon", "max_tokens": 1, "logprobs": logprobs}
         response = httpx.post(url + "/v1/completions", json=body, headers=headers)
         assert response.status_code == status, (logprobs, response.text)
         if status == 400:
             assert response.json()["error"]["param"] == "logprobs"
+            assert ("at most 20" in response.json()["error"]["message"]) == (logprobs == -1)
     chat = {"messages": MSG, "max_tokens": 1, "logprobs": 2}
     response = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
@@ -1361,6 +1364,38 @@ def test_a_text_completion_takes_logprobs_as_a_count(url):
     # Chat's flag is read as vLLM reads it: "yes" and 1 are true (the gateway refused them).
     for flag in ("yes", 1):
         assert httpx.post(url + "/v1/chat/completions", json={**chat, "logprobs": flag}, headers=headers).status_code == 200, flag
+
+
+def test_the_instant_backend_answers_the_log_probabilities_a_call_asks_for(url):
+    """The instant backend (for benchmarks) answered a call that asked for log probabilities
+    with ``"logprobs": null``, chat and text completion, streamed and not: a workload that reads
+    them failed on it alone. Now, as vLLM lays them out: an entry a token counted, the tokens
+    joined the text, the alternatives asked for (the token first); over 20, refused as vLLM's
+    default --max-logprobs refuses them, naming the field the client sent."""
+    c = client(url)
+    for stream in (False, True):
+        if stream:
+            options = {"include_usage": True}
+            chunks = list(c.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2, stream=True, stream_options=options))
+            content = [entry for ch in chunks if ch.choices and ch.choices[0].logprobs for entry in ch.choices[0].logprobs.content]
+            text, tokens = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
+        else:
+            reply = c.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2)
+            content, text, tokens = reply.choices[0].logprobs.content, reply.choices[0].message.content, reply.usage.completion_tokens
+        assert len(content) == tokens == 3 and "".join(e.token for e in content) == text == "ok", stream
+        assert all(e.logprob <= 0 and [t.token for t in e.top_logprobs][0] == e.token and len(e.top_logprobs) == 2 for e in content)
+        assert all(sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 for e in content)
+    plain = c.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True)
+    assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[], [], []]
+    assert c.chat.completions.create(model="m", messages=MSG, max_tokens=3).choices[0].logprobs is None  # not asked for
+    text = c.completions.create(model="m", prompt="Once upon", max_tokens=3, logprobs=2).choices[0]
+    assert text.logprobs.tokens == ["ok", "", ""] and text.logprobs.text_offset == [0, 2, 2]
+    assert [list(top) for top in text.logprobs.top_logprobs] == [["ok", " t00"], ["", " t00"], ["", " t00"]]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs: at most 20") as chat_refused:
+        c.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="logprobs: at most 20") as text_refused:
+        c.completions.create(model="m", prompt="Once upon", max_tokens=3, logprobs=21)
+    assert chat_refused.value.body["param"] == "top_logprobs" and text_refused.value.body["param"] == "logprobs"
 
 
 def test_any_role_is_taken_as_vllm_takes_it(url):
@@ -2204,6 +2239,57 @@ def test_calls_of_a_session_whose_client_left_count_in_the_session_as_in_their_r
         counted = (len(records), sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records))
         assert len(records) == 3 and counted[2] > 3
         assert _wait_for(lambda: (handle.counters.calls, handle.counters.prompt_tokens, handle.counters.completion_tokens) == counted, 3)
+
+
+class BreakingReplica(Backend):
+    """Streams two tokens with the engine's count, then breaks off as a vLLM replica that fails
+    mid-answer does (a `BackendError`) where the last message says "break", waits 30 s where it
+    says "wait", and ends the answer otherwise."""
+
+    name = "breaking"
+
+    async def stream_chat(self, body: ChatBody) -> AsyncIterator[Chunk]:
+        yield make_chunk("chatcmpl-r", "m", 0, role="assistant", content="a", usage=usage_dict(5, 1))
+        yield make_chunk("chatcmpl-r", "m", 0, content="b", usage=usage_dict(5, 2))
+        said = body["messages"][-1]["content"]
+        if said == "break":
+            raise BackendError("vLLM replica r0 broke off the answer")
+        if said == "wait":
+            await anyio.sleep(30)
+        yield make_chunk("chatcmpl-r", "m", 0, finish_reason="stop", usage=usage_dict(5, 2))
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
+@pytest.mark.anyio
+async def test_a_session_s_stream_its_replica_broke_off_is_no_call_in_the_session_as_in_its_record(anyio_backend):
+    """A session's streams: one answered whole, one its replica broke off after two tokens (a
+    200, then an error event), one cut by the session's 10 s deadline after two tokens. The
+    records say: served, failed, cut; the session counts the served and the cut one, as an
+    in-process agent's session does (before: 3 calls, 15 prompt and 6 completion tokens, the
+    failed one counted)."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "sla": {"deadline_s": 10}}}
+    gateway = Gateway(gateway_settings(tenants, gateway={"session_idle_s": 60}), backend=BreakingReplica())
+    headers = {"authorization": f"Bearer {ACME}", "x-session-id": "s"}
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw", headers=headers) as c:
+        recorder = gateway.scheduler.recorder
+        recorder.keep_calls = True  # the gateway counts its calls only: these are compared
+
+        async def stream(said: str) -> list[str]:
+            body = {"messages": [{"role": "user", "content": said}], "stream": True}
+            answer = await c.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 200
+            return [line for line in answer.text.splitlines() if line]
+
+        assert not any("error" in event for event in await stream("end"))
+        (handle,) = gateway.scheduler.running_sessions()
+        assert "error" in (await stream("break"))[-2]
+        assert '"code":408' in (await stream("wait"))[-2]
+    records = recorder.calls
+    assert [r.error for r in records] == [None, "BackendError", "Cancelled"]
+    made = [r for r in records if r.error is None or r.error in CANCELLED]
+    counted = (len(made), sum(r.prompt_tokens for r in made), sum(r.completion_tokens for r in made))
+    assert counted == (2, 10, 4)
+    assert (handle.counters.calls, handle.counters.prompt_tokens, handle.counters.completion_tokens) == counted
 
 
 @pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])

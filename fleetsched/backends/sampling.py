@@ -245,6 +245,27 @@ _BOOL_WORDS = _TRUE_WORDS | {"0", "off", "f", "false", "n", "no"}
 MAX_LOGPROB_TOKEN_IDS = 128
 
 
+#: The most ``top_logprobs`` a call may ask for (vLLM's default ``--max-logprobs``; -1, "all",
+#: asks for the vocabulary, more than that).
+MAX_LOGPROBS = 20
+
+
+def requested_top_logprobs(body: Mapping[str, Any]) -> int | None:
+    """How many alternatives a token a call asks for (``top_logprobs``; 0 without it), or None
+    where it asks for no log probabilities. The body is checked by `check_sampling` first. Raises
+    `InvalidRequest` naming the field for more than `MAX_LOGPROBS` or -1 (all), as a vLLM server
+    with the default ``--max-logprobs`` refuses them (measured: 21 and -1 answered 400)."""
+    if not is_true(body.get("logprobs")):  # a boolean (`check_sampling`): "yes", 1 and 0 too
+        return None
+    top = int(body.get("top_logprobs") or 0)  # an integer >= -1 (`check_sampling`; 2.0 and true too)
+    if top == -1 or top > MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs: at most {MAX_LOGPROBS} (vLLM's default --max-logprobs), got {top}"
+            + (" (all of the vocabulary)" if top == -1 else "")
+        )
+    return top
+
+
 def is_flag(value: object) -> bool:
     """A value vLLM's request model takes for a boolean: true, false, 0, 1 or a word for them."""
     if isinstance(value, str):

@@ -528,7 +528,8 @@ class Gateway:
                 if done.sent and isinstance(exc, (anyio.get_cancelled_exc_class(), DeadlineExceeded)):
                     _count(handle, done)
                 raise
-            _count(handle, done)
+            if not done.read_failed:  # a stream its backend broke off (a 200, then an error event)
+                _count(handle, done)
 
     async def _dispatch(
         self,
@@ -598,7 +599,11 @@ class Gateway:
                             shown = usage(chunk)
                             if shown is not None:
                                 await send({"type": "http.response.body", "body": b"data: " + _dumps(shown) + b"\n\n", "more_body": True})
-                            chunk = await anext(chunks, None)
+                            try:
+                                chunk = await anext(chunks, None)
+                            except Exception:
+                                done.read_failed = True  # the backend broke off (a cut is a cancellation, no Exception)
+                                raise
                     _check_budget(budget)
                     last = usage.end()
                     tail = (b"" if last is None else b"data: " + _dumps(last) + b"\n\n") + b"data: [DONE]\n\n"
@@ -669,7 +674,7 @@ _REFUSED_AS_INVALID = frozenset({400, 404, 413, 422})
 
 
 class _Outcome:
-    __slots__ = ("status", "sent", "started", "failed_mid_stream", "client_left", "answered", "prompt_tokens", "completion_tokens")
+    __slots__ = ("status", "sent", "started", "failed_mid_stream", "read_failed", "client_left", "answered", "prompt_tokens", "completion_tokens")
 
     def __init__(self) -> None:
         self.status = 0
@@ -678,6 +683,11 @@ class _Outcome:
         self.started = False
         #: The stream ended in an error event after its 200 was sent.
         self.failed_mid_stream = False
+        #: ... because a read of its answer failed (the backend broke off: a replica's error),
+        #: as the call's record says (its error names the failure), not because it was cut short
+        #: (its deadline: the record says cancelled). A failed call is no call made in its
+        #: session's counters (`_count`), as `SessionContext.stream` counts.
+        self.read_failed = False
         #: The client went away (or took nothing for `send_timeout_s`); its answer was `answered`
         #: in full or not.
         self.client_left = False

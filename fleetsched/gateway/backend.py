@@ -169,17 +169,11 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
         raise InvalidRequest("echo: the prompt's log probabilities are not served on this backend; ask for echo or logprobs")
     if count is not None:  # a text completion's alternatives a token: chat's top_logprobs
         body["logprobs"], body["top_logprobs"] = True, count
-    try:
-        upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}], TEXT_PROMPT_KEY: True})
-    except InvalidRequest as exc:  # named as the client sent it: logprobs, prompt
-        message = str(exc)
-        for chat_field, field in (("top_logprobs:", "logprobs:"), ("messages:", "prompt:"), ("messages.0.content:", "prompt:")):
-            if message.startswith(chat_field):
-                raise type(exc)(field + message.removeprefix(chat_field)) from None
-        raise
     created = int(time.time())  # wall-clock ok: a response field, not a measurement
     offset = 0  # characters of text so far, where the next chunk's tokens start
+    upstream = None
     try:
+        upstream = backend.stream_chat({**body, "messages": [{"role": "user", "content": prompt}], TEXT_PROMPT_KEY: True})
         async for chunk in upstream:
             choices = []
             for c in chunk.get("choices") or ():
@@ -203,6 +197,15 @@ async def _completions_over_chat(backend: Backend, body: dict[str, Any]) -> Asyn
             if chunk.get("usage"):
                 out["usage"] = chunk["usage"]
             yield out
+    except InvalidRequest as exc:
+        # Named as the client sent it (logprobs, prompt): refused when the call is made, or at
+        # its first read by a backend that checks the body there (an async generator's, the
+        # instant's: its refusal named top_logprobs, a field the client never sent).
+        message = str(exc)
+        for chat_field, field in (("top_logprobs:", "logprobs:"), ("messages:", "prompt:"), ("messages.0.content:", "prompt:")):
+            if message.startswith(chat_field):
+                raise type(exc)(field + message.removeprefix(chat_field)) from None
+        raise
     finally:
         aclose = getattr(upstream, "aclose", None)
         if aclose is not None:

@@ -63,7 +63,7 @@ from ..base import (
     wants_continuous_usage,
 )
 from ..chat_options import check_chat_options, echoed, prompt_cut, response_role
-from ..sampling import check_sampling, is_true, lax_int
+from ..sampling import MAX_LOGPROBS, check_sampling, is_true, lax_int, requested_top_logprobs
 from ._engine import ABORTED, FINISHED, SimEngine, SimRequest, Step, fit_request
 from ._kv_cache import CHARS_PER_TOKEN, TOKEN_TEXT, answer_lead, block_hashes, prompt_text
 from ._tools import forced_tool_call
@@ -71,9 +71,6 @@ from ..._parking import Park, Unpark, park_event, parking_for_current_library, u
 
 #: Completion length when the body names none (as `requested_max_tokens`).
 DEFAULT_MAX_TOKENS = 256
-#: The most ``top_logprobs`` a request may ask for (vLLM's default ``--max-logprobs``; -1, "all",
-#: asks for the vocabulary, more than that).
-MAX_LOGPROBS = 20
 #: The log probability of each token the sim answers.
 TOKEN_LOGPROB = -0.1
 #: What ``top_logprobs`` lists, most likely first: the answer's token, then 19 others (-4, -5, ...),
@@ -453,14 +450,7 @@ class SimBackend(Backend):
         interval = max(interval, self._stream_interval)  # vLLM clamps it to the server's: never smaller
         request.wake_every = max_tokens if body.get("stream") is False else interval
         request.continuous_usage = wants_continuous_usage(body)
-        if is_true(body.get("logprobs")):  # a boolean (`check_sampling`): "yes", 1 and 0 too
-            top = int(body.get("top_logprobs") or 0)  # checked by `check_sampling`: an integer >= -1 (2.0 and true too)
-            if top == -1 or top > MAX_LOGPROBS:
-                raise InvalidRequest(
-                    f"top_logprobs: at most {MAX_LOGPROBS} (vLLM's default --max-logprobs), got {top}"
-                    + (" (all of the vocabulary)" if top == -1 else "")
-                )
-            request.top_logprobs = top
+        request.top_logprobs = requested_top_logprobs(body)
         return request
 
     def _truncated(self, body: ChatBody, prompt: int, text: str, requested: int) -> tuple[int, str]:
