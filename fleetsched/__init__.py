@@ -7,6 +7,9 @@ The public names live here; the code lives in the subpackages::
         result = await handle
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._native import use_sources_if_stale
 
 use_sources_if_stale()  # before anything imports a module that setup.py compiles
@@ -36,9 +39,38 @@ from .errors import (
     WouldBlock,
 )
 from .policies.tiers import Tier
-from .scheduler import Activity, Scheduler, SchedulerStatistics, SessionHandle, SessionState  # isort: skip
-from .agents.context import SessionContext  # after .scheduler, which it imports
-from .settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from .agents.context import SessionContext
+    from .scheduler import Activity, Scheduler, SchedulerStatistics, SessionHandle, SessionState
+    from .settings import Settings, load_settings
+
+#: The public names imported on their first use, and their modules: most of the library, which
+#: takes a second and more to import. The ``fleetsched`` command imports this package before
+#: its Ctrl-C handling can be in place (`__main__`); imported here, the Ctrl-C of a user who
+#: changed their mind at once ended in the import's traceback.
+_LAZY = {
+    "Activity": ".scheduler",
+    "Scheduler": ".scheduler",
+    "SchedulerStatistics": ".scheduler",
+    "SessionHandle": ".scheduler",
+    "SessionState": ".scheduler",
+    "SessionContext": ".agents.context",
+    "Settings": ".settings",
+    "load_settings": ".settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fleetsched' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(module, __name__), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __version__ = "0.1.0"
 

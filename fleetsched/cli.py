@@ -13,6 +13,12 @@ SIGTERM with 143, each after a clean stop and one line.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m fleetsched.cli`: run as `python -m fleetsched` runs it, with
+    # the imports below (a second and more) under its Ctrl-C handling
+    from fleetsched.__main__ import main as _command
+
+    raise SystemExit(_command())
+
 import argparse
 import json
 import os
@@ -252,6 +258,3 @@ def _main(argv: list[str] | None) -> int:
             return 1
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -240,6 +240,75 @@ def test_serve_answers_and_stops_cleanly(tmp_path, stop):
     assert "Traceback" not in err and "ERROR" not in err, err[-2000:]
 
 
+@pytest.mark.parametrize(("stop", "status", "said"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_serve_stopped_while_it_reaches_its_backend_stops_at_once_with_one_line(tmp_path, stop, status, said):
+    """Ctrl-C while the gateway still waited for its backend (a vLLM server that accepts and
+    does not answer, as one still loading does) was noted and the start went on: 5 s a replica
+    for its model, then the server started and stopped, exit 0; where the start then failed
+    (its KV cache unread), uvicorn's ERROR lines and exit 3. A second Ctrl-C did not cut it."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(60)
+        config = tmp_path / "gateway.toml"
+        config.write_text(f'[backend]\nkind = "vllm-server"\nurls = ["http://127.0.0.1:{silent.getsockname()[1]}"]\n[tenants.acme]\n')
+        server = subprocess.Popen(
+            [sys.executable, "-m", "fleetsched.cli", "serve", "--config", str(config), "--port", "0"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
+        )
+        try:
+            asked, _ = silent.accept()  # the gateway's start asks the backend for its model
+            with asked:  # open, unanswered, until the gateway has gone
+                server.send_signal(stop)
+                _, err = server.communicate(timeout=60)
+        finally:
+            server.kill()
+    assert server.returncode == status, err[-2000:]
+    assert err.endswith(f"\nfleetsched: {said}\n") and "ERROR" not in err and "Traceback" not in err, err[-2000:]
+
+
+def test_a_second_ctrl_c_cuts_the_calls_under_way_with_one_line_and_status_130(tmp_path):
+    """Ctrl-C once waits for the calls under way; twice, uvicorn stopped waiting and the calls
+    were cancelled where they stood by the loop's end: an "Exception in ASGI application" and an
+    "Exception in 'lifespan' protocol", each with a traceback, and exit 0 as after a clean stop."""
+    config = tmp_path / "gateway.toml"
+    key = fleetsched("serve", "--hash-key", "fs-test-key").stdout.strip()
+    config.write_text(f'[backend.sim]\nmax_model_len = 200000\n[tenants.acme]\napi_keys = ["{key}"]\n')
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fleetsched.cli", "serve", "--config", str(config), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):  # up to 30 s to start
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000, "stream": True}  # minutes
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer fs-test-key"}, timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.send_signal(signal.SIGINT)
+            for _ in range(300):  # the shutdown has begun once the server no longer listens
+                try:
+                    httpx.get(url + "/health", timeout=1)
+                    time.sleep(0.1)
+                except httpx.ConnectError:
+                    break
+            else:
+                pytest.fail("the gateway went on listening after Ctrl-C")
+            server.send_signal(signal.SIGINT)
+            with pytest.raises(httpx.RemoteProtocolError):  # cut, not ended
+                for _ in lines:
+                    pass
+        _, err = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == 130 and err.endswith("\nfleetsched: interrupted\n"), err[-2000:]
+    assert "ERROR" not in err and "Traceback" not in err, err[-2000:]
+
+
 def _interruptible() -> None:
     """Ctrl-C's default in the child: started from a shell's background job (``make test &``),
     this process ignores SIGINT, and so does every child; Python then leaves it ignored, and
@@ -301,11 +370,48 @@ def test_ctrl_c_stops_a_simulation_with_one_line_and_status_130(loop):
         [sys.executable, "-m", "fleetsched.cli", "simulate", "examples/tenant_slas.toml", "--duration", "1h", "--loop", loop],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
     )
-    time.sleep(3)  # an hour takes minutes
+    # Its note says the config is read (a busy machine took over 3 s to import the command, and
+    # the Ctrl-C meant for the simulation stopped the import); an hour takes minutes.
+    note = run.stderr.readline()
+    assert note.startswith("fleetsched simulate: note:"), note
+    time.sleep(2)
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=30)
-    assert run.returncode == 130 and err.endswith("\nfleetsched: interrupted\n"), err[-2000:]
+    assert run.returncode == 130 and err.endswith("fleetsched: interrupted\n"), err[-2000:]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("command", "module"),
+    [("fleetsched", "fleetsched.scheduler"), ("fleetsched", "fleetsched.cli"), ("fleetsched.cli", "fleetsched.scheduler")],
+)
+def test_ctrl_c_while_the_command_is_imported_stops_it_with_one_line_and_status_130(tmp_path, command, module):
+    """Ctrl-C in the command's first second or two (`python -m fleetsched run ...`, imports
+    still under way: the package imported the whole library) ended in the import's traceback.
+    The import of `module` is held here until the Ctrl-C comes (an import hook, in place from
+    the interpreter's start: `sitecustomize`)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\n"
+        "class Hold:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {module!r}:\n"
+        "            print('importing', flush=True)\n"
+        "            time.sleep(60)\n"
+        "sys.meta_path.insert(0, Hold())\n"
+    )
+    path = os.pathsep.join([str(tmp_path), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = subprocess.Popen(
+        [sys.executable, "-m", command, "run", "examples/quickstart.toml", "--no-live"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    try:
+        assert run.stdout.readline() == "importing\n"
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == 130 and err == "fleetsched: interrupted\n", (run.returncode, err[-2000:])
 
 
 def test_ctrl_c_leaves_no_warning_of_a_task_it_stopped_before_its_start():

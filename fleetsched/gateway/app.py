@@ -197,6 +197,13 @@ class Gateway:
                 started = True
                 await send({"type": "lifespan.startup.complete"})
                 await receive()  # lifespan.shutdown
+        except anyio.get_cancelled_exc_class():
+            # The server's loop ends under the app (its start abandoned on Ctrl-C, or its
+            # shutdown cut short): no failure of the app's. Said so without a message, which
+            # uvicorn would log as an error; unsaid, it logged the cancellation's traceback.
+            with anyio.CancelScope(shield=True):
+                await send({"type": "lifespan.shutdown.failed" if started else "lifespan.startup.failed"})
+            raise
         except BaseException as exc:
             if not started:
                 while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:

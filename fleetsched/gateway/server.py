@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import anyio
+
 from .._args import tcp_port, url_host
 from ..errors import ConfigError
 from ..gc_tuning import SERVING, gc_thresholds
@@ -31,13 +33,57 @@ from .auth import hash_key, new_key
 def gateway_server(gateway: Gateway, host: str, port: int, **overrides: Any) -> Any:
     """A uvicorn server for `gateway` that, when it begins to shut down (a signal, or
     ``should_exit``), first tells the gateway: calls waiting for a session's admission then get
-    a 503 at once instead of holding the shutdown until the sessions before them idle out."""
+    a 503 at once instead of holding the shutdown until the sessions before them idle out.
+
+    A signal before the gateway has started (its backend still being reached) abandons the
+    start: `run` raises KeyboardInterrupt once the start is undone, and `stopped_starting` names
+    the signal. uvicorn only noted it and let the start go on, as long as the backend took to
+    answer (5 s a replica; a second Ctrl-C did not cut it), then stopped the server it had just
+    started, or logged the start's failure as errors and exited 3."""
+    import asyncio
+
     import uvicorn
 
     class GatewayServer(uvicorn.Server):
+        #: The signal that abandoned the start, or None.
+        stopped_starting: int | None = None
+        _starting: anyio.CancelScope | None = None
+        _loop: asyncio.AbstractEventLoop | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            with anyio.CancelScope() as self._starting:
+                await super().startup(sockets)
+            self._starting = None
+            if self.stopped_starting is not None and not self.started:
+                # The loop's end cancels the lifespan's task, which undoes the gateway's start.
+                raise KeyboardInterrupt
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self._starting is None or self._loop is None:
+                super().handle_exit(sig, frame)
+            else:  # handled in the loop: the handler runs between any two of its steps
+                # (woken by the thread-safe call where the loop waits in `select`)
+                self._loop.call_soon_threadsafe(self._abandon_start, sig)
+
+        def _abandon_start(self, sig: int) -> None:
+            if self._starting is None:  # started meanwhile: a stop as any other
+                super().handle_exit(sig, None)
+            elif self.stopped_starting is None:
+                self.stopped_starting = sig
+                self._starting.cancel()
+
         async def shutdown(self, sockets: Any = None) -> None:
             gateway.stop_waiting()
             await super().shutdown(sockets)
+            if self.force_exit:  # a second Ctrl-C: the calls still under way are cut
+                # Their connections dropped, each ends as a client's disconnect ends it (aborted
+                # at the engine). Left to the loop's end, each was cancelled where it stood and
+                # uvicorn logged it as an error, with its traceback.
+                for connection in list(self.server_state.connections):
+                    connection.transport.abort()
+                while self.server_state.tasks:
+                    await anyio.sleep(0.01)
 
     return GatewayServer(uvicorn_config(gateway, host, port, **overrides))
 
@@ -113,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
             pass
         finally:
             signal.signal(signal.SIGTERM, previous)
+    if server.stopped_starting is not None:
+        # Stopped before it served: as a run is, by the handlers found in place (the command's
+        # say "interrupted" or "terminated" and exit 130 or 143).
+        signal.raise_signal(server.stopped_starting)
+    if server.force_exit:  # a second Ctrl-C cut the calls under way: no clean stop
+        raise KeyboardInterrupt
     return 0 if server.started else 1
 
 

@@ -26,14 +26,14 @@ import threading
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 
 from .._cancellation import stray_cancelled_error
 from .._parking import current_task
-from ..agents.context import SessionContext
+from ..agents import context  # the module: imported first, it is still being made here (it imports this one)
 from ..backends import Backend, create_backend
 from ..errors import (
     ConfigError,
@@ -57,6 +57,9 @@ from ..settings import DeviceSettings, Settings
 from .dispatcher import Dispatcher, DispatcherStatistics
 from .records import AdmissionRecord, Recorder, SessionRecord
 from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHandle, SessionState, _described
+
+if TYPE_CHECKING:
+    from ..agents.context import SessionContext
 
 T = TypeVar("T")  # what an agent returns
 
@@ -675,7 +678,7 @@ class Scheduler:
         """Run the admitted session's agent and finish it. `now`: the time, when the caller
         admitted it in this very instant (`run`, with no await between) and has it already."""
         slo = self.settings.tenants[handle.tenant].sla.ttft_p99_s
-        ctx = SessionContext(handle, self.dispatcher, model=self.model, ttft_slo_s=slo or math.inf, pace=self)
+        ctx = context.SessionContext(handle, self.dispatcher, model=self.model, ttft_slo_s=slo or math.inf, pace=self)
         scope = handle._scope
         assert scope is not None
         outcome: SessionState | None = None
