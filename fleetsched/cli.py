@@ -54,11 +54,11 @@ def _load(path: str, backend: str | None) -> Settings:
             raise ConfigError("--backend", str(exc)) from None
     if not settings.workload.agents and settings.workload.trace is None:
         raise ConfigError("workload.agents", "the config describes no agents to run (nor a workload.trace)")
-    from .agents.workload import plan
+    from .agents.workload import session_count
 
     # A bad trace is a config error, found before the run; so is one of no sessions (an empty
     # file ran nothing and exited 0, where `simulate` refused it).
-    if not plan(settings.workload, settings):
+    if not session_count(settings.workload, settings):
         raise ConfigError("workload", "the config describes no sessions to run (agents or a trace)")
     return settings
 
@@ -66,7 +66,7 @@ def _load(path: str, backend: str | None) -> Settings:
 async def _run(settings: Settings, args: argparse.Namespace, console: Console) -> dict | None:
     """Run the workload and print its tables; the report, or None when the run could not start
     or its report could not be written."""
-    from .agents.workload import plan, run_workload
+    from .agents.workload import run_workload, session_count
     from .display import live_view
     from .observability.feasibility import check_feasibility
     from .observability.sla import SlaTracker
@@ -74,7 +74,7 @@ async def _run(settings: Settings, args: argparse.Namespace, console: Console) -
     from .report import build_report, failed_sessions, save_json, sla_table, tenant_table
     from .scheduler import Scheduler
 
-    total = len(plan(settings.workload))
+    total = session_count(settings.workload)
     tracker = SlaTracker(settings.tenants, window_s=args.sla_window)
     async with Scheduler(settings) as scheduler:
         feasibility = await check_feasibility(settings, scheduler.backend, scheduler.model)

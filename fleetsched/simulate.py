@@ -494,9 +494,9 @@ def main(argv: list[str]) -> int:
         duration = parse_duration(args.duration) if args.duration is not None else None
         settings = load_settings(args.config)
         if duration is None:  # the workload runs as `fleetsched run` runs it: check it as run does
-            from .agents.workload import plan
+            from .agents.workload import session_count
 
-            if not plan(settings.workload, settings):
+            if not session_count(settings.workload, settings):
                 raise ConfigError("workload", "the config describes no sessions to run (agents or a trace)")
         elif not settings.workload.agents:
             raise ConfigError("workload.agents", "--duration holds a fleet of the config's agents, and it describes none")

@@ -102,8 +102,9 @@ def test_bad_trace_lines_are_named(tmp_path, line, key):
 
 def test_a_trace_that_is_not_utf8_is_named(tmp_path):
     trace = tmp_path / "t.jsonl"
-    trace.write_bytes(b'{"tenant": "acme"}\n\xff\xfe\n')
-    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+    trace.write_bytes(b'{oops\n{"tenant": "acme"}\n\xff\xfe\n')
+    # The byte counted from the start of the file, and named before any line's error.
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 25\)"):
         plan(WorkloadSettings(trace=trace), ACME)
 
 
@@ -198,6 +199,57 @@ def test_a_trace_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     write(trace, {"at": 3, "tenant": "acme"})
     assert [p.at for p in plan(WorkloadSettings(trace=trace), ACME)] == [3.0]  # a changed file: parsed again
     assert len(parsed) == 3
+
+
+def test_a_trace_is_read_a_line_at_a_time(tmp_path, monkeypatch):
+    """The file was read whole, decoded whole and split: 3.5 times its size held at once over the
+    sessions parsed (88 MB for a trace of 26 MB)."""
+    import tracemalloc
+
+    monkeypatch.setattr(workload, "_last_trace", None)
+    padding = " " * 1000  # JSON's whitespace: 2 MB of text to read, 2,000 sessions to parse
+    trace = write(tmp_path / "t.jsonl", *[json.dumps({"at": i, "tenant": "acme"}) + padding for i in range(2000)])
+    tracemalloc.start()
+    try:
+        sessions = workload.read_trace(trace, ACME)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(sessions) == 2000
+    assert peak - held < trace.stat().st_size / 4
+
+
+@pytest.mark.parametrize("command", ["run", "simulate"])
+def test_a_run_plans_its_sessions_once(tmp_path, monkeypatch, capsys, command):
+    """`fleetsched run` planned a trace three times (its check, the live view's count, the
+    replay), `simulate` twice: each plan a session and an agent a line, 0.7 KB, and seconds of a
+    large trace's start. And the parsed trace, 1.5 KB a line, stayed in memory after the run."""
+    from fleetsched import cli
+
+    planned = []
+    made = workload.plan
+    monkeypatch.setattr(workload, "plan", lambda *args: planned.append(args) or made(*args))
+    trace = write(tmp_path / "t.jsonl", {"at": 0, "tenant": "acme", "turns": 1}, {"at": 0.2, "tenant": "acme"})
+    config = tmp_path / "c.toml"
+    config.write_text(f'[backend]\nkind = "instant"\n[tenants.acme]\n[workload]\ntrace = "{trace}"\n')
+    assert cli.main([command, str(config), *(["--no-live"] if command == "run" else [])]) == 0, capsys.readouterr().err
+    assert len(planned) == 1
+    assert workload._last_trace is None
+
+
+@pytest.mark.anyio
+async def test_a_replayed_trace_is_not_kept_after_its_plan_is_made(tmp_path):
+    """The last trace parsed was kept for the process's life: 150 MB for a run of 100,000 lines,
+    held by a service or a test session after the run ended. Its last reader, the replay, drops it."""
+    trace = write(tmp_path / "t.jsonl", {"at": 0, "tenant": "acme", "turns": 1})
+    s = settings(workload={"trace": str(trace)})
+    async with Scheduler(s) as scheduler:
+        plan(s.workload, s)
+        assert workload._last_trace is not None  # the check's parse, kept for the run
+        (handle,) = await run_workload(scheduler, s.workload)
+    assert handle.state is SessionState.DONE
+    assert workload._last_trace is None
+    check_released(scheduler)
 
 
 @pytest.mark.anyio

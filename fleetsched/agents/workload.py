@@ -9,11 +9,12 @@ arrive all at once, or as a Poisson process of `arrival_rate` per second.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,8 @@ class PlannedSession:
 #: The last trace parsed: (its path, a digest of its text), the settings and KV cache it was
 #: checked against (None: not checked), and its sessions. A run reads its trace up to five times
 #: (the command line's check and count, the scheduler's start, the start-up note, the replay),
-#: and a trace may hold a million lines.
+#: and a trace may hold a million lines. The replay, its last reader, drops it (`run_workload`):
+#: kept, a run's trace stayed in memory for the life of the process (1.5 KB a line).
 _last_trace: tuple[tuple[Path, bytes], tuple[Settings, tuple[str, int] | None, int | None] | None, list[tuple[float, AgentMix]]] | None = None
 
 
@@ -125,29 +127,47 @@ def read_trace(
     The text is parsed again only when it changed since the last trace parsed, or when
     `settings` (or the cache) differ from those it was checked against."""
     global _last_trace
-    try:
-        data = path.read_bytes()
-        text = data.decode("utf-8")
-    except OSError as exc:
-        raise ConfigError("workload.trace", f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError("workload.trace", f"{path} is not UTF-8 text (byte {exc.start}): a trace is JSON lines") from None
-    key = (path.resolve(), hashlib.blake2b(data).digest())
-    if _last_trace is not None and _last_trace[0] == key:
+    digest = hashlib.blake2b()
+    for _ in _trace_lines(path, digest):  # its digest; and a text not UTF-8 is named before any line
+        pass
+    if _last_trace is not None and _last_trace[0] == (path.resolve(), digest.digest()):
         checked = _last_trace[1]
         # Checked against a cache, it was checked against none too.
         if settings is None or (checked is not None and checked[0] == settings and (cache, sized) in ((None, None), checked[1:])):
             return list(_last_trace[2])
-    # Lines end at "\n" alone (a "\r" before it is JSON's whitespace): `splitlines` also split at
-    # U+2028, U+0085 and the like, which JSON takes unescaped in a string (json.dumps writes
-    # them so with ensure_ascii=False), failing a valid line and naming every later one wrongly.
-    sessions = _parse_trace(text.split("\n"), settings, cache, sized)
-    _last_trace = (key, None if settings is None else (settings, cache, sized), sessions)
+    digest = hashlib.blake2b()  # of the text parsed, should the file change between the readings
+    with contextlib.closing(_trace_lines(path, digest)) as lines:
+        sessions = _parse_trace(lines, settings, cache, sized)
+    _last_trace = ((path.resolve(), digest.digest()), None if settings is None else (settings, cache, sized), sessions)
     return list(sessions)
 
 
+def _trace_lines(path: Path, digest: hashlib.blake2b) -> Generator[str, None, None]:
+    """The lines of the trace at `path`, read one at a time (the text whole, split, took 3.5 times
+    the file's size), each added to `digest` as read.
+
+    Lines end at "\n" alone (a "\r" before it is JSON's whitespace): `splitlines` also split at
+    U+2028, U+0085 and the like, which JSON takes unescaped in a string (json.dumps writes them
+    so with ensure_ascii=False), failing a valid line and naming every later one wrongly."""
+    offset = 0
+    try:
+        with path.open("rb") as file:
+            for data in file:
+                digest.update(data)
+                try:
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ConfigError(
+                        "workload.trace", f"{path} is not UTF-8 text (byte {offset + exc.start}): a trace is JSON lines"
+                    ) from None
+                offset += len(data)
+                yield line.removesuffix("\n")
+    except OSError as exc:
+        raise ConfigError("workload.trace", f"cannot read {path}: {exc.strerror}") from None
+
+
 def _parse_trace(
-    lines: list[str], settings: Settings | None, cache: tuple[str, int] | None, sized: int | None
+    lines: Iterable[str], settings: Settings | None, cache: tuple[str, int] | None, sized: int | None
 ) -> list[tuple[float, AgentMix]]:
     sessions = []
     for number, line in enumerate(lines, 1):
@@ -183,6 +203,16 @@ def _parse_trace(
     return sessions
 
 
+def session_count(workload: WorkloadSettings, settings: Settings | None = None) -> int:
+    """How many sessions `plan` makes of the workload, checking a trace as it does, without
+    making them (a planned session and its agent take 0.5 KB, and a run planned its trace three
+    times: its check, its count, its replay)."""
+    sessions = sum(mix.count for mix in workload.agents)
+    if workload.trace is not None:
+        sessions += len(read_trace(workload.trace, settings))
+    return sessions
+
+
 def plan(workload: WorkloadSettings, settings: Settings | None = None) -> list[PlannedSession]:
     """Every session of the workload, generated and replayed, with its arrival offset (seconds),
     in arrival order. With `settings`, a trace line they would refuse as an agent mix (another
@@ -215,9 +245,11 @@ async def run_workload(
 
     Failed, rejected and cancelled sessions are recorded by the scheduler, not raised here.
     """
+    global _last_trace
     # The clock starts once the plan is made: a trace of 100,000 lines takes seconds to plan,
     # and the sessions of those first seconds all arrived at once, when it was done.
     sessions = plan(workload, scheduler.settings)
+    _last_trace = None  # the run's last reading of its trace: the plan holds what the run needs
     start = anyio.current_time()
     handles: list[SessionHandle] = []
     for planned in sessions:
