@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 from rich.console import Console, Group
 from rich.live import Live
+from rich.measure import Measurement
 from rich.progress_bar import ProgressBar
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -58,19 +61,71 @@ def _tenant_rows(scheduler: Scheduler, tracker: SlaTracker | None) -> list[list[
     return rows
 
 
+#: Where the terminal is too narrow for the whole tenant table, it is shown as two: the
+#: sessions, then the SLA and the calls refused (indices of the table's columns).
+_PARTS = ((0, 1, 2, 3, 4, 5, 6), (0, 7, 8, 9))
+
+
+class _TenantTable:
+    """The dashboard's tenant table, whole where the terminal is wide enough, else in the two
+    parts of `_PARTS`. Squeezed by rich into 80 columns, its headings and cells were cut to
+    "tena…", "queu…", "crit…" and the names to "su…ot"."""
+
+    def __init__(self, columns: list[str], rows: list[list[str]]) -> None:
+        self.columns, self.rows = columns, rows
+
+    def _table(self, indices: Sequence[int]) -> Table:
+        table = Table(expand=False)
+        for i in indices:
+            table.add_column(self.columns[i], justify="left" if i < 2 else "right")
+        names = [row[0] for row in self.rows]
+        for row in self.rows:
+            table.add_row(tenant_cell(row[0], names), *(row[i] for i in indices[1:]))  # one line, shortened as in the final tables
+        return table
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        table = self._table(range(len(self.columns)))
+        # Measured unbounded: rich's measure of a table is no wider than the terminal.
+        if Measurement.get(console, options.update_width(10**6), table).maximum <= options.max_width:
+            yield table
+            return
+        for part in _PARTS:
+            yield self._table(part)
+
+
+class _Fitted:
+    """The dashboard as the live view draws it: cut with "..." to two lines less than the
+    terminal's height, and followed by an empty line, where the cursor rests (the other line
+    is the one rich moves down to as it stops). Taller, its last drawing (rich draws the whole of it as it stops) scrolled the
+    terminal, and the lines scrolled off were left behind, a half dashboard above the final
+    tables (the first 5 lines of 15 on a 10-line terminal). With the cursor at the end of its
+    last line, the terminal's echo of Ctrl-C ("^C") began a new line where that line took the
+    terminal's width (a table squeezed into 80 columns), and the view, erased one line short,
+    left its progress bar above "fleetsched: interrupted"."""
+
+    def __init__(self, view: Any) -> None:
+        self.view = view
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        lines = console.render_lines(self.view, options, pad=False)
+        room = max(1, options.size.height - 2)
+        if len(lines) > room:
+            ellipsis = Text("...", overflow="crop", justify="center", end="", style="live.ellipsis")
+            lines = [*lines[: room - 1], console.render_lines(ellipsis, options, pad=False)[0]]
+        for line in lines:
+            yield from line
+            yield Segment.line()
+        yield Segment("")  # the empty line: without it, rich leaves the cursor on the last line
+
+
 def _view(scheduler: Scheduler, total: int, tracker: SlaTracker | None = None) -> Any:
     if tracker is not None:
         tracker.update(scheduler.recorder, anyio.current_time())
     stats = scheduler.statistics()
     finished = sum(stats.finished.values())
     window = f" ({tracker.window_s:g} s)" if tracker is not None else ""
-    table = Table(expand=False)
-    for column in ("tenant", "tier", "queued", "running", "done", "failed", "cancelled", f"SLA{window}", "breaches", "refused"):
-        table.add_column(column, justify="left" if column in ("tenant", "tier") else "right")
-    rows = _tenant_rows(scheduler, tracker)
-    names = [row[0] for row in rows]
-    for row in rows:
-        table.add_row(tenant_cell(row[0], names), *row[1:])  # one line, shortened as in the final tables
+    columns = ["tenant", "tier", "queued", "running", "done", "failed", "cancelled", f"SLA{window}", "breaches", "refused"]
+    table = _TenantTable(columns, _tenant_rows(scheduler, tracker))
     d = stats.dispatcher
     queues = "   ".join(
         f"{t}: {sum(n for (_, tier), n in stats.queued.items() if tier == str(t)):,} sessions, {d.queued_by_tier.get(int(t), 0):,} calls"
@@ -112,12 +167,14 @@ def _line(scheduler: Scheduler, total: int, tracker: SlaTracker | None) -> str:
 async def live_view(
     scheduler: Scheduler, total: int, console: Console, *, tracker: SlaTracker | None = None, interval_s: float = 0.25
 ) -> None:
-    """Show progress until cancelled: a live dashboard on a terminal, else a line every 2 s."""
-    if console.is_terminal:
-        with Live(_view(scheduler, total, tracker), console=console, refresh_per_second=8, transient=True) as live:
+    """Show progress until cancelled: a live dashboard on a terminal, else (a dumb one too) a
+    line every 2 s. On a dumb terminal (TERM=dumb: an editor's shell) rich's live view draws
+    nothing, to not write the codes that move the cursor: the run showed no progress at all."""
+    if console.is_terminal and not console.is_dumb_terminal:
+        with Live(_Fitted(_view(scheduler, total, tracker)), console=console, refresh_per_second=8, transient=True) as live:
             while True:
                 await anyio.sleep(interval_s)
-                live.update(_view(scheduler, total, tracker))
+                live.update(_Fitted(_view(scheduler, total, tracker)))
     while True:
         await anyio.sleep(2.0)
         console.print(_line(scheduler, total, tracker), highlight=False, markup=False)
