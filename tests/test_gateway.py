@@ -2294,6 +2294,69 @@ async def test_a_session_s_stream_its_replica_broke_off_is_no_call_in_the_sessio
 
 @pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
 @pytest.mark.anyio
+async def test_a_stream_cut_by_its_session_s_deadline_is_counted_apart_from_stream_errors(anyio_backend):
+    """Streams of a session with a 10 s deadline: one answered whole, one its replica broke off,
+    one the deadline cut. The metrics say what the calls' records say (served, failed, cut):
+    one stream error, one stream cut, no latency but the served one's (before: 2 stream errors,
+    the tenant's own deadline counted as a failure of the service)."""
+    tenants = {"acme": {"api_keys": [hash_key(ACME)], "sla": {"deadline_s": 10}}}
+    gateway = Gateway(gateway_settings(tenants, gateway={"session_idle_s": 60}), backend=BreakingReplica())
+    headers = {"authorization": f"Bearer {ACME}", "x-session-id": "s"}
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw", headers=headers) as c:
+        for said in ("end", "break", "wait"):
+            answer = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": said}], "stream": True})
+            assert answer.status_code == 200
+        text = (await c.get("/metrics")).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def totals(name: str) -> list:
+        return [(s.labels, s.value) for s in families[name].samples if s.name.endswith("_total")]
+
+    assert totals("fleetsched_gateway_stream_errors") == [({"tenant": "acme", "endpoint": "chat"}, 1.0)]
+    assert totals("fleetsched_gateway_streams_cut") == [({"tenant": "acme", "endpoint": "chat"}, 1.0)]
+    assert totals("fleetsched_gateway_requests") == [({"tenant": "acme", "endpoint": "chat", "code": "200"}, 3.0)]
+    assert [s.value for s in families["fleetsched_gateway_request_seconds"].samples if s.name.endswith("_count")] == [1.0]
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)}), ("asyncio", {"loop_factory": VirtualTimeLoop})])
+@pytest.mark.parametrize("end", ["deadline", "shutdown"])
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.anyio
+async def test_a_session_s_record_counts_the_call_under_way_when_it_ends(anyio_backend, end, stream):
+    """A session ended with a call under way (cut by the session's 10 s deadline, or left to
+    finish by a shutdown) is recorded after that call is counted: its record counts what its
+    counters and its calls' records count (before: the record was written as the session ended,
+    1 call, 5 prompt and 2 completion tokens, where the counters had 2, 10 and 4)."""
+    sla = {"deadline_s": 10} if end == "deadline" else {}
+    gateway = Gateway(gateway_settings({"acme": {"api_keys": [hash_key(ACME)], "sla": sla}}, gateway={"session_idle_s": 60}), backend=BreakingReplica())
+    headers = {"authorization": f"Bearer {ACME}", "x-session-id": "s"}
+    ended = []
+    async with gateway.running(), httpx.AsyncClient(transport=httpx.ASGITransport(app=gateway), base_url="http://gw", headers=headers) as c:
+        recorder = gateway.scheduler.recorder
+        recorder.keep_calls = True  # the gateway counts its calls only: these are compared
+        recorder.add_session = ended.append  # the gateway forgets its sessions' records: these are read
+
+        async def call(said: str) -> None:
+            answer = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": said}], "stream": stream})
+            assert answer.status_code == (200 if stream or said == "end" or end == "shutdown" else 408)
+
+        await call("end")
+        (handle,) = gateway.scheduler.running_sessions()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "wait")
+            await anyio.sleep(1)
+            if end == "shutdown":
+                gateway.stop_waiting()  # as the server does first: the call under way finishes
+    (record,) = ended
+    assert record.state == ("failed" if end == "deadline" else "cancelled")
+    counted = (len(recorder.calls), sum(r.prompt_tokens for r in recorder.calls), sum(r.completion_tokens for r in recorder.calls))
+    assert counted == (2, 10, 4)
+    assert (handle.counters.calls, handle.counters.prompt_tokens, handle.counters.completion_tokens) == counted
+    assert (record.calls, record.prompt_tokens, record.completion_tokens) == counted
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
+@pytest.mark.anyio
 async def test_a_text_completion_over_the_sim_names_the_stop_string_that_ended_it(anyio_backend):
     """A text completion ended by a stop string says which, as vLLM's completions and the
     gateway's chat answer say it (`stop_reason`). Served over the sim's chat stream, the text

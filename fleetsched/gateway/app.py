@@ -391,7 +391,7 @@ class Gateway:
         if not status or done.client_left and not done.answered:  # as nginx counts it: not served, nor uncounted
             status = CLIENT_CLOSED_REQUEST
         seconds = anyio.current_time() - start
-        self.metrics.record(tenant, endpoint, status, seconds, failed_mid_stream=done.failed_mid_stream)
+        self.metrics.record(tenant, endpoint, status, seconds, failed_mid_stream=done.failed_mid_stream, cut_mid_stream=done.cut_mid_stream)
         # Counted here, where the status is final: counted at the settling, a stream its client
         # left after its 200 (a 499 above) added its tokens as served.
         if status == 200:
@@ -615,8 +615,11 @@ class Gateway:
                     last = usage.end()
                     tail = (b"" if last is None else b"data: " + _dumps(last) + b"\n\n") + b"data: [DONE]\n\n"
                 except Exception as exc:  # mid-stream: the error travels as an event, the stream ends
-                    logger.warning("stream %s of tenant %r failed: %r", body.get(REQUEST_ID_KEY), tenant, exc)
-                    done.failed_mid_stream = True
+                    if isinstance(exc, DeadlineExceeded):  # the session's own limit, no failure
+                        done.cut_mid_stream = True
+                    else:
+                        logger.warning("stream %s of tenant %r failed: %r", body.get(REQUEST_ID_KEY), tenant, exc)
+                        done.failed_mid_stream = True
                     error = json.loads(_answer_for(exc).content)
                     tail = b"data: " + _dumps(error) + b"\n\ndata: [DONE]\n\n"  # [DONE] after it, as vLLM ends one
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
@@ -681,20 +684,22 @@ _REFUSED_AS_INVALID = frozenset({400, 404, 413, 422})
 
 
 class _Outcome:
-    __slots__ = ("status", "sent", "started", "failed_mid_stream", "read_failed", "client_left", "answered", "prompt_tokens", "completion_tokens")
+    __slots__ = ("status", "sent", "started", "failed_mid_stream", "cut_mid_stream", "read_failed", "client_left", "answered", "prompt_tokens", "completion_tokens")
 
     def __init__(self) -> None:
         self.status = 0
         #: The call left the dispatcher's queue for the backend.
         self.sent = False
         self.started = False
-        #: The stream ended in an error event after its 200 was sent.
+        #: The stream failed after its 200 was sent: it ended in an error event.
         self.failed_mid_stream = False
         #: ... because a read of its answer failed (the backend broke off: a replica's error),
-        #: as the call's record says (its error names the failure), not because it was cut short
-        #: (its deadline: the record says cancelled). A failed call is no call made in its
-        #: session's counters (`_count`), as `SessionContext.stream` counts.
+        #: as the call's record says (its error names the failure). A failed call is no call made
+        #: in its session's counters (`_count`), as `SessionContext.stream` counts.
         self.read_failed = False
+        #: The stream's session's deadline cut it after its 200 was sent (an error event with
+        #: code 408): no failure, as the call's record says cancelled.
+        self.cut_mid_stream = False
         #: The client went away (or took nothing for `send_timeout_s`); its answer was `answered`
         #: in full or not.
         self.client_left = False

@@ -18,16 +18,22 @@ class GatewayMetrics:
         self.tokens: dict[tuple[str, str], int] = {}
         self.in_flight: dict[str, int] = {}
         self.stream_errors: dict[tuple[str, str], int] = {}
+        self.streams_cut: dict[tuple[str, str], int] = {}
         self.latency: dict[str, list[float]] = {}  # per tenant: bucket counts, then sum, count
 
-    def record(self, tenant: str, endpoint: str, status: int, seconds: float | None = None, *, failed_mid_stream: bool = False) -> None:
+    def record(
+        self, tenant: str, endpoint: str, status: int, seconds: float | None = None, *, failed_mid_stream: bool = False, cut_mid_stream: bool = False
+    ) -> None:
         """Count one answered request. A stream that failed after its 200 was sent counts under
-        code 200 (what the client got) and in ``stream_errors``, and not in the latency of
-        successful calls."""
+        code 200 (what the client got) and in ``stream_errors``, one its session's deadline cut
+        then in ``streams_cut`` (the tenant's own limit, no error), and neither in the latency
+        of successful calls."""
         key = (tenant, endpoint, status)
         self.requests[key] = self.requests.get(key, 0) + 1
         if failed_mid_stream:
             self.stream_errors[tenant, endpoint] = self.stream_errors.get((tenant, endpoint), 0) + 1
+        elif cut_mid_stream:
+            self.streams_cut[tenant, endpoint] = self.streams_cut.get((tenant, endpoint), 0) + 1
         elif seconds is not None and status == 200:
             row = self.latency.get(tenant)
             if row is None:
@@ -57,12 +63,19 @@ class GatewayMetrics:
             if mine(t):
                 lines.append(f'fleetsched_gateway_requests_total{{tenant="{_q(t)}",endpoint="{endpoint}",code="{status}"}} {n}')
         lines += [
-            "# HELP fleetsched_gateway_stream_errors_total Streams that ended in an error event after their 200 was sent.",
+            "# HELP fleetsched_gateway_stream_errors_total Streams that failed after their 200 was sent (an error event: the backend broke off, or the gateway failed).",
             "# TYPE fleetsched_gateway_stream_errors_total counter",
         ]
         for (t, endpoint), n in sorted(self.stream_errors.items()):
             if mine(t):
                 lines.append(f'fleetsched_gateway_stream_errors_total{{tenant="{_q(t)}",endpoint="{endpoint}"}} {n}')
+        lines += [
+            "# HELP fleetsched_gateway_streams_cut_total Streams their session's deadline (sla.deadline_s) cut after their 200 was sent (an error event with code 408).",
+            "# TYPE fleetsched_gateway_streams_cut_total counter",
+        ]
+        for (t, endpoint), n in sorted(self.streams_cut.items()):
+            if mine(t):
+                lines.append(f'fleetsched_gateway_streams_cut_total{{tenant="{_q(t)}",endpoint="{endpoint}"}} {n}')
         lines += [
             "# HELP fleetsched_gateway_tokens_total Tokens of the calls answered 200 (not 499), by tenant and kind (prompt, completion).",
             "# TYPE fleetsched_gateway_tokens_total counter",

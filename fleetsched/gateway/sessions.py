@@ -200,6 +200,7 @@ class SessionTable:
 
     def _agent(self, session: GatewaySession):  # noqa: ANN202 - an Agent
         async def serve(ctx: SessionContext) -> None:
+            turn = None
             try:
                 turn = session.receive.receive_nowait()
                 while True:
@@ -234,6 +235,13 @@ class SessionTable:
                     # Marked before the session closes: a call that comes meanwhile joins the
                     # session and gets its 408 from the deadline, rather than a new session.
                     await self._mark_past_deadline(session.key)
+                if turn is not None and turn.granted and not turn.done.is_set():
+                    # Its call under way, cut by the same deadline (or left to finish by a
+                    # shutdown), is counted in the session's counters when it ends: the session
+                    # ends after it, so that its record counts it too (it missed the call cut at
+                    # the deadline, which the counters and the call's record had).
+                    with anyio.CancelScope(shield=True):
+                        await turn.done.wait()
                 self._close(session)
 
         return serve
