@@ -441,3 +441,61 @@ def test_the_holes_a_compaction_plan_leaves_settle_as_a_releases_do():
     assert free_runs(pool) == [(8, 10), (21, 3)]
     assert pool.statistics().largest_free == 10 * PAGE and pool.fills == 1
     pool.check_invariants()
+
+
+def test_the_holes_room_for_a_request_leaves_settle_as_a_releases_do():
+    """Before: the pages a move made to open room for a request left outside that room were
+    never queued to settle. Here the room for 4 pages at 10-13 takes 13 from r (13-14), which
+    moves down to 4; page 14 stayed a 1-page hole: the next settle (a release on gpu1) passed
+    gpu0 over, so e, at the edge of the other 1-page run, never filled the hole at 6, and the
+    largest free run stayed 1 page instead of 2."""
+    devices = [DeviceSpec("gpu0", 16 * PAGE), DeviceSpec("gpu1", 4 * PAGE)]
+    pool = ExtentPool(devices, strategy="first-fit", page_size=PAGE, settle_moves=None)
+    other = pool.reserve_nowait(4 * PAGE, owner="other", device="gpu1")
+    sizes = {"a": 4, "x": 3, "b": 3, "y": 3, "r": 2, "e": 1}
+    held = {name: pool.reserve_nowait(n * PAGE, owner=name, device="gpu0") for name, n in sizes.items()}
+    for name in "axy":
+        held[name].release()
+    held["r"].movable = held["e"].movable = True  # the largest free run, 0-6, has no movable edge
+    held["a"] = pool.reserve_nowait(4 * PAGE, owner="a", device="gpu0")
+    assert pool.moves == 0 and free_runs(pool) == [(4, 3), (10, 3)]
+    big = pool.reserve_nowait(4 * PAGE, owner="big", device="gpu0")
+    assert pool.statistics().compactions == 1 and pages(big, held["r"], held["e"]) == [10, 4, 15]
+    assert free_runs(pool) == [(6, 1), (14, 1)]
+    other.release()
+    assert pages(held["e"]) == [6] and free_runs(pool) == [(14, 2)]
+    assert pool.space("gpu0").largest_free == 2
+    pool.check_invariants()
+
+
+def test_a_grow_that_moves_over_its_own_pages_settles_the_pages_it_leaves():
+    """Before: a grow by moving queued the first page of its old extent as the hole it left; when
+    the new extent covers that page (it moved down into its own pages), the hole at the old
+    extent's top was passed over. Here r (2-4) grows to 4 pages at 0-3 and leaves page 4; m
+    slides down across it and the largest free run grows from 4 pages to 5."""
+    pool = ExtentPool([DeviceSpec("gpu0", 12 * PAGE)], strategy="first-fit", page_size=PAGE, settle_moves=None)
+    hole, r, m = (pool.reserve_nowait(n * PAGE, owner=name) for name, n in (("hole", 2), ("r", 3), ("m", 3)))
+    hole.release()
+    m.movable = True  # too long for the hole at 0-1: nothing to fill
+    assert pool.moves == 0 and free_runs(pool) == [(0, 2), (8, 4)]
+    assert r.resize_nowait(4 * PAGE)
+    assert pages(r, m) == [0, 4] and free_runs(pool) == [(7, 5)]
+    pool.check_invariants()
+
+
+def test_the_holes_room_for_a_grow_leaves_settle_as_a_releases_do():
+    """Before: growing by moving queued only the extent the reservation left, not the pages the
+    moves that opened its room left. Here g (12-13) grows to 5 pages at 1-5, room made by moving
+    m (3-6) to 15-18; the page m left at 6 stayed a hole, though n slides down across it into
+    the run g left: the largest free run stayed 2 pages instead of 3."""
+    pool = ExtentPool([DeviceSpec("gpu0", 19 * PAGE)], strategy="first-fit", page_size=PAGE, settle_moves=None)
+    sizes = {"a": 1, "x": 2, "m": 4, "n": 5, "g": 2, "b": 1, "y": 4}
+    held = {name: pool.reserve_nowait(n * PAGE, owner=name) for name, n in sizes.items()}
+    held["m"].movable = held["n"].movable = True
+    held["x"].release()  # the largest free run then: nothing slides
+    held["y"].release()
+    assert pool.moves == 0 and free_runs(pool) == [(1, 2), (15, 4)]
+    assert held["g"].resize_nowait(5 * PAGE)
+    assert pool.statistics().compactions == 1
+    assert pages(held["g"], held["m"], held["n"]) == [1, 15, 6] and free_runs(pool) == [(11, 3)]
+    pool.check_invariants()

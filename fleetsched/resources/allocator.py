@@ -27,7 +27,8 @@ Compaction, over reservations flagged `Reservation.movable` only, in four ways:
   device has enough free pages in total is not refused at once; `defrag.plan_hole` looks for the
   cheapest window to empty by moving movable reservations elsewhere (into free runs, or by
   sliding the reservations between two unmovable ones together), and the request is placed
-  there. Only when no such window exists is it a fragmentation failure.
+  there. Only when no such window exists is it a fragmentation failure. The pages those moves
+  leave outside the window are holes to settle, as are those any other move leaves.
 - past a threshold (``compact_threshold``, whatever ``compact`` says): after memory comes free,
   every device whose fragmentation rate exceeds it is compacted with `defrag.plan_compaction`.
 - by hand: `plan_compaction()` returns a plan, `apply_plan()` carries it out.
@@ -251,13 +252,26 @@ class ExtentPool(MemoryPool):
 
     def _open_hole(self, plan: HolePlan) -> None:
         """Make `plan`'s moves: one compaction, counted as made also when a later move's callback
-        raises."""
+        raises. The pages the moves leave outside the room are holes, queued to settle as a
+        release's are (a grow's settle at once; a new request's with the next release, or the
+        next reservation turning idle)."""
         made = self.moves
         try:
             self._carry_out(plan.moves)
         finally:
             if self.moves > made:
                 self.compactions += 1
+            for move in plan.moves[: self.moves - made]:
+                self._queue_left(move)
+
+    def _queue_left(self, move: Move) -> None:
+        """Queue the pages `move` left to settle, as a release's are: by both ends, since the room
+        a move opens may then be taken over one end (what lies beyond it is the hole), and a
+        later move may land on one end."""
+        first, last = _first_page_left(move), _last_page_left(move)
+        self._holes.append((move.device, first))
+        if last != first:
+            self._holes.append((move.device, last))
 
     def _carry_out(self, moves: tuple[Move, ...]) -> None:
         """Make `moves` (none overlapping another's destination); undo the failing one and raise."""
@@ -569,7 +583,9 @@ class ExtentPool(MemoryPool):
                     space.allocate(start, old)
                     raise
             offset = found
-            self._holes.append((reservation.device, start))  # the extent left is a hole to settle
+            left = max(start, found + n) if found < start else start  # what the new extent leaves of the old
+            if left < start + old:
+                self._holes.append((reservation.device, left))  # a hole to settle
         size = n * self.page_size
         self._internal[reservation.device] += (size - nbytes) - (reservation.size - reservation.nbytes)
         return offset * self.page_size, size
@@ -674,7 +690,7 @@ class ExtentPool(MemoryPool):
                     space.move(move.dst, move.src)
                     raise
                 self._set_offset(r, move.dst)
-                self._holes.append((move.device, _first_page_left(move)))  # settled as a release's hole is
+                self._queue_left(move)
                 applied += 1
                 moved += move.length * self.page_size
         finally:
@@ -710,6 +726,11 @@ class ExtentPool(MemoryPool):
 def _first_page_left(move: Move) -> int:
     """The first page `move` leaves free (its source less any overlap with its destination)."""
     return max(move.src, move.dst + move.length) if move.dst < move.src else move.src
+
+
+def _last_page_left(move: Move) -> int:
+    """The last page `move` leaves free."""
+    return move.src + move.length - 1 if move.dst < move.src else min(move.src + move.length, move.dst) - 1
 
 
 def _check_move_callback(callback: Callable[[Reservation, Move], None] | None) -> Callable[[Reservation, Move], None] | None:
