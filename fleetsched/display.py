@@ -131,8 +131,12 @@ def _view(scheduler: Scheduler, total: int, tracker: SlaTracker | None = None) -
         f"{t}: {sum(n for (_, tier), n in stats.queued.items() if tier == str(t)):,} sessions, {d.queued_by_tier.get(int(t), 0):,} calls"
         for t in Tier
     )
+    # A device limited below its size (a replica restarted with a smaller KV cache) reads against
+    # its limit: against its size, it showed room the pool would not grant.
     devices = "   ".join(
-        f"{x.name} {x.allocated / GB:,.1f}/{x.total / GB:,.1f} GB frag {x.fragmentation:.0%}" for x in stats.memory.devices
+        f"{x.name} {x.allocated / GB:,.1f}/{x.total / GB:,.1f} GB"
+        f"{'' if x.limit is None else f' (limited to {x.limit / GB:,.1f})'} frag {x.fragmentation:.0%}"
+        for x in stats.memory.devices
     )
     summary = Text(
         f"sessions {finished:,}/{total:,}   slots {stats.slots_in_use:,}/{stats.slots_total:,}   "

@@ -533,3 +533,69 @@ def test_a_device_limited_below_what_it_holds_takes_nothing_until_enough_is_rele
         p.set_device_limit("gpu0", -1)
     with pytest.raises(TypeError, match=r"device 'gpu0': a limit must be a whole number of bytes or None, got 1.5"):
         p.set_device_limit("gpu0", 1.5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: pool(8 * PAGE, 8 * PAGE), lambda: CountingPool([DeviceSpec("gpu0", 8 * PAGE), DeviceSpec("gpu1", 8 * PAGE)])],
+    ids=["extent", "counting"],
+)
+def test_a_limited_device_s_statistics_tell_free_from_usable(make):
+    """`set_device_limit`: a replica whose cache shrank from 8 pages to 4 read 6 pages free with 2
+    held, which the pool would not grant (2 more at most). Free stays what is not held
+    (allocated + free == total); `usable` is what the limit lets in, and `limit` the limit."""
+    p = make()
+    p.reserve_nowait(2 * PAGE, device="gpu0")
+    p.set_device_limit("gpu0", 4 * PAGE)
+    stats = p.statistics()
+    gpu0, gpu1 = stats.devices
+    assert (gpu0.total, gpu0.allocated, gpu0.free, gpu0.largest_free) == (8 * PAGE, 2 * PAGE, 6 * PAGE, 6 * PAGE)
+    assert (gpu0.usable, gpu0.limit) == (2 * PAGE, 4 * PAGE)
+    assert (gpu1.usable, gpu1.limit) == (8 * PAGE, None)
+    assert stats.usable == 10 * PAGE and stats.free == 14 * PAGE
+    p.reserve_nowait(2 * PAGE, device="gpu0")
+    p.set_device_limit("gpu0", PAGE)  # below what it holds: nothing usable, not a negative figure
+    gpu0 = p.statistics().devices[0]
+    assert (gpu0.allocated, gpu0.free, gpu0.usable) == (4 * PAGE, 4 * PAGE, 0)
+    p.set_device_limit("gpu0", None)
+    assert p.statistics().devices[0].usable == 4 * PAGE
+
+
+def test_a_request_refused_for_a_limit_is_no_fragmentation_failure():
+    """A limit between two pages (4.5 pages, 2 held): 2 pages and a byte round up to 3, over the
+    limit. The pool refused it for capacity, yet counted a fragmentation failure (the 2.5 pages
+    under the limit "fitted" it), and its statistics offered the half page no request can hold."""
+    p = pool(8 * PAGE)
+    p.reserve_nowait(2 * PAGE)
+    p.set_device_limit("gpu0", 4 * PAGE + PAGE // 2)
+    with pytest.raises(WouldBlock):
+        p.reserve_nowait(2 * PAGE + 1)
+    with pytest.raises(WouldBlock):
+        p.reserve_nowait(3 * PAGE)  # whole pages over the limit, 6 free: a capacity refusal too
+    assert p.fragmentation_failures == 0
+    assert p.statistics().devices[0].usable == 2 * PAGE
+    assert p.reserve_nowait(2 * PAGE).device == "gpu0"
+
+
+@pytest.mark.anyio
+async def test_a_request_over_every_device_s_limit_waits_until_a_limit_is_raised():
+    """A device limited under a request, the only one that could hold it (a lone vLLM replica
+    restarted with a cache smaller than a session): the request is not refused, as one larger
+    than every device is, but waits; the replica may be restarted back, and then it is granted."""
+    import anyio
+
+    p = pool(8 * PAGE, 4 * PAGE)
+    p.set_device_limit("gpu0", 2 * PAGE)
+    with pytest.raises(RequestTooLarge):
+        await p.acquire(9 * PAGE)
+    got = []
+
+    async def ask() -> None:
+        got.append(await p.acquire(6 * PAGE))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask)
+        await anyio.sleep(60)
+        assert not got and p.statistics().waiting == 1 and p.fragmentation_failures == 0
+        p.set_device_limit("gpu0", None)
+    assert got[0].device == "gpu0" and got[0].size == 6 * PAGE

@@ -183,3 +183,13 @@ async def test_a_dumb_terminal_gets_the_progress_lines():
         with anyio.move_on_after(2.5):  # the first line comes after 2 s
             await live_view(scheduler, 210, console)
     assert "finished 0/210" in out.getvalue() and "\x1b" not in out.getvalue(), repr(out.getvalue())
+
+
+async def test_the_dashboard_shows_a_device_s_limit():
+    """A device limited to 30 GB of its 80 read "0.0/80.0 GB", room the pool would not grant."""
+    async with Scheduler(load_settings(QUICKSTART)) as scheduler:
+        name = scheduler.pool.devices[0].name
+        scheduler.pool.set_device_limit(name, 30 * 10**9)
+        console = Console(width=200, record=True, color_system=None, force_terminal=True)
+        console.print(_view(scheduler, 2))
+    assert re.search(rf"{name} 0\.0/\d+\.\d GB \(limited to 30\.0\) frag", console.export_text())

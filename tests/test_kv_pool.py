@@ -445,3 +445,56 @@ async def test_a_replica_restarted_with_a_smaller_cache_is_admitted_to_as_that_c
         for handle in handles:
             await handle
     await backend.aclose()
+
+
+async def test_a_lone_replica_restarted_smaller_than_a_session_is_warned_of_while_sessions_wait(tiny_config, caplog):
+    """The one replica restarted with 4 usable blocks, a session's budget being 8: a session
+    submitted then waited for admission with no word of why (the pool limits the device, and a
+    request over every device's limit waits rather than failing). Now a warning names the
+    replica and the sizes, and says sessions wait until it is restarted with a larger cache;
+    restarted back, the waiting session runs."""
+    blocks = {"r0": 49}
+    started: list[int] = []
+    ends: list[anyio.Event] = []
+
+    async def agent(ctx) -> None:
+        started.append(ctx.session_id)
+        end = anyio.Event()
+        ends.append(end)
+        while not end.is_set():  # a call a second: the window's polls read /metrics meanwhile
+            await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+            with anyio.move_on_after(1):
+                await end.wait()
+
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000"]},
+        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
+        scheduler={"max_sessions": 100},
+    )
+    backend = restarting_replica(blocks)
+    async with Scheduler(settings, backend=backend) as scheduler:
+        handles = [await scheduler.submit(agent, tenant="default")]
+        await anyio.sleep(3)
+        page = scheduler.pool.page_size
+        blocks["r0"] = 5  # 4 usable blocks: less than one session's 8
+        await anyio.sleep(3)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "session's budget" in r.getMessage()]
+        assert warned == [
+            f"vLLM replica r0 reports 4 usable KV blocks ({4 * page:,} bytes), less than a session's budget of {8 * page:,} "
+            "bytes (resources.kv_cache.context_tokens): it takes no session until it is restarted with a larger cache; "
+            "no replica can take one, and sessions wait for admission until then"
+        ]
+        r0 = scheduler.pool.statistics().devices[0]
+        assert (r0.limit, r0.usable, r0.free) == (4 * page, 0, 40 * page)
+        ends[0].set()
+        await handles[0]
+        handles.append(await scheduler.submit(agent, tenant="default"))  # 8 blocks, over the 4 it may hold: it waits
+        await anyio.sleep(3)
+        assert len(started) == 1 and not handles[1].done
+        blocks["r0"] = 49  # restarted back, with no session running to make a call
+        await anyio.sleep(3)
+        assert len(started) == 2, "the replica, restarted back, was not read again: the session waited on"
+        assert scheduler.pool.device_limit("r0") is None
+        ends[1].set()
+        await handles[1]
+    await backend.aclose()

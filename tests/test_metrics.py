@@ -63,6 +63,7 @@ EXPECTED = {
     "fleetsched_memory_total_bytes": ("gauge", {"device"}),
     "fleetsched_memory_allocated_bytes": ("gauge", {"device"}),
     "fleetsched_memory_largest_free_bytes": ("gauge", {"device"}),
+    "fleetsched_memory_usable_bytes": ("gauge", {"device"}),
     "fleetsched_memory_fragmentation_ratio": ("gauge", {"device"}),
     "fleetsched_memory_fragmentation_failures": ("counter", set()),
     "fleetsched_sla_target": ("gauge", {"tenant", "objective"}),
@@ -212,3 +213,24 @@ def test_the_admission_queue_depth_sums_the_tenants_of_a_tier():
             return next(s.value for s in depth.samples if s.labels == {"queue": "admission", "tier": "standard"})
 
     assert run_virtual(main) == 2
+
+
+def test_a_limited_device_s_usable_memory_is_its_own_gauge():
+    """A device limited to 30 GB of its 80 (a replica restarted with a smaller KV cache) read 80
+    GB free, all of it "largest free", which the pool would not grant: its usable memory is now
+    a gauge of its own, beside free memory as the device has it."""
+    from fleetsched.observability.metrics import SchedulerCollector
+    from fleetsched.observability.sla import SlaTracker
+    from fleetsched.scheduler import Scheduler
+    from fleetsched.settings import Settings
+
+    async def main() -> dict:
+        settings = Settings(backend={"kind": "instant"}, tenants={"t": {}})
+        async with Scheduler(settings) as scheduler:
+            scheduler.pool.set_device_limit("gpu0", 30 * 10**9)
+            collector = SchedulerCollector(scheduler, SlaTracker(settings.tenants))
+            return {s.name: s.value for f in collector.collect() if f.name.startswith("fleetsched_memory") for s in f.samples}
+
+    values = anyio.run(main)
+    assert values["fleetsched_memory_usable_bytes"] == pytest.approx(30e9, rel=1e-3)  # whole pages
+    assert values["fleetsched_memory_largest_free_bytes"] == pytest.approx(80e9, rel=1e-3)

@@ -23,6 +23,7 @@ fleetsched_completion_tokens_total              counter  tenant
 fleetsched_memory_total_bytes                   gauge    device
 fleetsched_memory_allocated_bytes               gauge    device
 fleetsched_memory_largest_free_bytes            gauge    device
+fleetsched_memory_usable_bytes                  gauge    device
 fleetsched_memory_fragmentation_ratio           gauge    device
 fleetsched_memory_fragmentation_failures_total  counter  (none)
 fleetsched_sla_target                           gauge    tenant, objective (seconds; tokens/s)
@@ -178,6 +179,12 @@ class SchedulerCollector(Collector):
         yield _gauge("fleetsched_memory_total_bytes", "Memory each device offers to sessions.", ["device"], [([x.name], x.total) for x in devices])
         yield _gauge("fleetsched_memory_allocated_bytes", "Memory reserved by sessions, per device.", ["device"], [([x.name], x.allocated) for x in devices])
         yield _gauge("fleetsched_memory_largest_free_bytes", "Largest contiguous free extent, per device.", ["device"], [([x.name], x.largest_free) for x in devices])
+        yield _gauge(
+            "fleetsched_memory_usable_bytes",
+            "Free memory each device's limit lets sessions take (less than free on a replica restarted with a smaller KV cache).",
+            ["device"],
+            [([x.name], x.usable) for x in devices],
+        )
         yield _gauge(
             "fleetsched_memory_fragmentation_ratio",
             "Fragmentation, (free - largest free) / free, per device.",

@@ -613,6 +613,11 @@ class ExtentPool(MemoryPool):
     def _held(self, nbytes: int, device: str) -> int:
         return self._pages(nbytes, self._spaces[device]) * self.page_size
 
+    def _open_bytes(self, device: str) -> int:
+        # Whole pages: a limit between two pages lets no reservation hold the part page.
+        open_bytes = super()._open_bytes(device)
+        return open_bytes - open_bytes % self.page_size
+
     def _device_capacity(self, device: str) -> int:
         return self._spaces[device].pages * self.page_size
 
@@ -633,6 +638,8 @@ class ExtentPool(MemoryPool):
                     external_fragmentation=space.external_fragmentation,
                     internal_fragmentation=self._internal[name],
                     reservations=self._count[name],
+                    usable=self._open_bytes(name),
+                    limit=self._limits.get(name),
                 )
             )
         return tuple(stats)

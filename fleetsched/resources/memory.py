@@ -22,8 +22,9 @@
 - ``resize_nowait()`` grows or shrinks a reservation (in place when it can, else by moving it on
   its device); it does not queue behind waiters, since the session growing is already running.
 - ``fragmentation_failures`` counts distinct requests refused while some device had enough free
-  bytes in total: a request retried (a waiter on every release, or a ``reserve_nowait`` retried
-  with the same `owner`) counts once until it is granted, or until its owner gives up (``forget``).
+  bytes in total, within its limit (one refused for a limit was refused for capacity): a request
+  retried (a waiter on every release, or a ``reserve_nowait`` retried with the same `owner`)
+  counts once until it is granted, or until its owner gives up (``forget``).
 
 Subclasses decide placement only: `_place` finds room for a size on some device, `_unplace`
 gives it back, `_resize` grows or shrinks in place or moves, `_device_statistics` reports per
@@ -142,9 +143,15 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class DeviceStatistics:
+    """One device's memory. `total`, `free`, `largest_free` and the fragmentation figures are
+    of the device as the pool was built (allocated + free == total), a limit or not; what a
+    limit (`MemoryPool.set_device_limit`) lets reservations take of the free memory is `usable`:
+    a request fits now only within both `largest_free` and `usable`."""
+
     name: str
     total: int
     allocated: int
+    #: Bytes not reserved, those past a limit included.
     free: int
     largest_free: int
     #: The seeds' fragmentation rate, (free - largest free) / free; 0 when nothing is free.
@@ -154,6 +161,11 @@ class DeviceStatistics:
     #: Bytes held beyond what was asked, from rounding.
     internal_fragmentation: int
     reservations: int
+    #: Free bytes its limit lets reservations take (whole pages, on a paged device): `free`
+    #: without a limit, 0 while it holds as much as its limit or more.
+    usable: int
+    #: The bytes `MemoryPool.set_device_limit` lets it hold; None: no limit (all of `total`).
+    limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +175,7 @@ class MemoryStatistics:
     free: int
     largest_free: int
     waiting: int
-    #: Requests refused although some device had that much free in total.
+    #: Requests refused although some device had that much free in total (within its limit).
     fragmentation_failures: int
     devices: tuple[DeviceStatistics, ...]
     by_tenant: Mapping[str, int] = field(default_factory=dict)
@@ -172,6 +184,9 @@ class MemoryStatistics:
     #: Reservations moved and bytes copied by those compactions.
     moves: int = 0
     moved_bytes: int = 0
+    #: The devices' `DeviceStatistics.usable`: free bytes their limits let reservations take
+    #: (`free` less what lies past a limit).
+    usable: int = 0
 
     @property
     def fragmentation(self) -> float:
@@ -316,13 +331,22 @@ class MemoryPool(ABC):
         free = self._free_bytes(device)
         return free if limit is None else max(0, min(free, limit - self._allocated[device]))
 
+    def _fits_unplaced(self, nbytes: int, device: str) -> bool:
+        """Whether `device` has `nbytes` free in total and its limit lets it hold them as placed
+        (rounded): a request refused there was refused for fragmentation, not for capacity."""
+        return self._free_bytes(device) >= nbytes and self._within_limit(device, self._held(nbytes, device))
+
     def _device_statistics(self) -> tuple[DeviceStatistics, ...]:
         held = Counter(r.device for r in self._live)
         stats = []
         for d in self.devices:
             allocated = self._allocated[d.name]
             free = d.capacity - allocated
-            stats.append(DeviceStatistics(d.name, d.capacity, allocated, free, free, 0.0, 0.0, 0, held[d.name]))
+            stats.append(
+                DeviceStatistics(
+                    d.name, d.capacity, allocated, free, free, 0.0, 0.0, 0, held[d.name], self._open_bytes(d.name), self._limits.get(d.name)
+                )
+            )
         return tuple(stats)
 
     # -- public API ------------------------------------------------------------------------------
@@ -355,8 +379,11 @@ class MemoryPool(ABC):
         For a device whose memory changed under the pool (a vLLM replica restarted with a smaller
         KV cache). Reservations it holds past a lowered limit stay: it takes no new one, and
         grows none, until enough of them are released; requests go to other devices meanwhile.
-        Devices keep the size the pool was built with: a limit at or above it is no limit.
-        Raises ValueError for an unknown device or a negative limit."""
+        Devices keep the size the pool was built with: a limit at or above it is no limit. A
+        request over every device's limit (not over every device's size, which `check` refuses at
+        once) waits, as for memory held, until a limit is raised: the device may come back.
+        Statistics count the memory past a limit as free, and apart as not `usable`
+        (`DeviceStatistics`). Raises ValueError for an unknown device or a negative limit."""
         self._check_not_moving("limiting a device")
         if device not in self._allocated:
             raise ValueError(f"unknown device {device!r}; this pool's devices: {', '.join(self._allocated)}")
@@ -692,6 +719,7 @@ class MemoryPool(ABC):
             compactions=self.compactions,
             moves=self.moves,
             moved_bytes=self.moved_bytes,
+            usable=sum(d.usable for d in devices),
         )
 
     # -- internals -------------------------------------------------------------------------------
@@ -759,7 +787,7 @@ class MemoryPool(ABC):
         ends_at: float | None = None,
     ) -> Reservation | None:
         placed = self._place(nbytes, device, ends_at)
-        if placed is None and any(self._open_bytes(d.name) >= nbytes for d in self.devices):
+        if placed is None and any(self._fits_unplaced(nbytes, d.name) for d in self.devices):
             placed = self._place_by_moving(nbytes, device)
             if placed is None:
                 self._count_refusal(key)

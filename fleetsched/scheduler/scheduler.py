@@ -353,7 +353,12 @@ class Scheduler:
         blocks, then 20: 3 preemptions). Its sessions stay; it takes no new one until they hold
         no more than its cache. Back to its size or more, the limit goes: the pool's devices keep
         the size they were built with (the backend warns of a cache grown past it). A cache of
-        another block size is left to the backend's warning: the pool's pages are the old blocks."""
+        another block size is left to the backend's warning: the pool's pages are the old blocks.
+
+        A cache smaller than a session's budget is warned of, naming the replica and the sizes:
+        it takes no session until it is restarted with a larger cache, and where no replica can
+        take one, sessions wait for admission (they are not refused: the replica may come back)
+        with nothing else to tell a user why."""
         if self._kv_sized is None:
             return
         devices, page, block_size = self._kv_sized
@@ -362,12 +367,27 @@ class Scheduler:
                 continue
             memory = cache.usable_blocks * page
             limit = memory if memory < devices[name] else None
-            if limit != self.pool.device_limit(name):
+            if limit == self.pool.device_limit(name):
+                continue
+            self.pool.set_device_limit(name, limit)
+            if limit is None or limit >= self._session_memory:
                 logger.info(
                     "vLLM replica %s reports %s usable KV blocks: its sessions may hold %s of the %s bytes its device was sized to",
                     name, f"{cache.usable_blocks:,}", f"{min(memory, devices[name]):,}", f"{devices[name]:,}",
                 )  # fmt: skip
-                self.pool.set_device_limit(name, limit)
+                continue
+            others = []  # the replicas a session still fits in
+            for other, size in devices.items():
+                other_limit = self.pool.device_limit(other)
+                if (size if other_limit is None else other_limit) >= self._session_memory:
+                    others.append(other)
+            logger.warning(
+                "vLLM replica %s reports %s usable KV blocks (%s bytes), less than a session's budget of %s bytes "
+                "(resources.kv_cache.context_tokens): it takes no session until it is restarted with a larger cache; %s",
+                name, f"{cache.usable_blocks:,}", f"{memory:,}", f"{self._session_memory:,}",
+                f"replicas {', '.join(others)} take them meanwhile" if others
+                else "no replica can take one, and sessions wait for admission until then",
+            )  # fmt: skip
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self._accepting = False
@@ -1028,12 +1048,21 @@ class Scheduler:
         last_preemptions: float | None = None
         while True:
             await anyio.sleep(dispatch.window_interval_s)
-            await self.dispatcher.until_a_call()  # nothing to pace meanwhile
+            # A replica limited below its size is read on, calls or none: with its sessions ended
+            # and the rest waiting for its cache, no call was made, it was not read again, and
+            # the sessions waited on after it was restarted back.
+            following = self._kv_sized is not None and any(self.pool.device_limit(name) is not None for name in self._kv_sized[0])
+            if not following:
+                await self.dispatcher.until_a_call()  # nothing to pace meanwhile
             try:
                 signals = await self.backend.signals()
             except FleetschedError:
                 continue  # no signals this round; keep the window
             self._follow_kv_caches()
+            if following:
+                d = self.dispatcher.statistics()
+                if not d.in_flight and not d.queued:
+                    continue  # read for the caches alone: no call to pace
             preempted = 0.0
             total = signals.preemptions_total
             if total is not None:
