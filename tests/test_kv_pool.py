@@ -498,3 +498,98 @@ async def test_a_lone_replica_restarted_smaller_than_a_session_is_warned_of_whil
         ends[1].set()
         await handles[1]
     await backend.aclose()
+
+
+def replicas_that_go_down(down: set[str], how: str) -> Any:
+    """A vLLM server backend over replicas r0 and r1 that each report 48 usable KV blocks of 128
+    tokens of the tiny model's cache on /metrics (six sessions of 1,024 tokens) and answer every
+    chat call with one short streamed answer; a replica named in `down` refuses every connection
+    (`how` "refused": a server killed) or answers nothing until the read times out ("hangs").
+    (A mock: a real server's restart mid-test takes minutes here.)"""
+    import httpx
+    import httpx2
+    from openai import AsyncOpenAI
+
+    from fleetsched.backends.vllm_server import VLLMServerBackend
+
+    async def page(request: httpx.Request) -> httpx.Response:
+        if request.url.host.removesuffix(".invalid") in down:
+            if how == "hangs":
+                await anyio.sleep_forever()  # the poll gives up on it
+            raise httpx.ConnectError("connection refused")
+        if request.url.path != "/metrics":
+            return httpx.Response(404)
+        info = 'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="49"} 1.0\n'
+        waiting = 'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0\n'
+        return httpx.Response(200, text="# TYPE vllm:cache_config_info gauge\n" + info + waiting)
+
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+    answer = [
+        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]},
+        {**chunk, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}},
+    ]
+    stream = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in answer) + b"data: [DONE]\n\n"
+
+    def client(base_url: str, api_key: str) -> AsyncOpenAI:
+        name = httpx.URL(base_url).host.removesuffix(".invalid")
+
+        async def chat(request: httpx2.Request) -> httpx2.Response:
+            if name in down:
+                if how == "hangs":
+                    await anyio.sleep(60)  # backend.read_timeout_s
+                    raise httpx2.ReadTimeout("timed out")
+                raise httpx2.ConnectError("connection refused")
+            return httpx2.Response(200, content=stream, headers={"content-type": "text/event-stream"})
+
+        return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(chat)))
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(page))
+    urls = {name: f"http://{name}.invalid:8000" for name in ("r0", "r1")}
+    return VLLMServerBackend(urls, model="tiny", http_client=http, client_factory=client)
+
+
+@pytest.mark.parametrize("how", ["refused", "hangs"])
+async def test_a_replica_that_is_down_takes_no_new_session_until_it_is_up(tiny_config, how):
+    """Sessions placed on a replica that died have their calls served by the others, as they
+    should; but new sessions were still admitted to its device, and their calls went to the
+    others too, past the caches admission had sized their devices to (two replicas of six
+    sessions each, one down: the other served ten). Now a replica whose breaker is open, or whose
+    /metrics stopped answering (a replica that hangs opens its breaker only after calls that each
+    waited the read timeout), takes no new session; back, it does."""
+    down: set[str] = set()
+    placed: list[str] = []
+    end = anyio.Event()
+
+    async def agent(ctx) -> None:
+        placed.append(ctx.reservation.device)
+        while not end.is_set():  # a call a second: r1's sessions open its breaker, the polls see it
+            await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+            with anyio.move_on_after(1):
+                await end.wait()
+
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000", "http://r1.invalid:8000"], "breaker_reset_s": 30},
+        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
+        scheduler={"max_sessions": 100},
+    )
+    backend = replicas_that_go_down(down, how)
+    async with Scheduler(settings, backend=backend) as scheduler:
+        handles = [await scheduler.submit(agent, tenant="default") for _ in range(4)]
+        await anyio.sleep(3)
+        assert sorted(placed) == ["r0", "r0", "r1", "r1"]
+        down.add("r1")  # its two sessions' calls go to r0 (at once, or after the read timeout)
+        await anyio.sleep(10)  # a poll gives up on a /metrics that hangs after 5 s
+        handles += [await scheduler.submit(agent, tenant="default") for _ in range(4)]
+        await anyio.sleep(3)
+        assert placed[4:] == ["r0"] * 4, "admitted to a replica that is down"
+        assert scheduler.pool.device_limit("r1") == 0
+        handles.append(await scheduler.submit(agent, tenant="default"))  # r0 is full: it waits
+        await anyio.sleep(3)
+        assert len(placed) == 8
+        down.clear()  # back: r1 takes new sessions again (refused: from its breaker's probe on)
+        await anyio.sleep(30)
+        assert placed[8:] == ["r1"] and scheduler.pool.device_limit("r1") is None
+        end.set()
+        for handle in handles:
+            await handle  # none failed: every call of r1's sessions was served by r0 meanwhile
+    await backend.aclose()

@@ -1242,6 +1242,23 @@ async def test_a_call_routed_by_load_leaves_an_unreachable_replica_at_once():
 
 
 @pytest.mark.anyio
+async def test_a_call_that_every_replica_fails_names_each_of_them():
+    """With every replica down, a call routed by load (`fleetsched run`'s probe call, say) said
+    "cannot reach vLLM replica b" alone, as if a were up; and a session's call, falling back from
+    its replica a, named b alone too. Now each failure is named, in the order they came."""
+    from fleetsched.scheduler import Dispatcher
+
+    backend, sent = _fleet({name: [httpx2.ConnectError("connection refused") for _ in range(6)] for name in "ab"})
+    every = r"cannot reach vLLM replica a \(http://a.invalid:8000\): connection refused.*; cannot reach vLLM replica b \(.*\): connection refused"
+    with pytest.raises(BackendUnavailable, match=rf"^no vLLM replica could take the call: {every}"):
+        await collect_stream(backend.stream_chat(BODY))
+    with pytest.raises(BackendUnavailable, match=r"^cannot reach vLLM replica a .*; falling back to another replica: cannot reach vLLM replica b"):
+        await Dispatcher(backend, window=4).chat(BODY, tenant="t", tier=1, replica="a")
+    assert sent == {"a": 2, "b": 6}  # a left at once each time, b (the last) given its 3 attempts
+    await backend.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_call_named_to_a_replica_does_not_fail_over():
     """A call named to a replica that fails it is failed, not sent to another replica."""
     backend, sent = _fleet({"a": [httpx2.Response(500, json={})], "b": [_ok()]}, retry_attempts=1)

@@ -122,6 +122,11 @@ class Backend(ABC):
         `kv_capacities`; empty where it does not watch them."""
         return {}
 
+    def replicas_down(self) -> frozenset[str]:
+        """The replicas that take no calls now (a vLLM server's whose circuit breaker is open):
+        the scheduler admits no new session to their devices meanwhile. Empty where it cannot tell."""
+        return frozenset()
+
     async def served_model(self) -> str | None:
         """The model a call that names none asks for, where the backend knows better than the
         settings' ``backend.model`` default (a vLLM server's own list); None: it does not."""

@@ -161,6 +161,10 @@ class Replica:
     """Its policy is being checked in the backend's task (`VLLMServerBackend.__aenter__`)."""
     metrics_warned: bool = False
     """Whether a failed read of its ``/metrics`` was logged as a warning (once: the window polls often)."""
+    metrics_lost: bool = False
+    """Its ``/metrics`` answered a poll, and the last one failed (it died, or hangs: `replicas_down`)."""
+    metrics_answered: bool = False
+    """Whether its ``/metrics`` ever answered a poll."""
     last_signals: EngineSignals = field(default_factory=EngineSignals)
     """Its last reading; the counters in it carry over the replica's restarts (`_carry_counters`)."""
     counter_offsets: dict[str, float] = field(default_factory=dict)
@@ -677,14 +681,20 @@ class VLLMServerBackend(Backend):
             raise BackendUnavailable(f"no vLLM replica but {avoid}, which failed this call, can take it (the others' breakers are open)")
         kwargs = self._create_kwargs(request)
         tried = self._tried_first(target, avoid)
+        failed: list[str] = []  # why each replica it failed over from failed it
         while True:
             others = [] if named is not None else self._untried(tried)
             try:
                 stream, first = await self._connect(target, kwargs, fail_over=bool(others) or caller_falls_back)
                 break
             except BackendUnavailable as exc:
+                if not others and failed:
+                    # Each replica's failure, not the last one's alone: with every replica down,
+                    # the call (and `fleetsched run`) named one of them as if it were the only one.
+                    raise BackendUnavailable(f"no vLLM replica could take the call: {'; '.join([*failed, str(exc)])}") from exc
                 if not others:
                     raise
+                failed.append(str(exc))
                 target = min(others, key=lambda r: r.in_flight)
                 tried.append(target)
                 logger.info("vLLM replica %s failed a call before it began (%s); sending it to %s", tried[-2].name, exc, target.name)
@@ -934,9 +944,11 @@ class VLLMServerBackend(Backend):
                 response = await self._get_whole(f"{rep.url}/metrics", SCRAPE_TIMEOUT_S)
                 response.raise_for_status()
                 rep.last_signals = _carry_counters(rep, parse_vllm_metrics(response.text).signals)
+                rep.metrics_answered, rep.metrics_lost = True, False
                 if rep.kv_capacity is not None:
                     _check_kv_capacity(rep, response.text)
             except (httpx.HTTPError, ValueError, TimeoutError) as exc:
+                rep.metrics_lost = rep.metrics_answered
                 # Said once, as a warning: at debug level alone, a replica whose /metrics never
                 # answers (behind a proxy that does not pass it on, say) left the adaptive window
                 # without its signals, held where it was, and nothing said so.
@@ -1003,6 +1015,15 @@ class VLLMServerBackend(Backend):
         `kv_capacities` (which the scheduler's sizing from the caches calls); replicas not read
         since are left out."""
         return {name: rep.kv_seen for name, rep in self._replicas.items() if rep.kv_seen is not None}
+
+    def replicas_down(self) -> frozenset[str]:
+        """The replicas whose breaker is open (calls routed by load, and the dispatcher's falling
+        back from a session's replica, go elsewhere until its next probe), or whose ``/metrics``
+        answered a `signals` poll before and not the last one: a replica that hangs opens its
+        breaker only after calls that each waited `backend.read_timeout_s`, where a poll gives up
+        on it within `SCRAPE_TIMEOUT_S`."""
+        now = anyio.current_time()
+        return frozenset(name for name, rep in self._replicas.items() if rep.breaker.state(now) == "open" or rep.metrics_lost)
 
     async def __aenter__(self) -> VLLMServerBackend:
         await self.served_model()

@@ -74,6 +74,9 @@ class GatewayBackend(Backend):
     def kv_capacities_seen(self) -> dict[str, KVCacheCapacity]:
         return self.inner.kv_capacities_seen()
 
+    def replicas_down(self) -> frozenset[str]:
+        return self.inner.replicas_down()
+
     async def max_model_len(self) -> int | None:
         return await self.inner.max_model_len()
 

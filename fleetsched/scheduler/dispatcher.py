@@ -319,11 +319,16 @@ class Dispatcher:
         try:
             try:
                 first = await upstream.__anext__()
-            except BackendUnavailable:
+            except BackendUnavailable as exc:
                 await upstream.aclose()  # type: ignore[attr-defined]
                 # Not to `replica` again (its breaker may still be closed, and it ties on load).
                 upstream = self.backend.stream_chat({**request, AVOID_KEY: replica})
-                first = await upstream.__anext__()
+                try:
+                    first = await upstream.__anext__()
+                except BackendUnavailable as again:
+                    # Both failures: the fallback's alone named another replica than the
+                    # session's, as if that one were the only replica down.
+                    raise BackendUnavailable(f"{exc}; falling back to another replica: {again}") from again
             yield first
             async for chunk in upstream:
                 yield chunk

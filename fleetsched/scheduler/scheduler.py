@@ -208,6 +208,8 @@ class Scheduler:
         #: Sized from the caches: each replica's device in bytes, the bytes of a KV block, and
         #: the block size in tokens (`_follow_kv_caches`).
         self._kv_sized: tuple[dict[str, int], int, int] | None = None
+        #: The replicas whose devices `_follow_kv_caches` closed to new sessions while they are down.
+        self._replicas_down: frozenset[str] = frozenset()
         if pool is None:
             spread = _replica_devices(self.backend, self.settings.resources.devices)
             pool = create_pool(self.settings.resources, quotas, spread=spread)
@@ -358,12 +360,25 @@ class Scheduler:
         A cache smaller than a session's budget is warned of, naming the replica and the sizes:
         it takes no session until it is restarted with a larger cache, and where no replica can
         take one, sessions wait for admission (they are not refused: the replica may come back)
-        with nothing else to tell a user why."""
+        with nothing else to tell a user why.
+
+        A replica that is down (`Backend.replicas_down`) takes no new session until it is up
+        again: admitted to it, a session's calls all went to the replicas still up, past the
+        caches their devices were sized to (two replicas of six sessions each, one down: the
+        other served ten). Its sessions keep their memory there meanwhile."""
         if self._kv_sized is None:
             return
         devices, page, block_size = self._kv_sized
+        down = self.backend.replicas_down() & devices.keys()
+        for name in sorted(down - self._replicas_down):
+            logger.warning("vLLM replica %s is down: no new session is admitted to it until it answers again", name)
+            self.pool.set_device_limit(name, 0)
+        for name in sorted(self._replicas_down - down):
+            logger.info("vLLM replica %s is up again: sessions are admitted to it again", name)
+            self.pool.set_device_limit(name, None)  # its cache's limit, where it has one, is set below
+        self._replicas_down = down
         for name, cache in self.backend.kv_capacities_seen().items():
-            if name not in devices or cache.block_size != block_size:
+            if name not in devices or name in down or cache.block_size != block_size:
                 continue
             memory = cache.usable_blocks * page
             limit = memory if memory < devices[name] else None
