@@ -265,6 +265,33 @@ def test_serve_stopped_while_it_reaches_its_backend_stops_at_once_with_one_line(
     assert err.endswith(f"\nfleetsched: {said}\n") and "ERROR" not in err and "Traceback" not in err, err[-2000:]
 
 
+@pytest.mark.parametrize(
+    ("backend", "context_tokens", "status", "said"),
+    [
+        ("vllm-server", 4096, 1, "fleetsched serve: the vllm-server backend cannot be reached: vLLM replica r0 (http://127.0.0.1:"),
+        ("sim", 400_000, 2, "fleetsched: config error: resources.kv_cache.context_tokens: "),
+    ],
+)
+def test_serve_whose_start_fails_says_why_in_one_line_as_a_run(tmp_path, backend, context_tokens, status, said):
+    """A start that failed by itself (the KV cache of a vLLM server that cannot be reached, or
+    a session's budget larger than the cache) ended in uvicorn's "ERROR:    BackendUnavailable:
+    ..." and "ERROR:    Application startup failed. Exiting.", and exit 3, where `run` on the
+    same config says why in one line and exits 1 (2 for a config error)."""
+    if backend == "vllm-server":  # none listens on its port
+        backend = f'kind = "vllm-server"\nurls = ["http://127.0.0.1:{free_port()}"]'
+    else:
+        backend = '[backend.sim]\nprofile = "qwen2-7b-a100-40gb"'
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        f"[backend]\n{backend}\n[resources.kv_cache]\nconfig = \"examples/models/qwen2-7b-instruct\"\n"
+        f"context_tokens = {context_tokens}\n[tenants.acme]\n"
+    )
+    done = fleetsched("serve", "--config", str(config), "--port", "0")
+    assert done.returncode == status, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].startswith(said), done.stderr[-2000:]
+    assert "ERROR" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_a_second_ctrl_c_cuts_the_calls_under_way_with_one_line_and_status_130(tmp_path):
     """Ctrl-C once waits for the calls under way; twice, uvicorn stopped waiting and the calls
     were cancelled where they stood by the loop's end: an "Exception in ASGI application" and an
@@ -613,6 +640,22 @@ def test_serve_on_a_port_in_use_is_a_clear_error_and_port_0_prints_the_port_boun
     finally:
         server.send_signal(signal.SIGINT)
         server.communicate(timeout=30)
+
+
+def test_serve_on_an_ipv6_port_in_use_names_the_address_in_brackets(tmp_path):
+    """The port in use on an IPv6 host was said as "cannot listen on :::8080", which reads as
+    no address a user gave (the run's metrics port says [::1]:PORT)."""
+    try:
+        taken = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    config = tmp_path / "gateway.toml"
+    config.write_text("[tenants.acme]\n")
+    with taken:
+        port = taken.getsockname()[1]
+        done = fleetsched("serve", "--config", str(config), "--host", "::1", "--port", str(port))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == f"fleetsched serve: cannot listen on [::1]:{port}: Address already in use", done.stderr
 
 
 def test_json_to_a_reader_that_has_gone_is_no_error():

@@ -147,6 +147,9 @@ class Gateway:
         self.scheduler: Scheduler | None = None
         self.sessions: SessionTable | None = None
         self.model = settings.backend.model  # the model served: the settings', else the server's (`running`)
+        #: Why the ASGI lifespan's start failed (what `running` raised before it served), or None;
+        #: the server is told too, in one line.
+        self.start_failure: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -208,6 +211,7 @@ class Gateway:
             if not started:
                 while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
                     exc = exc.exceptions[0]  # the task groups' wrapping says nothing to the operator
+                self.start_failure = exc
                 await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
                 return
             raise

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 
 from .._args import tcp_port, url_host
-from ..errors import ConfigError
+from ..errors import BackendUnavailable, ConfigError
 from ..gc_tuning import SERVING, gc_thresholds
 from ..settings import Settings, load_settings
 from .app import Gateway
@@ -39,10 +39,19 @@ def gateway_server(gateway: Gateway, host: str, port: int, **overrides: Any) -> 
     start: `run` raises KeyboardInterrupt once the start is undone, and `stopped_starting` names
     the signal. uvicorn only noted it and let the start go on, as long as the backend took to
     answer (5 s a replica; a second Ctrl-C did not cut it), then stopped the server it had just
-    started, or logged the start's failure as errors and exited 3."""
+    started, or logged the start's failure as errors and exited 3.
+
+    A start that fails by itself (`Gateway.start_failure`: its backend unreachable where the
+    start needs it, a config error found as the scheduler starts) ends `run` without a word:
+    the caller says why (`main`: one line, as a run's). uvicorn logged it as two ERROR lines
+    and exited 3."""
     import asyncio
+    import logging
 
     import uvicorn
+
+    def unless_the_start_failed(record: logging.LogRecord) -> bool:
+        return gateway.start_failure is None
 
     class GatewayServer(uvicorn.Server):
         #: The signal that abandoned the start, or None.
@@ -52,8 +61,17 @@ def gateway_server(gateway: Gateway, host: str, port: int, **overrides: Any) -> 
 
         async def startup(self, sockets: Any = None) -> None:
             self._loop = asyncio.get_running_loop()
-            with anyio.CancelScope() as self._starting:
-                await super().startup(sockets)
+            said = logging.getLogger("uvicorn.error")  # the lifespan's lines
+            said.addFilter(unless_the_start_failed)
+            try:
+                with anyio.CancelScope() as self._starting:
+                    await super().startup(sockets)
+            except SystemExit:  # uvicorn's exit on a failed start
+                if gateway.start_failure is None:
+                    raise
+                self.should_exit = True
+            finally:
+                said.removeFilter(unless_the_start_failed)
             self._starting = None
             if self.stopped_starting is not None and not self.started:
                 # The loop's end cancels the lifespan's task, which undoes the gateway's start.
@@ -143,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         listening = listen(host, port)
     except OSError as exc:
         reason = (exc.strerror or str(exc)).split(" (while attempting", 1)[0]  # socket.create_server adds the address again
-        print(f"fleetsched serve: cannot listen on {host}:{port}: {reason}", file=sys.stderr)
+        print(f"fleetsched serve: cannot listen on {url_host(host)}:{port}: {reason}", file=sys.stderr)  # [::1]:8080, not ::1:8080
         return 1
     server = gateway_server(gateway, host, port)
     url = f"http://{url_host(host)}:{listening.getsockname()[1]}/v1"
@@ -165,7 +183,23 @@ def main(argv: list[str] | None = None) -> int:
         signal.raise_signal(server.stopped_starting)
     if server.force_exit:  # a second Ctrl-C cut the calls under way: no clean stop
         raise KeyboardInterrupt
+    if gateway.start_failure is not None:
+        return _start_failed(gateway.start_failure, settings)
     return 0 if server.started else 1
+
+
+def _start_failed(failure: BaseException, settings: Settings) -> int:
+    """Say in one line why the gateway's start failed, as `fleetsched run` says it of a run's;
+    the exit status (2 for a config error, else 1)."""
+    if isinstance(failure, ConfigError):  # found as the scheduler starts: a KV cache smaller than a session's budget
+        print(f"fleetsched: config error: {failure}", file=sys.stderr)
+        return 2
+    if isinstance(failure, BackendUnavailable):
+        remedy = "start the server, fix backend.urls" if settings.backend.kind == "vllm-server" else "fix what it says"
+        print(f"fleetsched serve: the {settings.backend.kind} backend cannot be reached: {failure} ({remedy})", file=sys.stderr)
+        return 1
+    print(f"fleetsched serve: the gateway could not start: {type(failure).__name__}: {failure}", file=sys.stderr)
+    return 1
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -188,7 +222,8 @@ def serve_in_thread(settings: Settings, *, host: str = "127.0.0.1", port: int = 
     deadline = time.monotonic() + 30  # wall-clock ok: waits on another thread
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:  # wall-clock ok: waiting for a server thread
-            raise RuntimeError("the gateway did not start")
+            failure = gateway.start_failure
+            raise RuntimeError("the gateway did not start" + ("" if failure is None else f": {type(failure).__name__}: {failure}"))
         time.sleep(0.01)  # wall-clock ok
     bound = server.servers[0].sockets[0].getsockname()
     try:
