@@ -96,9 +96,10 @@ class _TenantTable:
 class _Fitted:
     """The dashboard as the live view draws it: cut with "..." to two lines less than the
     terminal's height, and followed by an empty line, where the cursor rests (the other line
-    is the one rich moves down to as it stops). Taller, its last drawing (rich draws the whole of it as it stops) scrolled the
-    terminal, and the lines scrolled off were left behind, a half dashboard above the final
-    tables (the first 5 lines of 15 on a 10-line terminal). With the cursor at the end of its
+    is the one rich moves down to as it stops). Taller, its last drawing (rich draws the whole
+    of it as it stops) scrolled the terminal, and the lines scrolled off were left behind, a
+    half dashboard above the final tables (the first 5 lines of 15 on a 10-line terminal).
+    With the cursor at the end of its
     last line, the terminal's echo of Ctrl-C ("^C") began a new line where that line took the
     terminal's width (a table squeezed into 80 columns), and the view, erased one line short,
     left its progress bar above "fleetsched: interrupted"."""

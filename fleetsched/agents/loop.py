@@ -9,8 +9,9 @@ refusal names, a few times at most (`max_refusals`), where that wait ends before
 deadline and is at most `MAX_REFUSAL_WAIT_S`. Malformed model output never hangs or crashes the
 loop: an unknown tool, arguments that are not JSON, a tool that raises, times out or returns
 something that is not text, and an empty reply each become a clear error message in the
-conversation, and the model gets another turn. A reply cut at `max_tokens` inside a tool call does too: that
-call (the reply's last) is not run, its arguments being unfinished; the calls before it are.
+conversation, and the model gets another turn. A reply cut at `max_tokens` inside a tool call
+does too: that call (the reply's last) is not run, its arguments being unfinished; the calls
+before it are.
 
 Where the model cannot be trusted to decide (a tiny random model in tests and benchmarks), a
 `script` decides the tool calls turn by turn; the loop still makes every model call for real,
