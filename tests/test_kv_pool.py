@@ -359,6 +359,21 @@ def test_a_scheduler_session_memory_beside_the_kv_cache_is_refused(tiny_config, 
     assert load_settings(config).tenants["default"].session_memory == 100_000
 
 
+def sdk_client(base_url: str, api_key: str, chat: Any) -> Any:
+    """An OpenAI SDK client whose calls `chat` answers (an httpx2 MockTransport handler), with the
+    platform it sends read here. The SDK reads it on a worker thread at a client's first call;
+    on the tests' clock, which jumps to the next deadline whenever every task waits, the test's
+    sleeps ran out while that thread ran, and sessions were still in their first call 12 virtual
+    seconds on (under load, half the runs)."""
+    import httpx2
+    from openai import AsyncOpenAI, _base_client
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(chat)))
+    assert client._platform is None  # the attribute the SDK's first call reads it into
+    client._platform = _base_client.get_platform()
+    return client
+
+
 def restarting_replica(blocks: dict[str, int]) -> Any:
     """A vLLM server backend over one replica, r0, that reports `blocks["r0"]` KV blocks of 128
     tokens of the tiny model's cache on /metrics (change it to play a restart with another
@@ -366,7 +381,6 @@ def restarting_replica(blocks: dict[str, int]) -> Any:
     restart mid-test takes minutes here.)"""
     import httpx
     import httpx2
-    from openai import AsyncOpenAI
 
     from fleetsched.backends.vllm_server import VLLMServerBackend
 
@@ -387,8 +401,8 @@ def restarting_replica(blocks: dict[str, int]) -> Any:
     def chat(request: httpx2.Request) -> httpx2.Response:
         return httpx2.Response(200, content=stream, headers={"content-type": "text/event-stream"})
 
-    def client(base_url: str, api_key: str) -> AsyncOpenAI:
-        return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(chat)))
+    def client(base_url: str, api_key: str) -> Any:
+        return sdk_client(base_url, api_key, chat)
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(page))
     return VLLMServerBackend({"r0": "http://r0.invalid:8000"}, model="tiny", http_client=http, client_factory=client)
@@ -508,7 +522,6 @@ def replicas_that_go_down(down: set[str], how: str) -> Any:
     (A mock: a real server's restart mid-test takes minutes here.)"""
     import httpx
     import httpx2
-    from openai import AsyncOpenAI
 
     from fleetsched.backends.vllm_server import VLLMServerBackend
 
@@ -530,7 +543,7 @@ def replicas_that_go_down(down: set[str], how: str) -> Any:
     ]
     stream = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in answer) + b"data: [DONE]\n\n"
 
-    def client(base_url: str, api_key: str) -> AsyncOpenAI:
+    def client(base_url: str, api_key: str) -> Any:
         name = httpx.URL(base_url).host.removesuffix(".invalid")
 
         async def chat(request: httpx2.Request) -> httpx2.Response:
@@ -541,7 +554,7 @@ def replicas_that_go_down(down: set[str], how: str) -> Any:
                 raise httpx2.ConnectError("connection refused")
             return httpx2.Response(200, content=stream, headers={"content-type": "text/event-stream"})
 
-        return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(chat)))
+        return sdk_client(base_url, api_key, chat)
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(page))
     urls = {name: f"http://{name}.invalid:8000" for name in ("r0", "r1")}
