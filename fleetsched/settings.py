@@ -693,6 +693,8 @@ class Settings(BaseSettings):
                 "scheduler.session_memory: not used with [resources.kv_cache], where a session reserves the KV bytes "
                 "of resources.kv_cache.context_tokens; set context_tokens, or a tenant's or an agent mix's session_memory"
             )
+        if self.resources.kv_cache is not None and self.backend.kind == "sim":
+            self._budget_fits_the_sim_cache(self.resources.kv_cache, self.backend.sim)
         for i, mix in enumerate(self.workload.agents):
             if mix.tenant not in self.tenants:
                 raise ValueError(
@@ -703,6 +705,22 @@ class Settings(BaseSettings):
             if reason is not None:
                 raise ValueError(f"workload.agents.{i}: {reason}")
         return self
+
+    @staticmethod
+    def _budget_fits_the_sim_cache(kv: KVCacheSettings, sim: SimSettings) -> None:
+        # The sim's cache is its settings': a budget it cannot hold is refused at load, not when
+        # the scheduler starts (`Scheduler._use_kv_caches`, which checks the caches it learns).
+        from .resources.kv_sizing import KVCacheCapacity, kv_pool
+
+        blocks = sim.kv_cache_tokens // sim.block_size
+        cache = {"sim": KVCacheCapacity(blocks, sim.block_size, {})}  # as `SimBackend.kv_capacities` reports it
+        sized = kv_pool(cache, kv.config, context_tokens=kv.context_tokens, dtype=kv.dtype, in_flight_tokens=kv.in_flight_tokens)
+        if sized.session_bytes > sized.devices["sim"]:
+            raise ValueError(
+                f"resources.kv_cache.context_tokens: a session's budget of {kv.context_tokens:,} tokens reserves "
+                f"{sized.session_bytes:,} bytes, more than the sim's KV cache holds (backend.sim.kv_cache_tokens: "
+                f"{blocks * sim.block_size:,} tokens, {sized.devices['sim']:,} bytes): no session could be admitted"
+            )
 
     def session_memory_of(self, mix: AgentMix, where: str) -> tuple[int, str]:
         """The memory a session of `mix` (declared at `where`) reserves, and the key that sets

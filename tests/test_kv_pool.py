@@ -33,9 +33,9 @@ def tiny_config(tmp_path):
     return path
 
 
-def sim_settings(config, context_tokens: int = 1024, **resources) -> Settings:
+def sim_settings(config, context_tokens: int = 1024, sim_cache_tokens: int = 8192, **resources) -> Settings:
     return Settings(
-        backend={"kind": "sim", "sim": {"kv_cache_tokens": 8192, "block_size": 128, "max_model_len": 1024}},
+        backend={"kind": "sim", "sim": {"kv_cache_tokens": sim_cache_tokens, "block_size": 128, "max_model_len": 1024}},
         resources={"kv_cache": {"config": str(config), "context_tokens": context_tokens}, **resources},
         scheduler={"max_sessions": 100},
     )
@@ -78,8 +78,14 @@ def test_a_session_budget_larger_than_the_cache_is_a_config_error(tiny_config, t
     """8,193 tokens against a cache of 8,192: no session could ever be admitted. Before, the
     scheduler started, every session was rejected at submission, and `run` exited 0."""
 
+    # Refused at load where the settings hold the cache (below); checked again at the start for
+    # the caches learned there: a vLLM server's, or the sim's of `simulate --profile`.
+    settings = sim_settings(tiny_config, context_tokens=8193, sim_cache_tokens=16384)
+    sim = settings.backend.sim.model_copy(update={"kv_cache_tokens": 8192})
+    settings = settings.model_copy(update={"backend": settings.backend.model_copy(update={"sim": sim})})
+
     async def enter() -> None:
-        async with Scheduler(sim_settings(tiny_config, context_tokens=8193)):
+        async with Scheduler(settings):
             pytest.fail("the scheduler started")
 
     with pytest.raises(ConfigError, match=r"budget of 8,193 tokens .* more than the largest KV cache holds \(replica 'sim': 8,192 tokens") as info:
@@ -95,6 +101,81 @@ def test_a_session_budget_larger_than_the_cache_is_a_config_error(tiny_config, t
     assert "fleetsched: config error: resources.kv_cache.context_tokens: a session's budget" in capsys.readouterr().err
     assert simulate.main([str(config)]) == 2
     assert "fleetsched simulate: config error: resources.kv_cache.context_tokens" in capsys.readouterr().err
+
+
+def test_a_session_budget_larger_than_the_sim_s_cache_is_refused_at_load(tiny_config, tmp_path, capsys):
+    """The sim's cache is in the settings (backend.sim.kv_cache_tokens): a context_tokens it cannot
+    hold was loaded without a word, and refused only when the scheduler started."""
+    with pytest.raises(ValidationError, match=r"resources.kv_cache.context_tokens: a session's budget of 8,193 tokens"):
+        sim_settings(tiny_config, context_tokens=8193)
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        '[backend.sim]\nkv_cache_tokens = 8192\nblock_size = 128\nmax_model_len = 1024\n'
+        f'[resources.kv_cache]\nconfig = "{tiny_config}"\ncontext_tokens = 8193\n'
+    )
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    assert info.value.key == "resources.kv_cache.context_tokens"
+    assert info.value.reason == (
+        "a session's budget of 8,193 tokens reserves 17,039,360 bytes, more than the sim's KV cache holds "
+        "(backend.sim.kv_cache_tokens: 8,192 tokens, 16,777,216 bytes): no session could be admitted"
+    )
+    # On another backend the caches are learned at the start, and checked there.
+    config.write_text(config.read_text().replace("[backend.sim]", '[backend]\nkind = "vllm-engine"\n[backend.sim]'))
+    assert load_settings(config).resources.kv_cache.context_tokens == 8193
+
+
+async def test_a_replica_restarted_smaller_than_one_tenant_s_sessions_names_that_tenant(tiny_config, caplog):
+    """Tenant small's sessions reserve 2 blocks, default's the budget's 8. The one replica
+    restarted with 4 usable blocks was said to take no session, none being able to, compared with
+    the budget alone; small's sessions still ran there. Now the warning names the tenant whose
+    sessions it cannot take, and small's session runs."""
+    blocks = {"r0": 49}
+    started: dict[str, anyio.Event] = {}
+    ends: dict[str, anyio.Event] = {}
+
+    async def agent(ctx) -> None:
+        started[ctx.tenant].set()
+        while not ends[ctx.tenant].is_set():  # a call a second: the window's polls read /metrics meanwhile
+            await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+            with anyio.move_on_after(1):
+                await ends[ctx.tenant].wait()
+
+    async def until(condition) -> None:
+        with anyio.fail_after(600):
+            while not condition():
+                await anyio.sleep(0.5)
+
+    settings = Settings(
+        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000"]},
+        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
+        tenants={"default": {}, "small": {"session_memory": "512KiB"}},  # 2 blocks of 256 KiB
+        scheduler={"max_sessions": 100},
+    )
+    backend = restarting_replica(blocks)
+    async with Scheduler(settings, backend=backend) as scheduler:
+        page = scheduler.pool.page_size
+        started["default"], ends["default"] = anyio.Event(), anyio.Event()
+        first = await scheduler.submit(agent, tenant="default")
+        with anyio.fail_after(600):
+            await started["default"].wait()
+        blocks["r0"] = 5  # 4 usable blocks: less than default's 8, more than small's 2
+        await until(lambda: scheduler.pool.device_limit("r0") == 4 * page)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "session's budget" in r.getMessage()]
+        assert warned == [
+            f"vLLM replica r0 reports 4 usable KV blocks ({4 * page:,} bytes), less than a session's budget of {8 * page:,} "
+            "bytes (resources.kv_cache.context_tokens): it takes no session of tenant 'default' until it is restarted "
+            "with a larger cache; no replica can take one, and sessions wait for admission until then"
+        ]
+        ends["default"].set()
+        await first
+        started["small"], ends["small"] = anyio.Event(), anyio.Event()
+        second = await scheduler.submit(agent, tenant="small")
+        with anyio.fail_after(600):
+            await started["small"].wait()
+        ends["small"].set()
+        await second
+    await backend.aclose()
 
 
 def test_a_workload_session_memory_larger_than_the_cache_is_a_config_error(tiny_config, tmp_path, capsys):

@@ -1556,3 +1556,32 @@ async def test_the_model_s_context_is_the_smallest_its_replicas_list():
     assert await alone.max_model_len() is None
     await backend.aclose()
     await alone.aclose()
+
+
+def test_a_transport_error_whose_causes_lead_back_to_it_is_still_reported():
+    """An exception chain may lead back into itself (an exception raised ``from`` one that was
+    raised while handling it); the reason of such a transport error was sought down the chain
+    forever, and the call hung in its error report, holding the event loop."""
+    refused = httpx2.ConnectError("connection refused")
+    try:
+        raise OSError("the socket closed") from None  # Python sets its context: nothing
+    except OSError as socket_error:
+        socket_error.__context__ = refused
+        refused.__cause__ = socket_error
+    backend, _ = _fleet({"a": [refused]}, retry_attempts=1)
+    failures: list[BaseException] = []
+
+    def call() -> None:
+        async def main() -> None:
+            with pytest.raises(BackendUnavailable) as failure:
+                await collect_stream(backend.stream_chat(BODY))
+            failures.append(failure.value)
+            await backend.aclose()
+
+        anyio.run(main)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive(), "the failed call's error report never ended"
+    assert re.search(r"cannot reach vLLM replica a \(http://a.invalid:8000\): the socket closed$", str(failures[0]))

@@ -419,9 +419,11 @@ def _reason(exc: BaseException) -> str:
     """What the innermost cause of a transport error says ("Connection error." says nothing);
     for a timeout, which one (the innermost cause is then a cancel scope's message)."""
     chain = [exc]
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    seen = {id(exc)}  # a chain may lead back into itself: an exception re-raised while handling its own cause
+    while (after := exc.__cause__ or exc.__context__) is not None and id(after) not in seen:
+        exc = after
         chain.append(exc)
+        seen.add(id(exc))
     undecodable = next((e for e in chain if isinstance(e, _UNDECODABLE)), None)
     if undecodable is not None:
         return f"{UNDECODABLE} ({undecodable})"

@@ -360,7 +360,8 @@ class Scheduler:
         A cache smaller than a session's budget is warned of, naming the replica and the sizes:
         it takes no session until it is restarted with a larger cache, and where no replica can
         take one, sessions wait for admission (they are not refused: the replica may come back)
-        with nothing else to tell a user why.
+        with nothing else to tell a user why. A budget is a tenant's: where some tenants' sessions
+        still fit (their own, smaller ``session_memory``), the warning names those that do not.
 
         A replica that is down (`Backend.replicas_down`) takes no new session until it is up
         again: admitted to it, a session's calls all went to the replicas still up, past the
@@ -377,6 +378,12 @@ class Scheduler:
             logger.info("vLLM replica %s is up again: sessions are admitted to it again", name)
             self.pool.set_device_limit(name, None)  # its cache's limit, where it has one, is set below
         self._replicas_down = down
+        budgets = {  # what a session of each tenant reserves, and the key that sets it
+            tenant: (int(own.session_memory), f"tenants.{tenant}.session_memory")
+            if own.session_memory is not None
+            else (self._session_memory, "resources.kv_cache.context_tokens")
+            for tenant, own in self.settings.tenants.items()
+        }
         for name, cache in self.backend.kv_capacities_seen().items():
             if name not in devices or name in down or cache.block_size != block_size:
                 continue
@@ -385,21 +392,29 @@ class Scheduler:
             if limit == self.pool.device_limit(name):
                 continue
             self.pool.set_device_limit(name, limit)
-            if limit is None or limit >= self._session_memory:
+            # The tenants whose sessions it cannot take: a tenant's own session_memory may be
+            # smaller than the budget's (a replica that took its sessions was said to take none).
+            unfit = {tenant: budget for tenant, (budget, _) in budgets.items() if limit is not None and budget > limit}
+            if not unfit:
                 logger.info(
                     "vLLM replica %s reports %s usable KV blocks: its sessions may hold %s of the %s bytes its device was sized to",
                     name, f"{cache.usable_blocks:,}", f"{min(memory, devices[name]):,}", f"{devices[name]:,}",
                 )  # fmt: skip
                 continue
-            others = []  # the replicas a session still fits in
+            smallest, source = min(budgets[tenant] for tenant in unfit)
+            largest = max(unfit.values())
+            others = []  # the replicas that still take every session this one cannot
             for other, size in devices.items():
                 other_limit = self.pool.device_limit(other)
-                if (size if other_limit is None else other_limit) >= self._session_memory:
+                if (size if other_limit is None else other_limit) >= largest:
                     others.append(other)
+            whose = ""
+            if len(unfit) < len(budgets):  # some tenants' sessions fit: name those that do not
+                whose = f" of tenant{'s' * (len(unfit) > 1)} {', '.join(map(repr, sorted(unfit)))}"
             logger.warning(
                 "vLLM replica %s reports %s usable KV blocks (%s bytes), less than a session's budget of %s bytes "
-                "(resources.kv_cache.context_tokens): it takes no session until it is restarted with a larger cache; %s",
-                name, f"{cache.usable_blocks:,}", f"{memory:,}", f"{self._session_memory:,}",
+                "(%s): it takes no session%s until it is restarted with a larger cache; %s",
+                name, f"{cache.usable_blocks:,}", f"{memory:,}", f"{smallest:,}", source, whose,
                 f"replicas {', '.join(others)} take them meanwhile" if others
                 else "no replica can take one, and sessions wait for admission until then",
             )  # fmt: skip
