@@ -60,6 +60,7 @@ from .session import ADMITTED, DONE, QUEUED, RUNNING, THINKING, Agent, SessionHa
 
 if TYPE_CHECKING:
     from ..agents.context import SessionContext
+    from ..resources.kv_sizing import KVCacheCapacity
 
 T = TypeVar("T")  # what an agent returns
 
@@ -378,46 +379,52 @@ class Scheduler:
             logger.info("vLLM replica %s is up again: sessions are admitted to it again", name)
             self.pool.set_device_limit(name, None)  # its cache's limit, where it has one, is set below
         self._replicas_down = down
+        for name, cache in self.backend.kv_capacities_seen().items():
+            if name not in devices or name in down or cache.block_size != block_size:
+                continue
+            memory = cache.usable_blocks * page
+            limit = memory if memory < devices[name] else None
+            if limit != self.pool.device_limit(name):
+                self.pool.set_device_limit(name, limit)
+                self._say_cache_limit(name, cache, memory, limit)
+
+    def _say_cache_limit(self, name: str, cache: KVCacheCapacity, memory: int, limit: int | None) -> None:
+        """Log the limit `_follow_kv_caches` set on replica `name`'s device: a warning where it
+        is smaller than some tenant's session budget (their own ``session_memory``, else the
+        budget of ``context_tokens``: a replica that still took a tenant's smaller sessions was
+        said to take none), naming those tenants where others' sessions still fit."""
+        assert self._kv_sized is not None
+        devices = self._kv_sized[0]
         budgets = {  # what a session of each tenant reserves, and the key that sets it
             tenant: (int(own.session_memory), f"tenants.{tenant}.session_memory")
             if own.session_memory is not None
             else (self._session_memory, "resources.kv_cache.context_tokens")
             for tenant, own in self.settings.tenants.items()
         }
-        for name, cache in self.backend.kv_capacities_seen().items():
-            if name not in devices or name in down or cache.block_size != block_size:
-                continue
-            memory = cache.usable_blocks * page
-            limit = memory if memory < devices[name] else None
-            if limit == self.pool.device_limit(name):
-                continue
-            self.pool.set_device_limit(name, limit)
-            # The tenants whose sessions it cannot take: a tenant's own session_memory may be
-            # smaller than the budget's (a replica that took its sessions was said to take none).
-            unfit = {tenant: budget for tenant, (budget, _) in budgets.items() if limit is not None and budget > limit}
-            if not unfit:
-                logger.info(
-                    "vLLM replica %s reports %s usable KV blocks: its sessions may hold %s of the %s bytes its device was sized to",
-                    name, f"{cache.usable_blocks:,}", f"{min(memory, devices[name]):,}", f"{devices[name]:,}",
-                )  # fmt: skip
-                continue
-            smallest, source = min(budgets[tenant] for tenant in unfit)
-            largest = max(unfit.values())
-            others = []  # the replicas that still take every session this one cannot
-            for other, size in devices.items():
-                other_limit = self.pool.device_limit(other)
-                if (size if other_limit is None else other_limit) >= largest:
-                    others.append(other)
-            whose = ""
-            if len(unfit) < len(budgets):  # some tenants' sessions fit: name those that do not
-                whose = f" of tenant{'s' * (len(unfit) > 1)} {', '.join(map(repr, sorted(unfit)))}"
-            logger.warning(
-                "vLLM replica %s reports %s usable KV blocks (%s bytes), less than a session's budget of %s bytes "
-                "(%s): it takes no session%s until it is restarted with a larger cache; %s",
-                name, f"{cache.usable_blocks:,}", f"{memory:,}", f"{smallest:,}", source, whose,
-                f"replicas {', '.join(others)} take them meanwhile" if others
-                else "no replica can take one, and sessions wait for admission until then",
+        unfit = {tenant: budget for tenant, (budget, _) in budgets.items() if limit is not None and budget > limit}
+        if not unfit:
+            logger.info(
+                "vLLM replica %s reports %s usable KV blocks: its sessions may hold %s of the %s bytes its device was sized to",
+                name, f"{cache.usable_blocks:,}", f"{min(memory, devices[name]):,}", f"{devices[name]:,}",
             )  # fmt: skip
+            return
+        smallest, source = min(budgets[tenant] for tenant in unfit)
+        largest = max(unfit.values())
+        others = []  # the replicas that still take every session this one cannot
+        for other, size in devices.items():
+            other_limit = self.pool.device_limit(other)
+            if (size if other_limit is None else other_limit) >= largest:
+                others.append(other)
+        whose = ""
+        if len(unfit) < len(budgets):  # some tenants' sessions fit: name those that do not
+            whose = f" of tenant{'s' * (len(unfit) > 1)} {', '.join(map(repr, sorted(unfit)))}"
+        logger.warning(
+            "vLLM replica %s reports %s usable KV blocks (%s bytes), less than a session's budget of %s bytes "
+            "(%s): it takes no session%s until it is restarted with a larger cache; %s",
+            name, f"{cache.usable_blocks:,}", f"{memory:,}", f"{smallest:,}", source, whose,
+            f"replicas {', '.join(others)} take them meanwhile" if others
+            else "no replica can take one, and sessions wait for admission until then",
+        )  # fmt: skip
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self._accepting = False
