@@ -489,6 +489,31 @@ def restarting_replica(blocks: dict[str, int]) -> Any:
     return VLLMServerBackend({"r0": "http://r0.invalid:8000"}, model="tiny", http_client=http, client_factory=client)
 
 
+def calling_agent(started: list[int], ends: list[anyio.Event]) -> Any:
+    """An agent that notes its start in `started`, and its end event in `ends` (set it to end
+    the session), and makes a call a second meanwhile: the window's polls read /metrics then."""
+
+    async def agent(ctx) -> None:
+        started.append(ctx.session_id)
+        end = anyio.Event()
+        ends.append(end)
+        while not end.is_set():
+            await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+            with anyio.move_on_after(1):
+                await end.wait()
+
+    return agent
+
+
+def one_replica_settings(config) -> Settings:
+    """KV admission over the one replica of `restarting_replica`: sessions of 1,024 tokens."""
+    return Settings(
+        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000"]},
+        resources={"kv_cache": {"config": str(config), "context_tokens": 1024}},
+        scheduler={"max_sessions": 100},
+    )
+
+
 async def test_a_replica_restarted_with_a_smaller_cache_is_admitted_to_as_that_cache(tiny_config):
     """The pool is sized from the caches at the start; a replica restarted with a smaller one
     (64 blocks, then 20) was warned about and admitted to as before, and preempted (3 times).
@@ -497,21 +522,8 @@ async def test_a_replica_restarted_with_a_smaller_cache_is_admitted_to_as_that_c
     blocks = {"r0": 49}  # 48 usable (vLLM holds back its null block): six sessions of 8 blocks
     started: list[int] = []
     ends: list[anyio.Event] = []
-
-    async def agent(ctx) -> None:
-        started.append(ctx.session_id)
-        end = anyio.Event()
-        ends.append(end)
-        while not end.is_set():  # a call a second: the window's polls read /metrics meanwhile
-            await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=1)
-            with anyio.move_on_after(1):
-                await end.wait()
-
-    settings = Settings(
-        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000"]},
-        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
-        scheduler={"max_sessions": 100},
-    )
+    agent = calling_agent(started, ends)
+    settings = one_replica_settings(tiny_config)
     backend = restarting_replica(blocks)
     async with Scheduler(settings, backend=backend) as scheduler:
         handles = [await scheduler.submit(agent, tenant="default") for _ in range(6)]
@@ -551,21 +563,8 @@ async def test_a_lone_replica_restarted_smaller_than_a_session_is_warned_of_whil
     blocks = {"r0": 49}
     started: list[int] = []
     ends: list[anyio.Event] = []
-
-    async def agent(ctx) -> None:
-        started.append(ctx.session_id)
-        end = anyio.Event()
-        ends.append(end)
-        while not end.is_set():  # a call a second: the window's polls read /metrics meanwhile
-            await ctx.chat([{"role": "user", "content": "hi"}], max_tokens=1)
-            with anyio.move_on_after(1):
-                await end.wait()
-
-    settings = Settings(
-        backend={"kind": "vllm-server", "urls": ["http://r0.invalid:8000"]},
-        resources={"kv_cache": {"config": str(tiny_config), "context_tokens": 1024}},
-        scheduler={"max_sessions": 100},
-    )
+    agent = calling_agent(started, ends)
+    settings = one_replica_settings(tiny_config)
     backend = restarting_replica(blocks)
     async with Scheduler(settings, backend=backend) as scheduler:
         handles = [await scheduler.submit(agent, tenant="default")]
