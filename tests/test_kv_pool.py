@@ -455,6 +455,23 @@ def sdk_client(base_url: str, api_key: str, chat: Any) -> Any:
     return client
 
 
+def metrics_page(blocks: int) -> str:
+    """A vLLM server's /metrics of a KV cache of `blocks` blocks of 128 tokens, nothing waiting."""
+    info = f'vllm:cache_config_info{{block_size="128",engine="0",num_gpu_blocks="{blocks}"}} 1.0\n'
+    waiting = 'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0\n'
+    return "# TYPE vllm:cache_config_info gauge\n" + info + waiting
+
+
+def short_answer() -> bytes:
+    """A vLLM server's streamed answer of one token ("hi"), with its usage."""
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
+    answer = [
+        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]},
+        {**chunk, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}},
+    ]
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in answer) + b"data: [DONE]\n\n"
+
+
 def restarting_replica(blocks: dict[str, int]) -> Any:
     """A vLLM server backend over one replica, r0, that reports `blocks["r0"]` KV blocks of 128
     tokens of the tiny model's cache on /metrics (change it to play a restart with another
@@ -468,16 +485,9 @@ def restarting_replica(blocks: dict[str, int]) -> Any:
     def page(request: httpx.Request) -> httpx.Response:
         if request.url.path != "/metrics":
             return httpx.Response(404)
-        info = f'vllm:cache_config_info{{block_size="128",engine="0",num_gpu_blocks="{blocks["r0"]}"}} 1.0\n'
-        waiting = 'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0\n'
-        return httpx.Response(200, text="# TYPE vllm:cache_config_info gauge\n" + info + waiting)
+        return httpx.Response(200, text=metrics_page(blocks["r0"]))
 
-    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
-    answer = [
-        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]},
-        {**chunk, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}},
-    ]
-    stream = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in answer) + b"data: [DONE]\n\n"
+    stream = short_answer()
 
     def chat(request: httpx2.Request) -> httpx2.Response:
         return httpx2.Response(200, content=stream, headers={"content-type": "text/event-stream"})
@@ -612,16 +622,9 @@ def replicas_that_go_down(down: set[str], how: str) -> Any:
             raise httpx.ConnectError("connection refused")
         if request.url.path != "/metrics":
             return httpx.Response(404)
-        info = 'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="49"} 1.0\n'
-        waiting = 'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0\n'
-        return httpx.Response(200, text="# TYPE vllm:cache_config_info gauge\n" + info + waiting)
+        return httpx.Response(200, text=metrics_page(49))
 
-    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "tiny"}
-    answer = [
-        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]},
-        {**chunk, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}},
-    ]
-    stream = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in answer) + b"data: [DONE]\n\n"
+    stream = short_answer()
 
     def client(base_url: str, api_key: str) -> Any:
         name = httpx.URL(base_url).host.removesuffix(".invalid")

@@ -807,12 +807,9 @@ async def test_a_call_naming_another_model_goes_out_naming_it():
     check_released(scheduler)
 
 
-async def test_a_session_back_from_a_tool_is_re_admitted_on_its_replica_where_it_fits():
-    """Devices named after the replicas: a session's calls go to the replica its memory is on,
-    whose prefix cache holds its conversation. A session parked in a tool (release) came back
-    wherever the pool placed it then: here on r1, the device with the most free memory once
-    another session took 3 GB of r0 meanwhile, and its next call went to r1 without its prefix.
-    It is re-admitted on r0, where its memory still fits."""
+def two_replicas():
+    """The instant backend as two replicas, r0 and r1, noting each call's first message and the
+    replica it went to in `served`."""
     from fleetsched.backends.base import REPLICA_KEY
     from fleetsched.backends.instant import InstantBackend
 
@@ -829,7 +826,16 @@ async def test_a_session_back_from_a_tool_is_re_admitted_on_its_replica_where_it
             async for chunk in super().stream_chat(body):
                 yield chunk
 
-    backend = Replicated()
+    return Replicated()
+
+
+async def test_a_session_back_from_a_tool_is_re_admitted_on_its_replica_where_it_fits():
+    """Devices named after the replicas: a session's calls go to the replica its memory is on,
+    whose prefix cache holds its conversation. A session parked in a tool (release) came back
+    wherever the pool placed it then: here on r1, the device with the most free memory once
+    another session took 3 GB of r0 meanwhile, and its next call went to r1 without its prefix.
+    It is re-admitted on r0, where its memory still fits."""
+    backend = two_replicas()
     devices = [{"name": "r0", "memory": "10GB"}, {"name": "r1", "memory": "10GB"}]
     s = settings(scheduler={"tool_policy": "release"}, resources={"strategy": "counting", "devices": devices})
     placed: list[str] = []
@@ -859,23 +865,7 @@ async def test_a_session_back_from_a_tool_is_re_admitted_on_its_replica_where_it
 async def test_a_session_back_from_a_tool_goes_to_another_replica_when_its_own_is_full(strategy):
     """The replica a parked session's memory was on is a preference, not a requirement: with r0
     full when it comes back, it is re-admitted on r1 at once and its calls go there."""
-    from fleetsched.backends.base import REPLICA_KEY
-    from fleetsched.backends.instant import InstantBackend
-
-    class Replicated(InstantBackend):
-        replicas = {"r0": None, "r1": None}
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.served: list[tuple[str, str]] = []
-
-        async def stream_chat(self, body):
-            self.served.append((body["messages"][0]["content"], body.get(REPLICA_KEY)))
-            body = {key: value for key, value in body.items() if not key.startswith("fleetsched_")}
-            async for chunk in super().stream_chat(body):
-                yield chunk
-
-    backend = Replicated()
+    backend = two_replicas()
     devices = [{"name": "r0", "memory": "10GB"}, {"name": "r1", "memory": "10GB"}]
     s = settings(scheduler={"tool_policy": "release"}, resources={"strategy": strategy, "devices": devices})
 
